@@ -1,0 +1,222 @@
+"""Validated run configuration: TOML files plus `--section.field value` command-line overrides.
+
+Every section is a strict pydantic model: unknown keys, wrong types and impossible values are rejected
+with a one-line message that names the field (`ConfigError`), before any work starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from meshlm.model.config import PRESETS, ModelConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem, already phrased as one line naming the field."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    """A preset, optionally with any shape field overridden (e.g. `--model.n_layers 2`)."""
+
+    preset: str = "tiny"
+    vocab_size: int | None = Field(None, gt=0)
+    dim: int | None = Field(None, gt=0)
+    n_layers: int | None = Field(None, gt=0)
+    n_heads: int | None = Field(None, gt=0)
+    n_kv_heads: int | None = Field(None, gt=0)
+    intermediate_size: int | None = Field(None, gt=0)
+    max_seq_len: int | None = Field(None, gt=0)
+    rope_theta: float | None = Field(None, gt=0)
+    norm_eps: float | None = Field(None, gt=0)
+    tie_embeddings: bool | None = None
+    init_std: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _known_preset(self) -> ModelSection:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; valid: {', '.join(PRESETS)}")
+        return self
+
+    def build(self) -> ModelConfig:
+        overrides = {k: v for k, v in self.model_dump().items() if k != "preset" and v is not None}
+        return PRESETS[self.preset].replace(**overrides)
+
+
+class DataSection(Section):
+    """Where text comes from and how it is cut into training sequences."""
+
+    source: str = Field("stdlib", description="'stdlib', a path to .txt/.jsonl files or a folder, or 'hf:NAME'")
+    text_field: str = "text"
+    hf_split: str = "train"
+    val_fraction: float = Field(0.02, gt=0, lt=0.5)
+    seq_len: int = Field(256, gt=1)
+    cache_dir: str = Field(".cache/meshlm", description="tokenizer and token files, reused across runs")
+    max_chars: int | None = Field(None, gt=0, description="cap on corpus characters (tests, quick runs)")
+
+
+class TrainSection(Section):
+    steps: int = Field(200, gt=0)
+    global_batch: int = Field(16, gt=0, description="sequences per optimizer step, over all replicas")
+    micro_batch: int = Field(0, ge=0, description="sequences per forward/backward per replica; 0 = no accumulation")
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 disables clipping")
+    seed: int = 1234
+    dtype: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 autocast on GPU, fp32 on CPU")
+    activation_checkpointing: bool = False
+    eval_every: int = Field(50, ge=0)
+    eval_batches: int = Field(8, gt=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class ParallelSection(Section):
+    layout: str = Field("", description="e.g. 'dp=4' or 'pp=2,dp=2,tp=2'; empty = data parallel over all ranks")
+    zero: int = Field(0, ge=0, le=3)
+    bucket_mb: float = Field(25.0, gt=0)
+    sequence_parallel: bool = False
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    virtual_stages: int = Field(1, gt=0)
+    timeout_s: float = Field(300.0, gt=0, description="collective timeout before a rank gives up")
+
+
+class CheckpointSection(Section):
+    every: int = Field(100, ge=0, description="save every N steps; 0 saves only at the end")
+    keep: int = Field(3, gt=0)
+    resume: bool = True
+
+
+class LogSection(Section):
+    run_dir: str = "runs/default"
+    every: int = Field(10, gt=0)
+    tensorboard: bool = True
+    progress: bool = True
+
+
+class Config(Section):
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    train: TrainSection = TrainSection()
+    parallel: ParallelSection = ParallelSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    log: LogSection = LogSection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        try:
+            model = self.model.build()
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        if self.data.seq_len > model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})"
+            )
+        if self.train.micro_batch and self.train.global_batch % self.train.micro_batch:
+            raise ValueError(
+                f"train.global_batch ({self.train.global_batch}) must be divisible by "
+                f"train.micro_batch ({self.train.micro_batch})"
+            )
+        return self
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown field"
+    return f"config error: {field}: {msg}" if field else f"config error: {msg}"
+
+
+def _parse_value(text: str) -> Any:
+    """Command-line values are parsed as TOML scalars when possible (`3`, `1e-3`, `true`), else strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _apply_override(data: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"config error: {dotted}: overrides look like --section.field VALUE")
+    section, field = parts
+    if section not in Config.model_fields:
+        raise ConfigError(f"config error: {section}: unknown section; valid: {', '.join(Config.model_fields)}")
+    data.setdefault(section, {})[field] = value
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Turn ['--train.steps', '50', '--log.run_dir=x'] into [('train.steps', 50), ('log.run_dir', 'x')]."""
+    out: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"config error: unexpected argument {arg!r}; overrides look like --section.field VALUE")
+        key = arg[2:]
+        if "=" in key:
+            key, text = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"config error: {key}: missing value")
+            text = args[i + 1]
+            i += 2
+        out.append((key, _parse_value(text)))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[tuple[str, Any]] | None = None) -> Config:
+    """Read a TOML file (or defaults), apply overrides, validate everything; raise ConfigError on any problem."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config error: file {path} not found")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config error: {path}: invalid TOML ({e})") from None
+    for key, value in overrides or []:
+        _apply_override(data, key, value)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def to_toml(cfg: Config) -> str:
+    """Render the resolved config as TOML (None fields omitted), for `meshlm config show` and run dirs."""
+    lines: list[str] = []
+    for section, values in cfg.model_dump().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""Parameter and FLOP counts as pure functions of the model shape (used by MFU and the planner)."""
+
+from __future__ import annotations
+
+from meshlm.model.config import ModelConfig
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Exact parameter counts by part; they match `sum(p.numel())` of the built model."""
+    d, h = cfg.dim, cfg.head_dim
+    attn = d * (cfg.n_heads * h) + 2 * d * (cfg.n_kv_heads * h) + (cfg.n_heads * h) * d
+    mlp = 3 * d * cfg.intermediate_size
+    norms = 2 * d
+    per_layer = attn + mlp + norms
+    embedding = cfg.vocab_size * d
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    total = embedding + cfg.n_layers * per_layer + d + head
+    return {
+        "embedding": embedding,
+        "per_layer": per_layer,
+        "attention_per_layer": attn,
+        "mlp_per_layer": mlp,
+        "final_norm": d,
+        "lm_head": head,
+        "total": total,
+    }
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: every layer's projections and the output head."""
+    c = param_counts(cfg)
+    return cfg.n_layers * (c["attention_per_layer"] + c["mlp_per_layer"]) + cfg.vocab_size * cfg.dim
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> float:
+    """Model FLOPs per token: 2 per matmul weight forward, plus attention scores and weighted sum.
+
+    Forward: 2·N_matmul + 4·L·s·d (QKᵀ and AV over the full s×s square, the PaLM / Megatron convention,
+    no causal discount). Training (forward + backward) is 3× the forward. Recomputation is not counted:
+    this is *model* FLOPs, the numerator of MFU.
+    """
+    forward = 2 * matmul_params(cfg) + 4 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return float(3 * forward if training else forward)
