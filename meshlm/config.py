@@ -125,9 +125,7 @@ class Config(Section):
         except ValueError as e:
             raise ValueError(str(e)) from None
         if self.data.seq_len > model.max_seq_len:
-            raise ValueError(
-                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})"
-            )
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})")
         if self.train.micro_batch and self.train.global_batch % self.train.micro_batch:
             raise ValueError(
                 f"train.global_batch ({self.train.global_batch}) must be divisible by "

@@ -1,0 +1,133 @@
+"""Where training text comes from: the interpreter's standard library, local files, or Hugging Face.
+
+Every source yields documents in a fixed order, so the same config always produces the same corpus,
+the same tokenizer and the same token files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+from meshlm.config import DataSection
+
+FILE_SUFFIXES = (".txt", ".jsonl", ".md", ".py")
+VALID_SOURCES = "'stdlib', a .txt/.jsonl file, a folder of .txt/.jsonl/.md/.py files, or 'hf:NAME[:CONFIG]'"
+
+
+class DataError(ValueError):
+    """A data problem, phrased as one line that names the file and what would be valid."""
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def describe_source(cfg: DataSection) -> str:
+    return f"stdlib ({stdlib_root()})" if cfg.source == "stdlib" else cfg.source
+
+
+def source_files(cfg: DataSection) -> list[Path]:
+    """The files a local source reads, in corpus order (empty for Hugging Face sources)."""
+    if cfg.source.startswith("hf:"):
+        return []
+    if cfg.source == "stdlib":
+        root = stdlib_root()
+        rel = sorted((p.relative_to(root) for p in root.rglob("*.py")), key=Path.as_posix)
+        return [root / r for r in rel if not {"site-packages", "dist-packages"} & set(r.parts)]
+    path = Path(cfg.source)
+    if path.is_dir():
+        files = [p for p in path.rglob("*") if p.suffix in FILE_SUFFIXES and p.is_file()]
+        return sorted(files, key=lambda p: p.relative_to(path).as_posix())
+    if not path.is_file():
+        raise DataError(f"data.source: {path} not found; valid: {VALID_SOURCES}")
+    if path.suffix not in (".txt", ".jsonl"):
+        raise DataError(f"data.source: {path} is not a .txt or .jsonl file; valid: {VALID_SOURCES}")
+    return [path]
+
+
+def source_fingerprint(cfg: DataSection) -> str:
+    """Hash of the sources' identities: file paths, sizes and mtimes, so an edited file changes it.
+
+    Hugging Face sources are identified by name, split and field only (their content is not re-checked).
+    """
+    h = hashlib.sha256(f"{cfg.source}\0{cfg.text_field}\0{cfg.hf_split}\0".encode())
+    for p in source_files(cfg):
+        st = p.stat()
+        h.update(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def iter_documents(cfg: DataSection) -> Iterator[str]:
+    """All documents of the source in a fixed order, capped at cfg.max_chars characters in total."""
+    docs = _hf_documents(cfg) if cfg.source.startswith("hf:") else _file_documents(cfg)
+    budget = cfg.max_chars
+    found = False
+    for doc in docs:
+        if not doc:
+            continue
+        if budget is not None:
+            doc = doc[:budget]
+            budget -= len(doc)
+        found = True
+        yield doc
+        if budget == 0:
+            return
+    if not found:
+        raise DataError(f"data.source: no text found in {describe_source(cfg)}; valid: {VALID_SOURCES}")
+
+
+def _file_documents(cfg: DataSection) -> Iterator[str]:
+    """A .jsonl line is a document, a .txt file holds documents separated by blank lines, other files are one."""
+    stdlib = cfg.source == "stdlib"
+    for path in source_files(cfg):
+        if path.suffix == ".jsonl":
+            yield from _jsonl_documents(path, cfg.text_field)
+            continue
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            if stdlib:  # a few stdlib test files are deliberately not UTF-8
+                continue
+            raise DataError(f"data.source: {path} is not UTF-8 text; convert it or remove it") from None
+        if path.suffix == ".txt":
+            yield from (part.strip() for part in re.split(r"\n\s*\n", text))
+        else:
+            yield text
+
+
+def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+    expected = f'each line must be a JSON object with a string field "{field}" (data.text_field)'
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise DataError(f"{path}:{lineno}: not valid JSON; {expected}") from None
+            text = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{lineno}: no string field {field!r}; {expected}")
+            yield text
+
+
+def _hf_documents(cfg: DataSection) -> Iterator[str]:
+    """`hf:NAME` or `hf:NAME:CONFIG`, split cfg.hf_split; `datasets` stays an optional dependency."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"data.source: {cfg.source} needs Hugging Face datasets: pip install meshlm[hf]") from None
+    name, _, config = cfg.source.removeprefix("hf:").partition(":")
+    ds = datasets.load_dataset(name, config or None, split=cfg.hf_split)
+    if cfg.text_field not in ds.column_names:
+        raise DataError(
+            f"data.text_field: {cfg.source} split {cfg.hf_split!r} has no field {cfg.text_field!r}; "
+            f"valid: {', '.join(ds.column_names)}"
+        )
+    for record in ds:
+        yield record[cfg.text_field]

@@ -1,0 +1,209 @@
+"""ParallelModel: the plain model as one rank holds it under a layout — the trainer's only view of parallelism.
+
+Composition order (each step transforms the output of the previous one, none touches the model code):
+  1. tensor parallel  swaps Linear/Embedding modules for sharded ones on the `tp` group;
+  2. pipeline         keeps only this rank's stage(s) of the layers on the `pp` group;
+  3. data parallel    / ZeRO owns gradient reduction and parameter / optimizer sharding on `dp`.
+Every gradient is correct after `forward_backward` returns, so clipping and the optimizer are layout-agnostic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshlm.config import ParallelSection
+from meshlm.model.llama import Transformer, cross_entropy_loss
+from meshlm.parallel.mesh import Mesh
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def is_tp_replicated(param: nn.Parameter) -> bool:
+    """True for parameters every tp rank holds whole (norm weights, replicated KV heads)."""
+    return getattr(param, "_meshlm_tp_shard_dim", None) is None
+
+
+class ParallelModel:
+    """This rank's model chunks plus the collectives that make them behave like the single-process model."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        mesh: Mesh,
+        parallel: ParallelSection,
+        n_micro: int,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.cfg = model.cfg
+        self.mesh = mesh
+        self.n_micro = n_micro
+        self.autocast_dtype = autocast_dtype
+        self.device_type = next(model.parameters()).device.type
+        self.loss_fn: LossFn = cross_entropy_loss
+        layout = mesh.layout
+
+        if layout.tp > 1:
+            from meshlm.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+
+            apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=parallel.sequence_parallel)
+            tp_group = mesh.group("tp")
+
+            def tp_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+                return vocab_parallel_cross_entropy(logits, targets, tp_group)
+
+            self.loss_fn = tp_loss
+
+        self.pipeline = None
+        if layout.pp > 1:
+            from meshlm.parallel.pipeline import PipelineSchedule, split_model
+
+            self.chunks: list[nn.Module] = split_model(model, mesh.rank("pp"), layout.pp, parallel.virtual_stages)
+            self.pipeline = PipelineSchedule(
+                self.chunks,
+                mesh.group("pp"),
+                schedule=parallel.schedule,
+                n_micro=n_micro,
+                loss_fn=self.loss_fn,
+                autocast=self.autocast,
+                set_grad_sync=self.set_grad_sync,
+            )
+        else:
+            self.chunks = [model]
+
+        self.dp = None
+        if layout.dp > 1 or parallel.zero > 0:
+            from meshlm.parallel.data_parallel import DataParallel
+
+            self.dp = DataParallel(self.chunks, mesh.group("dp"), zero=parallel.zero, bucket_mb=parallel.bucket_mb)
+
+    # ---- helpers the strategies share -------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def set_grad_sync(self, chunk: int, enabled: bool) -> None:
+        """Whether the next backward of `chunk` should reduce gradients across dp (last micro-batch only)."""
+        if self.dp is not None:
+            self.dp.set_grad_sync(chunk, enabled)
+
+    def train(self, mode: bool = True) -> None:
+        for chunk in self.chunks:
+            chunk.train(mode)
+
+    # ---- one optimizer step's worth of work ---------------------------------------------------------
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Run every micro-batch of this replica's batch; return the global-batch mean loss on every rank."""
+        self.train(True)
+        micro_inputs, micro_targets = inputs.chunk(self.n_micro), targets.chunk(self.n_micro)
+        if self.pipeline is not None:
+            loss = self.pipeline.train_step(micro_inputs, micro_targets)
+        else:
+            model = self.chunks[0]
+            loss = torch.zeros((), device=inputs.device)
+            for i, (x, y) in enumerate(zip(micro_inputs, micro_targets, strict=True)):
+                self.set_grad_sync(0, i == self.n_micro - 1)
+                with self.autocast():
+                    micro_loss = self.loss_fn(model(x), y) / self.n_micro
+                micro_loss.backward()
+                loss += micro_loss.detach()
+        if self.dp is not None:
+            self.dp.finish_grad_sync()
+        return self._replica_mean(loss)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward-only loss of this replica's batch, averaged over replicas."""
+        self.train(False)
+        if self.pipeline is not None:
+            loss = self.pipeline.eval_step(inputs.chunk(self.n_micro), targets.chunk(self.n_micro))
+        else:
+            with self.autocast():
+                loss = self.loss_fn(self.chunks[0](inputs), targets).float()
+        return self._replica_mean(loss)
+
+    def _replica_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        loss = loss.detach().float().clone()
+        if self.pipeline is not None:
+            self.pipeline.broadcast_from_last_stage(loss)
+        if self.mesh.size("dp") > 1:
+            dist.all_reduce(loss, group=self.mesh.group("dp"))
+            loss /= self.mesh.size("dp")
+        return loss
+
+    # ---- optimizer interface ------------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for chunk in self.chunks:
+            yield from chunk.named_parameters()
+
+    def optimizer_param_groups(self, weight_decay: float) -> list[dict]:
+        """Matrices decay, vectors (norm weights) do not; under ZeRO the groups hold flat shards."""
+        if self.dp is not None:
+            return self.dp.optimizer_param_groups(weight_decay)
+        params = [p for _, p in self.named_parameters()]
+        return [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the true global norm: every gradient element counted once over the whole world."""
+        skip_tp_copy = self.mesh.rank("tp") > 0
+        if self.dp is not None:
+            sq = self.dp.grad_sq_sum(skip=lambda p: skip_tp_copy and is_tp_replicated(p))
+        else:
+            sq = torch.zeros((), dtype=torch.float64)
+            for _, p in self.named_parameters():
+                if p.grad is not None and not (skip_tp_copy and is_tp_replicated(p)):
+                    sq += p.grad.detach().double().pow(2).sum().cpu()
+        sq = sq.to(next(self.chunks[0].parameters()).device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sq)
+        norm = sq.sqrt().float()
+        if max_norm > 0 and math.isfinite(norm.item()):
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            if self.dp is not None:
+                self.dp.scale_grads_(coef)
+            else:
+                for _, p in self.named_parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return norm
+
+    def after_optimizer_step(self) -> None:
+        if self.dp is not None:
+            self.dp.after_optimizer_step()
+
+    def zero_grad(self) -> None:
+        if self.dp is not None:
+            self.dp.zero_grad()
+        else:
+            for _, p in self.named_parameters():
+                p.grad = None
+
+    # ---- gathering the whole model ------------------------------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded fp32 weights with HF names, on every rank (for tests, export and generation)."""
+        if self.dp is not None:
+            state = self.dp.unsharded_state_dict()
+        else:
+            state = {}
+            for chunk in self.chunks:
+                state.update({k: v.detach().float().cpu().clone() for k, v in chunk.state_dict().items()})
+        if self.mesh.size("tp") > 1:
+            from meshlm.parallel.tensor_parallel import unshard_state_dict
+
+            state = unshard_state_dict(state, self.cfg, self.mesh.group("tp"))
+        if self.pipeline is not None:
+            parts: list[dict[str, torch.Tensor] | None] = [None] * self.mesh.size("pp")
+            dist.all_gather_object(parts, state, group=self.mesh.group("pp"))
+            state = {k: v for part in parts for k, v in part.items()}
+        return state

@@ -1,0 +1,128 @@
+"""The device mesh: named dimensions (pp outermost, dp, tp innermost) over all ranks.
+
+tp is innermost so a tensor-parallel group stays inside a node (fast links), pp outermost so pipeline
+neighbours may sit on different nodes (only point-to-point traffic), dp in between for scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshlm.model.config import ModelConfig
+
+DIMS = ("pp", "dp", "tp")
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout, phrased as one line naming what would be valid."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def __str__(self) -> str:
+        return ",".join(f"{d}={getattr(self, d)}" for d in DIMS)
+
+
+def parse_layout(text: str, world_size: int) -> Layout:
+    """Parse 'pp=2,dp=2,tp=2'. Omitted dims are 1, except dp, which takes whatever the world leaves."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in DIMS:
+            raise LayoutError(f"parallel.layout: unknown dimension {name!r} in {text!r}; valid: {', '.join(DIMS)}")
+        if name in sizes:
+            raise LayoutError(f"parallel.layout: dimension {name!r} given twice in {text!r}")
+        if not value.strip().isdigit() or int(value) < 1:
+            raise LayoutError(f"parallel.layout: {name}={value!r} must be a positive integer")
+        sizes[name] = int(value)
+    if "dp" not in sizes:
+        rest = sizes.get("pp", 1) * sizes.get("tp", 1)
+        if world_size % rest:
+            raise LayoutError(f"parallel.layout {text!r}: pp×tp = {rest} does not divide the world size {world_size}")
+        sizes["dp"] = world_size // rest
+    layout = Layout(**sizes)
+    if layout.world_size != world_size:
+        raise LayoutError(
+            f"parallel.layout {text!r}: pp×dp×tp = {layout.world_size} but the world size is {world_size}"
+        )
+    return layout
+
+
+def validate_layout(
+    layout: Layout,
+    model: ModelConfig,
+    global_batch: int,
+    micro_batch: int = 0,
+    virtual_stages: int = 1,
+    schedule: str = "1f1b",
+) -> int:
+    """Check that the model and batch split evenly over the layout; return micro-batches per replica."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    if tp > 1:
+        for field in ("n_heads", "intermediate_size", "vocab_size"):
+            if getattr(model, field) % tp:
+                raise LayoutError(f"model.{field} ({getattr(model, field)}) is not divisible by tp={tp}")
+        kv = model.n_kv_heads
+        if kv % tp and tp % kv:
+            raise LayoutError(
+                f"model.n_kv_heads ({kv}) must divide or be divisible by tp={tp} (KV heads split or replicated)"
+            )
+    chunks = pp * virtual_stages
+    if chunks > model.n_layers:
+        raise LayoutError(
+            f"pp×virtual_stages = {chunks} exceeds model.n_layers ({model.n_layers}); each chunk needs a layer"
+        )
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise LayoutError(f"parallel.virtual_stages={virtual_stages} needs parallel.schedule = 'interleaved'")
+    if global_batch % dp:
+        raise LayoutError(f"train.global_batch ({global_batch}) is not divisible by dp={dp}")
+    local = global_batch // dp
+    micro = micro_batch or local
+    if local % micro:
+        raise LayoutError(f"train.micro_batch ({micro}) must divide the per-replica batch global_batch/dp = {local}")
+    n_micro = local // micro
+    if pp > 1 and schedule in ("1f1b", "interleaved") and n_micro < pp:
+        raise LayoutError(
+            f"schedule {schedule} needs at least pp={pp} micro-batches per replica, got {n_micro} "
+            f"(lower train.micro_batch)"
+        )
+    if schedule == "interleaved" and pp > 1 and n_micro % pp:
+        raise LayoutError(f"interleaved schedule needs micro-batches per replica ({n_micro}) divisible by pp={pp}")
+    return n_micro
+
+
+@dataclass
+class Mesh:
+    """The layout plus this rank's process groups, one per named dimension."""
+
+    layout: Layout
+    device_mesh: DeviceMesh
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.device_mesh[dim].get_group()
+
+    def rank(self, dim: str) -> int:
+        return self.device_mesh[dim].get_local_rank()
+
+    def size(self, dim: str) -> int:
+        return getattr(self.layout, dim)
+
+
+def build_mesh(layout: Layout, device_type: str) -> Mesh:
+    """Create the (pp, dp, tp) DeviceMesh over the already-initialised default process group."""
+    if dist.get_world_size() != layout.world_size:
+        raise LayoutError(f"layout {layout} needs {layout.world_size} ranks, the world has {dist.get_world_size()}")
+    device_mesh = init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=DIMS)
+    return Mesh(layout, device_mesh)

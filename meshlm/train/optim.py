@@ -1,0 +1,50 @@
+"""AdamW over whatever parameters (or ZeRO shards) this rank owns, with warm-up + cosine decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshlm.config import TrainSection
+from meshlm.parallel.engine import ParallelModel
+
+
+def build_optimizer(model: ParallelModel, train: TrainSection) -> torch.optim.AdamW:
+    """fp32 AdamW on the rank's parameters; `foreach` keeps the step fast on CPU and GPU alike."""
+    return torch.optim.AdamW(
+        model.optimizer_param_groups(train.weight_decay),
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        eps=train.eps,
+        foreach=True,
+    )
+
+
+def lr_at(step: int, train: TrainSection) -> float:
+    """Linear warm-up to `lr` over `warmup_steps`, then cosine decay to `min_lr_ratio·lr` at `steps`."""
+    if train.warmup_steps and step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    span = max(1, train.steps - train.warmup_steps)
+    progress = min(1.0, (step - train.warmup_steps) / span)
+    floor = train.lr * train.min_lr_ratio
+    return floor + 0.5 * (train.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def train_step(
+    model: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    lr: float,
+    grad_clip: float,
+) -> tuple[float, float]:
+    """One optimizer step on this replica's slice of the global batch; returns (loss, grad norm)."""
+    loss = model.forward_backward(inputs, targets)
+    grad_norm = model.clip_grad_norm_(grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    model.after_optimizer_step()
+    model.zero_grad()
+    return loss.item(), grad_norm.item()
