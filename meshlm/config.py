@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from meshlm.model.config import PRESETS, ModelConfig
 
@@ -31,7 +31,7 @@ class Section(BaseModel):
 class ModelSection(Section):
     """A preset, optionally with any shape field overridden (e.g. `--model.n_layers 2`)."""
 
-    preset: str = "tiny"
+    preset: str = Field("tiny", description="named model shape: " + ", ".join(PRESETS))
     vocab_size: int | None = Field(None, gt=0)
     dim: int | None = Field(None, gt=0)
     n_layers: int | None = Field(None, gt=0)
@@ -44,11 +44,12 @@ class ModelSection(Section):
     tie_embeddings: bool | None = None
     init_std: float | None = Field(None, gt=0)
 
-    @model_validator(mode="after")
-    def _known_preset(self) -> ModelSection:
-        if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; valid: {', '.join(PRESETS)}")
-        return self
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, name: str) -> str:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+        return name
 
     def build(self) -> ModelConfig:
         overrides = {k: v for k, v in self.model_dump().items() if k != "preset" and v is not None}
@@ -59,55 +60,55 @@ class DataSection(Section):
     """Where text comes from and how it is cut into training sequences."""
 
     source: str = Field("stdlib", description="'stdlib', a path to .txt/.jsonl files or a folder, or 'hf:NAME'")
-    text_field: str = "text"
-    hf_split: str = "train"
-    val_fraction: float = Field(0.02, gt=0, lt=0.5)
-    seq_len: int = Field(256, gt=1)
+    text_field: str = Field("text", description="field holding the text in .jsonl files and HF datasets")
+    hf_split: str = Field("train", description="split of a Hugging Face dataset")
+    val_fraction: float = Field(0.02, gt=0, lt=0.5, description="fraction of documents held out for validation")
+    seq_len: int = Field(256, gt=1, description="tokens per training sequence")
     cache_dir: str = Field(".cache/meshlm", description="tokenizer and token files, reused across runs")
     max_chars: int | None = Field(None, gt=0, description="cap on corpus characters (tests, quick runs)")
 
 
 class TrainSection(Section):
-    steps: int = Field(200, gt=0)
+    steps: int = Field(200, gt=0, description="optimizer steps")
     global_batch: int = Field(16, gt=0, description="sequences per optimizer step, over all replicas")
     micro_batch: int = Field(0, ge=0, description="sequences per forward/backward per replica; 0 = no accumulation")
-    lr: float = Field(3e-3, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(20, ge=0)
-    weight_decay: float = Field(0.1, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a fraction of lr (cosine)")
+    warmup_steps: int = Field(20, ge=0, description="linear warm-up steps")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decay of matrices (norm weights never decay)")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW β1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW β2")
+    eps: float = Field(1e-8, gt=0, description="AdamW ε")
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 disables clipping")
-    seed: int = 1234
+    seed: int = Field(1234, description="seeds the initial weights and the batch order")
     dtype: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 autocast on GPU, fp32 on CPU")
-    activation_checkpointing: bool = False
-    eval_every: int = Field(50, ge=0)
-    eval_batches: int = Field(8, gt=0)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    activation_checkpointing: bool = Field(False, description="recompute each block in backward")
+    eval_every: int = Field(50, ge=0, description="validation loss every N steps; 0 = never")
+    eval_batches: int = Field(8, gt=0, description="validation batches per evaluation")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: this rank's GPU if CUDA works, else CPU")
 
 
 class ParallelSection(Section):
     layout: str = Field("", description="e.g. 'dp=4' or 'pp=2,dp=2,tp=2'; empty = data parallel over all ranks")
-    zero: int = Field(0, ge=0, le=3)
-    bucket_mb: float = Field(25.0, gt=0)
-    sequence_parallel: bool = False
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    virtual_stages: int = Field(1, gt=0)
+    zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + grads, 3 + params")
+    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size of the overlapped reduction")
+    sequence_parallel: bool = Field(False, description="shard norms/residuals along the sequence over tp")
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = Field("1f1b", description="pipeline schedule")
+    virtual_stages: int = Field(1, gt=0, description="model chunks per pipeline rank (interleaved)")
     timeout_s: float = Field(300.0, gt=0, description="collective timeout before a rank gives up")
 
 
 class CheckpointSection(Section):
     every: int = Field(100, ge=0, description="save every N steps; 0 saves only at the end")
-    keep: int = Field(3, gt=0)
-    resume: bool = True
+    keep: int = Field(3, gt=0, description="newest checkpoints kept")
+    resume: bool = Field(True, description="continue from the newest valid checkpoint")
 
 
 class LogSection(Section):
-    run_dir: str = "runs/default"
-    every: int = Field(10, gt=0)
-    tensorboard: bool = True
-    progress: bool = True
+    run_dir: str = Field("runs/default", description="checkpoints, metrics and the resolved config")
+    every: int = Field(10, gt=0, description="log training metrics every N steps")
+    tensorboard: bool = Field(True, description="also write TensorBoard event files")
+    progress: bool = Field(True, description="show the progress bar")
 
 
 class Config(Section):
@@ -217,4 +218,16 @@ def to_toml(cfg: Config) -> str:
                 text = repr(value)
             lines.append(f"{key} = {text}")
         lines.append("")
+    return "\n".join(lines)
+
+
+def reference_markdown() -> str:
+    """A table of every field with its default and meaning (kept in the README; a test checks it is current)."""
+    lines = ["| field | default | meaning |", "|---|---|---|"]
+    for section, section_field in Config.model_fields.items():
+        model = section_field.annotation
+        for name, f in model.model_fields.items():
+            default = "" if f.default is None else f"`{f.default!r}`".replace("|", "\\|")
+            meaning = (f.description or f"override the preset's `{name}`").replace("|", "\\|")
+            lines.append(f"| `{section}.{name}` | {default} | {meaning} |")
     return "\n".join(lines)

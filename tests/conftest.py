@@ -2,3 +2,28 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One token cache for the session: a slice of the standard-library corpus, tokenized once."""
+    return str(tmp_path_factory.mktemp("token-cache"))
+
+
+@pytest.fixture
+def small_run(data_cache: str, tmp_path) -> list[str]:
+    """Overrides for a fast training run of the `test` preset on real text."""
+    return [
+        "--model.preset", "test",
+        "--data.max_chars", "1500000",
+        "--data.cache_dir", data_cache,
+        "--data.seq_len", "64",
+        "--train.global_batch", "8",
+        "--train.warmup_steps", "2",
+        "--train.eval_batches", "2",
+        "--log.run_dir", str(tmp_path / "run"),
+        "--log.progress", "false",
+        "--log.tensorboard", "false",
+    ]  # fmt: skip

@@ -50,9 +50,9 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # ~2.6M parameters: trains to a useful loss on 2 CPU cores in minutes.
     "tiny": ModelConfig(),
-    # ~0.2M parameters: for fast tests of every parallel layout (divisible by tp up to 4 and pp up to 4).
+    # ~0.25M parameters: for fast tests of every parallel layout (divisible by tp up to 4 and pp up to 4).
     "test": ModelConfig(
-        vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=128, max_seq_len=64
+        vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=128, max_seq_len=64
     ),
     "small": ModelConfig(
         vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, intermediate_size=1376, max_seq_len=512

@@ -50,7 +50,7 @@ def model_config_from_hf(hf_config: dict) -> ModelConfig:
     dim, n_heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim")
     if head_dim is not None and head_dim * n_heads != dim:
-        raise unsupported("head_dim", head_dim, f"hidden_size / num_attention_heads = {dim / n_heads:g}")
+        raise unsupported("head_dim", head_dim, "hidden_size / num_attention_heads")
     # transformers 4 writes rope_theta + rope_scaling; transformers 5 writes rope_parameters.
     rope_theta = hf_config.get("rope_theta", 10000.0)
     for field in ("rope_scaling", "rope_parameters"):
@@ -78,7 +78,7 @@ def model_config_from_hf(hf_config: dict) -> ModelConfig:
             init_std=hf_config.get("initializer_range", 0.02),
         )
     except ValueError as e:
-        raise ValueError(f"config.json describes a model meshlm cannot build: {e}") from e
+        raise ValueError(f"config.json: shape meshlm cannot build: {e}") from e
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -123,7 +123,7 @@ def _check_shapes(
             raise ValueError(f"{where(name)}: missing tensor {name}")
         if found[name] != shape:
             raise ValueError(f"{where(name)}: tensor {name} has shape {list(found[name])}, expected {list(shape)}")
-    for name in found.keys() - expected.keys():
+    for name in sorted(found.keys() - expected.keys()):
         raise ValueError(f"{where(name)}: unexpected tensor {name}")
 
 
@@ -148,11 +148,10 @@ def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
     `Transformer(cfg).state_dict()` (tensors keep their stored dtype). Checks names and shapes from
     the safetensors headers before loading any data."""
     directory = Path(directory)
-    config_path = directory / CONFIG_NAME
     try:
-        cfg = model_config_from_hf(json.loads(config_path.read_text()))
+        cfg = model_config_from_hf(json.loads((directory / CONFIG_NAME).read_text()))
     except ValueError as e:
-        raise ValueError(f"{config_path}: {e}") from e
+        raise ValueError(f"{directory}: {e}") from e
 
     expected = _expected_shapes(cfg)
     if cfg.tie_embeddings:  # HF stores a tied head once, as the embedding

@@ -1,0 +1,48 @@
+"""Process-group set-up: torchrun's environment when present, else a one-rank gloo group.
+
+A one-rank group keeps a single code path: the trainer always talks to a mesh, even on a laptop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def env_world_size() -> int:
+    """World size announced by torchrun (1 for a plain process), known before any group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device: torch.device, timeout_s: float) -> bool:
+    """Join (or create) the default process group; return True if this call created it."""
+    if dist.is_initialized():
+        return False
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return True
+
+
+def resolve_device(choice: str) -> torch.device:
+    """'auto' picks this rank's GPU (LOCAL_RANK) when CUDA is available, else the CPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("train.device: 'cuda' requested but no CUDA device is available; use 'cpu' or 'auto'")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on GPU by default; fp32 (no autocast) on CPU unless asked."""
+    if choice == "bf16" or (choice == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None

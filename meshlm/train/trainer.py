@@ -1,0 +1,186 @@
+"""The training loop: config in, checkpoints and metrics out. Parallelism enters only via ParallelModel."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshlm.checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
+from meshlm.config import Config, to_toml
+from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data
+from meshlm.model import Transformer, flops_per_token
+from meshlm.observe.metrics import MetricsLogger, TrainProgress
+from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.mesh import Layout, build_mesh, parse_layout, validate_layout
+from meshlm.train.distributed import autocast_dtype, env_world_size, init_distributed, resolve_device
+from meshlm.train.optim import build_optimizer, lr_at, train_step
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    start_step: int = 0
+    final_step: int = 0
+
+
+def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
+    """Every layout check that needs no process group: fails fast, before data or model work."""
+    layout = parse_layout(cfg.parallel.layout, world_size)
+    n_micro = validate_layout(
+        layout,
+        cfg.model.build(),
+        cfg.train.global_batch,
+        cfg.train.micro_batch,
+        cfg.parallel.virtual_stages,
+        cfg.parallel.schedule,
+    )
+    return layout, n_micro
+
+
+def optimizer_is_resumable(layout: Layout, zero: int) -> bool:
+    """Layouts whose rank-0 optimizer state is the whole state (the others arrive with sharded checkpoints)."""
+    return layout.tp == 1 and layout.pp == 1 and zero == 0
+
+
+def load_data(cfg: Config, vocab_size: int) -> TokenData:
+    """Rank 0 tokenizes (once, cached on disk); the other ranks then read the same cache."""
+    if dist.get_rank() == 0:
+        data = prepare_data(cfg.data, vocab_size)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        data = prepare_data(cfg.data, vocab_size)
+    return data
+
+
+def evaluate(model: ParallelModel, data: TokenData, cfg: Config, dp_rank: int, dp: int) -> float:
+    """Mean loss over a fixed set of validation batches (the same windows every time)."""
+    losses = [
+        model.eval_loss(x.to(model_device(model)), y.to(model_device(model))).item()
+        for x, y in eval_batches(
+            data.val, cfg.data.seq_len, cfg.train.global_batch, cfg.train.eval_batches, dp_rank, dp
+        )
+    ]
+    return sum(losses) / len(losses)
+
+
+def model_device(model: ParallelModel) -> torch.device:
+    return next(model.chunks[0].parameters()).device
+
+
+def train(cfg: Config) -> TrainResult:
+    """Train (or resume) the run in `cfg.log.run_dir`; return the losses of this invocation."""
+    layout, n_micro = check_config(cfg, env_world_size())
+    device = resolve_device(cfg.train.device)
+    created_group = init_distributed(device, cfg.parallel.timeout_s)
+    try:
+        return _train(cfg, layout, n_micro, device)
+    finally:
+        if created_group:
+            dist.destroy_process_group()
+
+
+def _train(cfg: Config, layout: Layout, n_micro: int, device: torch.device) -> TrainResult:
+    rank = dist.get_rank()
+    run_dir = Path(cfg.log.run_dir)
+    model_cfg = cfg.model.build()
+    data = load_data(cfg, model_cfg.vocab_size)
+    sampler = GlobalBatchSampler(data.train, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+
+    torch.manual_seed(cfg.train.seed)
+    model = Transformer(model_cfg)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    say = print if rank == 0 else (lambda *_: None)
+    resumable = optimizer_is_resumable(layout, cfg.parallel.zero)
+    checkpoint = latest_valid_checkpoint(run_dir, warn=say) if cfg.checkpoint.resume else None
+    optimizer_state = None
+    if checkpoint is not None:
+        model_state, trainer_state, optimizer_state = load_checkpoint(checkpoint)
+        model.load_state_dict(model_state)
+        sampler.load_state_dict(trainer_state["sampler"])
+        if optimizer_state is None or not resumable:
+            say(f"warning: {checkpoint} restores weights only under layout {layout}; Adam moments restart")
+            optimizer_state = None
+        say(f"resuming from {checkpoint} at step {sampler.step}")
+    model.to(device)
+
+    mesh = build_mesh(layout, device.type)
+    pm = ParallelModel(model, mesh, cfg.parallel, n_micro, autocast_dtype(cfg.train.dtype, device))
+    optimizer = build_optimizer(pm, cfg.train)
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    dp_rank, dp = mesh.rank("dp"), layout.dp
+
+    result = TrainResult(run_dir=run_dir, start_step=sampler.step, final_step=sampler.step)
+    logger = None
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard)
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+    flops_per_step = flops_per_token(model_cfg, cfg.data.seq_len) * tokens_per_step
+
+    def save(step: int) -> None:
+        state = pm.full_state_dict()
+        if rank == 0:
+            trainer_state = {
+                "step": step,
+                "sampler": sampler.state_dict(),
+                "layout": str(layout),
+                "model": model_cfg.to_dict(),
+            }
+            save_checkpoint(
+                run_dir,
+                step,
+                state,
+                trainer_state,
+                optimizer.state_dict() if resumable else None,
+                keep=cfg.checkpoint.keep,
+            )
+        dist.barrier()
+
+    with TrainProgress(cfg.train.steps, sampler.step, enabled=cfg.log.progress and rank == 0) as progress:
+        if result.start_step == 0 and cfg.train.eval_every:
+            result.eval_losses.append((0, evaluate(pm, data, cfg, dp_rank, dp)))
+            if logger:
+                logger.log(0, "eval", loss=result.eval_losses[-1][1])
+        while sampler.step < cfg.train.steps:
+            step = sampler.step
+            start = time.perf_counter()
+            inputs, targets = sampler.next_batch(dp_rank, dp)
+            loss, grad_norm = train_step(
+                pm, optimizer, inputs.to(device), targets.to(device), lr_at(step, cfg.train), cfg.train.grad_clip
+            )
+            elapsed = time.perf_counter() - start
+            result.losses.append(loss)
+            done = step + 1
+            tps = tokens_per_step / elapsed
+            progress.update(done, loss, tps)
+            if logger and (done % cfg.log.every == 0 or done == cfg.train.steps or done == 1):
+                logger.log(
+                    done,
+                    "train",
+                    loss=loss,
+                    grad_norm=grad_norm,
+                    lr=lr_at(step, cfg.train),
+                    step_time_s=elapsed,
+                    tokens_per_s=tps,
+                    flops_per_s=flops_per_step / elapsed,
+                )
+            if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
+                val = evaluate(pm, data, cfg, dp_rank, dp)
+                result.eval_losses.append((done, val))
+                progress.print(f"step {done}: train loss {loss:.4f}, val loss {val:.4f}")
+                if logger:
+                    logger.log(done, "eval", loss=val)
+            if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
+                save(done)
+    result.final_step = sampler.step
+    if logger:
+        logger.close()
+    return result

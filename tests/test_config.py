@@ -1,0 +1,81 @@
+"""Config: TOML + overrides, strict validation with one-line messages naming the field."""
+
+from pathlib import Path
+
+import pytest
+
+from meshlm.config import Config, ConfigError, load_config, parse_overrides, reference_markdown, to_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_valid_and_round_trip_through_toml(tmp_path: Path) -> None:
+    cfg = load_config()
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path: Path) -> None:
+    assert isinstance(load_config(path), Config)
+
+
+def test_overrides_parse_types_and_apply_over_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nsteps = 10\nlr = 0.1\n")
+    cfg = load_config(
+        path, parse_overrides(["--train.steps", "50", "--parallel.layout=dp=2", "--log.tensorboard", "false"])
+    )
+    assert cfg.train.steps == 50 and cfg.train.lr == 0.1
+    assert cfg.parallel.layout == "dp=2" and cfg.log.tensorboard is False
+
+
+def test_model_overrides_build_a_model_config() -> None:
+    cfg = load_config(
+        None, parse_overrides(["--model.preset", "test", "--model.n_layers", "2", "--data.seq_len", "64"])
+    )
+    model = cfg.model.build()
+    assert model.n_layers == 2 and model.dim == 64
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--train.steps", "0"], "train.steps: Input should be greater than 0"),
+        (["--train.stepz", "3"], "train.stepz: unknown field"),
+        (["--trian.steps", "3"], "trian: unknown section"),
+        (["--train.lr", "fast"], "train.lr: Input should be a valid number"),
+        (["--model.preset", "huge"], "model.preset: unknown preset 'huge'"),
+        (["--model.n_heads", "5"], "model.dim (256) must be divisible by model.n_heads (5)"),
+        (["--data.seq_len", "4096"], "data.seq_len (4096) exceeds model.max_seq_len (256)"),
+        (["--train.global_batch", "10", "--train.micro_batch", "4"], "train.global_batch (10) must be divisible"),
+        (["--parallel.zero", "4"], "parallel.zero: Input should be less than or equal to 3"),
+        (["--parallel.schedule", "zigzag"], "parallel.schedule"),
+        (["--train.steps"], "train.steps: missing value"),
+        (["train.steps", "3"], "unexpected argument 'train.steps'"),
+    ],
+)
+def test_bad_values_give_one_line_naming_the_field(args: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, parse_overrides(args))
+    message = str(info.value)
+    assert expected in message and "\n" not in message
+
+
+def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 1")
+    with pytest.raises(ConfigError, match=r"bad.toml: invalid TOML"):
+        load_config(bad)
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[train]\nbatch = 4\n")
+    with pytest.raises(ConfigError, match=r"train\.batch: unknown field"):
+        load_config(unknown)
+
+
+def test_readme_config_reference_is_current() -> None:
+    """The README's table is generated from the config classes; regenerate it with `meshlm config reference`."""
+    assert reference_markdown() in (ROOT / "README.md").read_text()
