@@ -104,6 +104,18 @@ class CheckpointSection(Section):
     resume: bool = Field(True, description="continue from the newest valid checkpoint")
 
 
+class FaultSection(Section):
+    watchdog_s: float = Field(
+        900.0, ge=0, description="a rank that finishes no step for this long dumps stacks and exits 1; 0 = off"
+    )
+    nonfinite: Literal["skip", "stop"] = Field(
+        "skip", description="on a non-finite gradient norm or a loss spike: skip the update, or stop the run"
+    )
+    spike_factor: float = Field(0.0, ge=0, description="a loss above this × the recent mean counts as a spike; 0 = off")
+    desync_every: int = Field(100, ge=0, description="compare data-parallel replicas' weights every N steps; 0 = off")
+    grace_s: float = Field(120.0, gt=0, description="after SIGTERM: finish the step and save within this, then exit 0")
+
+
 class LogSection(Section):
     run_dir: str = Field("runs/default", description="checkpoints, metrics and the resolved config")
     every: int = Field(10, gt=0, description="log training metrics every N steps")
@@ -117,6 +129,7 @@ class Config(Section):
     train: TrainSection = TrainSection()
     parallel: ParallelSection = ParallelSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    fault: FaultSection = FaultSection()
     log: LogSection = LogSection()
 
     @model_validator(mode="after")

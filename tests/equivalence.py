@@ -71,7 +71,7 @@ def train_layout(
     for step in range(steps):
         x, y = global_batch(step, batch, seq_len, model_cfg.vocab_size, seed)
         rows = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
-        loss, norm = train_step(pm, opt, x[rows], y[rows], lr_at(step, train), train.grad_clip)
+        loss, norm, _ = train_step(pm, opt, x[rows], y[rows], lr_at(step, train), train.grad_clip)
         losses.append(loss)
         norms.append(norm)
     return {"losses": losses, "grad_norms": norms, "state": pm.full_state_dict()}

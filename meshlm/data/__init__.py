@@ -1,1 +1,20 @@
-"""meshlm.data"""
+"""meshlm.data: text sources, a byte-level BPE tokenizer, cached token files and deterministic batches."""
+
+from meshlm.data.dataset import TokenData, prepare_data
+from meshlm.data.sampler import GlobalBatchSampler, eval_batches
+from meshlm.data.sources import DataError, iter_documents
+from meshlm.data.tokenizer import EOT, decode, encode, eot_id, train_tokenizer
+
+__all__ = [
+    "EOT",
+    "DataError",
+    "GlobalBatchSampler",
+    "TokenData",
+    "decode",
+    "encode",
+    "eot_id",
+    "eval_batches",
+    "iter_documents",
+    "prepare_data",
+    "train_tokenizer",
+]

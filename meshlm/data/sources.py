@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sysconfig
 from collections.abc import Iterator
@@ -36,18 +37,24 @@ def source_files(cfg: DataSection) -> list[Path]:
     if cfg.source.startswith("hf:"):
         return []
     if cfg.source == "stdlib":
-        root = stdlib_root()
-        rel = sorted((p.relative_to(root) for p in root.rglob("*.py")), key=Path.as_posix)
-        return [root / r for r in rel if not {"site-packages", "dist-packages"} & set(r.parts)]
+        return _walk(stdlib_root(), (".py",), skip={"site-packages", "dist-packages", "__pycache__"})
     path = Path(cfg.source)
     if path.is_dir():
-        files = [p for p in path.rglob("*") if p.suffix in FILE_SUFFIXES and p.is_file()]
-        return sorted(files, key=lambda p: p.relative_to(path).as_posix())
+        return _walk(path, FILE_SUFFIXES, skip=set())
     if not path.is_file():
         raise DataError(f"data.source: {path} not found; valid: {VALID_SOURCES}")
     if path.suffix not in (".txt", ".jsonl"):
         raise DataError(f"data.source: {path} is not a .txt or .jsonl file; valid: {VALID_SOURCES}")
     return [path]
+
+
+def _walk(root: Path, suffixes: tuple[str, ...], skip: set[str]) -> list[Path]:
+    """Files under root with one of the suffixes, sorted by relative path; `skip` folders are not entered."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        found += [Path(folder, f) for f in files if f.endswith(suffixes)]
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
 def source_fingerprint(cfg: DataSection) -> str:
@@ -58,7 +65,7 @@ def source_fingerprint(cfg: DataSection) -> str:
     h = hashlib.sha256(f"{cfg.source}\0{cfg.text_field}\0{cfg.hf_split}\0".encode())
     for p in source_files(cfg):
         st = p.stat()
-        h.update(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(f"{p.absolute()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
 
 

@@ -16,7 +16,7 @@ MIN_VOCAB = 257  # 256 byte tokens + EOT
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE with exactly `vocab_size` entries at most; deterministic given the texts."""
+    """Train a byte-level BPE of at most `vocab_size` tokens; deterministic given the texts."""
     if vocab_size < MIN_VOCAB:
         raise DataError(
             f"model.vocab_size ({vocab_size}) must be at least {MIN_VOCAB} for a byte-level tokenizer "

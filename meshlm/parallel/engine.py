@@ -72,6 +72,7 @@ class ParallelModel:
                 loss_fn=self.loss_fn,
                 autocast=self.autocast,
                 set_grad_sync=self.set_grad_sync,
+                seq_shards=layout.tp if parallel.sequence_parallel else 1,
             )
         else:
             self.chunks = [model]

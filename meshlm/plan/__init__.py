@@ -1,1 +1,51 @@
-"""meshlm.plan"""
+"""The planner: predict memory, step time and cost of every parallel layout, and pick one.
+
+    from meshlm.plan import Workload, best, hardware
+    plan = best(Workload(preset("llama3-70b"), 8192, 1024, 15e12), 64, hardware("H100-SXM"))
+
+Formulas, sources, the calibration schema and a comparison with published runs: docs/planner.md.
+"""
+
+from meshlm.plan.cost import CostModel, RunCost, run_cost, young_interval
+from meshlm.plan.hardware import GPUS, Calibration, Hardware, Link, hardware
+from meshlm.plan.memory import Assumptions, Layout, Memory, Workload, memory
+from meshlm.plan.search import (
+    Constraints,
+    Plan,
+    PlanError,
+    SearchResult,
+    best,
+    evaluate,
+    plan_for_config,
+    search,
+)
+from meshlm.plan.step_time import StepTime, bubble_fraction, collective_time, step_time
+
+__all__ = [
+    "GPUS",
+    "Assumptions",
+    "Calibration",
+    "Constraints",
+    "CostModel",
+    "Hardware",
+    "Layout",
+    "Link",
+    "Memory",
+    "Plan",
+    "PlanError",
+    "RunCost",
+    "SearchResult",
+    "StepTime",
+    "Workload",
+    "best",
+    "bubble_fraction",
+    "collective_time",
+    "evaluate",
+    "hardware",
+    "memory",
+    "plan_for_config",
+    "run_cost",
+    "search",
+    "step_time",
+    "young_interval",
+]

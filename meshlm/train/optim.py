@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -38,13 +39,21 @@ def train_step(
     targets: torch.Tensor,
     lr: float,
     grad_clip: float,
-) -> tuple[float, float]:
-    """One optimizer step on this replica's slice of the global batch; returns (loss, grad norm)."""
-    loss = model.forward_backward(inputs, targets)
-    grad_norm = model.clip_grad_norm_(grad_clip)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    model.after_optimizer_step()
+    allow_update: Callable[[float, float], bool] | None = None,
+) -> tuple[float, float, bool]:
+    """One optimizer step on this replica's slice of the global batch; returns (loss, grad norm, applied).
+
+    `allow_update(loss, grad_norm)` may veto the update (non-finite or spiking loss): gradients are then
+    dropped and the weights stay as they were. Loss and norm are global, so every rank decides alike.
+    """
+    loss_t = model.forward_backward(inputs, targets)
+    grad_norm_t = model.clip_grad_norm_(grad_clip)
+    loss, grad_norm = loss_t.item(), grad_norm_t.item()
+    applied = allow_update is None or allow_update(loss, grad_norm)
+    if applied:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        model.after_optimizer_step()
     model.zero_grad()
-    return loss.item(), grad_norm.item()
+    return loss, grad_norm, applied

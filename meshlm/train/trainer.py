@@ -17,6 +17,7 @@ from meshlm.observe.metrics import MetricsLogger, TrainProgress
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, parse_layout, validate_layout
 from meshlm.train.distributed import autocast_dtype, env_world_size, init_distributed, resolve_device
+from meshlm.train.guards import Preemption, StepGuard, Watchdog, check_replicas_in_sync
 from meshlm.train.optim import build_optimizer, lr_at, train_step
 
 
@@ -27,6 +28,8 @@ class TrainResult:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     start_step: int = 0
     final_step: int = 0
+    skipped_steps: list[int] = field(default_factory=list)
+    preempted: bool = False
 
 
 def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
@@ -144,42 +147,66 @@ def _train(cfg: Config, layout: Layout, n_micro: int, device: torch.device) -> T
             )
         dist.barrier()
 
-    with TrainProgress(cfg.train.steps, sampler.step, enabled=cfg.log.progress and rank == 0) as progress:
-        if result.start_step == 0 and cfg.train.eval_every:
-            result.eval_losses.append((0, evaluate(pm, data, cfg, dp_rank, dp)))
-            if logger:
-                logger.log(0, "eval", loss=result.eval_losses[-1][1])
-        while sampler.step < cfg.train.steps:
-            step = sampler.step
-            start = time.perf_counter()
-            inputs, targets = sampler.next_batch(dp_rank, dp)
-            loss, grad_norm = train_step(
-                pm, optimizer, inputs.to(device), targets.to(device), lr_at(step, cfg.train), cfg.train.grad_clip
-            )
-            elapsed = time.perf_counter() - start
-            result.losses.append(loss)
-            done = step + 1
-            tps = tokens_per_step / elapsed
-            progress.update(done, loss, tps)
-            if logger and (done % cfg.log.every == 0 or done == cfg.train.steps or done == 1):
-                logger.log(
-                    done,
-                    "train",
-                    loss=loss,
-                    grad_norm=grad_norm,
-                    lr=lr_at(step, cfg.train),
-                    step_time_s=elapsed,
-                    tokens_per_s=tps,
-                    flops_per_s=flops_per_step / elapsed,
-                )
-            if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
-                val = evaluate(pm, data, cfg, dp_rank, dp)
-                result.eval_losses.append((done, val))
-                progress.print(f"step {done}: train loss {loss:.4f}, val loss {val:.4f}")
+    watchdog = Watchdog(run_dir, rank, cfg.fault.watchdog_s)
+    preemption = Preemption()
+    guard = StepGuard(cfg.fault.nonfinite, cfg.fault.spike_factor)
+    check_desync = cfg.fault.desync_every and layout.dp > 1 and cfg.parallel.zero < 3
+    try:
+        with TrainProgress(cfg.train.steps, sampler.step, enabled=cfg.log.progress and rank == 0) as progress:
+            watchdog.arm()
+            if result.start_step == 0 and cfg.train.eval_every:
+                result.eval_losses.append((0, evaluate(pm, data, cfg, dp_rank, dp)))
                 if logger:
-                    logger.log(done, "eval", loss=val)
-            if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
-                save(done)
+                    logger.log(0, "eval", loss=result.eval_losses[-1][1])
+            while sampler.step < cfg.train.steps:
+                step = sampler.step
+                start = time.perf_counter()
+                inputs, targets = sampler.next_batch(dp_rank, dp)
+                lr = lr_at(step, cfg.train)
+                loss, grad_norm, applied = train_step(
+                    pm, optimizer, inputs.to(device), targets.to(device), lr, cfg.train.grad_clip, guard.allow
+                )
+                elapsed = time.perf_counter() - start
+                watchdog.arm()
+                result.losses.append(loss)
+                done = step + 1
+                tps = tokens_per_step / elapsed
+                progress.update(done, loss, tps)
+                if not applied:
+                    result.skipped_steps.append(done)
+                    progress.print(f"step {done}: update skipped: {guard.last_reason}")
+                    if logger:
+                        logger.log(done, "fault", skipped=1, loss=loss, grad_norm=grad_norm, reason=guard.last_reason)
+                if logger and (done % cfg.log.every == 0 or done == cfg.train.steps or done == 1):
+                    logger.log(
+                        done,
+                        "train",
+                        loss=loss,
+                        grad_norm=grad_norm,
+                        lr=lr,
+                        step_time_s=elapsed,
+                        tokens_per_s=tps,
+                        flops_per_s=flops_per_step / elapsed,
+                    )
+                if check_desync and done % cfg.fault.desync_every == 0:
+                    check_replicas_in_sync(pm)
+                if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
+                    val = evaluate(pm, data, cfg, dp_rank, dp)
+                    result.eval_losses.append((done, val))
+                    progress.print(f"step {done}: train loss {loss:.4f}, val loss {val:.4f}")
+                    if logger:
+                        logger.log(done, "eval", loss=val)
+                if preemption.requested(device):
+                    watchdog.arm(cfg.fault.grace_s)
+                    save(done)
+                    result.preempted = True
+                    say(f"SIGTERM: saved step {done}, exiting")
+                    break
+                if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
+                    save(done)
+    finally:
+        watchdog.close()
+        preemption.close()
     result.final_step = sampler.step
     if logger:
         logger.close()

@@ -1,0 +1,346 @@
+"""`meshlm doctor`: measure this cluster before planning on it.
+
+Per mesh dimension of a layout it sweeps message sizes through all-reduce, all-gather and reduce-scatter on
+every group of that dimension, and send/recv between ring neighbours one pair at a time (so a slow link shows
+as itself); per rank it measures matmul throughput and memory bandwidth. Rank 0 prints a table that flags
+outliers and writes `--out doctor.json`: the planner's calibration (meshlm.plan.Calibration, docs/planner.md),
+with every measurement under its free-form `notes`. Run it with torchrun (or as one process); `doctor()`
+itself runs inside an existing process group (tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from meshlm.observe.bandwidth import OPS, busbw, fit_link
+from meshlm.observe.calibration import calibration
+from meshlm.observe.memory import process_memory
+from meshlm.observe.peak import copy_bandwidth, matmul_flops
+from meshlm.parallel.mesh import DIMS, build_mesh, parse_layout
+from meshlm.train.distributed import init_distributed, resolve_device
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def default_sizes(device_type: str, min_bytes: int = 4 * KiB, max_bytes: int | None = None) -> list[int]:
+    """Message sizes ×4 apart from `min_bytes` up to 16 MiB on CPU (gloo), 1 GiB on GPU (NCCL), or `max_bytes`."""
+    top = max_bytes or (GiB if device_type == "cuda" else 16 * MiB)
+    sizes, size = [], min_bytes
+    while size <= top:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _operation(op: str, nbytes: int, n: int, group: dist.ProcessGroup, device: torch.device) -> Callable[[], None]:
+    """One call of `op` over a buffer of `nbytes` (the nccl-tests size, see bandwidth.py)."""
+    numel = max(n, nbytes // 4 // n * n)
+    full = torch.ones(numel, device=device)
+    part = torch.ones(numel // n, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if op == "all_gather":
+        return lambda: _all_gather(full, part, group=group)
+    return lambda: _reduce_scatter(part, full, group=group)
+
+
+def _exchange(nbytes: int, peer: int, group: dist.ProcessGroup, device: torch.device) -> Callable[[], None]:
+    """Send `nbytes` to `peer` and receive as many from it at the same time."""
+    out, into = torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
+
+    def run() -> None:
+        ops = [dist.P2POp(dist.isend, out, peer, group), dist.P2POp(dist.irecv, into, peer, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    return run
+
+
+def _time(fn: Callable[[], None], group: dist.ProcessGroup, device: torch.device, iters: int, budget_s: float) -> float:
+    """Seconds per call on this rank; the group agrees on the iteration count from a timed warm-up call
+    (after an untimed first one, which may set up connections or communicators)."""
+    fn()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    warm = torch.tensor([time.perf_counter() - start], device=device)
+    dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
+    count = int(max(2, min(iters, budget_s / max(warm.item(), 1e-6))))
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(count):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / count
+
+
+def _measure_dim(
+    dim: str, group: dist.ProcessGroup, sizes: list[int], device: torch.device, iters: int, budget_s: float
+) -> list[dict]:
+    """This rank's seconds per call: every collective on its group, then each ring pair's exchange."""
+    ranks = dist.get_process_group_ranks(group)
+    n, me = len(ranks), dist.get_rank(group)
+    rows = []
+    for op in OPS[:3]:
+        seconds = [_time(_operation(op, s, n, group, device), group, device, iters, budget_s) for s in sizes]
+        rows.append({"dim": dim, "op": op, "group": ranks, "seconds": seconds})
+    for i in range(n if n > 2 else 1):  # one ring pair at a time; the rest of the group idles
+        pair = (i, (i + 1) % n)
+        seconds = []
+        for size in sizes:
+            call = _exchange(size, ranks[sum(pair) - me], group, device) if me in pair else _idle
+            seconds.append(_time(call, group, device, iters, budget_s))
+        if me in pair:
+            rows.append({"dim": dim, "op": "send_recv", "group": [ranks[r] for r in pair], "seconds": seconds})
+    return rows
+
+
+def _idle() -> None:
+    pass
+
+
+def _collate(per_rank: list[list[dict]], sizes: list[int], outlier: float) -> list[dict]:
+    """One row per (dim, op, group): the slowest member's time, bandwidths, the α–β fit and an outlier flag."""
+    merged: dict[tuple, list[list[float]]] = {}
+    for rows in per_rank:
+        for row in rows:
+            merged.setdefault((row["dim"], row["op"], tuple(row["group"])), []).append(row["seconds"])
+    out = []
+    for dim, op, group in sorted(merged, key=lambda k: (DIMS.index(k[0]), OPS.index(k[1]), k[2])):
+        times = merged[(dim, op, group)]
+        n = 2 if op == "send_recv" else len(group)
+        seconds = [max(t) for t in zip(*times, strict=True)]
+        alpha, beta = fit_link(op, n, sizes, seconds)
+        out.append({
+            "dim": dim, "op": op, "group": list(group), "sizes": sizes, "seconds": seconds,
+            "algbw_Bps": [s / t for s, t in zip(sizes, seconds, strict=True)],
+            "busbw_Bps": [busbw(op, n, s, t) for s, t in zip(sizes, seconds, strict=True)],
+            "alpha_s": alpha, "beta_Bps": beta, "slow": False,
+        })  # fmt: skip
+    for dim, op in {(r["dim"], r["op"]) for r in out}:
+        peers = [r for r in out if (r["dim"], r["op"]) == (dim, op)]
+        median = statistics.median(r["busbw_Bps"][-1] for r in peers)
+        for r in peers:
+            r["slow"] = len(peers) > 1 and r["busbw_Bps"][-1] < outlier * median
+    return out
+
+
+def doctor(
+    layout: str = "",
+    device: torch.device | str = "cpu",
+    sizes: list[int] | None = None,
+    iters: int = 20,
+    budget_s: float = 0.5,
+    matmul_n: int | None = None,
+    matmul_seconds: float = 0.5,
+    slow_rank: int | None = None,
+    slow_factor: float = 3.0,
+    outlier: float = 0.8,
+) -> dict:
+    """Measure links and matmul throughput inside an initialised process group; every rank gets the report.
+
+    `slow_rank` (default: $MESHLM_SLOW_RANK) makes that rank's matmul `slow_factor` ($MESHLM_SLOW_FACTOR)
+    times slower, to check that outliers and stragglers are caught."""
+    device = torch.device(device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    parsed = parse_layout(layout, world)
+    sizes = sizes or default_sizes(device.type)
+    if slow_rank is None and os.environ.get("MESHLM_SLOW_RANK"):
+        slow_rank = int(os.environ["MESHLM_SLOW_RANK"])
+        slow_factor = float(os.environ.get("MESHLM_SLOW_FACTOR", slow_factor))
+
+    framework = _framework_bytes(device)
+    rows: list[dict] = []
+    dims = [d for d in DIMS if getattr(parsed, d) > 1]
+    if dims:
+        mesh = build_mesh(parsed, device.type)
+        for dim in dims:
+            rows += _measure_dim(dim, mesh.group(dim), sizes, device, iters, budget_s)
+
+    cuda = device.type == "cuda"
+    dist.barrier()  # all ranks measure at once: ranks sharing a CPU each see their share
+    bandwidth = copy_bandwidth(GiB if cuda else 64 * MiB, device)
+    dist.barrier()
+    flops = matmul_flops(
+        matmul_n or (8192 if cuda else 512),
+        torch.bfloat16 if cuda else torch.float32,
+        device,
+        matmul_seconds,
+        slow_factor if rank == slow_rank else 1.0,
+    )
+    me = {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
+        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
+        "matmul_flops": flops,
+        "memory_bw": bandwidth,
+        "framework_bytes": framework,
+    }
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (me, rows))
+    ranks = [r for r, _ in gathered]
+    median = statistics.median(r["matmul_flops"] for r in ranks)
+    for r in ranks:
+        r["slow"] = r["matmul_flops"] < outlier * median
+    collectives = _collate([rows for _, rows in gathered], sizes, outlier)
+    return {
+        "version": 1,
+        "device": "cuda" if cuda else "cpu",
+        "backend": dist.get_backend(),
+        "dtype": "bf16" if cuda else "fp32",
+        "torch": torch.__version__,
+        "world_size": world,
+        "layout": str(parsed),
+        "outlier_threshold": outlier,
+        "ranks": ranks,
+        "collectives": collectives,
+        "outliers": _outliers(ranks, collectives, median, outlier),
+    }
+
+
+def _framework_bytes(device: torch.device) -> int:
+    """Memory a process holds besides tensors: on GPU what the driver reports used beyond the caching
+    allocator (CUDA context, NCCL); on CPU the process RSS before any measurement (python + torch)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free - torch.cuda.memory_reserved(device)
+    return process_memory().get("mem_rss_bytes", 0)
+
+
+def _outliers(ranks: list[dict], collectives: list[dict], median: float, outlier: float) -> list[str]:
+    lines = [
+        f"rank {r['rank']} ({r['host']}): matmul {_rate(r['matmul_flops'])} < {outlier}× median {_rate(median)}"
+        for r in ranks
+        if r["slow"]
+    ]
+    lines += [
+        f"{r['dim']} {r['op']} ranks {r['group']}: bus bandwidth {_gbps(r['busbw_Bps'][-1])} at "
+        f"{_size(r['sizes'][-1])} is below {outlier}× the median of its dimension"
+        for r in collectives
+        if r["slow"]
+    ]
+    return lines
+
+
+# ---- the table ----------------------------------------------------------------------------------------------
+def _rate(flops: float) -> str:
+    return f"{flops / 1e12:.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.1f} GFLOP/s"
+
+
+def _gbps(bps: float) -> str:
+    return f"{bps / 1e9:.2f} GB/s"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
+def print_report(report: dict, console: Console | None = None) -> None:
+    """Links, then ranks; outliers in red."""
+    console = console or Console(width=None if sys.stdout.isatty() else 120)  # logs: no 80-column wrap
+    links = Table(title=f"Links ({report['backend']}, layout {report['layout']})")
+    sizes = report["collectives"][0]["sizes"] if report["collectives"] else [0]
+    columns = ("dim", "op", "ranks", f"time {_size(sizes[0])}", f"busbw {_size(sizes[-1])}", "α/step", "β busbw")
+    for column in columns:
+        links.add_column(column, justify="left" if column in ("dim", "op", "ranks") else "right")
+    for r in report["collectives"]:
+        links.add_row(
+            r["dim"],
+            r["op"],
+            ",".join(map(str, r["group"])),
+            f"{r['seconds'][0] * 1e6:.0f} µs",
+            _gbps(r["busbw_Bps"][-1]),
+            f"{r['alpha_s'] * 1e6:.1f} µs",
+            _gbps(r["beta_Bps"]),
+            style="bold red" if r["slow"] else None,
+        )
+    ranks = Table(title="Ranks")
+    for column in ("rank", "host", "device", "matmul", "memory copy", ""):
+        ranks.add_column(column)
+    for r in report["ranks"]:
+        cells = (str(r["rank"]), r["host"], r["device_name"], _rate(r["matmul_flops"]), _gbps(r["memory_bw"]))
+        ranks.add_row(*cells, "SLOW" if r["slow"] else "", style="bold red" if r["slow"] else None)
+    if report["collectives"]:
+        console.print(links)
+    console.print(ranks)
+    for line in report["outliers"]:
+        console.print(f"[bold red]outlier:[/] {line}")
+    if not report["outliers"]:
+        console.print(f"no outliers (threshold {report['outlier_threshold']}× median)")
+
+
+# ---- command line -------------------------------------------------------------------------------------------
+def parse_bytes(text: str) -> int:
+    """'4K' -> 4096, '16M' -> 16 MiB, '1G' -> 1 GiB, '512' -> 512 (binary units, as nccl-tests)."""
+    units = {"K": KiB, "M": MiB, "G": GiB}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4K, 16M, 1G)") from None
+
+
+def add_doctor_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `doctor` on a subparsers object."""
+    p = subparsers.add_parser("doctor", help="measure collective bandwidth and matmul speed; flag slow ranks")
+    p.add_argument("--layout", default="", help="mesh to measure, e.g. pp=2,dp=2,tp=2 (default: the world as dp)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--out", type=Path, default=Path("doctor.json"), help="calibration JSON for `meshlm plan`")
+    p.add_argument("--min-bytes", type=parse_bytes, default=4 * KiB, help="smallest message (default 4K)")
+    p.add_argument("--max-bytes", type=parse_bytes, help="largest message (default 16M on CPU, 1G on GPU)")
+    p.add_argument("--iters", type=int, default=20, help="most timed calls per size")
+    p.add_argument("--budget-s", type=float, default=0.5, help="time to spend per size and op, roughly")
+    p.add_argument("--matmul-size", type=int, help="n of the n×n matmul (default 512 CPU, 8192 GPU)")
+    p.add_argument("--outlier", type=float, default=0.8, help="flag below this fraction of the median")
+    p.add_argument("--slow-rank", type=int, help="testing: make this rank's matmul slower (or $MESHLM_SLOW_RANK)")
+    p.add_argument("--slow-factor", type=float, default=3.0, help="testing: how much slower")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
+    p.set_defaults(func=run_doctor)
+    return p
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Join (or create) the process group, measure, and on rank 0 print the table and write the JSON files."""
+    device = resolve_device(args.device)
+    created = init_distributed(device, args.timeout_s)
+    try:
+        sizes = default_sizes(device.type, args.min_bytes, args.max_bytes)
+        if not sizes:
+            print(f"meshlm doctor: no message sizes between {args.min_bytes} and {args.max_bytes}", file=sys.stderr)
+            return 2
+        report = doctor(
+            args.layout, device, sizes, args.iters, args.budget_s, args.matmul_size,
+            slow_rank=args.slow_rank, slow_factor=args.slow_factor, outlier=args.outlier,
+        )  # fmt: skip
+        if dist.get_rank() == 0:
+            print_report(report)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(calibration(report), indent=2) + "\n")
+            print(f"calibration written to {args.out} (meshlm plan --calibration {args.out})")
+        return 0
+    finally:
+        if created:
+            dist.destroy_process_group()

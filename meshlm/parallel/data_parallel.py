@@ -1,0 +1,380 @@
+"""Data parallelism and ZeRO-1/2/3 over the dp group, written directly on torch.distributed collectives.
+
+Every stage packs parameters into flat buffers (zero.FlatBuffer) and reduces gradients buffer by buffer from
+post-accumulate-grad hooks, asynchronously, so communication overlaps the rest of the backward:
+  zero 0  buckets of `bucket_mb`, all-reduced; the optimizer steps the full parameters.
+  zero 1  same buckets, reduce-scattered in place; each rank steps an fp32 shard, then all-gathers the weights.
+  zero 2  the full gradient of a bucket is freed right after its reduce-scatter; only the shard is kept.
+  zero 3  one unit per block (and embedding, norm+head): weights gathered before use, freed after (zero.py).
+Inner micro-batches of gradient accumulation (set_grad_sync False) never communicate: gradients accumulate in
+the full buffers and are reduced once on the last micro-batch. Under ZeRO-2/3 this keeps full gradients for
+the accumulation window (reducing every micro-batch would keep only shards, for n_micro times the traffic).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshlm.parallel.zero import (
+    FlatBuffer,
+    Unit,
+    Zero3Hooks,
+    all_gather_flat,
+    decays,
+    direct_params,
+    hybrid_shard_groups,
+    reduce_scatter_flat,
+    unit_module_groups,
+)
+
+# ZeRO-2/3 wait for the oldest reduction beyond this many in flight, so freed gradient buffers bound memory.
+MAX_INFLIGHT_SHARDED_REDUCTIONS = 2
+
+
+@dataclass
+class Reduction:
+    """An in-flight gradient reduction: `grad` is being summed into `out` (all of it, or this rank's shard)."""
+
+    buffer: FlatBuffer
+    work: dist.Work
+    grad: torch.Tensor
+    out: torch.Tensor
+
+
+@dataclass
+class ShardedTensor:
+    """Elements [offset, offset + local.numel()) of the flattened tensor `name` of shape `global_shape`."""
+
+    name: str
+    global_shape: torch.Size
+    offset: int
+    local: torch.Tensor
+
+
+def bucket_params(params: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:
+    """Buckets in reverse order of registration, which is roughly the order gradients become ready in backward,
+    so the first buckets fill (and start reducing) early; one kind (decay or not) per bucket."""
+    buckets: list[list[nn.Parameter]] = []
+    filling: dict[bool, list[nn.Parameter]] = {True: [], False: []}
+    size = {True: 0, False: 0}
+    for p in reversed(params):
+        kind = decays(p)
+        filling[kind].append(p)
+        size[kind] += p.numel() * p.element_size()
+        if size[kind] >= bucket_bytes:
+            buckets.append(filling[kind])
+            filling[kind], size[kind] = [], 0
+    return buckets + [b for b in filling.values() if b]
+
+
+def split_by_kind(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    return [group for group in ([p for p in params if decays(p)], [p for p in params if not decays(p)]) if group]
+
+
+def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one flat buffer count once, padding included)."""
+    sizes = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
+
+
+class DataParallel:
+    """Makes dp replicas of `chunks` train like one model: gradient averaging plus optional ZeRO sharding.
+
+    shard_group_size enables hybrid sharding (HSDP): shard within consecutive blocks of that many dp ranks and
+    replicate across blocks. param_dtype is the working (gathered) weight dtype, e.g. bf16, over fp32 master
+    shards (zero >= 1); reduce_dtype is the dtype gradients are summed in.
+    """
+
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        group: dist.ProcessGroup,
+        zero: int = 0,
+        bucket_mb: float = 25.0,
+        shard_group_size: int | None = None,
+        param_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if zero not in (0, 1, 2, 3):
+            raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero}")
+        if zero == 0 and (shard_group_size is not None or param_dtype != torch.float32):
+            raise ValueError("hybrid sharding and param_dtype need zero >= 1 (zero 0 steps the fp32 params)")
+        self.chunks = chunks
+        self.stage = zero
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.dp_size = dist.get_world_size(group)
+        if zero == 0:
+            self.shard_group, self.replicate_group = None, group
+        else:
+            self.shard_group, self.replicate_group = hybrid_shard_groups(group, shard_group_size)
+        self.shard_size = dist.get_world_size(self.shard_group) if self.shard_group is not None else 1
+        self.shard_rank = dist.get_rank(self.shard_group) if self.shard_group is not None else 0
+        # The one replica whose (identical) reduced gradients and shards count in norms and checkpoints.
+        self.primary_replica = self.replicate_group is None or dist.get_rank(self.replicate_group) == 0
+
+        self.chunk_params: list[list[nn.Parameter]] = []
+        self.names: dict[int, str] = {}
+        for chunk in chunks:
+            params = []
+            for name, p in chunk.named_parameters():
+                if p.requires_grad and id(p) not in self.names:
+                    self.names[id(p)] = name
+                    params.append(p)
+            self.chunk_params.append(params)
+
+        self.units: list[Unit] = []
+        self.chunk_buffers: list[list[FlatBuffer]] = []  # per chunk, in the order reductions are launched
+        for chunk, params in zip(chunks, self.chunk_params, strict=True):
+            if zero == 3:
+                units = self._build_units(chunk, params)
+                self.units += units
+                self.chunk_buffers.append([buf for unit in reversed(units) for buf in unit.buffers])
+            else:
+                self.chunk_buffers.append([self._make_buffer(b) for b in bucket_params(params, bucket_mb * 2**20)])
+        self.buffers = [buf for bufs in self.chunk_buffers for buf in bufs]
+        self.unit_of_buffer = {id(buf): unit for unit in self.units for buf in unit.buffers}
+        self._setup_stage(group)
+
+        self.grad_sync = [True] * len(chunks)
+        self.next_launch = [0] * len(chunks)
+        self.inflight: collections.deque[Reduction] = collections.deque()
+        for c, bufs in enumerate(self.chunk_buffers):
+            for buf in bufs:
+                for i, p in enumerate(buf.params):
+                    p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, c, buf, i))
+
+    # ---- construction ---------------------------------------------------------------------------------------
+    def _make_buffer(self, params: list[nn.Parameter]) -> FlatBuffer:
+        return FlatBuffer(params, self.shard_size, self.shard_rank, self.param_dtype)
+
+    def _build_units(self, chunk: nn.Module, params: list[nn.Parameter]) -> list[Unit]:
+        """ZeRO-3 units in forward order; a parameter shared by two units (tied embeddings) joins the first."""
+        owned = {id(p) for p in params}
+        groups = unit_module_groups(chunk)
+        hooked = {m for modules in groups for m in modules}
+        units, unit_of_param = [], {}
+        for modules in groups:
+            mine = {}  # id -> param: insertion-ordered and free of duplicates
+            for m in modules:
+                mine.update(
+                    {id(p): p for p in direct_params(m, hooked) if id(p) in owned and id(p) not in unit_of_param}
+                )
+            mine = list(mine.values())
+            if mine:
+                unit = Unit(modules, [self._make_buffer(kind) for kind in split_by_kind(mine)], self.shard_group)
+                unit_of_param.update({id(p): unit for p in mine})
+                units.append(unit)
+        Zero3Hooks(units, unit_of_param)  # registers itself on the units' modules
+        return units
+
+    @torch.no_grad()
+    def _setup_stage(self, group: dist.ProcessGroup) -> None:
+        """Start every replica from dp rank 0's weights, then create the masters and gradient buffers."""
+        for buf in self.buffers:
+            dist.broadcast(buf.data, src=dist.get_global_rank(group, 0), group=group)
+            if self.stage == 0:
+                buf.alloc_grad()
+                buf.grad_shard = buf.full_grad
+                continue
+            share = self.stage < 3 and self.param_dtype == torch.float32
+            shard = buf.data[buf.shard]
+            buf.master = nn.Parameter(shard if share else shard.to(torch.float32, copy=True))
+            if self.stage == 1:
+                buf.alloc_grad()
+            if self.stage == 1 and share:
+                buf.grad_shard = buf.full_grad[buf.shard]
+            else:
+                buf.grad_shard = torch.zeros(buf.shard_numel, dtype=torch.float32, device=buf.data.device)
+            buf.master.grad = buf.grad_shard
+            if self.stage == 3:
+                buf.free_params()
+
+    # ---- backward: reduce each buffer as soon as its gradients are complete ---------------------------------
+    def set_grad_sync(self, chunk: int, enabled: bool) -> None:
+        """Whether the next backward of `chunk` reduces gradients (False on inner micro-batches: no traffic)."""
+        self.grad_sync[chunk] = enabled
+
+    def _grad_ready(self, chunk: int, buf: FlatBuffer, index: int, param: nn.Parameter) -> None:
+        if buf.full_grad is None:
+            buf.alloc_grad()  # ZeRO-2/3: the first gradient of this buffer since its last reduction
+        buf.ready.add(index)
+        if len(buf.ready) < len(buf.params):
+            return
+        buf.ready.clear()
+        if self.stage == 3:
+            self.unit_of_buffer[id(buf)].buffer_grads_ready(buf)
+        if self.grad_sync[chunk]:
+            buf.reduce_requested = True
+            self._launch_in_order(chunk)
+
+    def _launch_in_order(self, chunk: int) -> None:
+        """Launch ready buffers strictly in their fixed order, so every rank issues the same collective sequence."""
+        order = self.chunk_buffers[chunk]
+        while self.next_launch[chunk] < len(order) and order[self.next_launch[chunk]].reduce_requested:
+            self._reduce(order[self.next_launch[chunk]])
+            self.next_launch[chunk] += 1
+
+    def _reduce(self, buf: FlatBuffer) -> None:
+        if buf.full_grad is None:
+            buf.alloc_grad()  # no parameter of this buffer got a gradient: its peers still need our zeros
+        grad = buf.full_grad.to(self.reduce_dtype)
+        if self.shard_group is None:
+            out = grad
+            work = dist.all_reduce(grad, group=self.replicate_group, async_op=True)
+        else:
+            if self.stage == 1:
+                out = grad[buf.shard]  # in place: the output may be the input's own slice (NCCL and gloo)
+            elif grad.dtype == buf.grad_shard.dtype:
+                out = buf.grad_shard
+            else:
+                out = grad.new_empty(buf.shard_numel)
+            work = reduce_scatter_flat(out, grad, group=self.shard_group, async_op=True)
+        self.inflight.append(Reduction(buf, work, grad, out))
+        if self.stage >= 2 and len(self.inflight) > MAX_INFLIGHT_SHARDED_REDUCTIONS:
+            self._complete(self.inflight.popleft())
+
+    def _complete(self, reduction: Reduction) -> None:
+        reduction.work.wait()
+        buf, out = reduction.buffer, reduction.out
+        if self.shard_group is not None and self.replicate_group is not None:
+            dist.all_reduce(out, group=self.replicate_group)  # hybrid: sum the shard across replicas too
+        out.div_(self.dp_size)
+        if out.data_ptr() != buf.grad_shard.data_ptr():
+            buf.grad_shard.copy_(out)
+        if self.stage >= 2:
+            buf.free_grad()
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what the hooks did not (parameters without gradient), then wait for every reduction."""
+        for chunk, order in enumerate(self.chunk_buffers):
+            for buf in order[self.next_launch[chunk] :]:
+                self._reduce(buf)
+            self.next_launch[chunk] = 0
+            for buf in order:
+                buf.ready.clear()
+                buf.reduce_requested = False
+        while self.inflight:
+            self._complete(self.inflight.popleft())
+        for unit in self.units:
+            unit.end_backward()
+
+    # ---- optimizer interface ----------------------------------------------------------------------------------
+    def optimizer_param_groups(self, weight_decay: float) -> list[dict]:
+        """The full parameters under zero 0, else this rank's fp32 master shards; matrices decay, vectors not."""
+        if self.stage == 0:
+            params = [p for ps in self.chunk_params for p in ps]
+            matrices = [p for p in params if decays(p)]
+            vectors = [p for p in params if not decays(p)]
+        else:
+            matrices = [buf.master for buf in self.buffers if buf.decays]
+            vectors = [buf.master for buf in self.buffers if not buf.decays]
+        return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+
+    @torch.no_grad()
+    def grad_sq_sum(self, skip: Callable[[nn.Parameter], bool]) -> torch.Tensor:
+        """Sum of squared reduced gradients this rank is responsible for: its shard, on one replica only."""
+        total = torch.zeros((), dtype=torch.float64)
+        if not self.primary_replica:
+            return total
+        for buf in self.buffers:
+            kept = [buf.grad_shard[lo:hi] for p, _, lo, hi in buf.pieces if not skip(p)]
+            if len(kept) == len(buf.pieces):
+                kept = [buf.grad_shard]  # one kernel for the whole shard: its padding gradient is zero
+            for grad in kept:
+                total += torch.linalg.vector_norm(grad, dtype=torch.float64).square().cpu()
+        return total
+
+    @torch.no_grad()
+    def scale_grads_(self, coef: torch.Tensor) -> None:
+        for buf in self.buffers:
+            buf.grad_shard.mul_(coef.to(buf.grad_shard.device))
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """ZeRO-1/2: every rank updated its shard; all-gather the new weights into the model's flat buffers."""
+        if self.stage not in (1, 2):
+            return
+        works = []
+        for buf in self.buffers:
+            shard = buf.data[buf.shard]
+            if shard.data_ptr() != buf.master.data_ptr():
+                shard.copy_(buf.master)
+            works.append(all_gather_flat(buf.data, shard, group=self.shard_group, async_op=True))
+        for work in works:
+            work.wait()
+
+    def zero_grad(self) -> None:
+        """Stages 0/1 keep their full gradient buffers (param.grad are views) and zero them; 2/3 free them."""
+        for buf in self.buffers:
+            if self.stage >= 2:
+                buf.free_grad()
+            else:
+                buf.full_grad.zero_()
+            if self.stage >= 1:
+                buf.grad_shard.zero_()
+
+    # ---- state ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def unsharded_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights (from the fp32 masters when sharded) under the chunks' state_dict names."""
+        full: dict[int, torch.Tensor] = {}
+        for buf in self.buffers:
+            flat = buf.data if self.stage == 0 else buf.gather_master(self.shard_group)
+            for p, view in zip(buf.params, buf.views(flat), strict=True):
+                full[id(p)] = view.float().cpu().clone()
+        state = {}
+        for chunk in self.chunks:
+            for name, t in chunk.state_dict(keep_vars=True).items():
+                state[name] = full[id(t)] if id(t) in full else t.detach().float().cpu().clone()
+        return state
+
+    def sharded_state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, list[ShardedTensor]]:
+        """This rank's pieces of the fp32 weights ('model') and, given the optimizer, of AdamW's moments
+        ('exp_avg', 'exp_avg_sq'), as views (no copies). Only the primary replica reports, so the union over
+        all ranks covers every element exactly once; tied parameters appear once, under their first name."""
+        keys = ["model"] + (["exp_avg", "exp_avg_sq"] if optimizer is not None else [])
+        out: dict[str, list[ShardedTensor]] = {key: [] for key in keys}
+        if not self.primary_replica:
+            return out
+        for buf in self.buffers:
+            for p, offset, lo, hi in buf.pieces:
+                if self.stage == 0:
+                    sources = {"model": p.detach().view(-1)}
+                    state = optimizer.state[p] if optimizer is not None else {}
+                else:
+                    sources = {"model": buf.master.detach()[lo:hi]}
+                    state = optimizer.state[buf.master] if optimizer is not None else {}
+                for key in keys[1:]:
+                    moment = state[key].view(-1)
+                    sources[key] = moment if self.stage == 0 else moment[lo:hi]
+                for key, local in sources.items():
+                    out[key].append(ShardedTensor(self.names[id(p)], p.shape, offset, local))
+        return out
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds now in parameters (working weights + fp32 masters), gradients (full buffers and
+        reduced shards) and, given the optimizer, its state (AdamW moments; the scalar step counts excluded)."""
+        params = [p for ps in self.chunk_params for p in ps] + [b.master for b in self.buffers if b.master is not None]
+        grads = [p.grad for p in params if p.grad is not None]
+        state = []
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    state += [v for k, v in optimizer.state[p].items() if k != "step" and torch.is_tensor(v)]
+        return {
+            "params": unique_storage_bytes(params),
+            "grads": unique_storage_bytes(grads),
+            "optimizer": unique_storage_bytes(state),
+        }

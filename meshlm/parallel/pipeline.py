@@ -1,0 +1,313 @@
+"""Pipeline parallelism: split the layers into contiguous stages and run a schedule of micro-batches over them.
+
+`split_model` keeps only this rank's stages ("chunks") of the plain Transformer: the embedding lives on the
+first stage, the final norm and head on the last, and with v virtual stages rank r holds stages r, r+p, ...
+`PipelineSchedule` executes the per-rank action list from `schedules.py` with point-to-point sends and
+receives on the `pp` group; every wait has a timeout, so a dead or stuck neighbour ends the step with a
+`PipelineError` that names the stage and micro-batch instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshlm.model.config import ModelConfig
+from meshlm.model.flops import param_counts
+from meshlm.model.llama import Transformer, cross_entropy_loss
+from meshlm.parallel.schedules import COMPUTE, SENDS, WAITS, Action, build_schedule
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Key = tuple[str, int, int]  # a message: (direction F/B, chunk, micro-batch)
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step that cannot finish: a neighbour failed, or a message did not arrive in time."""
+
+
+# ---- splitting --------------------------------------------------------------------------------------
+def part_costs(cfg: ModelConfig, cost: str = "flops", seq_len: int | None = None) -> tuple[float, float, float]:
+    """(embedding, one layer, final norm + head) cost, by forward FLOPs per token or by parameter count.
+
+    FLOPs balance step time (the embedding is a lookup, the head a V×d matmul); parameters balance memory.
+    """
+    counts = param_counts(cfg)
+    if cost == "params":
+        return float(counts["embedding"]), float(counts["per_layer"]), float(counts["final_norm"] + counts["lm_head"])
+    if cost == "flops":
+        s = seq_len or cfg.max_seq_len
+        matmuls = counts["attention_per_layer"] + counts["mlp_per_layer"]
+        return 0.0, 2.0 * matmuls + 4.0 * s * cfg.dim, 2.0 * cfg.vocab_size * cfg.dim
+    raise ValueError(f"pipeline split cost must be 'flops' or 'params', got {cost!r}")
+
+
+def stage_layers(
+    cfg: ModelConfig,
+    n_stages: int,
+    boundaries: Sequence[int] | None = None,
+    cost: str = "flops",
+) -> list[range]:
+    """Layer indices of each model stage: contiguous, non-empty, in order.
+
+    `boundaries` lists the first layer of stages 1..n_stages-1 explicitly; otherwise the split minimises
+    the most expensive stage (then the spread), counting the embedding on stage 0 and the head on the last.
+    """
+    n = cfg.n_layers
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {n_stages} pipeline stages (each stage needs a layer)")
+    if boundaries is not None:
+        cuts = [0, *boundaries, n]
+        if len(cuts) != n_stages + 1 or any(a >= b for a, b in itertools.pairwise(cuts)):
+            raise ValueError(
+                f"pipeline boundaries {list(boundaries)} must be {n_stages - 1} increasing layer indices in 1..{n - 1}"
+            )
+        return [range(a, b) for a, b in itertools.pairwise(cuts)]
+
+    embed, layer, head = part_costs(cfg, cost)
+
+    def stage_cost(stage: int, start: int, end: int) -> float:
+        return (end - start) * layer + (embed if stage == 0 else 0.0) + (head if stage == n_stages - 1 else 0.0)
+
+    # best[k][j] = (cost of the worst stage, Σ stage cost², first layer of stage k) for layers [0, j) in k+1 stages
+    best = [{j: (stage_cost(0, 0, j), stage_cost(0, 0, j) ** 2, 0) for j in range(1, n + 1)}]
+
+    def extend(k: int, i: int, j: int) -> tuple[float, float, int]:
+        worst, squares, _ = best[k - 1][i]
+        c = stage_cost(k, i, j)
+        return max(worst, c), squares + c * c, i
+
+    for k in range(1, n_stages):
+        best.append({j: min(extend(k, i, j) for i in range(k, j)) for j in range(k + 1, n + 1)})
+    cuts, j = [n], n
+    for k in range(n_stages - 1, 0, -1):
+        j = best[k][j][2]
+        cuts.append(j)
+    cuts.append(0)
+    cuts.reverse()
+    return [range(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def split_model(
+    model: Transformer,
+    pp_rank: int,
+    pp_size: int,
+    virtual_stages: int = 1,
+    boundaries: Sequence[int] | None = None,
+    cost: str = "flops",
+) -> list[nn.Module]:
+    """This rank's chunks, in chunk order: chunk c is model stage c·pp_size + pp_rank (Megatron's assignment).
+
+    Each chunk is a Transformer sharing `model`'s modules, with the parts it does not own set to None or left
+    out of the layer dict (so parameter names stay the HF names). Drop `model` to free the rest.
+    """
+    cfg = model.cfg
+    if cfg.tie_embeddings and pp_size > 1:
+        raise ValueError(
+            "model.tie_embeddings is not supported with pp > 1: the embedding (first stage) and the head "
+            "(last stage) live on different ranks; set model.tie_embeddings = false"
+        )
+    n_stages = pp_size * virtual_stages
+    ranges = stage_layers(cfg, n_stages, boundaries, cost)
+    chunks: list[nn.Module] = []
+    for stage in range(pp_rank, n_stages, pp_size):
+        with torch.device("meta"):
+            chunk = Transformer(cfg.replace(n_layers=1))  # an empty shell; every part is replaced below
+        chunk.cfg = cfg
+        chunk.model.embed_tokens = model.model.embed_tokens if stage == 0 else None
+        chunk.model.layers = nn.ModuleDict({str(i): model.model.layers[str(i)] for i in ranges[stage]})
+        chunk.model.norm = model.model.norm if stage == n_stages - 1 else None
+        chunk.lm_head = model.lm_head if stage == n_stages - 1 else None
+        chunk.rope_cos, chunk.rope_sin = model.rope_cos, model.rope_sin
+        chunk.activation_checkpointing = model.activation_checkpointing
+        chunk.train(model.training)
+        chunks.append(chunk)
+    return chunks
+
+
+# ---- executing a schedule ---------------------------------------------------------------------------
+@dataclass
+class StepStats:
+    """What the last step cost this rank: wall time, time blocked waiting for messages, and activation memory."""
+
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    peak_in_flight: int = 0  # most micro-batches whose forward has run and backward has not
+
+
+class PipelineSchedule:
+    """Runs one rank's action list: forwards and backwards of its chunks, sends and receives to neighbours.
+
+    Activations and gradients between stages have the shape (micro-batch, seq / seq_shards, dim) — seq_shards
+    is the tp size under sequence parallelism — and the dtype of the residual stream (the parameter dtype;
+    autocast does not change it), so every receive buffer is allocated before the data arrives. Messages
+    between two ranks match in order; the schedule guarantees the order. Every wait is bounded by the
+    process group's timeout (`parallel.timeout_s`): a dead or stuck neighbour raises PipelineError.
+    """
+
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        pp_group: dist.ProcessGroup,
+        schedule: str = "1f1b",
+        n_micro: int = 1,
+        loss_fn: LossFn = cross_entropy_loss,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        set_grad_sync: Callable[[int, bool], None] | None = None,
+        seq_shards: int = 1,
+    ) -> None:
+        self.chunks = chunks
+        self.group = pp_group
+        self.rank, self.size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+        self.peers = [dist.get_global_rank(pp_group, r) for r in range(self.size)]
+        self.n_micro = n_micro
+        self.n_stages = self.size * len(chunks)
+        self.loss_fn = loss_fn
+        self.autocast = autocast
+        self.set_grad_sync = set_grad_sync or (lambda chunk, enabled: None)
+        self.seq_shards = seq_shards
+        self.actions = build_schedule(schedule, self.size, n_micro, len(chunks))[self.rank]
+        self.eval_actions = build_schedule(schedule, self.size, n_micro, len(chunks), forward_only=True)[self.rank]
+        param = next(chunks[0].parameters())
+        self.dtype, self.device, self.dim = param.dtype, param.device, chunks[0].cfg.dim
+        self.stats = StepStats()
+
+    def stage(self, chunk: int) -> int:
+        return chunk * self.size + self.rank
+
+    def train_step(self, micro_inputs: Sequence[torch.Tensor], micro_targets: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Forward and backward every micro-batch; gradients accumulate in the chunks' parameters.
+
+        Returns Σ micro_loss / n_micro on the last stage (the global-batch mean) and 0 elsewhere.
+        """
+        return self._run(self.actions, micro_inputs, micro_targets, train=True)
+
+    @torch.no_grad()
+    def eval_step(self, micro_inputs: Sequence[torch.Tensor], micro_targets: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Forward only; the mean loss over micro-batches on the last stage, 0 elsewhere."""
+        return self._run(self.eval_actions, micro_inputs, micro_targets, train=False)
+
+    def broadcast_from_last_stage(self, loss: torch.Tensor) -> None:
+        """Overwrite `loss` in place with the last stage's value, so every rank reports the same number."""
+        dist.broadcast(loss, src=self.peers[-1], group=self.group)
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def _run(
+        self, actions: list[Action], inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], train: bool
+    ) -> torch.Tensor:
+        if len(inputs) != self.n_micro:
+            raise ValueError(f"pipeline built for {self.n_micro} micro-batches, got {len(inputs)}")
+        start = time.perf_counter()
+        self.stats = StepStats()
+        last_backward = {a.chunk: a.micro for a in actions if a.kind == "B"}  # the one that triggers dp sync
+        total = torch.zeros((), device=self.device)
+        self._outbox: dict[Key, torch.Tensor] = {}  # computed, waiting for its send action
+        self._inbox: dict[Key, tuple[dist.Work, torch.Tensor, Action]] = {}  # posted receives
+        self._sends: dict[Key, tuple[dist.Work, Action]] = {}  # posted sends, until their WAIT
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, micro) -> in, out
+        i = 0
+        while i < len(actions):
+            a = actions[i]
+            if a.kind in WAITS:
+                self._wait(*self._sends.pop((a.kind[-1], a.chunk, a.micro)))
+                i += 1
+                continue
+            if a.kind not in COMPUTE:
+                j = i
+                while j < len(actions) and actions[j].kind not in COMPUTE + WAITS:
+                    j += 1
+                self._post(actions[i:j], inputs)
+                i = j
+                continue
+            stage = self.stage(a.chunk)
+            if a.kind == "F":
+                x = inputs[a.micro] if stage == 0 else self._receive(("F", a.chunk, a.micro))
+                if train and stage > 0:
+                    x.requires_grad_()
+                with self.autocast():
+                    out = self.chunks[a.chunk](x)
+                    if stage == self.n_stages - 1:
+                        out = self.loss_fn(out, targets[a.micro]).float() / self.n_micro
+                if stage == self.n_stages - 1:
+                    total += out.detach()
+                else:
+                    self._check_shape(out, inputs[a.micro], a)
+                    self._outbox[("F", a.chunk, a.micro)] = out.detach()
+                if train:
+                    saved[(a.chunk, a.micro)] = (x if stage > 0 else None, out)
+                    self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(saved))
+            else:
+                x, out = saved.pop((a.chunk, a.micro))
+                self.set_grad_sync(a.chunk, a.micro == last_backward[a.chunk])
+                if stage == self.n_stages - 1:
+                    out.backward()
+                else:
+                    torch.autograd.backward(out, self._receive(("B", a.chunk, a.micro)))
+                if x is not None:
+                    self._outbox[("B", a.chunk, a.micro)] = x.grad
+            i += 1
+        self.stats.step_s = time.perf_counter() - start
+        return total
+
+    def _post(self, batch: list[Action], inputs: Sequence[torch.Tensor]) -> None:
+        """Issue a run of consecutive sends and receives as one batch of asynchronous point-to-point ops."""
+        ops = []
+        for a in batch:
+            if a.kind in SENDS:
+                tensor = self._outbox.pop((a.kind[-1], a.chunk, a.micro))
+                ops.append(dist.P2POp(dist.isend, tensor, self.peers[a.peer], self.group))
+            else:
+                buffer = torch.empty(self._hidden_shape(inputs[a.micro]), dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, buffer, self.peers[a.peer], self.group))
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as e:  # a neighbour's connection already closed
+            raise PipelineError(f"{self._where(batch[0])}: posting {self._what(batch[0])} failed: {e}") from e
+        for a, op, work in zip(batch, ops, works, strict=True):
+            if a.kind in SENDS:
+                self._sends[(a.kind[-1], a.chunk, a.micro)] = (work, a)
+            else:
+                self._inbox[(a.kind[-1], a.chunk, a.micro)] = (work, op.tensor, a)
+
+    def _receive(self, key: Key) -> torch.Tensor:
+        work, tensor, a = self._inbox.pop(key)
+        self._wait(work, a)
+        return tensor
+
+    def _wait(self, work: dist.Work, a: Action) -> None:
+        start = time.perf_counter()
+        try:
+            work.wait()  # bounded by the process group's timeout
+        except Exception as e:  # raised on timeout and when the neighbour's connection closes
+            raise PipelineError(
+                f"{self._where(a)}: {self._what(a)} failed after {time.perf_counter() - start:.1f}s: {e}"
+            ) from e
+        self.stats.wait_s += time.perf_counter() - start
+
+    def _hidden_shape(self, micro_input: torch.Tensor) -> tuple[int, ...]:
+        batch, seq = micro_input.shape[:2]
+        return (batch, seq // self.seq_shards, self.dim)
+
+    def _check_shape(self, out: torch.Tensor, micro_input: torch.Tensor, a: Action) -> None:
+        expected = self._hidden_shape(micro_input)
+        if tuple(out.shape) != expected or out.dtype != self.dtype:
+            raise PipelineError(
+                f"{self._where(a)}: output of micro-batch {a.micro} is {tuple(out.shape)} {out.dtype}, but the "
+                f"next stage expects {expected} {self.dtype} (micro-batch × seq/seq_shards × dim)"
+            )
+
+    def _where(self, a: Action) -> str:
+        return f"pipeline stage {self.stage(a.chunk)} (pp rank {self.rank}, chunk {a.chunk})"
+
+    @staticmethod
+    def _what(a: Action) -> str:
+        what = "activation" if a.kind.endswith("F") else "gradient"
+        if a.kind.startswith("SEND"):
+            return f"sending the {what} of micro-batch {a.micro} to pp rank {a.peer}"
+        return f"receiving the {what} of micro-batch {a.micro} from pp rank {a.peer}"

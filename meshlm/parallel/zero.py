@@ -1,0 +1,252 @@
+"""ZeRO building blocks: flat sharded buffers, hybrid-sharding process groups, and ZeRO-3 units with their hooks.
+
+A FlatBuffer lays parameters of one kind (matrices, which decay, or vectors, which do not) end to end in one
+tensor padded to a multiple of the shard-group size S, so rank r of the shard group owns the contiguous shard
+[r·n/S, (r+1)·n/S): its optimizer state, its reduced gradient and, under ZeRO-3, its only copy of the weights.
+Model parameters become views into the flat tensor (`param.data = view`), so the model code never changes and
+a whole buffer moves in one collective.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# torch 2.13 renamed the flat collectives; fall back to the older names (same semantics) on earlier versions.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def decays(param: nn.Parameter) -> bool:
+    """AdamW weight decay applies to matrices (embeddings, projections), never to vectors (norm weights)."""
+    return param.ndim >= 2
+
+
+class FlatBuffer:
+    """Same-kind parameters in one padded flat tensor, plus the gradient and optimizer views ZeRO needs.
+
+    full_grad:  the whole flat gradient (param.grad are views of it); ZeRO-2/3 free it after each reduction.
+    grad_shard: this rank's reduced fp32 gradient shard, the master's .grad (all of full_grad for zero 0).
+    master:     this rank's fp32 shard the optimizer steps; a view of `data` when the working params are fp32
+                and not sharded (ZeRO-1/2), so fp32 runs hold no second copy.
+    """
+
+    def __init__(self, params: list[nn.Parameter], shard_size: int, shard_rank: int, dtype: torch.dtype) -> None:
+        self.params = params
+        self.decays = decays(params[0])
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.numel = self.offsets.pop()
+        self.padded_numel = math.ceil(self.numel / shard_size) * shard_size
+        self.shard_numel = self.padded_numel // shard_size
+        self.shard = slice(shard_rank * self.shard_numel, (shard_rank + 1) * self.shard_numel)
+        self.data = torch.zeros(self.padded_numel, dtype=dtype, device=params[0].device)
+        with torch.no_grad():
+            for p, view in zip(params, self.views(self.data), strict=True):
+                view.copy_(p.detach())
+                p.data = view
+        self.pieces = self._shard_pieces()
+        self.full_grad: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.master: nn.Parameter | None = None
+        self.ready: set[int] = set()  # indices of params whose gradient is complete in this backward
+        self.reduce_requested = False
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of a flat tensor laid out like this buffer, shaped like the parameter."""
+        return [flat[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params, strict=True)]
+
+    def _shard_pieces(self) -> list[tuple[nn.Parameter, int, int, int]]:
+        """(param, offset into the flattened param, start, end within this rank's shard) for each overlap."""
+        pieces = []
+        for p, start in zip(self.params, self.offsets, strict=True):
+            lo, hi = max(start, self.shard.start), min(start + p.numel(), self.shard.stop)
+            if lo < hi:
+                pieces.append((p, lo - start, lo - self.shard.start, hi - self.shard.start))
+        return pieces
+
+    def alloc_grad(self) -> None:
+        """Allocate the flat gradient and make every param.grad a view of it, keeping grads already computed."""
+        self.full_grad = torch.zeros(self.padded_numel, dtype=self.data.dtype, device=self.data.device)
+        for p, view in zip(self.params, self.views(self.full_grad), strict=True):
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+
+    def free_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.full_grad = None
+
+    def free_params(self) -> None:
+        """Release the gathered weights; params keep their shapes, and their storage returns on the next gather."""
+        self.data.untyped_storage().resize_(0)
+
+    def start_gather(self, group: dist.ProcessGroup | None) -> tuple[dist.Work, torch.Tensor]:
+        """Re-allocate the full weights and all-gather them from every rank's master shard (async)."""
+        self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
+        src = self.master.detach().to(self.data.dtype)
+        return all_gather_flat(self.data, src, group=group, async_op=True), src
+
+    def gather_master(self, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """The full fp32 flat weights, gathered from the master shards (for export, not for training)."""
+        full = torch.empty(self.padded_numel, dtype=torch.float32, device=self.data.device)
+        all_gather_flat(full, self.master.detach(), group=group)
+        return full
+
+
+def hybrid_shard_groups(
+    dp_group: dist.ProcessGroup, shard_size: int | None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(shard group, replicate group) for this rank: shard over consecutive blocks of `shard_size` dp ranks
+    (e.g. one node, fast links), replicate across blocks. Without hybrid sharding: (dp group, None).
+
+    Every rank of the world must call this together: it creates the sub-groups of every dp group in one order.
+    """
+    dp_ranks = dist.get_process_group_ranks(dp_group)
+    dp = len(dp_ranks)
+    if shard_size is None or shard_size == dp:
+        return dp_group, None
+    if shard_size < 1 or dp % shard_size:
+        raise ValueError(f"ZeRO shard group size {shard_size} must divide the data-parallel size {dp}")
+    every: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dp_ranks)
+    dp_groups = sorted({tuple(ranks) for ranks in every})
+    shard_lists = [list(g[i : i + shard_size]) for g in dp_groups for i in range(0, dp, shard_size)]
+    replicate_lists = [list(g[j::shard_size]) for g in dp_groups for j in range(shard_size)]
+    shard_group, _ = dist.new_subgroups_by_enumeration(shard_lists)
+    replicate_group, _ = dist.new_subgroups_by_enumeration(replicate_lists)
+    return shard_group, replicate_group
+
+
+def unit_module_groups(chunk: nn.Module) -> list[list[nn.Module]]:
+    """The modules of each ZeRO-3 unit in forward order: the chunk itself (for any parameter outside the
+    units below), the embedding, each transformer block, and the final norm with the head."""
+    groups = [[chunk]]
+    decoder = getattr(chunk, "model", None)
+    if decoder is not None and hasattr(decoder, "layers"):
+        if decoder.embed_tokens is not None:
+            groups.append([decoder.embed_tokens])
+        groups += [[layer] for layer in decoder.layers.values()]
+        tail = [m for m in (decoder.norm, getattr(chunk, "lm_head", None)) if m is not None]
+        if tail:
+            groups.append(tail)
+    return groups
+
+
+def direct_params(module: nn.Module, hooked: set[nn.Module]) -> list[nn.Parameter]:
+    """Parameters reachable from `module` without entering another unit's module."""
+    params, stack = [], [module]
+    while stack:
+        m = stack.pop()
+        params += list(m.parameters(recurse=False))
+        stack += [c for c in m.children() if c not in hooked]
+    return params
+
+
+class Unit:
+    """One ZeRO-3 unit: its flat buffers are gathered together before use and freed together after."""
+
+    def __init__(self, modules: list[nn.Module], buffers: list[FlatBuffer], group: dist.ProcessGroup | None) -> None:
+        self.modules = modules
+        self.buffers = buffers
+        self.group = group
+        self.gathered = False
+        self.in_backward = False
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.grads_done: set[int] = set()
+
+    def unshard(self) -> None:
+        """Start gathering the full weights if they are not there yet (returns at once: prefetch)."""
+        if not self.gathered:
+            self.pending = [buf.start_gather(self.group) for buf in self.buffers]
+            self.gathered = True
+
+    def wait(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
+
+    def reshard(self) -> None:
+        if self.gathered:
+            self.wait()
+            for buf in self.buffers:
+                buf.free_params()
+            self.gathered = False
+
+    def buffer_grads_ready(self, buf: FlatBuffer) -> None:
+        """Called when a buffer's gradients are complete; once all are, the unit's backward is over."""
+        self.grads_done.add(id(buf))
+        if len(self.grads_done) == len(self.buffers):
+            self.end_backward()
+
+    def end_backward(self) -> None:
+        self.grads_done.clear()
+        self.in_backward = False
+        self.reshard()
+
+
+class Zero3Hooks:
+    """Gather a unit just before its forward and its backward, prefetch the next one, free it just after.
+
+    The pre-backward trigger is a hook on the module's output tensor: it fires when the output's gradient
+    is ready, i.e. right before the module's backward (and before an activation-checkpointed block recomputes
+    its forward, which therefore finds the unit gathered and must not free it: `in_backward`).
+    """
+
+    def __init__(self, units: list[Unit], unit_of_param: dict[int, Unit]) -> None:
+        self.units = units
+        self.own: dict[nn.Module, Unit] = {m: u for u in units for m in u.modules}
+        hooked = set(self.own)
+        self.needed: dict[nn.Module, list[Unit]] = {}
+        for module, own in self.own.items():
+            needed = [own]
+            for p in direct_params(module, hooked):
+                unit = unit_of_param.get(id(p))
+                if unit is not None and unit not in needed:
+                    needed.append(unit)
+            self.needed[module] = needed
+        order = [m for u in units for m in u.modules]
+        self.next_module = dict(zip(order, [*order[1:], None], strict=True))
+        for module in order:
+            module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_hook(self._post_forward)
+
+    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
+        i = self.units.index(unit) + step
+        return self.units[i] if 0 <= i < len(self.units) else None
+
+    def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+        for unit in self.needed[module]:
+            unit.unshard()
+            unit.wait()
+        own = self.own[module]
+        following = self._neighbour(own, +1)
+        if following is not None and not own.in_backward:
+            following.unshard()
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self.own[module].in_backward:
+            return
+        next_module = self.next_module[module]
+        for unit in self.needed[module]:
+            if next_module is None or unit not in self.needed[next_module]:
+                unit.reshard()
+        if torch.is_grad_enabled():
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            for t in outputs:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, m=module: self._pre_backward(m))
+
+    def _pre_backward(self, module: nn.Module) -> None:
+        for unit in self.needed[module]:
+            unit.in_backward = True
+            unit.unshard()
+            unit.wait()
+        previous = self._neighbour(self.own[module], -1)
+        if previous is not None:
+            previous.unshard()

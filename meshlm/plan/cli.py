@@ -1,0 +1,223 @@
+"""`meshlm plan`: rank the layouts that fit a model on a cluster, as a table or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from meshlm.model.config import preset
+from meshlm.model.flops import param_counts
+from meshlm.plan.cost import CostModel
+from meshlm.plan.hardware import Hardware, hardware
+from meshlm.plan.memory import Assumptions, Workload
+from meshlm.plan.search import Constraints, PlanError, SearchResult, no_fit_message, search
+
+SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+DEFAULT_BATCH_TOKENS = 2**22  # when no batch is given: ~4M tokens per step
+TOKENS_PER_PARAM = 20  # when no training length is given: compute-optimal (Hoffmann et al. 2022)
+
+
+def count(text: str) -> float:
+    """'15T' -> 1.5e13, '16Mi' -> 2**24 * 1, '2.5e12' -> 2.5e12 (K/M/B/G/T decimal, Ki/Mi/Gi/Ti binary)."""
+    match = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)\s*([KMBGT]i?)?", text.strip())
+    if not match or (match[2] and match[2] not in SUFFIXES):
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 16M, 15T, 16Mi, 2.5e12)")
+    return float(match[1]) * SUFFIXES.get(match[2] or "", 1)
+
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def gpu_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a GPU count or list: {text!r} (e.g. 64 or 8,16,32)") from None
+    if any(n <= 0 for n in counts):
+        raise argparse.ArgumentTypeError(f"GPU counts must be > 0: {text!r}")
+    return counts
+
+
+def parse_layout(text: str) -> dict[str, int]:
+    """'tp=8,pp=16,dp=8' -> {'tp': 8, 'pp': 16, 'dp': 8}; dims left out are searched."""
+    dims: dict[str, int] = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        name, _, value = part.partition("=")
+        if name not in ("pp", "dp", "tp") or not value.isdigit() or int(value) < 1 or name in dims:
+            raise PlanError(f"layout {text!r}: expected comma-separated pp=N, dp=N, tp=N")
+        dims[name] = int(value)
+    return dims
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `plan` on a subparsers object."""
+    p = subparsers.add_parser("plan", help="rank parallel layouts by predicted memory, speed and cost")
+    p.add_argument("--model", required=True, help="a model preset, e.g. llama3-70b")
+    p.add_argument("--seq-len", type=positive, help="tokens per sequence (default: the model's max_seq_len)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch", type=positive, help="sequences per optimizer step")
+    batch.add_argument("--global-batch-tokens", type=count, help="tokens per step, e.g. 16Mi (default 4Mi)")
+    p.add_argument("--train-tokens", type=count, help="total training tokens, e.g. 15T (default 20 per parameter)")
+    p.add_argument("--gpu", help="device type: A100-40GB, A100-80GB, H100-SXM, H200, cpu (default H100-SXM)")
+    p.add_argument("--gpus", type=gpu_counts, required=True, help="device count, or a list to compare: 8,16,32")
+    p.add_argument("--calibration", type=Path, help="JSON from `meshlm doctor` (docs/planner.md)")
+    p.add_argument("--precision", choices=["bf16", "fp32"], help="default: fp32 on cpu, bf16 on GPUs")
+    fixed = p.add_argument_group("fix part of the layout (the rest is searched)")
+    fixed.add_argument("--layout", default="", help="e.g. tp=8,pp=16,dp=8")
+    fixed.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    fixed.add_argument("--micro-batch", type=positive, help="sequences per micro-batch per replica")
+    fixed.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"])
+    fixed.add_argument("--virtual-stages", type=positive)
+    fixed.add_argument("--recompute", choices=["none", "selective", "full"])
+    fixed.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
+    fixed.add_argument("--even-layers", action="store_true", help="require n_layers divisible by the pipeline split")
+    model = p.add_argument_group("model assumptions (docs/planner.md)")
+    model.add_argument("--compute-efficiency", type=float, help="fraction of peak (0.5) or of measured matmul (0.8)")
+    model.add_argument("--dp-overlap", type=float, help="fraction of backward hiding DP communication (0.8; cpu 0)")
+    model.add_argument("--tp-overlap", type=float, default=0.0, help="fraction of TP communication hidden")
+    model.add_argument("--overhead-gb", type=float, help="fixed framework memory per device (GPU 2, cpu 0.5)")
+    model.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
+    money = p.add_argument_group("cost")
+    money.add_argument("--price-on-demand", type=float, help="$ per GPU-hour (default: hardware table)")
+    money.add_argument("--price-spot", type=float, help="$ per GPU-hour on spot (default: hardware table)")
+    money.add_argument("--failure-rate", type=float, help="hardware interruptions per GPU-hour (Llama 3: ~2e-5)")
+    money.add_argument("--preemption-rate", type=float, default=1e-3, help="spot preemptions per --preemption-per")
+    money.add_argument("--preemption-per", choices=["gpu-hour", "job-hour"], default="gpu-hour")
+    money.add_argument("--restart-s", type=float, default=600.0, help="restart overhead besides reading the checkpoint")
+    money.add_argument("--storage-gbps", type=float, default=20.0, help="checkpoint storage bandwidth, GB/s")
+    out = p.add_argument_group("output")
+    out.add_argument("--objective", choices=["throughput", "cost"], default="throughput")
+    out.add_argument("--top", type=positive, default=10, help="layouts to show")
+    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def _request(args: argparse.Namespace) -> tuple[Workload, Hardware, Constraints, Assumptions, CostModel]:
+    """Turn parsed arguments into planner inputs; every problem becomes a one-line ValueError."""
+    calibration = None
+    if args.calibration is not None:
+        try:
+            calibration = json.loads(args.calibration.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PlanError(f"calibration {args.calibration}: {e}") from None
+    hw = hardware(args.gpu or (None if calibration else "H100-SXM"), calibration)
+    model = preset(args.model)
+    seq_len = args.seq_len or model.max_seq_len
+    if seq_len > model.max_seq_len:
+        raise PlanError(f"--seq-len {seq_len} exceeds {args.model}'s max_seq_len {model.max_seq_len}")
+    tokens = args.global_batch_tokens or DEFAULT_BATCH_TOKENS
+    global_batch = args.global_batch or max(1, round(tokens / seq_len))
+    train_tokens = args.train_tokens or TOKENS_PER_PARAM * param_counts(model)["total"]
+    precision = args.precision or ("fp32" if hw.shared_node else "bf16")
+    w = Workload(model, seq_len, global_batch, train_tokens, precision, args.model)
+    c = Constraints(
+        **parse_layout(args.layout),
+        zero=args.zero,
+        micro_batch=args.micro_batch,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
+        recompute=args.recompute,
+        sequence_parallel=args.sequence_parallel,
+        uneven_layers=not args.even_layers,
+    )
+    a = Assumptions(
+        flash_attention=args.flash_attention,
+        overhead_gb=args.overhead_gb,
+        compute_efficiency=args.compute_efficiency,
+        dp_overlap=args.dp_overlap,
+        tp_overlap=args.tp_overlap,
+    )
+    costs = CostModel(
+        price_on_demand=args.price_on_demand,
+        price_spot=args.price_spot,
+        preemption_rate=args.preemption_rate,
+        preemption_per=args.preemption_per,
+        restart_s=args.restart_s,
+        storage_gbps=args.storage_gbps,
+        **({} if args.failure_rate is None else {"failure_rate": args.failure_rate}),
+    )
+    return w, hw, c, a, costs
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run `meshlm plan`; 0 on success, 2 with a one-line message when nothing can be planned."""
+    try:
+        w, hw, c, a, costs = _request(args)
+        result = search(w, args.gpus, hw, args.objective, c, a, costs)
+        if not result.plans:
+            raise PlanError(no_fit_message(w, args.gpus, hw, c, a, result))
+    except ValueError as e:  # PlanError, unknown gpu / preset, bad calibration
+        print(f"meshlm plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(_summary(w, hw, args, result), indent=2, ensure_ascii=False))
+    else:
+        _print_table(w, hw, args, result)
+    return 0
+
+
+def _summary(w: Workload, hw: Hardware, args: argparse.Namespace, result: SearchResult) -> dict:
+    return {
+        "model": w.name,
+        "params": param_counts(w.model)["total"],
+        "hardware": hw.name,
+        "gpus": args.gpus,
+        "seq_len": w.seq_len,
+        "global_batch": w.global_batch,
+        "train_tokens": w.train_tokens,
+        "precision": w.precision,
+        "objective": args.objective,
+        "fitting": len(result.plans),
+        "rejected": dict(result.reasons().most_common()),
+        "plans": [p.to_dict() for p in result.plans[: args.top]],
+    }
+
+
+def _money(x: float) -> str:
+    return "never" if x == float("inf") else f"${x:,.0f}"
+
+
+def _si(x: float) -> str:
+    """2.6e6 -> '2.6M', 7.06e10 -> '70.6B', 1.5e13 -> '15T'."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _print_table(w: Workload, hw: Hardware, args: argparse.Namespace, result: SearchResult) -> None:
+    params = _si(param_counts(w.model)["total"])
+    gpus = ",".join(map(str, args.gpus))
+    title = (
+        f"{w.name} ({params} params) on {gpus}× {hw.name}: seq {w.seq_len}, batch {w.global_batch} "
+        f"({_si(w.global_batch * w.seq_len)} tokens), {_si(w.train_tokens)} training tokens, {w.precision}"
+    )
+    table = Table(title=title, title_justify="left")
+    columns = ["#", "layout", "zero", "mb", "schedule", "recompute", "sp", "GB/GPU", "step s", "tok/s"]
+    columns += ["TFLOP/s", "MFU", "days", "on demand", "spot", "ckpt every"]
+    for name in columns:
+        left = name in ("layout", "schedule", "recompute")
+        table.add_column(name, justify="left" if left else "right", no_wrap=left)
+    for i, plan in enumerate(result.plans[: args.top], 1):
+        d = plan.to_dict()
+        schedule = d["schedule"] + (f"×{d['virtual_stages']}" if d["schedule"] == "interleaved" else "")
+        table.add_row(
+            str(i), d["layout"], str(d["zero"]), str(d["micro_batch"]), schedule, d["recompute"],
+            "yes" if d["sequence_parallel"] else "", f"{d['memory_gb_per_gpu']:.1f}", f"{d['step_time_s']:.2f}",
+            f"{d['tokens_per_s']:,.0f}", f"{d['tflops_per_gpu']:.3g}", f"{d['mfu']:.1%}", f"{d['train_days']:.1f}",
+            _money(plan.cost.usd_on_demand), _money(plan.cost.usd_spot), f"{d['checkpoint_interval_s'] / 60:.0f} min",
+        )  # fmt: skip
+    console = Console(width=max(Console().width, 180))  # 16 columns: never squeeze them into 80
+    console.print(table)
+    rejected = ", ".join(f"{reason} ×{n}" for reason, n in result.reasons().most_common())
+    console.print(f"{len(result.plans)} layouts fit; rejected {len(result.rejected)}: {rejected or 'none'}")

@@ -1,0 +1,213 @@
+"""Data parallelism and ZeRO-1/2/3 (and hybrid sharding) train like one process on the same global batch and like
+PyTorch's DDP and FSDP2, and do not communicate on the inner micro-batches of gradient accumulation.
+
+Each world is spawned once per module and runs every configuration in sequence; the tests only compare results.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from dp_helpers import build, dp_options
+from equivalence import TEST_MODEL, assert_close_runs, global_batch, train_layout
+from torch.profiler import ProfilerActivity, profile
+
+from meshlm.config import TrainSection
+from meshlm.model import ModelConfig, Transformer, cross_entropy_loss
+from meshlm.parallel.data_parallel import DataParallel
+from meshlm.train.optim import lr_at
+
+STEPS, BATCH, SEQ = 10, 8, 32
+SMALL_BUCKETS_MB = 0.02  # ~5k fp32 elements: the test model spreads over a dozen buckets
+
+# name -> (parallel section, DataParallel options, micro_batch: sequences per micro-batch, 0 = no accumulation);
+# each replica gets BATCH / world sequences, so micro_batch 1 at world 4 and 2 at world 2 mean 2 micro-batches.
+WORLD4_RUNS = {
+    "zero0": ({"zero": 0}, {}, 0),
+    "zero1": ({"zero": 1}, {}, 0),
+    "zero2": ({"zero": 2}, {}, 0),
+    "zero3": ({"zero": 3}, {}, 0),
+    "zero0 accumulation": ({"zero": 0}, {}, 1),
+    "zero1 accumulation": ({"zero": 1}, {}, 1),
+    "zero2 accumulation": ({"zero": 2}, {}, 1),
+    "zero3 checkpointing": ({"zero": 3}, {"activation_checkpointing": True}, 0),
+    "zero3 accumulation checkpointing": ({"zero": 3}, {"activation_checkpointing": True}, 1),
+    "hybrid zero1": ({"zero": 1}, {"shard_group_size": 2}, 0),
+    "hybrid zero2 accumulation": ({"zero": 2}, {"shard_group_size": 2}, 1),
+    "hybrid zero3 checkpointing": ({"zero": 3}, {"shard_group_size": 2, "activation_checkpointing": True}, 0),
+}
+WORLD2_RUNS = {
+    "zero0": ({"zero": 0}, {}, 0),
+    "zero1": ({"zero": 1}, {}, 0),
+    "zero2": ({"zero": 2}, {}, 0),
+    "zero3": ({"zero": 3}, {}, 0),
+    "zero3 accumulation": ({"zero": 3}, {}, 2),
+    "zero1 one bucket per kind": ({"zero": 1, "bucket_mb": 25.0}, {}, 0),
+}
+BF16_RUNS = {f"zero{z} bf16": ({"zero": z}, {"param_dtype": torch.bfloat16}, 0) for z in (1, 2, 3)}
+TIED_MODEL = TEST_MODEL.replace(tie_embeddings=True)  # the head's weight lives in the embedding's ZeRO-3 unit
+
+
+def run_all(runs: dict, model_cfg: ModelConfig = TEST_MODEL) -> dict:
+    results = {}
+    for name, (parallel, options, micro_batch) in runs.items():
+        parallel = {"bucket_mb": SMALL_BUCKETS_MB, **parallel}
+        with dp_options(**options):
+            results[name] = train_layout(
+                "", parallel, steps=STEPS, batch=BATCH, micro_batch=micro_batch, seq_len=SEQ, model_cfg=model_cfg
+            )
+    return results
+
+
+def native_run(kind: str) -> dict:
+    """The same training with PyTorch's own DistributedDataParallel or per-block fully_shard (FSDP2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = Transformer(TEST_MODEL)
+    if kind == "ddp":
+        net = DistributedDataParallel(model)
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.model.layers.values():
+            fully_shard(block, mesh=mesh)
+        net = fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    train = TrainSection(steps=STEPS, global_batch=BATCH, lr=3e-3, eps=1e-6, warmup_steps=2, grad_clip=1.0)
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": train.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, foreach=True)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = global_batch(step, BATCH, SEQ, TEST_MODEL.vocab_size)
+        rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        loss = cross_entropy_loss(net(x[rows]), y[rows])
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip, foreach=True)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, train)
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
+    state = {
+        name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone()
+        for name, t in model.state_dict().items()
+    }
+    return {"losses": losses, "grad_norms": norms, "state": state}
+
+
+def collectives_per_micro_batch(zero: int) -> list[list[str]]:
+    """The c10d collectives each of two micro-batches issues (inner: no grad sync; last: sync)."""
+    pm, _, _ = build(TEST_MODEL, zero, SMALL_BUCKETS_MB, n_micro=2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(0, BATCH, SEQ, TEST_MODEL.vocab_size)
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    seen = []
+    for i, (xm, ym) in enumerate(zip(x[rows].chunk(2), y[rows].chunk(2), strict=True)):
+        pm.set_grad_sync(0, i == 1)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            (pm.loss_fn(pm.chunks[0](xm), ym) / 2).backward()
+        seen.append(sorted({e.name for e in prof.events() if e.name.startswith("c10d::")}))
+    pm.dp.finish_grad_sync()
+    return seen
+
+
+def world4_job() -> dict:
+    return run_all(WORLD4_RUNS)
+
+
+def world2_job() -> dict:
+    results = run_all({**WORLD2_RUNS, **BF16_RUNS})
+    results["tied"] = run_all({"zero3": ({"zero": 3}, {"activation_checkpointing": True}, 2)}, TIED_MODEL)["zero3"]
+    results["ddp"] = native_run("ddp")
+    results["fsdp2"] = native_run("fsdp2")
+    results["collectives"] = {zero: collectives_per_micro_batch(zero) for zero in (0, 1, 2, 3)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return train_layout("", steps=STEPS, batch=BATCH, seq_len=SEQ)
+
+
+@pytest.fixture(scope="module")
+def tied_reference() -> dict:
+    return train_layout("", steps=STEPS, batch=BATCH, seq_len=SEQ, model_cfg=TIED_MODEL)
+
+
+@pytest.fixture(scope="module")
+def world4() -> dict:
+    return run_distributed(world4_job, 4, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def world2() -> dict:
+    return run_distributed(world2_job, 2, timeout=300)[0]
+
+
+def assert_same_training(ref: dict, got: dict) -> None:
+    assert_close_runs(ref, got)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", list(WORLD4_RUNS))
+def test_world4_trains_like_one_process(reference: dict, world4: dict, name: str) -> None:
+    assert_same_training(reference, world4[name])
+
+
+@pytest.mark.parametrize("name", list(WORLD2_RUNS))
+def test_world2_trains_like_one_process(reference: dict, world2: dict, name: str) -> None:
+    assert_same_training(reference, world2[name])
+
+
+def test_zero3_with_tied_embeddings(tied_reference: dict, world2: dict) -> None:
+    """The embedding unit is gathered by the head too; with accumulation and activation checkpointing."""
+    assert_same_training(tied_reference, world2["tied"])
+
+
+def test_zero0_trains_like_ddp(world2: dict) -> None:
+    assert_same_training(world2["ddp"], world2["zero0"])
+
+
+def test_zero3_trains_like_fsdp2(world2: dict) -> None:
+    assert_same_training(world2["fsdp2"], world2["zero3"])
+
+
+@pytest.mark.parametrize("name", list(BF16_RUNS))
+def test_bf16_params_track_fp32_run(reference: dict, world2: dict, name: str) -> None:
+    """bf16 working weights over fp32 masters: same trajectory up to bf16 rounding, and really bf16 (not equal)."""
+    got = world2[name]
+    assert got["losses"] == pytest.approx(reference["losses"], rel=2e-2)
+    assert got["losses"] != pytest.approx(reference["losses"], rel=1e-6)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_no_communication_on_inner_micro_batches(world2: dict, zero: int) -> None:
+    inner, last = world2["collectives"][zero]
+    assert not [name for name in inner if "reduce" in name]  # no gradient traffic at all
+    if zero < 3:
+        assert inner == []
+    else:
+        assert inner and all("gather" in name for name in inner)  # ZeRO-3 gathers its weights, nothing else
+    assert [name for name in last if "reduce" in name]
+
+
+def test_rejects_impossible_options(reference: dict) -> None:
+    chunks = [Transformer(TEST_MODEL)]
+    with pytest.raises(ValueError, match="zero must be"):
+        DataParallel(chunks, dist.group.WORLD, zero=4)
+    with pytest.raises(ValueError, match="need zero >= 1"):
+        DataParallel(chunks, dist.group.WORLD, zero=0, shard_group_size=1)
+    with pytest.raises(ValueError, match="must divide"):
+        DataParallel(chunks, dist.group.WORLD, zero=3, shard_group_size=3)

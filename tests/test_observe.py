@@ -1,0 +1,248 @@
+"""Step observability: the time breakdown, MFU, memory by category, and straggler detection across ranks."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from torch import nn
+
+from meshlm.observe import (
+    TIMERS,
+    ActivationMeter,
+    StepObserver,
+    Timers,
+    aggregate,
+    comm,
+    mfu,
+    summarize,
+    tensor_bytes,
+    timed_wait,
+)
+from meshlm.observe.profile import StepProfiler, parse_steps
+from meshlm.observe.timers import bubble
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_breakdown_and_mfu_are_exact_with_a_known_clock() -> None:
+    clock = FakeClock()
+    timers = Timers(clock)
+    observer = StepObserver(flops_per_step=6e9, tokens_per_step=1000, n_devices=2, peak_flops=1e10, timers=timers)
+    observer.start_step()
+    with observer.data_wait():
+        clock.advance(0.5)
+    clock.advance(1.0)  # compute
+    with timers.span("comm/all_reduce"):
+        clock.advance(0.25)
+        with timers.span("bubble"):  # nested: ignored, the outer span already counts this time
+            clock.advance(0.25)
+    with timers.span("bubble"):
+        clock.advance(0.5)
+    with timers.span("comm/p2p"):
+        clock.advance(0.5)
+    m = observer.end_step()
+    assert m["step_time_s"] == pytest.approx(3.0)
+    assert m["data_wait_s"] == pytest.approx(0.5)
+    assert m["comm_all_reduce_s"] == pytest.approx(0.5)
+    assert m["comm_p2p_s"] == pytest.approx(0.5)
+    assert m["comm_s"] == pytest.approx(1.0)
+    assert m["bubble_s"] == pytest.approx(0.5)
+    assert m["compute_s"] == pytest.approx(1.0)
+    assert m["tokens_per_s"] == pytest.approx(1000 / 3)
+    assert m["mfu"] == pytest.approx(6e9 / 3.0 / (2 * 1e10))  # 0.1
+    assert m["mfu"] == pytest.approx(mfu(6e9, 3.0, 1e10, 2))
+
+    observer.start_step()  # time between steps (evaluation) is dropped, not charged to the next step
+    clock.advance(0.1)
+    assert observer.end_step()["comm_s"] == 0.0
+    observer.close()
+
+
+def test_disabled_timers_are_shared_noops() -> None:
+    assert not TIMERS.enabled
+    assert comm("all_reduce") is comm("all_gather") is bubble()
+
+    class Work:
+        def wait(self) -> bool:
+            return True
+
+    assert timed_wait(Work(), "all_reduce") is True
+    assert TIMERS.take() == {}
+    start = time.perf_counter()
+    for _ in range(100_000):
+        with comm("all_reduce"):
+            pass
+    assert (time.perf_counter() - start) / 100_000 < 5e-6  # generous: a shared CI core
+
+
+def test_parameter_gradient_and_adamw_bytes_are_exact() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    psi = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    observer = StepObserver(1.0, 1, peak_flops=1.0, model=model, optimizer=optimizer)
+    observer.start_step()
+    model(torch.randn(3, 8)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()  # after the step: the probe measured at the high-water mark
+    m = observer.end_step()
+    observer.close()
+    assert (m["mem_params_bytes"], m["mem_grads_bytes"], m["mem_optimizer_bytes"]) == (4 * psi, 4 * psi, 8 * psi)
+    assert m["mem_rss_bytes"] > 0 and m["mem_rss_peak_bytes"] >= m["mem_rss_bytes"] // 2
+
+
+def test_tensor_bytes_counts_each_storage_byte_once() -> None:
+    flat = torch.zeros(100)
+    views = [flat[:40], flat[30:60], flat[90:], flat[::10]]  # overlapping, and a strided view spanning 0..90
+    assert tensor_bytes(views) == 4 * 100  # [0,60) ∪ [90,100) ∪ strided [0,91)
+    assert tensor_bytes([flat[:10], flat[20:30]]) == 4 * 20
+    assert tensor_bytes([torch.zeros(3, dtype=torch.bfloat16), torch.zeros(0)]) == 6
+
+
+def test_activation_meter_counts_saved_tensors_but_not_weights() -> None:
+    layer = nn.Linear(32, 16)
+    x = torch.randn(8, 32)
+    with ActivationMeter(layer) as meter:
+        y = torch.tanh(layer(x))  # saves x (for the weight gradient), weightᵀ (a parameter) and tanh's output
+        y.sum().backward()
+    assert meter.peak == x.numel() * 4 + y.numel() * 4
+    del y
+    assert meter._current == 0  # every saved tensor was released with the graph
+
+
+def test_summarize_min_median_max_and_straggler() -> None:
+    per_rank = [
+        {"step_time_s": 1.0, "compute_s": 0.5, "comm_all_reduce_s": 0.5},
+        {"step_time_s": 1.1, "compute_s": 0.9},
+        {"step_time_s": 1.0, "compute_s": 0.4, "comm_all_reduce_s": 0.6},
+    ]
+    s = summarize(per_rank, straggler_threshold=1.5)
+    assert s["n_ranks"] == 3
+    assert (s["compute_s_min"], s["compute_s_median"], s["compute_s_max"]) == (0.4, 0.5, 0.9)
+    assert (s["comm_all_reduce_s_min"], s["comm_all_reduce_s_max"]) == (0.0, 0.6)  # absent timer: 0
+    assert s["slowest_rank"] == 1 and s["straggler_ratio"] == pytest.approx(1.8) and s["straggler_rank"] == 1
+    assert summarize(per_rank, straggler_threshold=2.0)["straggler_rank"] == -1
+    assert summarize([{"step_time_s": 2.0}, {"step_time_s": 1.0}])["slowest_rank"] == 0  # no compute_s
+
+
+# ---- a hand-made data-parallel loop on 4 gloo ranks ----------------------------------------------------------
+DELAY_S, SLOW_S, STEPS = 0.3, 0.2, 3
+
+
+def _loop(delay_rank: int | None, slow_rank: int | None) -> tuple[list[dict], list[dict], dict]:
+    """Plain DDP by hand: the all-reduce is wrapped in comm(); one rank may sleep inside it (a slow link) or
+    in its compute (a straggler). Also times each region independently, to check the observer against."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    observer = StepObserver(1e9, 32 * 4, n_devices=dist.get_world_size(), peak_flops=1e9, model=model)
+    metrics, own = [], []
+    for _ in range(STEPS):
+        observer.start_step()
+        t0 = time.perf_counter()
+        with observer.data_wait():
+            x = torch.randn(32, 64)
+            time.sleep(0.01)
+        t1 = time.perf_counter()
+        model(x).square().mean().backward()
+        if rank == slow_rank:
+            time.sleep(SLOW_S)
+        t2 = time.perf_counter()
+        with comm("all_reduce"):
+            if rank == delay_rank:
+                time.sleep(DELAY_S)
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+        t3 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad()
+        t4 = time.perf_counter()
+        metrics.append(observer.end_step())
+        own.append({"data": t1 - t0, "compute": (t2 - t1) + (t4 - t3), "comm": t3 - t2, "step": t4 - t0})
+    summary = aggregate(metrics[-1], straggler_threshold=1.2)
+    observer.close()
+    return metrics, own, summary
+
+
+def _both_loops() -> dict:
+    return {"delay": _loop(delay_rank=1, slow_rank=None), "slow": _loop(delay_rank=None, slow_rank=2)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return run_distributed(_both_loops, 4)
+
+
+def test_parts_sum_to_step_time_and_match_independent_timing(four_ranks: list[dict]) -> None:
+    for result in four_ranks:
+        for loop in ("delay", "slow"):
+            for metrics, own in zip(*result[loop][:2], strict=True):
+                parts = metrics["compute_s"] + metrics["comm_s"] + metrics["bubble_s"] + metrics["data_wait_s"]
+                assert parts == pytest.approx(metrics["step_time_s"], rel=1e-9)
+                # each part agrees with the loop's own clock to within a few percent of the step
+                tolerance = 0.05 * own["step"] + 1e-3
+                for name, key in (("step", "step_time_s"), ("comm", "comm_all_reduce_s"), ("data", "data_wait_s")):
+                    assert metrics[key] == pytest.approx(own[name], abs=tolerance), name
+                assert metrics["compute_s"] == pytest.approx(own["compute"], abs=tolerance)
+
+
+def test_injected_communication_delay_is_exposed_comm(four_ranks: list[dict]) -> None:
+    for rank, result in enumerate(four_ranks):
+        steps = result["delay"][0]
+        comm_s = statistics.median(m["comm_s"] for m in steps)
+        compute_s = statistics.median(m["compute_s"] for m in steps)
+        # the delayed rank sleeps inside the collective; the others wait for it inside theirs (medians over
+        # steps: a loaded CI machine may deschedule a rank for a while)
+        if rank == 1:
+            assert min(m["comm_s"] for m in steps) >= DELAY_S
+        assert comm_s >= 0.5 * DELAY_S
+        assert compute_s < 0.5 * DELAY_S
+
+
+def test_slowed_rank_is_named_straggler(four_ranks: list[dict]) -> None:
+    last = [result["slow"][0][-1] for result in four_ranks]
+    summary = four_ranks[0]["slow"][2]
+    assert all(result["slow"][2] == summary for result in four_ranks)  # every rank gets the summary
+    assert summary["straggler_rank"] == 2 and summary["slowest_rank"] == 2
+    assert summary["straggler_ratio"] > 2
+    compute = sorted(m["compute_s"] for m in last)
+    assert (summary["compute_s_min"], summary["compute_s_max"]) == (compute[0], compute[-1])
+    assert summary["compute_s_median"] == pytest.approx((compute[1] + compute[2]) / 2)
+    assert summary["compute_s_max"] == last[2]["compute_s"] >= SLOW_S
+    # the straggler's compute is the others' exposed communication; step times stay alike
+    assert min(m["comm_s"] for i, m in enumerate(last) if i != 2) >= 0.8 * SLOW_S
+    assert summary["step_time_s_max"] / summary["step_time_s_min"] < 1.2
+
+
+def test_profiler_traces_exactly_the_chosen_steps(tmp_path) -> None:
+    profiler = StepProfiler("2:3", tmp_path, rank=0, device=torch.device("cpu"))
+    model = nn.Linear(16, 16)
+    written = []
+    for step in range(1, 5):
+        profiler.before_step(step)
+        model(torch.randn(4, 16)).sum().backward()
+        written.append(profiler.after_step(step))
+    assert written[:2] == [None, None] and written[3] is None
+    assert written[2] == tmp_path / "trace_rank0_steps2-3.json"
+    assert "traceEvents" in json.loads(written[2].read_text())
+    assert list(tmp_path.iterdir()) == [written[2]]
+    assert parse_steps("") is None and parse_steps("7") == (7, 7)
+    with pytest.raises(ValueError, match="FIRST:LAST"):
+        parse_steps("five")
+    with pytest.raises(ValueError, match="FIRST <= LAST"):
+        parse_steps("7:5")

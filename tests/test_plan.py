@@ -1,0 +1,404 @@
+"""The planner: hand-computed memory, activation, bubble, collective and checkpoint numbers; the search's
+rejections and choices; the CLI's JSON and error lines; properties over random layouts."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+from unittest import mock
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshlm.config import load_config
+from meshlm.model.config import PRESETS, ModelConfig
+from meshlm.model.flops import param_counts
+from meshlm.plan import (
+    Assumptions,
+    Constraints,
+    Layout,
+    Link,
+    PlanError,
+    Workload,
+    best,
+    bubble_fraction,
+    collective_time,
+    hardware,
+    memory,
+    plan_for_config,
+    search,
+    step_time,
+    young_interval,
+)
+from meshlm.plan.cli import add_plan_parser, count, run_plan
+from meshlm.plan.cost import CostModel, expected_wall_time, run_cost
+from meshlm.plan.hardware import GB
+from meshlm.plan.memory import (
+    chunk_layers,
+    in_flight,
+    layer_activation_bytes,
+    model_state_bytes,
+    stage_layers,
+    stage_params,
+)
+from meshlm.plan.step_time import crosses_nodes
+
+# d=64, 4 heads of 16, 2 KV heads, I=128, V=256, 4 layers: Ψ = 180,800. Own copy: presets may change.
+TEST = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=128, max_seq_len=64)
+NO_OVERHEAD = Assumptions(overhead_gb=0, overhead_fraction=0)
+
+
+def plan_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers())
+    return parser.parse_args(["plan", *argv])
+
+
+# --- memory ---------------------------------------------------------------------------------------
+
+
+def test_stage_params_by_hand():
+    assert stage_params(TEST, 1, 4, True, True) == param_counts(TEST)["total"] == 180_800
+    # tp=4 > 2 KV heads: each rank keeps one KV head. Per layer 2·64·64/4 + 2·64·16 + 3·64·128/4 + 2·64.
+    assert stage_params(TEST, 4, 2, True, False) == 2 * 10_368 + 256 * 64 // 4
+    assert stage_params(TEST, 4, 2, False, True) == 2 * 10_368 + 64 + 256 * 64 // 4
+    tied = PRESETS["llama3-1b"]
+    assert stage_params(tied, 1, tied.n_layers, True, True) == param_counts(tied)["total"]
+
+
+@pytest.mark.parametrize(
+    ("precision", "zero", "expected"),
+    [
+        ("bf16", 0, (2.0, 2.0, 12.0)),
+        ("bf16", 1, (2.0, 2.0, 1.5)),
+        ("bf16", 2, (2.0, 0.25, 1.5)),
+        ("bf16", 3, (0.25, 0.25, 1.5)),
+        ("fp32", 0, (4.0, 4.0, 8.0)),
+        ("fp32", 1, (4.0, 4.0, 1.0)),
+        ("fp32", 3, (0.5, 0.5, 1.0)),
+    ],
+)
+def test_zero_stages_shard_model_states(precision, zero, expected):
+    psi = 1e9
+    assert model_state_bytes(psi, 8, zero, precision) == tuple(x * psi for x in expected)
+
+
+def test_zero3_is_16_psi_over_n_in_memory():
+    w = Workload(TEST, 64, 8, 1e6, "bf16")
+    mem = memory(w, Layout(dp=8, zero=3), hardware("H100-SXM"), NO_OVERHEAD)
+    assert mem.params + mem.grads + mem.optimizer == pytest.approx(16 * 180_800 / 8)
+    mem0 = memory(w, Layout(dp=8, zero=0), hardware("H100-SXM"), NO_OVERHEAD)
+    assert mem0.params + mem0.grads + mem0.optimizer == 16 * 180_800
+
+
+def test_layer_activations_by_hand():
+    # s=32, b=2: 64 tokens. Per token: 6h + 2h + 2·kv + 4I = 384 + 128 + 64 + 512 = 1088 elements.
+    args = (TEST, 32, 2)
+    assert layer_activation_bytes(*args, 1, False, "none", "bf16") == 64 * 1088 * 2
+    assert layer_activation_bytes(*args, 1, False, "none", "fp32") == 64 * 1088 * 4
+    # tp=2: norms replicated (384), Q/out 64, one KV head each 2·16, MLP 256.
+    assert layer_activation_bytes(*args, 2, False, "none", "bf16") == 64 * (384 + 64 + 32 + 256) * 2
+    assert layer_activation_bytes(*args, 2, True, "none", "bf16") == 64 * (192 + 64 + 32 + 256) * 2
+    assert layer_activation_bytes(*args, 1, False, "full", "bf16") == 64 * 64 * 2
+    assert layer_activation_bytes(*args, 2, True, "full", "bf16") == 64 * 32 * 2
+
+
+def test_selective_recompute_drops_exactly_the_attention_matrix():
+    args = (TEST, 32, 2, 2, True)
+    none = layer_activation_bytes(*args, "none", "bf16", flash=False)
+    selective = layer_activation_bytes(*args, "selective", "bf16", flash=False)
+    assert none - selective == 64 * (4 / 2 * 32) * 2  # tokens · (a/t)·s · bytes
+    assert layer_activation_bytes(*args, "none", "bf16", flash=True) == selective
+
+
+def test_sequence_parallel_divides_everything_by_tp():
+    """Korthikanti et al.: with TP + SP the activations are the no-TP figure over t (here kv heads ≥ tp)."""
+    full = layer_activation_bytes(TEST, 32, 1, 1, False, "none", "bf16")
+    assert layer_activation_bytes(TEST, 32, 1, 2, True, "none", "bf16") * 2 == full
+
+
+def test_in_flight_micro_batches():
+    assert in_flight("gpipe", 4, 8, 1, 0) == 8
+    assert [in_flight("1f1b", 4, 8, 1, s) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight("1f1b", 4, 2, 1, 0) == 2
+    # Korthikanti et al.: interleaving multiplies the first stage's 1F1B memory by 1 + (p−1)/(p·v).
+    assert in_flight("interleaved", 4, 8, 2, 0) == pytest.approx(4 * (1 + 3 / (4 * 2)))
+    assert in_flight("1f1b", 1, 8, 1, 0) == 1
+
+
+def test_uneven_split_follows_llama3():
+    chunks = chunk_layers(126, 128)
+    assert chunks[0] == chunks[-1] == 0 and set(chunks[1:-1]) == {1}
+    assert sum(stage_layers(126, 16, 8)) == 126
+    assert stage_layers(10, 4) == (2, 3, 3, 2)
+
+
+# --- step time ------------------------------------------------------------------------------------
+
+
+def test_collective_times_alpha_beta():
+    link = Link(alpha=1e-5, beta=1e10)
+    assert collective_time("all_reduce", 1e9, 4, link) == pytest.approx(2 * 3 / 4 * 0.1 + 6e-5)
+    assert collective_time("all_gather", 1e9, 4, link) == pytest.approx(3 / 4 * 0.1 + 3e-5)
+    assert collective_time("reduce_scatter", 1e9, 4, link) == pytest.approx(3 / 4 * 0.1 + 3e-5)
+    assert collective_time("send_recv", 1e9, 2, link) == pytest.approx(0.1 + 1e-5)
+    assert collective_time("all_reduce", 1e9, 1, link) == 0
+
+
+def test_bubble_fractions():
+    assert bubble_fraction("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction("1f1b", 1, 8) == 0
+
+
+def test_step_time_bubble_matches_fraction():
+    w = Workload(PRESETS["llama3-8b"], 4096, 64, 1e9)
+    for lay in (Layout(pp=4, dp=2, schedule="1f1b"), Layout(pp=4, dp=2, schedule="interleaved", virtual_stages=2)):
+        t = step_time(w, lay, hardware("H100-SXM"))
+        pipeline = t.compute + t.tp_comm + t.pp_comm + t.bubble
+        assert t.bubble / pipeline == pytest.approx(bubble_fraction(lay.schedule, 4, 32, lay.virtual_stages))
+
+
+def test_node_placement_pp_outer_dp_tp_inner():
+    lay = Layout(pp=2, dp=4, tp=8)
+    assert [crosses_nodes(lay, d, 8) for d in ("tp", "dp", "pp")] == [False, True, True]
+    small = Layout(pp=2, dp=2, tp=2)
+    assert [crosses_nodes(small, d, 4) for d in ("tp", "dp", "pp")] == [False, False, True]
+
+
+def test_step_time_uses_slower_link_across_nodes():
+    w = Workload(PRESETS["llama3-8b"], 4096, 64, 1e9)
+    hw = hardware("H100-SXM")
+    inside = step_time(w, Layout(dp=8), hw)
+    across = step_time(w, Layout(dp=8), dataclasses.replace(hw, gpus_per_node=4))
+    assert across.dp_comm > inside.dp_comm
+
+
+def test_full_recompute_costs_a_third_more_layer_compute():
+    w = Workload(PRESETS["llama3-8b"], 4096, 64, 1e9)
+    hw = hardware("H100-SXM")
+    none, full = (step_time(w, Layout(dp=8, recompute=r), hw) for r in ("none", "full"))
+    assert 1.25 < full.compute / none.compute < 4 / 3  # the head is not recomputed
+    assert full.tflops_per_gpu < none.tflops_per_gpu
+
+
+# --- cost -----------------------------------------------------------------------------------------
+
+
+def test_young_interval():
+    assert young_interval(60, 36_000) == pytest.approx(math.sqrt(2 * 60 * 36_000))
+
+
+def test_young_interval_is_near_daly_optimum():
+    delta, mtbf, restart, solve = 60.0, 36_000.0, 300.0, 1e6
+    tau = young_interval(delta, mtbf)
+    wall = expected_wall_time(solve, tau, delta, restart, mtbf)
+    assert solve < wall < min(expected_wall_time(solve, f * tau, delta, restart, mtbf) for f in (0.5, 2))
+    assert expected_wall_time(solve, 1e5, 60, 300, math.inf) == pytest.approx(solve + 60 * 10)
+
+
+def test_spot_costs_more_time_and_preemption_rate_counts():
+    hw = hardware("H100-SXM")
+    calm = run_cost(86_400, 64, 1e12, hw, CostModel(preemption_rate=0.0))
+    busy = run_cost(86_400, 64, 1e12, hw, CostModel(preemption_rate=1e-3))
+    assert calm.wall_spot_s == pytest.approx(calm.wall_on_demand_s)
+    assert busy.wall_spot_s > busy.wall_on_demand_s > 86_400
+    assert busy.interval_spot_s < busy.interval_on_demand_s
+    assert busy.usd_on_demand == pytest.approx(busy.wall_on_demand_s / 3600 * 64 * hw.price_on_demand)
+
+
+# --- search ---------------------------------------------------------------------------------------
+
+
+def test_search_rejects_non_dividing_layouts_with_reasons():
+    w = Workload(TEST, 64, 6, 1e6)
+    hw = hardware("H100-SXM")
+    reasons = search(w, 8, hw).reasons()
+    assert reasons["tp does not divide n_heads"] == 1  # the one tp=8 mesh: pp=1, dp=1
+    assert reasons["dp does not divide global batch"] > 0
+    fixed = search(w, 8, hw, constraints=Constraints(pp=3))
+    assert not fixed.plans and fixed.rejected[0].reason == "layout does not match the GPU count"
+    even = search(w, 8, hw, constraints=Constraints(pp=8, uneven_layers=False))
+    assert even.rejected[0].reason == "pp > n_layers"
+
+
+def test_search_rejects_memory_misfits_with_sizes():
+    w = Workload(PRESETS["llama3-8b"], 8192, 8, 1e9)
+    result = search(w, 1, hardware("A100-40GB"))
+    assert not result.plans and set(result.reasons()) == {"out of memory"}
+    assert all("GB > 40.0 GB" in r.detail for r in result.rejected)
+    with pytest.raises(PlanError, match=r"does not fit on 1× A100-40GB.*needs ≥ \d+ GPUs"):
+        best(w, 1, hardware("A100-40GB"))
+
+
+def test_llama3_70b_on_64_h100_keeps_tp_in_the_node():
+    w = Workload(PRESETS["llama3-70b"], 8192, 512, 15e12, name="llama3-70b")
+    plan = best(w, 64, hardware("H100-SXM"))
+    assert plan.layout.tp == 8 and plan.layout.gpus == 64
+    assert plan.memory.total <= 80 * GB
+    assert 0.2 < plan.step.mfu < 0.5
+
+
+def test_cost_objective_can_prefer_fewer_gpus():
+    w = Workload(PRESETS["llama3-1b"], 2048, 256, 1e10)
+    hw = hardware("H100-SXM")
+    c = Constraints(pp=1, tp=1)  # data parallel only: keeps the search small
+    fast = best(w, [8, 64], hw, objective="throughput", constraints=c)
+    cheap = best(w, [8, 64], hw, objective="cost", constraints=c)
+    assert fast.layout.gpus == 64 and cheap.layout.gpus == 8
+
+
+def test_plan_for_config_gives_valid_trainer_overrides():
+    cfg = load_config(overrides=[("train.global_batch", 16), ("data.seq_len", 128)])
+    layout = plan_for_config(cfg, 2)
+    assert layout.gpus == 2
+    applied = load_config(overrides=[("train.global_batch", 16), *layout.overrides().items()])
+    assert applied.parallel.layout == layout.mesh and applied.parallel.zero == layout.zero
+
+
+def test_calibration_overrides_links_by_dim_then_kind():
+    fit = {"alpha_s": 1e-4, "beta_Bps": 1e9}
+    cal = {"device": "cpu", "matmul_flops": 1e11, "links": {"intra": {"all_reduce": fit}}}
+    cal["dims"] = {"tp": {"all_reduce": {"alpha_s": 2e-4, "beta_Bps": 5e8}}}
+    hw = hardware(None, cal)
+    assert hw.peak_flops == hw.matmul_flops == 1e11
+    assert hw.link("tp", False, "all_reduce") == Link(2e-4, 5e8)
+    assert hw.link("dp", False, "all_reduce") == Link(1e-4, 1e9)
+    assert hw.link("dp", False, "all_gather") == hw.intra
+    with pytest.raises(ValueError, match="calibration: links"):
+        hardware(None, {"links": {"nvlink": {}}})
+
+
+def test_calibration_can_describe_a_gpu_the_table_lacks():
+    cal = {"device": "NVIDIA L4", "matmul_flops": 1e14, "memory_bytes": 24 * GB, "memory_bw": 3e11}
+    with pytest.raises(ValueError, match="unknown gpu 'NVIDIA L4'"):
+        hardware(None, cal)  # no link measured
+    cal["links"] = {"intra": {"all_reduce": {"alpha_s": 1e-5, "beta_Bps": 5e10}}}
+    hw = hardware(None, cal)
+    assert (hw.name, hw.peak_flops, hw.memory_bytes, hw.intra, hw.price_on_demand) == (
+        "NVIDIA L4",
+        1e14,
+        24 * GB,
+        Link(1e-5, 5e10),
+        0.0,
+    )
+
+
+# --- CLI ------------------------------------------------------------------------------------------
+
+
+def test_cli_json_has_required_keys(capsys):
+    rc = run_plan(plan_args("--model", "llama3-1b", "--gpus", "8", "--seq-len", "2048", "--json", "--top", "3"))
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    keys = {"layout", "memory_gb_per_gpu", "memory_parts_gb", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu"}
+    keys |= {"train_days", "cost_usd_on_demand", "cost_usd_spot", "checkpoint_interval_s", "zero", "micro_batch"}
+    keys |= {"schedule", "recompute"}
+    assert len(out["plans"]) == 3 and keys <= set(out["plans"][0])
+    assert out["plans"][0]["memory_gb_per_gpu"] == pytest.approx(out["plans"][0]["memory_parts_gb"]["total"])
+
+
+def test_cli_table_and_rejection_summary(capsys):
+    assert run_plan(plan_args("--model", "test", "--gpus", "4", "--gpu", "cpu", "--global-batch", "8")) == 0
+    out = capsys.readouterr().out
+    assert "pp=1,dp=" in out and "layouts fit; rejected" in out
+
+
+def test_cli_405b_on_8_a100_40gb_does_not_fit(capsys):
+    assert run_plan(plan_args("--model", "llama3-405b", "--gpus", "8", "--gpu", "A100-40GB")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "llama3-405b does not fit on 8× A100-40GB" in err and "needs ≥ 256 GPUs" in err
+    assert "\n" not in err
+
+
+def test_cli_unknown_gpu_and_bad_layout(capsys):
+    assert run_plan(plan_args("--model", "test", "--gpus", "8", "--gpu", "X")) == 2
+    assert "unknown gpu 'X'; valid: A100-40GB, A100-80GB, H100-SXM, H200, cpu" in capsys.readouterr().err
+    assert run_plan(plan_args("--model", "test", "--gpus", "8", "--gpu", "cpu", "--layout", "tp=3")) == 2
+    assert "layout does not match the GPU count" in capsys.readouterr().err
+    assert run_plan(plan_args("--model", "nope", "--gpus", "8")) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+
+
+def test_cli_reads_a_doctor_calibration(tmp_path, capsys):
+    path = tmp_path / "doctor.json"
+    fit = {"alpha_s": 1e-4, "beta_Bps": 1e9}
+    path.write_text(json.dumps({"device": "cpu", "matmul_flops": 4e10, "links": {"intra": {"all_reduce": fit}}}))
+    argv = ("--model", "test", "--gpus", "2", "--global-batch", "8", "--calibration", str(path), "--json")
+    assert run_plan(plan_args(*argv)) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"] == "cpu" and out["precision"] == "fp32"
+    assert out["plans"][0]["tflops_per_gpu"] * 1e12 / out["plans"][0]["mfu"] == pytest.approx(4e10 / 2)
+    path.write_text("{not json")
+    assert run_plan(plan_args(*argv)) == 2
+    assert "calibration" in capsys.readouterr().err
+
+
+def test_count_suffixes():
+    assert count("15T") == 15e12 and count("16Mi") == 2**24 and count("2.5e12") == 2.5e12
+    with pytest.raises(argparse.ArgumentTypeError):
+        count("lots")
+
+
+# --- properties -----------------------------------------------------------------------------------
+
+
+def _layout(pp, tp, dp, mb, schedule, v, recompute, sp) -> Layout:
+    return Layout(pp, dp, tp, 0, mb, schedule, v if schedule == "interleaved" else 1, recompute, sp)
+
+
+layouts = st.builds(
+    _layout,
+    pp=st.sampled_from([1, 2, 4]),
+    tp=st.sampled_from([1, 2, 4]),
+    dp=st.sampled_from([1, 2, 4]),
+    mb=st.sampled_from([1, 2]),
+    schedule=st.sampled_from(["gpipe", "1f1b", "interleaved"]),
+    v=st.sampled_from([2, 4]),
+    recompute=st.sampled_from(["none", "selective", "full"]),
+    sp=st.booleans(),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts, st.sampled_from(["bf16", "fp32"]))
+def test_memory_never_grows_with_zero_stage(layout, precision):
+    w = Workload(TEST, 64, 16, 1e6, precision)
+    hw = hardware("H100-SXM")
+    mems = [memory(w, dataclasses.replace(layout, zero=z), hw) for z in range(4)]
+    states = [m.params + m.grads + m.optimizer for m in mems]
+    assert all(later <= earlier for earlier, later in itertools.pairwise(states))
+    totals = [m.total for m in mems[:3]]  # ZeRO-3 adds a gathered-layer buffer, so may cost more at dp=1
+    assert all(later <= earlier for earlier, later in itertools.pairwise(totals))
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts, st.sampled_from(["H100-SXM", "A100-40GB", "cpu"]))
+def test_step_time_positive_and_consistent(layout, gpu):
+    w = Workload(TEST, 64, 16, 1e6, "fp32" if gpu == "cpu" else "bf16")
+    t = step_time(w, layout, hardware(gpu))
+    assert t.total > 0 and all(part >= 0 for part in t.parts().values())
+    assert t.tokens_per_s == pytest.approx(16 * 64 / t.total)
+    assert 0 < t.mfu < 1
+
+
+def every_stage(layers: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(range(len(layers)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts, st.sampled_from([4, 7, 10]))
+def test_representative_stages_hold_the_maximum(layout, n_layers):
+    w = Workload(TEST.replace(n_layers=n_layers), 64, 16, 1e6)
+    hw = hardware("H100-SXM")
+    with mock.patch("meshlm.plan.memory.representative_stages", every_stage):
+        brute = memory(w, layout, hw).total
+    with mock.patch("meshlm.plan.step_time.representative_stages", every_stage):
+        brute_step = step_time(w, layout, hw).total
+    assert memory(w, layout, hw).total == pytest.approx(brute)
+    assert step_time(w, layout, hw).total == pytest.approx(brute_step)
