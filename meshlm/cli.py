@@ -130,7 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
     sub.choices["convert"].set_defaults(func=lambda a, _extra: run_convert(a))
 
+    from meshlm.observe.doctor import add_doctor_parser, run_doctor
+    from meshlm.observe.report import add_report_parser, run_report
     from meshlm.plan.cli import add_plan_parser, run_plan
+
+    add_doctor_parser(sub)
+    sub.choices["doctor"].set_defaults(func=lambda a, _extra: run_doctor(a))
+    add_report_parser(sub)
+    sub.choices["report"].set_defaults(func=lambda a, _extra: run_report(a))
 
     add_plan_parser(sub)
     sub.choices["plan"].set_defaults(func=lambda a, _extra: run_plan(a))
@@ -141,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshlm.checkpoint import CheckpointError
     from meshlm.data import DataError
     from meshlm.parallel.mesh import LayoutError
+    from meshlm.plan import PlanError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args, extra)
-    except (ConfigError, LayoutError, DataError, CheckpointError) as e:
+    except (ConfigError, LayoutError, DataError, CheckpointError, PlanError) as e:
         print(f"meshlm: {e}", file=sys.stderr)
         return 2
 

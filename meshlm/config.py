@@ -89,8 +89,14 @@ class TrainSection(Section):
 
 
 class ParallelSection(Section):
-    layout: str = Field("", description="e.g. 'dp=4' or 'pp=2,dp=2,tp=2'; empty = data parallel over all ranks")
+    layout: str = Field(
+        "",
+        description="e.g. 'dp=4' or 'pp=2,dp=2,tp=2'; empty = all ranks data parallel; 'auto' = planner's pick",
+    )
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + grads, 3 + params")
+    zero_shard_size: int | None = Field(
+        None, gt=0, description="hybrid sharding: shard within groups of this many dp ranks, replicate across"
+    )
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size of the overlapped reduction")
     sequence_parallel: bool = Field(False, description="shard norms/residuals along the sequence over tp")
     schedule: Literal["gpipe", "1f1b", "interleaved"] = Field("1f1b", description="pipeline schedule")
@@ -121,6 +127,11 @@ class LogSection(Section):
     every: int = Field(10, gt=0, description="log training metrics every N steps")
     tensorboard: bool = Field(True, description="also write TensorBoard event files")
     progress: bool = Field(True, description="show the progress bar")
+    aggregate_every: int = Field(10, ge=0, description="min/median/max over ranks and straggler check every N steps")
+    straggler_threshold: float = Field(1.2, gt=1, description="a rank whose compute time exceeds this × the median")
+    peak_flops: float = Field(0.0, ge=0, description="device peak FLOP/s for MFU; 0 = from the GPU table or measured")
+    activation_memory: bool = Field(False, description="measure saved-activation bytes each step")
+    profile_steps: str = Field("", description="torch profiler trace of steps 'A:B' into run_dir/profile")
 
 
 class Config(Section):

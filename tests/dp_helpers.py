@@ -1,4 +1,4 @@
-"""Shared by the data-parallel tests: DataParallel options the config does not carry yet, and a built model."""
+"""Shared by the data-parallel tests: DataParallel options set directly, and a built model."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ from meshlm.train.optim import build_optimizer
 
 @contextlib.contextmanager
 def dp_options(activation_checkpointing: bool = False, **options: object) -> Iterator[None]:
-    """Make the engine build DataParallel with extra options (shard_group_size, param_dtype: not in
-    ParallelSection yet) and with activation checkpointing switched on in its chunks."""
+    """Make the engine build DataParallel with options set directly (shard_group_size, and param_dtype, which
+    ParallelSection does not carry yet) and with activation checkpointing switched on in its chunks."""
     original = data_parallel.DataParallel
 
     def make(chunks: list, group: dist.ProcessGroup, **kwargs: object) -> data_parallel.DataParallel:
         for chunk in chunks:
             chunk.activation_checkpointing = activation_checkpointing
-        return original(chunks, group, **kwargs, **options)
+        return original(chunks, group, **{**kwargs, **options})
 
     data_parallel.DataParallel = make
     try:

@@ -60,7 +60,9 @@ def train_layout(
         seed=seed,
     )
     lay = parse_layout(layout, world)
-    n_micro = validate_layout(lay, model_cfg, batch, micro_batch, par.virtual_stages, par.schedule)
+    n_micro = validate_layout(
+        lay, model_cfg, batch, micro_batch, par.virtual_stages, par.schedule, seq_len, par.sequence_parallel
+    )
     mesh = build_mesh(lay, "cpu")
     torch.manual_seed(seed)
     model = Transformer(model_cfg)

@@ -34,9 +34,9 @@ WORLD4_RUNS = {
     "zero2 accumulation": ({"zero": 2}, {}, 1),
     "zero3 checkpointing": ({"zero": 3}, {"activation_checkpointing": True}, 0),
     "zero3 accumulation checkpointing": ({"zero": 3}, {"activation_checkpointing": True}, 1),
-    "hybrid zero1": ({"zero": 1}, {"shard_group_size": 2}, 0),
-    "hybrid zero2 accumulation": ({"zero": 2}, {"shard_group_size": 2}, 1),
-    "hybrid zero3 checkpointing": ({"zero": 3}, {"shard_group_size": 2, "activation_checkpointing": True}, 0),
+    "hybrid zero1": ({"zero": 1, "zero_shard_size": 2}, {}, 0),
+    "hybrid zero2 accumulation": ({"zero": 2, "zero_shard_size": 2}, {}, 1),
+    "hybrid zero3 checkpointing": ({"zero": 3, "zero_shard_size": 2}, {"activation_checkpointing": True}, 0),
 }
 WORLD2_RUNS = {
     "zero0": ({"zero": 0}, {}, 0),

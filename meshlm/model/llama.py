@@ -58,10 +58,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        """cos/sin are the model's whole tables; the sequence length is read after the projections, which
+        under sequence parallelism see more positions than the block's input holds."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        b, s, _ = q.shape
+        if s > cos.shape[0]:
+            raise ValueError(f"sequence length {s} exceeds model.max_seq_len {cos.shape[0]}")
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:s], sin[:s]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -136,10 +142,7 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
-        seq_len = h.shape[1]
-        if seq_len > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        cos, sin = self.rope_cos, self.rope_sin
         for layer in self.model.layers.values():
             if self.activation_checkpointing and self.training:
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)

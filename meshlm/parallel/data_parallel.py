@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshlm.observe.timers import comm, timed_wait
 from meshlm.parallel.zero import (
     FlatBuffer,
     Unit,
@@ -246,10 +247,11 @@ class DataParallel:
             self._complete(self.inflight.popleft())
 
     def _complete(self, reduction: Reduction) -> None:
-        reduction.work.wait()
+        timed_wait(reduction.work, "all_reduce" if self.shard_group is None else "reduce_scatter")
         buf, out = reduction.buffer, reduction.out
         if self.shard_group is not None and self.replicate_group is not None:
-            dist.all_reduce(out, group=self.replicate_group)  # hybrid: sum the shard across replicas too
+            with comm("all_reduce"):  # hybrid: sum the shard across replicas too
+                dist.all_reduce(out, group=self.replicate_group)
         out.div_(self.dp_size)
         if out.data_ptr() != buf.grad_shard.data_ptr():
             buf.grad_shard.copy_(out)
@@ -313,7 +315,7 @@ class DataParallel:
                 shard.copy_(buf.master)
             works.append(all_gather_flat(buf.data, shard, group=self.shard_group, async_op=True))
         for work in works:
-            work.wait()
+            timed_wait(work, "all_gather")
 
     def zero_grad(self) -> None:
         """Stages 0/1 keep their full gradient buffers (param.grad are views) and zero them; 2/3 free them."""

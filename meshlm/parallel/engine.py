@@ -19,6 +19,7 @@ from torch import nn
 
 from meshlm.config import ParallelSection
 from meshlm.model.llama import Transformer, cross_entropy_loss
+from meshlm.observe.timers import comm
 from meshlm.parallel.mesh import Mesh
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -81,7 +82,13 @@ class ParallelModel:
         if layout.dp > 1 or parallel.zero > 0:
             from meshlm.parallel.data_parallel import DataParallel
 
-            self.dp = DataParallel(self.chunks, mesh.group("dp"), zero=parallel.zero, bucket_mb=parallel.bucket_mb)
+            self.dp = DataParallel(
+                self.chunks,
+                mesh.group("dp"),
+                zero=parallel.zero,
+                bucket_mb=parallel.bucket_mb,
+                shard_group_size=parallel.zero_shard_size,
+            )
 
     # ---- helpers the strategies share -------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -134,7 +141,8 @@ class ParallelModel:
         if self.pipeline is not None:
             self.pipeline.broadcast_from_last_stage(loss)
         if self.mesh.size("dp") > 1:
-            dist.all_reduce(loss, group=self.mesh.group("dp"))
+            with comm("all_reduce"):
+                dist.all_reduce(loss, group=self.mesh.group("dp"))
             loss /= self.mesh.size("dp")
         return loss
 
@@ -166,7 +174,8 @@ class ParallelModel:
                     sq += p.grad.detach().double().pow(2).sum().cpu()
         sq = sq.to(next(self.chunks[0].parameters()).device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sq)
+            with comm("all_reduce"):
+                dist.all_reduce(sq)
         norm = sq.sqrt().float()
         if max_norm > 0 and math.isfinite(norm.item()):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

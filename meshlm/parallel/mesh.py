@@ -67,18 +67,12 @@ def validate_layout(
     micro_batch: int = 0,
     virtual_stages: int = 1,
     schedule: str = "1f1b",
+    seq_len: int = 0,
+    sequence_parallel: bool = False,
 ) -> int:
     """Check that the model and batch split evenly over the layout; return micro-batches per replica."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    if tp > 1:
-        for field in ("n_heads", "intermediate_size", "vocab_size"):
-            if getattr(model, field) % tp:
-                raise LayoutError(f"model.{field} ({getattr(model, field)}) is not divisible by tp={tp}")
-        kv = model.n_kv_heads
-        if kv % tp and tp % kv:
-            raise LayoutError(
-                f"model.n_kv_heads ({kv}) must divide or be divisible by tp={tp} (KV heads split or replicated)"
-            )
+    check_tensor_parallel(model, tp, seq_len, sequence_parallel)
     chunks = pp * virtual_stages
     if chunks > model.n_layers:
         raise LayoutError(
@@ -101,6 +95,22 @@ def validate_layout(
     if schedule == "interleaved" and pp > 1 and n_micro % pp:
         raise LayoutError(f"interleaved schedule needs micro-batches per replica ({n_micro}) divisible by pp={pp}")
     return n_micro
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool) -> None:
+    """Raise a one-line LayoutError if the model (or, under SP, the sequence) does not split over tp.
+    Needs no process group: call it while validating the config."""
+    if tp == 1:
+        return
+    for field in ("n_heads", "intermediate_size", "vocab_size"):
+        if getattr(cfg, field) % tp:
+            raise LayoutError(f"model.{field} ({getattr(cfg, field)}) is not divisible by tp={tp}")
+    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+        raise LayoutError(
+            f"model.n_kv_heads ({cfg.n_kv_heads}) must divide or be divisible by tp={tp} (KV heads split or replicated)"
+        )
+    if sequence_parallel and seq_len % tp:
+        raise LayoutError(f"data.seq_len ({seq_len}) is not divisible by tp={tp}, needed by parallel.sequence_parallel")
 
 
 @dataclass

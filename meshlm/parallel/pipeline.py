@@ -22,6 +22,7 @@ from torch import nn
 from meshlm.model.config import ModelConfig
 from meshlm.model.flops import param_counts
 from meshlm.model.llama import Transformer, cross_entropy_loss
+from meshlm.observe.timers import bubble, comm
 from meshlm.parallel.schedules import COMPUTE, SENDS, WAITS, Action, build_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -195,7 +196,8 @@ class PipelineSchedule:
 
     def broadcast_from_last_stage(self, loss: torch.Tensor) -> None:
         """Overwrite `loss` in place with the last stage's value, so every rank reports the same number."""
-        dist.broadcast(loss, src=self.peers[-1], group=self.group)
+        with comm("broadcast"):
+            dist.broadcast(loss, src=self.peers[-1], group=self.group)
 
     # ---- the loop -------------------------------------------------------------------------------------
     def _run(
@@ -283,7 +285,8 @@ class PipelineSchedule:
     def _wait(self, work: dist.Work, a: Action) -> None:
         start = time.perf_counter()
         try:
-            work.wait()  # bounded by the process group's timeout
+            with bubble() if a.kind not in SENDS else comm("p2p"):
+                work.wait()  # bounded by the process group's timeout
         except Exception as e:  # raised on timeout and when the neighbour's connection closes
             raise PipelineError(
                 f"{self._where(a)}: {self._what(a)} failed after {time.perf_counter() - start:.1f}s: {e}"

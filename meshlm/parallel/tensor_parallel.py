@@ -32,7 +32,7 @@ from torch import nn
 
 from meshlm.model.config import ModelConfig
 from meshlm.model.llama import RMSNorm, Transformer
-from meshlm.parallel.mesh import LayoutError
+from meshlm.parallel.mesh import check_tensor_parallel
 from meshlm.parallel.tp_ops import (
     copy_to_tp,
     gather_from_tp,
@@ -59,22 +59,6 @@ __all__ = [
 
 
 # ---- validation ----------------------------------------------------------------------------------------
-def check_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool) -> None:
-    """Raise a one-line LayoutError if the model (or, under SP, the sequence) does not split over tp.
-    Needs no process group: call it while validating the config."""
-    if tp == 1:
-        return
-    for field in ("n_heads", "intermediate_size", "vocab_size"):
-        if getattr(cfg, field) % tp:
-            raise LayoutError(f"model.{field} ({getattr(cfg, field)}) is not divisible by tp={tp}")
-    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
-        raise LayoutError(
-            f"model.n_kv_heads ({cfg.n_kv_heads}) must divide or be divisible by tp={tp} (KV heads split or replicated)"
-        )
-    if sequence_parallel and seq_len % tp:
-        raise LayoutError(f"data.seq_len ({seq_len}) is not divisible by tp={tp}, needed by parallel.sequence_parallel")
-
-
 # ---- modules -----------------------------------------------------------------------------------------
 @dataclass
 class TPState:
@@ -178,27 +162,6 @@ def _shard(w: torch.Tensor, dim: int, index: int, size: int) -> nn.Parameter:
     return param
 
 
-class _FullSequenceRotary:
-    """Forward pre-hook of every block. Under SP a block's input holds seq/tp positions and
-    Transformer.forward slices the rotary tables to that length; attention runs on the gathered sequence,
-    so hand the block the tables for all of it. Holds the tables, not the model: under pipeline
-    parallelism the layers of other stages must stay freeable."""
-
-    def __init__(self, model: Transformer, tp: TPState) -> None:
-        self.cos, self.sin, self.tp, self.max_seq_len = model.rope_cos, model.rope_sin, tp, model.cfg.max_seq_len
-
-    def __call__(self, block: nn.Module, args: tuple) -> tuple | None:
-        if not self.tp.sequence_parallel:
-            return None
-        x, cos, sin = args
-        seq_len = x.shape[1] * self.tp.size
-        if seq_len > self.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len {self.max_seq_len}")
-        if self.cos.device != cos.device or self.cos.dtype != cos.dtype:  # the model moved since apply
-            self.cos, self.sin = self.cos.to(cos), self.sin.to(sin)
-        return x, self.cos[:seq_len], self.sin[:seq_len]
-
-
 @torch.no_grad()
 def apply_tensor_parallel(model: Transformer, group: dist.ProcessGroup, sequence_parallel: bool = False) -> None:
     """Keep this rank's shards of `model` (built whole, from the same seed on every rank) in place."""
@@ -210,7 +173,6 @@ def apply_tensor_parallel(model: Transformer, group: dist.ProcessGroup, sequence
     inter = cfg.intermediate_size // tp.size
 
     vocab = cfg.vocab_size // tp.size
-    full_rotary = _FullSequenceRotary(model, tp)
     embedding = None
     if model.model.embed_tokens is not None:
         weight = _shard(model.model.embed_tokens.weight, 0, tp.rank, vocab)
@@ -239,7 +201,6 @@ def apply_tensor_parallel(model: Transformer, group: dist.ProcessGroup, sequence
         mlp.gate_proj = ColumnParallelLinear(_shard(mlp.gate_proj.weight, 0, tp.rank, inter), tp)
         mlp.up_proj = ColumnParallelLinear(_shard(mlp.up_proj.weight, 0, tp.rank, inter), tp)
         mlp.down_proj = RowParallelLinear(_shard(mlp.down_proj.weight, 1, tp.rank, inter), tp)
-        block.register_forward_pre_hook(full_rotary)
 
     if model.model.norm is not None:
         model.model.norm = TensorParallelRMSNorm(model.model.norm, tp)

@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from meshlm.observe.timers import comm
+
 SEQ_DIM = 1
 
 
@@ -29,20 +31,23 @@ SEQ_DIM = 1
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """Out-of-place all-reduce: the input may be shared with other autograd branches."""
     out = x.contiguous().clone()
-    dist.all_reduce(out, op=op, group=group)
+    with comm("all_reduce"):
+        dist.all_reduce(out, op=op, group=group)
     return out
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    with comm("all_gather"):
+        dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     parts = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim=dim)]
     out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
+    with comm("reduce_scatter"):
+        dist.reduce_scatter(out, parts, group=group)
     return out
 
 
@@ -201,7 +206,8 @@ class _SumOverHeadReplicas(Function):
     def backward(ctx, grad):
         every_head = grad.new_zeros((ctx.n_heads, *grad.shape))
         every_head[ctx.head] = grad
-        dist.all_reduce(every_head, group=ctx.group)
+        with comm("all_reduce"):
+            dist.all_reduce(every_head, group=ctx.group)
         return every_head[ctx.head], None, None, None
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshlm.observe.timers import timed_wait
+
 # torch 2.13 renamed the flat collectives; fall back to the older names (same semantics) on earlier versions.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -168,7 +170,7 @@ class Unit:
 
     def wait(self) -> None:
         for work, _ in self.pending:
-            work.wait()
+            timed_wait(work, "all_gather")
         self.pending = []
 
     def reshard(self) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +12,10 @@ from meshlm.checkpoint import latest_valid_checkpoint, load_checkpoint, save_che
 from meshlm.config import Config, to_toml
 from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data
 from meshlm.model import Transformer, flops_per_token
+from meshlm.observe import StepObserver, aggregate
+from meshlm.observe.env import environment
 from meshlm.observe.metrics import MetricsLogger, TrainProgress
+from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, parse_layout, validate_layout
 from meshlm.train.distributed import autocast_dtype, env_world_size, init_distributed, resolve_device
@@ -42,8 +44,24 @@ def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
         cfg.train.micro_batch,
         cfg.parallel.virtual_stages,
         cfg.parallel.schedule,
+        cfg.data.seq_len,
+        cfg.parallel.sequence_parallel,
     )
     return layout, n_micro
+
+
+def resolve_auto_layout(cfg: Config, world_size: int) -> Config:
+    """`--parallel.layout auto`: the planner's fastest layout for this model, batch and world size."""
+    if cfg.parallel.layout != "auto":
+        return cfg
+    from meshlm.plan import plan_for_config
+
+    choice = plan_for_config(cfg, world_size)
+    data = cfg.model_dump()
+    for key, value in choice.overrides().items():
+        section, name = key.split(".")
+        data[section][name] = value
+    return Config.model_validate(data)
 
 
 def optimizer_is_resumable(layout: Layout, zero: int) -> bool:
@@ -78,6 +96,7 @@ def model_device(model: ParallelModel) -> torch.device:
 
 def train(cfg: Config) -> TrainResult:
     """Train (or resume) the run in `cfg.log.run_dir`; return the losses of this invocation."""
+    cfg = resolve_auto_layout(cfg, env_world_size())
     layout, n_micro = check_config(cfg, env_world_size())
     device = resolve_device(cfg.train.device)
     created_group = init_distributed(device, cfg.parallel.timeout_s)
@@ -127,6 +146,14 @@ def _train(cfg: Config, layout: Layout, n_micro: int, device: torch.device) -> T
         logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard)
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     flops_per_step = flops_per_token(model_cfg, cfg.data.seq_len) * tokens_per_step
+    dist.barrier()  # ranks sharing a CPU measure its matmul peak together
+    observer = StepObserver(
+        flops_per_step, tokens_per_step, n_devices=dist.get_world_size(), device=device,
+        peak_flops=cfg.log.peak_flops or None, model=pm, optimizer=optimizer, activations=cfg.log.activation_memory,
+    )  # fmt: skip
+    profiler = StepProfiler(cfg.log.profile_steps, run_dir / "profile", rank, device)
+    if logger:
+        logger.log(sampler.step, "env", **environment(device, str(layout)), peak_flops=observer.peak_flops)
 
     def save(step: int) -> None:
         state = pm.full_state_dict()
@@ -160,18 +187,21 @@ def _train(cfg: Config, layout: Layout, n_micro: int, device: torch.device) -> T
                     logger.log(0, "eval", loss=result.eval_losses[-1][1])
             while sampler.step < cfg.train.steps:
                 step = sampler.step
-                start = time.perf_counter()
-                inputs, targets = sampler.next_batch(dp_rank, dp)
+                profiler.before_step(step + 1)
+                observer.start_step()
+                with observer.data_wait():
+                    inputs, targets = sampler.next_batch(dp_rank, dp)
                 lr = lr_at(step, cfg.train)
                 loss, grad_norm, applied = train_step(
                     pm, optimizer, inputs.to(device), targets.to(device), lr, cfg.train.grad_clip, guard.allow
                 )
-                elapsed = time.perf_counter() - start
+                metrics = observer.end_step()
                 watchdog.arm()
                 result.losses.append(loss)
                 done = step + 1
-                tps = tokens_per_step / elapsed
-                progress.update(done, loss, tps)
+                if trace := profiler.after_step(done):
+                    progress.print(f"profiler trace: {trace}")
+                progress.update(done, loss, metrics["tokens_per_s"], extra=f"MFU {metrics['mfu']:.1%}")
                 if not applied:
                     result.skipped_steps.append(done)
                     progress.print(f"step {done}: update skipped: {guard.last_reason}")
@@ -184,10 +214,17 @@ def _train(cfg: Config, layout: Layout, n_micro: int, device: torch.device) -> T
                         loss=loss,
                         grad_norm=grad_norm,
                         lr=lr,
-                        step_time_s=elapsed,
-                        tokens_per_s=tps,
-                        flops_per_s=flops_per_step / elapsed,
+                        **metrics,
                     )
+                if cfg.log.aggregate_every and (done % cfg.log.aggregate_every == 0 or done == cfg.train.steps):
+                    summary = aggregate(metrics, cfg.log.straggler_threshold)
+                    if logger:
+                        logger.log(done, "ranks", **summary)
+                    if summary.get("straggler_rank", -1) >= 0:
+                        progress.print(
+                            f"step {done}: rank {summary['straggler_rank']:.0f} is a straggler "
+                            f"({summary['straggler_ratio']:.2f}× the median compute time)"
+                        )
                 if check_desync and done % cfg.fault.desync_every == 0:
                     check_replicas_in_sync(pm)
                 if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
@@ -207,6 +244,7 @@ def _train(cfg: Config, layout: Layout, n_micro: int, device: torch.device) -> T
     finally:
         watchdog.close()
         preemption.close()
+        observer.close()
     result.final_step = sampler.step
     if logger:
         logger.close()

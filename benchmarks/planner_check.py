@@ -1,0 +1,217 @@
+"""The planner's predictions beside measurements of meshlm's real training step on this machine.
+
+For each world size, one gloo group first runs `meshlm doctor`'s in-process measurement (matmul rate, memory
+bandwidth, α–β of every collective on the dp dim), turns it into the planner's Calibration, then trains every
+layout of that world size in turn. Per layout it measures, on every rank:
+  * model-state bytes right after the optimizer step (params + grads + optimizer state; DataParallel's
+    `memory_report` under dp/ZeRO, else the same count over the model's tensors, `meshlm.observe.memory`);
+  * activation bytes: the peak of tensors autograd saves for backward during one step (`ActivationMeter`,
+    parameters excluded), against the planner's activations + logits;
+  * step time: the median of `--steps` optimizer steps after `--warmup`, each timed between barriers.
+The planner (`meshlm.plan.evaluate`, fp32, the measured calibration) predicts each for the same layout; memory
+is the worst rank against the planner's fullest stage. Pass: memory within 10 %, step time within 25 %.
+
+    .venv/bin/python benchmarks/planner_check.py               # about 3 minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from distributed import run_distributed
+from equivalence import global_batch
+
+from meshlm.config import ParallelSection, TrainSection
+from meshlm.model import ModelConfig, Transformer, preset
+from meshlm.observe.calibration import calibration
+from meshlm.observe.doctor import doctor
+from meshlm.observe.memory import ActivationMeter, MemoryProbe
+from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.mesh import build_mesh, parse_layout, validate_layout
+from meshlm.plan import Layout, Workload, evaluate, hardware
+from meshlm.plan.memory import model_state_bytes, stage_layers, stage_params
+from meshlm.train.optim import build_optimizer, train_step
+
+MEMORY_TOLERANCE = 0.10
+TIME_TOLERANCE = 0.25
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout as meshlm's config spells it (`parallel.layout`, `parallel.zero`, `parallel.schedule`)."""
+
+    layout: str
+    zero: int = 0
+    schedule: str = "1f1b"
+
+    def sizes(self) -> dict[str, int]:
+        given = dict(part.split("=") for part in self.layout.split(",") if part)
+        return {dim: int(given.get(dim, 1)) for dim in ("pp", "dp", "tp")}
+
+    def world(self) -> int:
+        return self.sizes()["pp"] * self.sizes()["dp"] * self.sizes()["tp"]
+
+    def name(self) -> str:
+        return f"{self.layout or 'single'} zero={self.zero}" + (f" {self.schedule}" if "pp" in self.layout else "")
+
+
+# Every strategy and their combinations on 1, 2 and 4 ranks (dp is always spelled out: parse_layout lets it
+# take the rest of the world).
+CASES = [
+    Case("dp=1"),
+    Case("dp=2", 0),
+    Case("dp=2", 1),
+    Case("dp=2", 2),
+    Case("dp=2", 3),
+    Case("dp=1,tp=2"),
+    Case("pp=2,dp=1"),
+    Case("pp=2,dp=1", schedule="gpipe"),
+    Case("dp=2,tp=2", 1),
+    Case("pp=2,dp=2", 0),
+    Case("pp=2,dp=1,tp=2"),
+]
+WORLD8 = [Case("pp=2,dp=2,tp=2", 1)]
+
+
+def _rank_model_states(pm: ParallelModel, opt: torch.optim.Optimizer) -> dict[str, int]:
+    if pm.dp is not None:
+        return pm.dp.memory_report(opt)
+    probe = MemoryProbe(pm)  # without the optimizer: it would register its own step hook
+    probe.optimizer = opt
+    m = probe.measure()
+    return {"params": m["mem_params_bytes"], "grads": m["mem_grads_bytes"], "optimizer": m["mem_optimizer_bytes"]}
+
+
+def measure_cases(
+    cases: list[Case],
+    model_cfg: ModelConfig,
+    batch: int,
+    micro_batch: int,
+    seq_len: int,
+    steps: int,
+    warmup: int,
+    calibrate: bool,
+) -> dict:
+    """Inside an initialised group: optionally calibrate, then train each case; this rank's measurements."""
+    report = None
+    if calibrate:
+        report = doctor(iters=20, budget_s=0.3, matmul_seconds=1.0)  # doctor's default sizes, 4 KiB to 16 MiB
+    out = []
+    for case in cases:
+        par = ParallelSection(layout=case.layout, zero=case.zero, schedule=case.schedule)
+        train = TrainSection(steps=steps + warmup + 1, global_batch=batch, micro_batch=micro_batch, lr=1e-3)
+        lay = parse_layout(case.layout, dist.get_world_size())
+        n_micro = validate_layout(lay, model_cfg, batch, micro_batch, 1, case.schedule, seq_len, False)
+        mesh = build_mesh(lay, "cpu")
+        torch.manual_seed(0)
+        pm = ParallelModel(Transformer(model_cfg), mesh, par, n_micro)
+        opt = build_optimizer(pm, train)
+        rows = slice(mesh.rank("dp") * batch // lay.dp, (mesh.rank("dp") + 1) * batch // lay.dp)
+        x, y = global_batch(0, batch, seq_len, model_cfg.vocab_size)
+        x, y = x[rows], y[rows]
+        # train_step drops gradients at its end: measure at the high-water mark, right after optimizer.step()
+        holder: dict[str, dict[str, int]] = {}
+        handle = opt.register_step_post_hook(lambda *_: holder.__setitem__("m", _rank_model_states(pm, opt)))
+        meter = ActivationMeter(pm)
+        with meter:  # the first step: allocates the optimizer state and measures saved activations
+            train_step(pm, opt, x, y, 1e-3, 1.0)
+        times = []
+        for i in range(warmup + steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            train_step(pm, opt, x, y, 1e-3, 1.0)
+            dist.barrier()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        handle.remove()
+        states = holder["m"]
+        out.append(
+            {
+                "case": case,
+                "pp_rank": mesh.rank("pp"),
+                "states": states,
+                "activations": meter.peak,
+                "step_s": statistics.median(times) if times else float("nan"),
+            }
+        )
+        del pm, opt
+    return {"report": report, "cases": out}
+
+
+def predict(case: Case, model_cfg: ModelConfig, batch: int, micro_batch: int, seq_len: int, cal: dict | None):
+    layout = Layout(**case.sizes(), zero=case.zero, micro_batch=micro_batch, schedule=case.schedule)
+    w = Workload(model_cfg, seq_len, batch, train_tokens=1e9, precision="fp32")
+    return layout, evaluate(w, layout, hardware("cpu", cal))
+
+
+def stage_model_states(model_cfg: ModelConfig, layout: Layout, stage: int) -> float:
+    """The planner's params + grads + optimizer bytes of one pipeline stage's ranks."""
+    layers = stage_layers(model_cfg.n_layers, layout.pp, layout.virtual_stages)
+    psi = stage_params(model_cfg, layout.tp, layers[stage], stage == 0, stage == layout.pp - 1)
+    return sum(model_state_bytes(psi, layout.dp, layout.zero, "fp32"))
+
+
+def run_world(world: int, cases: list[Case], args: argparse.Namespace, model_cfg: ModelConfig, calibrate: bool):
+    fn_args = (cases, model_cfg, args.batch, args.micro_batch, args.seq_len, args.steps, args.warmup, calibrate)
+    return run_distributed(measure_cases, world, *fn_args, timeout=600, pg_timeout=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--world8", action="store_true", help="also pp=2,dp=2,tp=2 on 8 ranks")
+    args = p.parse_args()
+    model_cfg = preset(args.preset)
+    start = time.perf_counter()
+    cases = CASES + (WORLD8 if args.world8 else [])
+    header = (
+        "| layout | ranks | model states MiB pred / meas | ratio | activations MiB pred / meas | ratio "
+        "| step ms pred / meas | ratio | memory ≤10 % | time ≤25 % |"
+    )
+    print(header)
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    for world in sorted({c.world() for c in cases}):
+        group = [c for c in cases if c.world() == world]
+        results = run_world(world, group, args, model_cfg, calibrate=True)
+        cal = calibration(results[0]["report"])
+        for i, case in enumerate(group):
+            per_rank = [r["cases"][i] for r in results]
+            layout, plan = predict(case, model_cfg, args.batch, args.micro_batch, args.seq_len, cal)
+            mem = plan.memory
+            pred_states = mem.params + mem.grads + mem.optimizer
+            meas_states = max(sum(r["states"].values()) for r in per_rank)
+            pred_act = mem.activations + mem.logits
+            meas_act = max(r["activations"] for r in per_rank)
+            pred_t = plan.step.total
+            meas_t = max(r["step_s"] for r in per_rank)
+            m_ratio, a_ratio, t_ratio = pred_states / meas_states, pred_act / meas_act, pred_t / meas_t
+            mem_ok = abs(m_ratio - 1) <= MEMORY_TOLERANCE and abs(a_ratio - 1) <= MEMORY_TOLERANCE
+            time_ok = abs(t_ratio - 1) <= TIME_TOLERANCE
+            mib = 2**20
+            print(
+                f"| {case.name()} | {world} | {pred_states / mib:.2f} / {meas_states / mib:.2f} | {m_ratio:.3f} "
+                f"| {pred_act / mib:.2f} / {meas_act / mib:.2f} | {a_ratio:.3f} "
+                f"| {pred_t * 1e3:.0f} / {meas_t * 1e3:.0f} | {t_ratio:.2f} "
+                f"| {'pass' if mem_ok else 'FAIL'} | {'pass' if time_ok else 'FAIL'} |",
+                flush=True,
+            )
+    print(f"\n{time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

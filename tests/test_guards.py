@@ -1,0 +1,114 @@
+"""Fault guards: non-finite / spiking steps are skipped or stop the run, desynced replicas are named,
+a hung rank dumps its stack and exits non-zero, and SIGTERM checkpoints and exits 0."""
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+
+from meshlm.checkpoint import list_checkpoints, load_model_state
+from meshlm.config import ParallelSection, load_config, parse_overrides
+from meshlm.model import Transformer, preset
+from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.train import trainer as trainer_module
+from meshlm.train.guards import StepGuard, TrainingFault, check_replicas_in_sync
+
+
+def test_step_guard_skips_non_finite_and_spikes() -> None:
+    guard = StepGuard("skip", spike_factor=3.0)
+    assert all(guard.allow(2.0, 1.0) for _ in range(5))
+    assert not guard.allow(math.nan, 1.0) and "non-finite" in guard.last_reason
+    assert not guard.allow(2.0, math.inf) and "non-finite" in guard.last_reason
+    assert not guard.allow(7.0, 1.0) and "loss spike" in guard.last_reason
+    assert guard.allow(5.0, 1.0) and guard.last_reason == ""
+    with pytest.raises(TrainingFault, match="non-finite"):
+        StepGuard("stop", 0.0).allow(math.nan, 1.0)
+
+
+def test_injected_nan_gradient_skips_exactly_that_update(small_run: list[str], monkeypatch) -> None:
+    original = ParallelModel.forward_backward
+    calls = []
+
+    def poisoned(self: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = original(self, inputs, targets)
+        calls.append(1)
+        if len(calls) == 3:
+            next(self.chunks[0].parameters()).grad[0, 0] = float("nan")
+        return loss
+
+    monkeypatch.setattr(ParallelModel, "forward_backward", poisoned)
+    cfg = load_config(None, parse_overrides([*small_run, "--train.steps", "4", "--checkpoint.every", "1",
+                                             "--checkpoint.keep", "4", "--train.eval_every", "0"]))  # fmt: skip
+    result = trainer_module.train(cfg)
+    assert result.skipped_steps == [3]
+    before, after = (load_model_state(p) for p in list_checkpoints(Path(cfg.log.run_dir))[1:3])
+    for name in before:  # the skipped step left every weight as it was
+        assert torch.equal(before[name], after[name]), name
+    faults = [json.loads(line) for line in (Path(cfg.log.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    faults = [r for r in faults if r["kind"] == "fault"]
+    assert len(faults) == 1 and faults[0]["step"] == 3 and "non-finite" in faults[0]["reason"]
+
+
+def _desync_worker() -> str:
+    torch.manual_seed(0)
+    mesh = build_mesh(parse_layout("dp=2", 2), "cpu")
+    model = ParallelModel(Transformer(preset("test")), mesh, ParallelSection(), n_micro=1)
+    check_replicas_in_sync(model)  # identical replicas pass
+    if mesh.rank("dp") == 1:
+        with torch.no_grad():
+            model.chunks[0].model.layers["2"].mlp.up_proj.weight[0, 0] += 1e-3
+    try:
+        check_replicas_in_sync(model)
+    except TrainingFault as e:
+        return str(e)
+    return "no error"
+
+
+def test_desync_names_rank_and_tensor() -> None:
+    messages = run_distributed(_desync_worker, 2)
+    for message in messages:
+        assert "model.layers.2.mlp.up_proj.weight on dp rank 1 (global rank 1)" in message
+
+
+def test_hung_rank_dumps_stack_and_exits_nonzero(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import time
+        from meshlm.train.guards import Watchdog
+        dog = Watchdog({str(tmp_path)!r}, rank=3, timeout_s=1.0)
+        dog.arm()
+        def stuck_in_collective():
+            time.sleep(30)
+        stuck_in_collective()
+    """)
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and time.monotonic() - start < 15
+    assert "stuck_in_collective" in (tmp_path / "stacks" / "rank3.txt").read_text()
+
+
+def test_sigterm_checkpoints_exits_zero_and_resumes(small_run: list[str]) -> None:
+    run_dir = Path(small_run[small_run.index("--log.run_dir") + 1])
+    args = [*small_run, "--train.steps", "100000", "--checkpoint.every", "0", "--train.eval_every", "0",
+            "--log.every", "1"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", "train", *args], stdout=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    assert "SIGTERM: saved step" in proc.stdout.read()
+    (saved,) = list_checkpoints(run_dir)
+    step = int(saved.name.removeprefix("step_"))
+    assert 0 < step < 100000
+    resumed = trainer_module.train(load_config(None, parse_overrides([*args[:-2], "--train.steps", str(step + 2)])))
+    assert resumed.start_step == step and resumed.final_step == step + 2
