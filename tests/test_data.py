@@ -350,3 +350,20 @@ def test_sampler_over_prepared_tokens(stdlib_data):
     assert inputs.shape == (8, 64) and int(inputs.max()) < VOCAB and int(targets.max()) < VOCAB
     x, _ = next(eval_batches(stdlib_data.val, 64, 4, 1))
     assert x.shape == (4, 64)
+
+
+def test_hf_dataset_source_reads_a_local_dataset(tmp_path, monkeypatch):
+    """With `datasets` installed, `hf:PATH` goes through `datasets.load_dataset` (a local folder: no network)."""
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    rows = [{"text": f"document {i}: def f{i}(x):\n    return x * {i}\n", "id": i} for i in range(40)]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataSection(source=f"hf:{folder}", cache_dir=str(tmp_path / "cache"), seq_len=8, val_fraction=0.1)
+    assert list(iter_documents(cfg)) == [r["text"] for r in rows]
+    with pytest.raises(DataError, match="has no field 'body'; valid: text, id"):
+        list(iter_documents(cfg.model_copy(update={"text_field": "body"})))
+    data = prepare_data(cfg, vocab_size=300)
+    assert len(data.train) > 0 and len(data.val) > 0

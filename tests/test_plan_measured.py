@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # after tests/: its names win
 
 from distributed import run_distributed
 from planner_check import Case, measure_cases, predict, stage_model_states
