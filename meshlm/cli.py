@@ -7,6 +7,7 @@ code 2, before any work starts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +34,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
     cfg = _config_from(args, extra)
     result = train(cfg)
-    if result.eval_losses:
+    if result.eval_losses and os.environ.get("RANK", "0") == "0":
         first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
         print(f"validation loss {first:.4f} -> {last:.4f}; run directory {result.run_dir}")
     return 0

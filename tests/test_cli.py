@@ -60,3 +60,18 @@ def test_eval_of_a_directory_without_run_is_a_clear_error(tmp_path: Path) -> Non
     out = meshlm("eval", str(tmp_path))
     assert out.returncode == 2
     assert "config.toml not found" in out.stderr
+
+
+def test_train_under_torchrun(small_run: list[str]) -> None:
+    """The same command on two ranks launched by torchrun (data parallel with ZeRO-1)."""
+    run_dir = Path(small_run[small_run.index("--log.run_dir") + 1])
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "meshlm.cli", "train", *small_run, "--train.steps", "3", "--train.eval_every", "3",
+         "--parallel.layout", "dp=2", "--parallel.zero", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("validation loss") == 1  # printed by rank 0 only
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000003"]
+    assert '"layout": "pp=1,dp=2,tp=1"' in (run_dir / "metrics.jsonl").read_text()
