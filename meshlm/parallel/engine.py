@@ -26,7 +26,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def is_tp_replicated(param: nn.Parameter) -> bool:
-    """True for parameters every tp rank holds whole (norm weights, replicated KV heads)."""
+    """True for parameters whose gradient is counted on another tp rank too (norm weights, and every copy
+    but the first of a KV head replicated over ranks): the global norm counts them on tp rank 0 only."""
     return getattr(param, "_meshlm_tp_shard_dim", None) is None
 
 
