@@ -97,6 +97,9 @@ class ParallelSection(Section):
     zero_shard_size: int | None = Field(
         None, gt=0, description="hybrid sharding: shard within groups of this many dp ranks, replicate across"
     )
+    zero_param_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="ZeRO ≥ 1: dtype of the working (gathered) weights over fp32 master shards"
+    )
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size of the overlapped reduction")
     sequence_parallel: bool = Field(False, description="shard norms/residuals along the sequence over tp")
     schedule: Literal["gpipe", "1f1b", "interleaved"] = Field("1f1b", description="pipeline schedule")
@@ -151,6 +154,8 @@ class Config(Section):
             raise ValueError(str(e)) from None
         if self.data.seq_len > model.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})")
+        if self.parallel.zero == 0 and (self.parallel.zero_shard_size or self.parallel.zero_param_dtype != "fp32"):
+            raise ValueError("parallel.zero_shard_size and parallel.zero_param_dtype need parallel.zero >= 1")
         if self.train.micro_batch and self.train.global_batch % self.train.micro_batch:
             raise ValueError(
                 f"train.global_batch ({self.train.global_batch}) must be divisible by "

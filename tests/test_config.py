@@ -45,6 +45,7 @@ def test_model_overrides_build_a_model_config() -> None:
         (["--train.steps", "0"], "train.steps: Input should be greater than 0"),
         (["--train.stepz", "3"], "train.stepz: unknown field"),
         (["--trian.steps", "3"], "trian: unknown section"),
+        (["--parallel.zero_param_dtype", "bf16"], "parallel.zero_shard_size and parallel.zero_param_dtype need"),
         (["--train.lr", "fast"], "train.lr: Input should be a valid number"),
         (["--model.preset", "huge"], "model.preset: unknown preset 'huge'"),
         (["--model.n_heads", "5"], "model.dim (256) must be divisible by model.n_heads (5)"),

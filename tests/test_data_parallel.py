@@ -46,7 +46,7 @@ WORLD2_RUNS = {
     "zero3 accumulation": ({"zero": 3}, {}, 2),
     "zero1 one bucket per kind": ({"zero": 1, "bucket_mb": 25.0}, {}, 0),
 }
-BF16_RUNS = {f"zero{z} bf16": ({"zero": z}, {"param_dtype": torch.bfloat16}, 0) for z in (1, 2, 3)}
+BF16_RUNS = {f"zero{z} bf16": ({"zero": z, "zero_param_dtype": "bf16"}, {}, 0) for z in (1, 2, 3)}
 TIED_MODEL = TEST_MODEL.replace(tie_embeddings=True)  # the head's weight lives in the embedding's ZeRO-3 unit
 
 

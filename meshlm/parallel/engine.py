@@ -89,6 +89,7 @@ class ParallelModel:
                 zero=parallel.zero,
                 bucket_mb=parallel.bucket_mb,
                 shard_group_size=parallel.zero_shard_size,
+                param_dtype=torch.bfloat16 if parallel.zero_param_dtype == "bf16" else torch.float32,
             )
 
     # ---- helpers the strategies share -------------------------------------------------------------

@@ -17,6 +17,11 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def env_rank() -> int:
+    """This process's global rank as torchrun announces it (0 for a plain process)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def init_distributed(device: torch.device, timeout_s: float) -> bool:
     """Join (or create) the default process group; return True if this call created it."""
     if dist.is_initialized():

@@ -41,6 +41,11 @@ class Watchdog:
         if self._file is not None:
             faulthandler.dump_traceback_later(timeout_s or self.timeout_s, exit=True, file=self._file)
 
+    def disarm(self) -> None:
+        """For work of unbounded length that has its own timeout (tokenizing a corpus behind a barrier)."""
+        if self._file is not None:
+            faulthandler.cancel_dump_traceback_later()
+
     def close(self) -> None:
         if self._file is not None:
             faulthandler.cancel_dump_traceback_later()

@@ -18,7 +18,7 @@ from meshlm.observe.metrics import MetricsLogger, TrainProgress
 from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, parse_layout, validate_layout
-from meshlm.train.distributed import autocast_dtype, env_world_size, init_distributed, resolve_device
+from meshlm.train.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.train.guards import Preemption, StepGuard, Watchdog, check_replicas_in_sync
 from meshlm.train.optim import build_optimizer, lr_at, train_step
 
@@ -99,19 +99,25 @@ def train(cfg: Config) -> TrainResult:
     cfg = resolve_auto_layout(cfg, env_world_size())
     layout, n_micro = check_config(cfg, env_world_size())
     device = resolve_device(cfg.train.device)
+    # Armed before the process group exists: a restarted rank can hang in rendezvous or set-up too.
+    watchdog = Watchdog(Path(cfg.log.run_dir), env_rank(), cfg.fault.watchdog_s)
+    watchdog.arm()
     created_group = init_distributed(device, cfg.parallel.timeout_s)
     try:
-        return _train(cfg, layout, n_micro, device)
+        return _train(cfg, layout, n_micro, device, watchdog)
     finally:
+        watchdog.close()
         if created_group:
             dist.destroy_process_group()
 
 
-def _train(cfg: Config, layout: Layout, n_micro: int, device: torch.device) -> TrainResult:
+def _train(cfg: Config, layout: Layout, n_micro: int, device: torch.device, watchdog: Watchdog) -> TrainResult:
     rank = dist.get_rank()
     run_dir = Path(cfg.log.run_dir)
     model_cfg = cfg.model.build()
+    watchdog.disarm()
     data = load_data(cfg, model_cfg.vocab_size)
+    watchdog.arm()
     sampler = GlobalBatchSampler(data.train, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
 
     torch.manual_seed(cfg.train.seed)
@@ -174,7 +180,6 @@ def _train(cfg: Config, layout: Layout, n_micro: int, device: torch.device) -> T
             )
         dist.barrier()
 
-    watchdog = Watchdog(run_dir, rank, cfg.fault.watchdog_s)
     preemption = Preemption()
     guard = StepGuard(cfg.fault.nonfinite, cfg.fault.spike_factor)
     check_desync = cfg.fault.desync_every and layout.dp > 1 and cfg.parallel.zero < 3
@@ -242,7 +247,6 @@ def _train(cfg: Config, layout: Layout, n_micro: int, device: torch.device) -> T
                 if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
                     save(done)
     finally:
-        watchdog.close()
         preemption.close()
         observer.close()
     result.final_step = sampler.step
