@@ -81,8 +81,9 @@ def load_data(cfg: Config, vocab_size: int) -> TokenData:
 
 def evaluate(model: ParallelModel, data: TokenData, cfg: Config, dp_rank: int, dp: int) -> float:
     """Mean loss over a fixed set of validation batches (the same windows every time)."""
+    device = model_device(model)
     losses = [
-        model.eval_loss(x.to(model_device(model)), y.to(model_device(model))).item()
+        model.eval_loss(x.to(device), y.to(device)).item()
         for x, y in eval_batches(
             data.val, cfg.data.seq_len, cfg.train.global_batch, cfg.train.eval_batches, dp_rank, dp
         )
@@ -96,8 +97,9 @@ def model_device(model: ParallelModel) -> torch.device:
 
 def train(cfg: Config) -> TrainResult:
     """Train (or resume) the run in `cfg.log.run_dir`; return the losses of this invocation."""
-    cfg = resolve_auto_layout(cfg, env_world_size())
-    layout, n_micro = check_config(cfg, env_world_size())
+    world_size = env_world_size()
+    cfg = resolve_auto_layout(cfg, world_size)
+    layout, n_micro = check_config(cfg, world_size)
     device = resolve_device(cfg.train.device)
     # Armed before the process group exists: a restarted rank can hang in rendezvous or set-up too.
     watchdog = Watchdog(Path(cfg.log.run_dir), env_rank(), cfg.fault.watchdog_s)
