@@ -1,13 +1,15 @@
 """The planner's predictions beside measurements of meshlm's real training step on this machine.
 
-For each world size, one gloo group first runs `meshlm doctor`'s in-process measurement (matmul rate, memory
-bandwidth, α–β of every collective on the dp dim), turns it into the planner's Calibration, then trains every
-layout of that world size in turn. Per layout it measures, on every rank:
+For each world size, one gloo group first runs `meshlm doctor`'s in-process measurement on the layout of that
+world with the most mesh dims (matmul rate with every rank busy, memory bandwidth, fixed host time per layer
+and per micro-batch, α–β of every collective on every dim of that layout), turns it into the planner's
+Calibration, then trains every layout of that world size in turn. Per layout it measures, on every rank:
   * model-state bytes right after the optimizer step (params + grads + optimizer state; DataParallel's
     `memory_report` under dp/ZeRO, else the same count over the model's tensors, `meshlm.observe.memory`);
   * activation bytes: the peak of tensors autograd saves for backward during one step (`ActivationMeter`,
     parameters excluded), against the planner's activations + logits;
-  * step time: the median of `--steps` optimizer steps after `--warmup`, each timed between barriers.
+  * step time: the median of `--steps` optimizer steps after `--warmup`, each timed between barriers, the
+    cases of a world size taking turns step by step.
 The planner (`meshlm.plan.evaluate`, fp32, the measured calibration) predicts each for the same layout; memory
 is the worst rank against the planner's fullest stage. Pass: memory within 10 %, step time within 25 %.
 Layouts: one rank; dp=2 with ZeRO 0-3; tp=2; pp=2 (1F1B, GPipe); dp=2,tp=2; pp=2,dp=2; pp=2,tp=2; and
@@ -20,9 +22,12 @@ pp=2,dp=2,tp=2 on 8 ranks. Results and their reading: docs/benchmarks.md, "Plann
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,12 +100,13 @@ def _rank_model_states(pm: ParallelModel, opt: torch.optim.Optimizer) -> dict[st
     return {"params": m["mem_params_bytes"], "grads": m["mem_grads_bytes"], "optimizer": m["mem_optimizer_bytes"]}
 
 
-def measure_case(
-    case: Case, model_cfg: ModelConfig, batch: int, micro_batch: int, seq_len: int, steps: int, warmup: int
-) -> dict:
-    """Build one layout on this group and train it: this rank's model states, activations and step time."""
+def build_case(
+    case: Case, model_cfg: ModelConfig, batch: int, micro_batch: int, seq_len: int
+) -> tuple[Callable[[], None], dict]:
+    """Build one layout on this group and run its first step: (a function that runs one more training step,
+    this rank's model states and peak saved activations)."""
     par = ParallelSection(layout=case.layout, zero=case.zero, schedule=case.schedule)
-    train = TrainSection(steps=steps + warmup + 1, global_batch=batch, micro_batch=micro_batch, lr=1e-3)
+    train = TrainSection(steps=2, global_batch=batch, micro_batch=micro_batch, lr=1e-3)
     lay = parse_layout(case.layout, dist.get_world_size())
     n_micro = validate_layout(lay, model_cfg, batch, micro_batch, 1, case.schedule, seq_len, False)
     mesh = build_mesh(lay, "cpu")
@@ -116,21 +122,8 @@ def measure_case(
     meter = ActivationMeter(pm)
     with meter:  # the first step: allocates the optimizer state and measures saved activations
         train_step(pm, opt, x, y, 1e-3, 1.0)
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        train_step(pm, opt, x, y, 1e-3, 1.0)
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return {
-        "case": case,
-        "pp_rank": mesh.rank("pp"),
-        "states": states,
-        "activations": meter.peak,
-        "step_s": statistics.median(times) if times else float("nan"),
-    }
+    result = {"case": case, "pp_rank": mesh.rank("pp"), "states": states, "activations": meter.peak}
+    return lambda: train_step(pm, opt, x, y, 1e-3, 1.0), result
 
 
 def measure_cases(
@@ -143,12 +136,33 @@ def measure_cases(
     warmup: int,
     calibrate: bool,
 ) -> dict:
-    """Inside an initialised group: optionally calibrate (`meshlm doctor`), then measure each case in turn."""
+    """Inside an initialised group: optionally calibrate (`meshlm doctor`), build every case, then time their
+    steps round-robin (one step of each case per round, each between barriers), so that a change in the
+    machine's load lands on every case alike rather than on whichever ran then. step_s: the median step."""
     report = None
-    if calibrate:
-        report = doctor(iters=20, budget_s=0.3, matmul_seconds=1.0)  # doctor's default sizes, 4 KiB to 16 MiB
-    out = [measure_case(case, model_cfg, batch, micro_batch, seq_len, steps, warmup) for case in cases]
+    if calibrate:  # doctor's default sizes, 4 KiB to 16 MiB
+        report = doctor(doctor_layout(cases), iters=20, budget_s=0.3, matmul_seconds=1.0)
+    built = [build_case(case, model_cfg, batch, micro_batch, seq_len) for case in cases]
+    times: list[list[float]] = [[] for _ in cases]
+    for i in range(warmup + steps):
+        for (step, _), case_times in zip(built, times, strict=True):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dist.barrier()
+            if i >= warmup:
+                case_times.append(time.perf_counter() - t0)
+    out = [
+        {**result, "step_s": statistics.median(t) if t else float("nan")}
+        for (_, result), t in zip(built, times, strict=True)
+    ]
     return {"report": report, "cases": out}
+
+
+def doctor_layout(cases: list[Case]) -> str:
+    """The layout doctor measures for a group of cases: the first of those with the most dims larger than 1,
+    so that every dim the cases use is measured where possible (the others fall back to `links.intra`)."""
+    return max(cases, key=lambda c: sum(size > 1 for size in c.sizes().values())).layout
 
 
 def predict(case: Case, model_cfg: ModelConfig, batch: int, micro_batch: int, seq_len: int, cal: dict | None):
@@ -164,6 +178,18 @@ def stage_model_states(model_cfg: ModelConfig, layout: Layout, stage: int) -> fl
     return sum(model_state_bytes(psi, layout.dp, layout.zero, "fp32"))
 
 
+def busy_cores_s() -> float:
+    """CPU seconds every process on the machine has spent so far (/proc/stat: all but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cores_s() -> float:
+    """CPU seconds of this process and its finished children (the ranks)."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
 def run_world(world: int, cases: list[Case], args: argparse.Namespace, model_cfg: ModelConfig, calibrate: bool):
     fn_args = (cases, model_cfg, args.batch, args.micro_batch, args.seq_len, args.steps, args.warmup, calibrate)
     return run_distributed(measure_cases, world, *fn_args, timeout=600, pg_timeout=120)
@@ -175,7 +201,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-world8", action="store_true", help="skip pp=2,dp=2,tp=2 on 8 ranks")
     args = p.parse_args()
@@ -192,9 +218,11 @@ def main() -> None:
     mib = 2**20
     for world in sorted({c.world() for c in cases}):
         group = [c for c in cases if c.world() == world]
+        start_world, busy, own = time.perf_counter(), busy_cores_s(), own_cores_s()
         results = run_world(world, group, args, model_cfg, calibrate=True)
+        other = (busy_cores_s() - busy - (own_cores_s() - own)) / (time.perf_counter() - start_world)
         cal = calibration(results[0]["report"])
-        calibrations.append((world, cal))
+        calibrations.append((world, cal, other))
         for i, case in enumerate(group):
             per_rank = [r["cases"][i] for r in results]
             _, plan = predict(case, model_cfg, args.batch, args.micro_batch, args.seq_len, cal)
@@ -221,15 +249,26 @@ def main() -> None:
     print(
         "\n† not checked: ZeRO-3's gathered weights, freed by storage resize, look like saved activations to the meter"
     )
-    print("\n| ranks | matmul GFLOP/s (machine) | memory GB/s | all_reduce α µs, β GB/s | send_recv α µs, β GB/s |")
-    print("|---:|---:|---:|---|---|")
-    for world, cal in calibrations:
-        links = cal.get("dims", {}).get("dp", {})
+    print(
+        "\n| ranks | doctor layout | matmul GFLOP/s (machine, all cores) | memory GB/s "
+        "| effective cores | other processes, cores | overhead µs: layer / micro-batch "
+        "| all_reduce α µs, β GB/s (per dim) | send_recv α µs, β GB/s (per dim) |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---|---|---|")
+    for world, cal, other in calibrations:
         fits = [
-            f"{links[op]['alpha_s'] * 1e6:.0f}, {links[op]['beta_Bps'] / 1e9:.2f}" if op in links else "—"
+            " ".join(
+                f"{dim} {ops[op]['alpha_s'] * 1e6:.0f}, {ops[op]['beta_Bps'] / 1e9:.2f};"
+                for dim, ops in cal["dims"].items()
+            ).rstrip(";")
+            or "—"
             for op in ("all_reduce", "send_recv")
         ]
-        print(f"| {world} | {cal['matmul_flops'] / 1e9:.1f} | {cal['memory_bw'] / 1e9:.1f} | {fits[0]} | {fits[1]} |")
+        overhead = f"{cal['layer_overhead_s'] * 1e6:.0f} / {cal['micro_batch_overhead_s'] * 1e6:.0f}"
+        print(
+            f"| {world} | {cal['notes']['layout']} | {cal['matmul_flops'] / 1e9:.1f} | {cal['memory_bw'] / 1e9:.1f} "
+            f"| {cal['cores']:.2f} | {max(other, 0.0):.2f} | {overhead} | {fits[0]} | {fits[1]} |"
+        )
     print(f"\n{time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

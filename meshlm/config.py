@@ -111,15 +111,19 @@ class CheckpointSection(Section):
     every: int = Field(100, ge=0, description="save every N steps; 0 saves only at the end")
     keep: int = Field(3, gt=0, description="newest checkpoints kept")
     resume: bool = Field(True, description="continue from the newest valid checkpoint")
+    async_save: bool = Field(True, description="write checkpoints in the background while training goes on")
 
 
 class FaultSection(Section):
     watchdog_s: float = Field(
         900.0, ge=0, description="a rank that finishes no step for this long dumps stacks and exits 1; 0 = off"
     )
-    nonfinite: Literal["skip", "stop"] = Field(
-        "skip", description="on a non-finite gradient norm or a loss spike: skip the update, or stop the run"
+    nonfinite: Literal["skip", "rollback", "stop"] = Field(
+        "skip",
+        description="on a non-finite gradient norm or a loss spike: skip the update, roll back to the newest "
+        "checkpoint (keeping the data position, so the batches since are skipped), or stop the run",
     )
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed in one run before it stops")
     spike_factor: float = Field(0.0, ge=0, description="a loss above this × the recent mean counts as a spike; 0 = off")
     desync_every: int = Field(100, ge=0, description="compare data-parallel replicas' weights every N steps; 0 = off")
     grace_s: float = Field(120.0, gt=0, description="after SIGTERM: finish the step and save within this, then exit 0")

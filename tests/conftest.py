@@ -12,8 +12,7 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("token-cache"))
 
 
-@pytest.fixture
-def small_run(data_cache: str, tmp_path) -> list[str]:
+def small_run_args(data_cache: str, run_dir: Path) -> list[str]:
     """Overrides for a fast training run of the `test` preset on real text."""
     return [
         "--model.preset", "test",
@@ -23,7 +22,12 @@ def small_run(data_cache: str, tmp_path) -> list[str]:
         "--train.global_batch", "8",
         "--train.warmup_steps", "2",
         "--train.eval_batches", "2",
-        "--log.run_dir", str(tmp_path / "run"),
+        "--log.run_dir", str(run_dir),
         "--log.progress", "false",
         "--log.tensorboard", "false",
     ]  # fmt: skip
+
+
+@pytest.fixture
+def small_run(data_cache: str, tmp_path: Path) -> list[str]:
+    return small_run_args(data_cache, tmp_path / "run")

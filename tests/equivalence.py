@@ -9,6 +9,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshlm.checkpoint import (
+    Checkpointer,
+    init_optimizer_state,
+    latest_valid_checkpoint,
+    set_optimizer_steps,
+    training_entries,
+)
 from meshlm.config import ParallelSection, TrainSection
 from meshlm.model import ModelConfig, Transformer, preset
 from meshlm.parallel.engine import ParallelModel
@@ -41,8 +48,16 @@ def train_layout(
     model_cfg: ModelConfig = TEST_MODEL,
     seed: int = 0,
     grad_clip: float = 1.0,
+    start: int = 0,
+    stop: int | None = None,
+    resume_from: str | None = None,
+    save_to: str | None = None,
 ) -> dict:
-    """Run `steps` optimizer steps; return {'losses', 'grad_norms', 'state' (full fp32 weights)}."""
+    """Run optimizer steps `start`..`stop - 1` of a `steps`-step schedule (all of them by default); return
+    {'losses', 'grad_norms', 'state' (full fp32 weights)}.
+
+    `resume_from` loads the newest checkpoint of that run directory first (written under any layout);
+    `save_to` saves a sharded checkpoint of step `stop` there at the end."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -68,14 +83,24 @@ def train_layout(
     model = Transformer(model_cfg)
     pm = ParallelModel(model, mesh, par, n_micro)
     opt = build_optimizer(pm, train)
+    if resume_from or save_to:
+        checkpointer = Checkpointer(resume_from or save_to, keep=2, async_save=False, timeout_s=60)
+    if resume_from:
+        init_optimizer_state(opt)
+        checkpointer.load(latest_valid_checkpoint(resume_from), training_entries(pm, opt))
+        set_optimizer_steps(opt, start)
+        pm.after_load()
     dp_rank, dp = mesh.rank("dp"), lay.dp
     losses, norms = [], []
-    for step in range(steps):
+    stop = steps if stop is None else stop
+    for step in range(start, stop):
         x, y = global_batch(step, batch, seq_len, model_cfg.vocab_size, seed)
         rows = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
         loss, norm, _ = train_step(pm, opt, x[rows], y[rows], lr_at(step, train), train.grad_clip)
         losses.append(loss)
         norms.append(norm)
+    if save_to:
+        checkpointer.save(stop, training_entries(pm, opt), {"step": stop})
     return {"losses": losses, "grad_norms": norms, "state": pm.full_state_dict()}
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,18 +35,28 @@ def test_step_guard_skips_non_finite_and_spikes() -> None:
         StepGuard("stop", 0.0).allow(math.nan, 1.0)
 
 
-def test_injected_nan_gradient_skips_exactly_that_update(small_run: list[str], monkeypatch) -> None:
+def poison(monkeypatch: pytest.MonkeyPatch, poisoned: Callable[[int], bool]) -> None:
+    """Give the n-th forward_backward of the run (1-based) a NaN gradient wherever poisoned(n)."""
     original = ParallelModel.forward_backward
     calls = []
 
-    def poisoned(self: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = original(self, inputs, targets)
         calls.append(1)
-        if len(calls) == 3:
+        if poisoned(len(calls)):
             next(self.chunks[0].parameters()).grad[0, 0] = float("nan")
         return loss
 
-    monkeypatch.setattr(ParallelModel, "forward_backward", poisoned)
+    monkeypatch.setattr(ParallelModel, "forward_backward", forward_backward)
+
+
+def _faults(run_dir: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "fault"]
+
+
+def test_injected_nan_gradient_skips_exactly_that_update(small_run: list[str], monkeypatch) -> None:
+    poison(monkeypatch, lambda n: n == 3)
     cfg = load_config(None, parse_overrides([*small_run, "--train.steps", "4", "--checkpoint.every", "1",
                                              "--checkpoint.keep", "4", "--train.eval_every", "0"]))  # fmt: skip
     result = trainer_module.train(cfg)
@@ -53,9 +64,30 @@ def test_injected_nan_gradient_skips_exactly_that_update(small_run: list[str], m
     before, after = (load_model_state(p) for p in list_checkpoints(Path(cfg.log.run_dir))[1:3])
     for name in before:  # the skipped step left every weight as it was
         assert torch.equal(before[name], after[name]), name
-    faults = [json.loads(line) for line in (Path(cfg.log.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    faults = [r for r in faults if r["kind"] == "fault"]
-    assert len(faults) == 1 and faults[0]["step"] == 3 and "non-finite" in faults[0]["reason"]
+    (fault,) = _faults(Path(cfg.log.run_dir))
+    assert fault["step"] == 3 and "non-finite" in fault["reason"] and fault["action"] == "skipped"
+
+
+def test_rollback_restores_the_newest_checkpoint_and_keeps_the_data_position(small_run: list[str], monkeypatch) -> None:
+    overrides = [*small_run, "--train.steps", "6", "--checkpoint.every", "1", "--checkpoint.keep", "10",
+                 "--train.eval_every", "0", "--fault.nonfinite", "rollback"]  # fmt: skip
+    poison(monkeypatch, lambda n: n == 4)
+    cfg = load_config(None, parse_overrides(overrides))
+    result = trainer_module.train(cfg)
+    assert result.skipped_steps == [4] and result.rollbacks == [4] and result.final_step == 6
+    run_dir = Path(cfg.log.run_dir)
+    saved = {p.name: load_model_state(p) for p in list_checkpoints(run_dir)}
+    for name, tensor in saved["step_00000003"].items():  # step 4's checkpoint holds step 3's weights
+        assert torch.equal(tensor, saved["step_00000004"][name]), name
+    state = json.loads((run_dir / "checkpoints" / "step_00000004" / "trainer.json").read_text())
+    assert state["sampler"]["step"] == 4 and state["optimizer_steps"] == 3  # data moved on, updates did not
+    (fault,) = _faults(run_dir)
+    assert fault["step"] == 4 and fault["action"] == "rolled back to step_00000003"
+
+    poison(monkeypatch, lambda n: n >= 4)  # a fault that a rollback does not cure stops the run
+    again = [*overrides, "--log.run_dir", str(run_dir.parent / "again"), "--fault.max_rollbacks", "2"]
+    with pytest.raises(TrainingFault, match=r"after 2 rollbacks \(fault.max_rollbacks = 2\)"):
+        trainer_module.train(load_config(None, parse_overrides(again)))
 
 
 def _desync_worker() -> str:

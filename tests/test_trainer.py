@@ -1,5 +1,6 @@
 """The single-process trainer: learning happens, resume equals uninterrupted, and bad layouts stop early."""
 
+import argparse
 import math
 import shutil
 from pathlib import Path
@@ -67,3 +68,16 @@ def test_world_size_layout_mismatch_fails_before_any_work(small_run: list[str]) 
     with pytest.raises(LayoutError, match="pp×tp = 2 does not divide the world size 1"):
         train(cfg)
     assert not Path(cfg.log.run_dir).exists()
+
+
+def test_run_directory_converts_to_hugging_face(small_run: list[str], tmp_path: Path) -> None:
+    from meshlm.model.hf import add_convert_parser, load_hf_into_model, run_convert
+
+    cfg = _cfg(small_run, "--train.steps", "2", "--train.eval_every", "0")
+    train(cfg)
+    parser = argparse.ArgumentParser(prog="meshlm")
+    add_convert_parser(parser.add_subparsers(dest="command", required=True))
+    assert run_convert(parser.parse_args(["convert", "meshlm-to-hf", cfg.log.run_dir, str(tmp_path / "hf")])) == 0
+    exported = load_hf_into_model(tmp_path / "hf").state_dict()
+    for name, tensor in load_model_state(list_checkpoints(Path(cfg.log.run_dir))[-1]).items():
+        assert torch.equal(exported[name], tensor), name

@@ -1,9 +1,11 @@
-"""Checkpoint folders in a run directory: atomic, checksummed, and loaded without executing code.
+"""Checkpoint folders in a run directory: atomic, checksummed, found again after any crash.
 
-Layout: `run_dir/checkpoints/step_000100/` holding `model.safetensors` (full weights, HF names),
-`optimizer.pt` (tensors only, read with `weights_only=True`), `trainer.json` (step, sampler, config) and
-`manifest.json` (size and sha256 of every file). A folder is written under a temporary name and renamed
-only when complete, so an interrupted save leaves the previous checkpoint valid.
+Layout: `run_dir/checkpoints/step_00000100/` holding DCP's files (`.metadata` and one `__<rank>_0.distcp` per
+writing rank), `trainer.json` (step, sampler, optimizer step count, model config, layout) and `manifest.json`
+(size and sha256 of every other file). Every rank writes into `.tmp-step_00000100/`; rank 0 writes the
+manifest last and renames the folder, so a checkpoint is visible only when complete and an interrupted save
+leaves the previous one valid. The folder must be on storage every rank can reach (one node, or a shared
+file system across nodes).
 """
 
 from __future__ import annotations
@@ -12,20 +14,26 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from meshlm.checkpoint.shards import ChunkLoadPlanner, SafeReader
 
 MANIFEST = "manifest.json"
+TRAINER = "trainer.json"
 
 
 class CheckpointError(ValueError):
-    """A missing, partial or corrupt checkpoint, named by file."""
+    """A missing, partial, corrupt or incompatible checkpoint, named by file."""
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -33,30 +41,32 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def file_record(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(
-    run_dir: Path,
-    step: int,
-    model_state: dict[str, torch.Tensor],
-    trainer_state: dict[str, Any],
-    optimizer_state: dict[str, Any] | None = None,
-    keep: int = 3,
+def staging_folder(run_dir: Path, step: int) -> Path:
+    return checkpoint_dir(run_dir) / f".tmp-step_{step:08d}"
+
+
+def commit_checkpoint(
+    run_dir: Path, step: int, files: dict[str, dict[str, Any]], trainer_state: dict[str, Any], keep: int
 ) -> Path:
-    """Write step `step` atomically; keep the newest `keep` checkpoints. Returns the final folder."""
-    root = checkpoint_dir(run_dir)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-step_{step:08d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
-    if optimizer_state is not None:
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-    (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2))
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=2))
+    """Rank 0, once every rank's files are in the staging folder: write trainer.json and the manifest
+    (`files` are the ranks' own records), rename the folder into place, keep the newest `keep`."""
+    tmp, final = staging_folder(run_dir, step), checkpoint_dir(run_dir) / f"step_{step:08d}"
+    (tmp / TRAINER).write_text(json.dumps(trainer_state, indent=2))
+    files = dict(files)
+    for name in (".metadata", TRAINER):
+        files[name] = file_record(tmp / name)
+    manifest = tmp / MANIFEST
+    manifest.write_text(json.dumps({"step": step, "files": dict(sorted(files.items()))}, indent=2))
+    with manifest.open("rb") as f:
+        os.fsync(f.fileno())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for old in list_checkpoints(run_dir)[:-keep]:
@@ -65,7 +75,7 @@ def save_checkpoint(
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Committed checkpoint folders, oldest first (temporary folders of interrupted saves are ignored)."""
+    """Committed checkpoint folders, oldest first (staging folders of interrupted saves are ignored)."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return []
@@ -78,9 +88,8 @@ def verify_checkpoint(path: Path) -> None:
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint file {manifest_path} is missing (partial save?)")
     try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError) as e:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {manifest_path}: unreadable manifest ({e})") from None
     for name, meta in files.items():
         file = path / name
@@ -90,11 +99,11 @@ def verify_checkpoint(path: Path) -> None:
             raise CheckpointError(
                 f"checkpoint file {file} has {file.stat().st_size} bytes, manifest says {meta['bytes']}"
             )
-        if _sha256(file) != meta["sha256"]:
+        if sha256_file(file) != meta["sha256"]:
             raise CheckpointError(f"checkpoint file {file} fails its sha256 check (corrupt)")
 
 
-def latest_valid_checkpoint(run_dir: Path, warn: Any = print) -> Path | None:
+def latest_valid_checkpoint(run_dir: Path, warn: Callable[[str], Any] = print) -> Path | None:
     """The newest checkpoint that verifies; corrupt or partial ones are reported by name and skipped."""
     for path in reversed(list_checkpoints(run_dir)):
         try:
@@ -105,18 +114,26 @@ def latest_valid_checkpoint(run_dir: Path, warn: Any = print) -> Path | None:
     return None
 
 
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    file = path / TRAINER
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint file {file} is unreadable ({e})") from None
+
+
 def load_model_state(path: Path) -> dict[str, torch.Tensor]:
-    file = path / "model.safetensors" if path.is_dir() else path
-    if not file.is_file():
-        raise CheckpointError(f"checkpoint file {file} is missing")
-    return load_file(str(file))
-
-
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any] | None]:
-    """(model state, trainer state, optimizer state or None) of a verified checkpoint folder."""
+    """The full fp32 weights (HF names) of a verified checkpoint, in this process alone (no process group):
+    for generation, evaluation and export."""
     verify_checkpoint(path)
-    model_state = load_model_state(path)
-    trainer_state = json.loads((path / "trainer.json").read_text())
-    optimizer_file = path / "optimizer.pt"
-    optimizer_state = torch.load(optimizer_file, weights_only=True) if optimizer_file.is_file() else None
-    return model_state, trainer_state, optimizer_state
+    reader = SafeReader(path)
+    metadata = reader.read_metadata()
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model/") and isinstance(md, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # DCP warns that it runs in one process: here that is the point
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), no_dist=True)
+    return {key.removeprefix("model/"): t for key, t in state.items()}

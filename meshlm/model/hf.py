@@ -249,6 +249,16 @@ def _save_meshlm_file(model: Transformer, path: Path) -> None:
 
 
 def _load_meshlm_file(path: Path) -> Transformer:
+    """A meshlm safetensors file, a training checkpoint folder, or a run directory (its newest checkpoint)."""
+    if path.is_dir():
+        from meshlm.checkpoint import latest_valid_checkpoint, load_model_state, read_trainer_state
+
+        checkpoint = path if (path / "trainer.json").is_file() else latest_valid_checkpoint(path)
+        if checkpoint is None:
+            raise ValueError(f"{path}: neither a checkpoint folder nor a run directory with a valid checkpoint")
+        model = Transformer(ModelConfig(**read_trainer_state(checkpoint)["model"]))
+        model.load_state_dict(load_model_state(checkpoint))
+        return model
     with safe_open(path, framework="pt") as f:
         metadata = f.metadata() or {}
     if MESHLM_CONFIG_KEY not in metadata:
@@ -265,7 +275,9 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     to_meshlm = modes.add_parser("hf-to-meshlm", help="HF Llama directory -> meshlm safetensors file")
     to_meshlm.add_argument("src", type=Path, metavar="SRC_HF_DIR")
     to_meshlm.add_argument("out", type=Path, metavar="OUT_FILE")
-    to_hf = modes.add_parser("meshlm-to-hf", help="meshlm safetensors file -> HF Llama directory")
+    to_hf = modes.add_parser(
+        "meshlm-to-hf", help="meshlm safetensors file, checkpoint folder or run directory -> HF Llama directory"
+    )
     to_hf.add_argument("src", type=Path, metavar="SRC")
     to_hf.add_argument("out", type=Path, metavar="OUT_HF_DIR")
     to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")

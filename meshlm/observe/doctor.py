@@ -2,7 +2,9 @@
 
 Per mesh dimension of a layout it sweeps message sizes through all-reduce, all-gather and reduce-scatter on
 every group of that dimension, and send/recv between ring neighbours one pair at a time (so a slow link shows
-as itself); per rank it measures matmul throughput and memory bandwidth. Rank 0 prints a table that flags
+as itself); on CPU each timed call follows a short compute burst, as in training. Per rank it measures matmul
+throughput (alone and with every rank multiplying at once), memory bandwidth, and the fixed host time of a
+layer's forward + backward and of the rest of a micro-batch. Rank 0 prints a table that flags
 outliers and writes `--out doctor.json`: the planner's calibration (meshlm.plan.Calibration, docs/planner.md),
 with every measurement under its free-form `notes`. Run it with torchrun (or as one process); `doctor()`
 itself runs inside an existing process group (tests).
@@ -30,6 +32,7 @@ from meshlm.observe.calibration import calibration
 from meshlm.observe.memory import process_memory
 from meshlm.observe.peak import copy_bandwidth, matmul_flops
 from meshlm.parallel.mesh import DIMS, build_mesh, parse_layout
+from meshlm.plan.hardware import cpu_cores
 from meshlm.train.distributed import init_distributed, resolve_device
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -76,9 +79,33 @@ def _exchange(nbytes: int, peer: int, group: dist.ProcessGroup, device: torch.de
     return run
 
 
-def _time(fn: Callable[[], None], group: dist.ProcessGroup, device: torch.device, iters: int, budget_s: float) -> float:
+def _burst(device: torch.device) -> Callable[[], None] | None:
+    """About a millisecond of matmuls (4 of 192×192) to run before each timed call on CPU. In training a
+    collective follows compute, and a rank that reached it first has gone to sleep and must be woken; calls
+    issued back to back keep every rank awake and never pay that (on this kind of machine: ~0.1 against
+    ~0.7 ms per gloo all-reduce). None on GPU, where NCCL calls queue behind the kernels asynchronously."""
+    if device.type != "cpu":
+        return None
+    a = torch.randn(192, 192)
+
+    def run() -> None:
+        for _ in range(4):
+            torch.mm(a, a)
+
+    return run
+
+
+def _time(
+    fn: Callable[[], None],
+    group: dist.ProcessGroup,
+    device: torch.device,
+    iters: int,
+    budget_s: float,
+    burst: Callable[[], None] | None = None,
+) -> float:
     """Seconds per call on this rank; the group agrees on the iteration count from a timed warm-up call
-    (after an untimed first one, which may set up connections or communicators)."""
+    (after an untimed first one, which may set up connections or communicators). With a `burst`, each call
+    follows one and only the calls are timed (their mean, as a training step pays it)."""
     fn()
     _sync(device)
     start = time.perf_counter()
@@ -88,11 +115,19 @@ def _time(fn: Callable[[], None], group: dist.ProcessGroup, device: torch.device
     dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
     count = int(max(2, min(iters, budget_s / max(warm.item(), 1e-6))))
     dist.barrier(group=group)
-    start = time.perf_counter()
+    if burst is None:
+        start = time.perf_counter()
+        for _ in range(count):
+            fn()
+        _sync(device)
+        return (time.perf_counter() - start) / count
+    total = 0.0
     for _ in range(count):
+        burst()
+        start = time.perf_counter()
         fn()
-    _sync(device)
-    return (time.perf_counter() - start) / count
+        total += time.perf_counter() - start
+    return total / count
 
 
 def _measure_dim(
@@ -101,16 +136,17 @@ def _measure_dim(
     """This rank's seconds per call: every collective on its group, then each ring pair's exchange."""
     ranks = dist.get_process_group_ranks(group)
     n, me = len(ranks), dist.get_rank(group)
+    burst = _burst(device)
     rows = []
     for op in OPS[:3]:
-        seconds = [_time(_operation(op, s, n, group, device), group, device, iters, budget_s) for s in sizes]
+        seconds = [_time(_operation(op, s, n, group, device), group, device, iters, budget_s, burst) for s in sizes]
         rows.append({"dim": dim, "op": op, "group": ranks, "seconds": seconds})
     for i in range(n if n > 2 else 1):  # one ring pair at a time; the rest of the group idles
         pair = (i, (i + 1) % n)
         seconds = []
         for size in sizes:
             call = _exchange(size, ranks[sum(pair) - me], group, device) if me in pair else _idle
-            seconds.append(_time(call, group, device, iters, budget_s))
+            seconds.append(_time(call, group, device, iters, budget_s, burst))
         if me in pair:
             rows.append({"dim": dim, "op": "send_recv", "group": [ranks[r] for r in pair], "seconds": seconds})
     return rows
@@ -171,6 +207,15 @@ def doctor(
         slow_factor = float(os.environ.get("MESHLM_SLOW_FACTOR", slow_factor))
 
     framework = _framework_bytes(device)
+    cuda = device.type == "cuda"
+    # device figures first: after the collective sweep gloo keeps the CPU busy for a while
+    dist.barrier()  # all ranks measure at once: ranks sharing a CPU each see their share
+    bandwidth = copy_bandwidth(GiB if cuda else 64 * MiB, device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rates = _shared_matmul(
+        matmul_n or (8192 if cuda else 512), dtype, device, matmul_seconds, slow_factor if rank == slow_rank else 1.0
+    )
+    layer_s, micro_batch_s = host_overhead(device)
     rows: list[dict] = []
     dims = [d for d in DIMS if getattr(parsed, d) > 1]
     if dims:
@@ -178,26 +223,19 @@ def doctor(
         for dim in dims:
             rows += _measure_dim(dim, mesh.group(dim), sizes, device, iters, budget_s)
 
-    cuda = device.type == "cuda"
-    dist.barrier()  # all ranks measure at once: ranks sharing a CPU each see their share
-    bandwidth = copy_bandwidth(GiB if cuda else 64 * MiB, device)
-    dist.barrier()
-    flops = matmul_flops(
-        matmul_n or (8192 if cuda else 512),
-        torch.bfloat16 if cuda else torch.float32,
-        device,
-        matmul_seconds,
-        slow_factor if rank == slow_rank else 1.0,
-    )
     me = {
         "rank": rank,
         "host": socket.gethostname(),
         "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
-        "matmul_flops": flops,
+        **rates,
         "memory_bw": bandwidth,
         "framework_bytes": framework,
+        "cores": cpu_cores(),
+        "threads": torch.get_num_threads(),
+        "layer_overhead_s": layer_s,
+        "micro_batch_overhead_s": micro_batch_s,
     }
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (me, rows))
@@ -219,6 +257,87 @@ def doctor(
         "collectives": collectives,
         "outliers": _outliers(ranks, collectives, median, outlier),
     }
+
+
+def _shared_matmul(
+    n: int, dtype: torch.dtype, device: torch.device, seconds: float, slow_factor: float = 1.0, repeats: int = 5
+) -> dict:
+    """Matmul rates on this rank. `matmul_alone_flops` (local rank 0 only): one thread multiplying while the
+    host's other ranks wait. Then, in each of `repeats` rounds, every rank runs the same number of n×n
+    matmuls from a barrier, on CPU with enough threads that the host's ranks keep every core busy:
+    `matmul_flops` is this rank's own rate (`slow_factor` slows it, see `matmul_flops`), and
+    `matmul_shared_flops` counts until the last rank is done, so ranks that time-share cores each get their
+    share even where their runs would not overlap otherwise. Each is the median round."""
+    cpu = device.type == "cpu"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    threads = max(1, -(-cpu_cores() // local_world)) if cpu else torch.get_num_threads()
+    alone = None
+    dist.barrier()
+    if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        alone = matmul_flops(n, dtype, device, seconds / 2)
+        torch.set_num_threads(previous)
+    dist.barrier()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    estimate = torch.tensor([matmul_flops(n, dtype, device, seconds / 10)], device=device)
+    dist.all_reduce(estimate, op=dist.ReduceOp.MIN)
+    iters = max(4, int(seconds / repeats * estimate.item() / (2 * n**3)))
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    own, together = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            torch.mm(a, a)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        if slow_factor > 1:
+            time.sleep(elapsed * (slow_factor - 1))
+        own.append(time.perf_counter() - start)
+        dist.barrier()
+        together.append(time.perf_counter() - start)
+    torch.set_num_threads(previous)
+    work = 2 * n**3 * iters
+    return {
+        "matmul_flops": work / statistics.median(own),
+        "matmul_shared_flops": work / statistics.median(together),
+        "matmul_alone_flops": alone,
+        "matmul_threads": threads,
+    }
+
+
+def host_overhead(device: torch.device, reps: int = 30) -> tuple[float, float]:
+    """(seconds per layer, seconds per micro-batch besides the layers) of host time that does not grow with
+    size: forward + loss + backward of meshlm Transformers so small (dim 16, 8 tokens) that their compute is
+    nil, with 1 and 3 layers; every rank runs the same steps from a barrier to a barrier, so where ranks share
+    cores the time includes waiting for one (calibration() divides that out)."""
+    from meshlm.model import ModelConfig, Transformer
+    from meshlm.model.llama import cross_entropy_loss
+
+    def step_seconds(layers: int) -> float:
+        cfg = ModelConfig(vocab_size=16, dim=16, n_layers=layers, n_heads=2, n_kv_heads=1, intermediate_size=16)
+        model = Transformer(cfg).to(device)
+        x = torch.randint(0, 16, (1, 8), device=device)
+
+        def step() -> None:
+            cross_entropy_loss(model(x), x).backward()
+
+        for _ in range(3):
+            step()
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            step()
+        _sync(device)
+        dist.barrier()
+        return (time.perf_counter() - start) / reps
+
+    one, three = step_seconds(1), step_seconds(3)
+    layer = max(0.0, (three - one) / 2)
+    return layer, max(0.0, one - layer)
 
 
 def _framework_bytes(device: torch.device) -> int:

@@ -342,13 +342,16 @@ class DataParallel:
                 state[name] = full[id(t)] if id(t) in full else t.detach().float().cpu().clone()
         return state
 
-    def sharded_state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, list[ShardedTensor]]:
+    def sharded_state_dict(
+        self, optimizer: torch.optim.Optimizer | None = None, all_replicas: bool = False
+    ) -> dict[str, list[ShardedTensor]]:
         """This rank's pieces of the fp32 weights ('model') and, given the optimizer, of AdamW's moments
-        ('exp_avg', 'exp_avg_sq'), as views (no copies). Only the primary replica reports, so the union over
-        all ranks covers every element exactly once; tied parameters appear once, under their first name."""
+        ('exp_avg', 'exp_avg_sq'), as views (no copies). By default only the primary replica reports, so the
+        union over all ranks covers every element exactly once; `all_replicas` reports on every replica (what a
+        checkpoint load must fill). Tied parameters appear once, under their first name."""
         keys = ["model"] + (["exp_avg", "exp_avg_sq"] if optimizer is not None else [])
         out: dict[str, list[ShardedTensor]] = {key: [] for key in keys}
-        if not self.primary_replica:
+        if not (self.primary_replica or all_replicas):
             return out
         for buf in self.buffers:
             for p, offset, lo, hi in buf.pieces:

@@ -20,6 +20,7 @@ from torch import nn
 from meshlm.config import ParallelSection
 from meshlm.model.llama import Transformer, cross_entropy_loss
 from meshlm.observe.timers import comm
+from meshlm.parallel.data_parallel import ShardedTensor
 from meshlm.parallel.mesh import Mesh
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -199,6 +200,26 @@ class ParallelModel:
         else:
             for _, p in self.named_parameters():
                 p.grad = None
+
+    # ---- state for checkpoints ----------------------------------------------------------------------
+    def local_shards(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, list[ShardedTensor]]:
+        """Every piece of fp32 state this rank holds, replicas included, as flat views into live storage:
+        'model' (ZeRO masters or the parameters) and, given the optimizer, 'exp_avg' / 'exp_avg_sq'.
+        A piece's shape and offset are within the parameter as this rank holds it (its tp slice)."""
+        if self.dp is not None:
+            return self.dp.sharded_state_dict(optimizer, all_replicas=True)
+        keys = ["model"] + (["exp_avg", "exp_avg_sq"] if optimizer is not None else [])
+        out: dict[str, list[ShardedTensor]] = {key: [] for key in keys}
+        for name, p in self.named_parameters():
+            out["model"].append(ShardedTensor(name, p.shape, 0, p.detach().view(-1)))
+            for key in keys[1:]:
+                out[key].append(ShardedTensor(name, p.shape, 0, optimizer.state[p][key].view(-1)))
+        return out
+
+    def after_load(self) -> None:
+        """Refresh the working weights from freshly loaded fp32 masters (ZeRO-1/2 all-gather them; ZeRO-3
+        gathers from the masters before each use anyway)."""
+        self.after_optimizer_step()
 
     # ---- gathering the whole model ------------------------------------------------------------------
     @torch.no_grad()

@@ -159,6 +159,7 @@ def _shard(w: torch.Tensor, dim: int, index: int, size: int) -> nn.Parameter:
     """Slice `index` (of width `size`) along `dim`, as a new Parameter tagged with its shard dim."""
     param = nn.Parameter(w.detach().narrow(dim, index * size, size).clone())
     param._meshlm_tp_shard_dim = dim  # read by engine.is_tp_replicated; None = held whole by every rank
+    param._meshlm_tp_slice = (dim, index * size)  # where the slice sits in the full tensor (checkpoints)
     return param
 
 

@@ -23,6 +23,11 @@ Op = Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
 # Achievable fraction of nominal per-direction link speed for large messages (typical nccl-tests busbw).
 NVLINK_EFFICIENCY = 0.8
 NETWORK_EFFICIENCY = 0.9
+# Size-independent host time per micro-batch of eager PyTorch until `meshlm doctor` measures it: one Llama
+# layer's forward + backward is ~200 ops at a few µs of Python, dispatch and launch each; the rest of a
+# micro-batch (embedding, head, loss, autograd set-up) about as much again.
+LAYER_OVERHEAD_S = 0.5e-3
+MICRO_BATCH_OVERHEAD_S = 0.3e-3
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,9 @@ class Hardware:
     framework_bytes: float = 2 * GB  # CUDA context, NCCL buffers, allocator reserve (cpu: python + torch)
     matmul_flops: float | None = None  # measured achievable matmul rate; None: use a fraction of peak
     shared_node: bool = False
+    cores: float = 1.0  # shared_node: effective cores the ranks time-share (each rank runs one thread)
+    layer_overhead_s: float = LAYER_OVERHEAD_S  # fixed host time of one layer's forward + backward
+    micro_batch_overhead_s: float = MICRO_BATCH_OVERHEAD_S  # fixed host time per micro-batch besides layers
     links: dict[tuple[str, str], Link] = field(default_factory=dict, compare=False)  # (dim|kind, op) -> Link
 
     def link(self, dim: str, crosses_nodes: bool, op: str) -> Link:
@@ -58,16 +66,18 @@ class Hardware:
         default = self.inter if crosses_nodes else self.intra
         return self.links.get((dim, op)) or self.links.get((kind, op)) or default
 
-    def per_rank(self, world: int) -> Hardware:
-        """Figures one rank gets: unchanged for GPUs; a share of the machine for co-located cpu ranks."""
+    def per_rank(self, world: int, busy: float | None = None) -> Hardware:
+        """Figures one rank gets: unchanged for GPUs. On a shared node memory is split between the `world`
+        ranks, and the `busy` ranks (default: all) time-share the cores: a single-threaded rank runs at one
+        core's rate, machine / cores, until there are more busy ranks than cores, then at machine / busy."""
         if not self.shared_node:
             return self
-        share = min(world, self.gpus_per_node)
+        share = max(busy if busy is not None else world, self.cores)
         return dataclasses.replace(
             self,
             peak_flops=self.peak_flops / share,
             matmul_flops=None if self.matmul_flops is None else self.matmul_flops / share,
-            memory_bytes=self.memory_bytes / share,
+            memory_bytes=self.memory_bytes / min(world, self.gpus_per_node),
             memory_bw=self.memory_bw / share,
         )
 
@@ -101,10 +111,18 @@ GPUS: dict[str, Hardware] = {
 ALIASES = {"h100": "H100-SXM", "h100sxm": "H100-SXM", "h200sxm": "H200"}
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def cpu_hardware() -> Hardware:
     """This machine, with placeholder speeds until `meshlm doctor` measures them: ~25 GFLOP/s fp32 matmul
     per core, 10 GB/s memory, gloo over loopback at 50 µs and 2 GB/s. All ranks live on one node."""
-    cores = os.cpu_count() or 1
+    cores = cpu_cores()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     loopback = Link(alpha=50e-6, beta=2e9)
     return Hardware(
@@ -120,6 +138,7 @@ def cpu_hardware() -> Hardware:
         framework_bytes=0.5 * GB,
         matmul_flops=25e9 * cores,
         shared_node=True,
+        cores=cores,
     )
 
 
@@ -143,6 +162,9 @@ class Calibration(BaseModel):
     memory_bw: float | None = Field(None, gt=0)
     matmul_flops: float | None = Field(None, gt=0)
     framework_bytes: float | None = Field(None, ge=0)
+    cores: float | None = Field(None, ge=1)
+    layer_overhead_s: float | None = Field(None, ge=0)
+    micro_batch_overhead_s: float | None = Field(None, ge=0)
     links: dict[Literal["intra", "inter"], dict[Op, LinkFit]] = {}
     dims: dict[Literal["pp", "dp", "tp"], dict[Op, LinkFit]] = {}
 
@@ -191,7 +213,8 @@ def apply_calibration(hw: Hardware, cal: Calibration) -> Hardware:
     links = {(kind, op): Link(f.alpha_s, f.beta_Bps) for kind, ops in cal.links.items() for op, f in ops.items()}
     links |= {(dim, op): Link(f.alpha_s, f.beta_Bps) for dim, ops in cal.dims.items() for op, f in ops.items()}
     changes: dict = {"links": links}
-    for name in ("gpus_per_node", "memory_bytes", "memory_bw", "matmul_flops", "framework_bytes"):
+    names = ("gpus_per_node", "memory_bytes", "memory_bw", "matmul_flops", "framework_bytes", "cores")
+    for name in (*names, "layer_overhead_s", "micro_batch_overhead_s"):
         if getattr(cal, name) is not None:
             changes[name] = getattr(cal, name)
     if hw.shared_node and cal.matmul_flops is not None:

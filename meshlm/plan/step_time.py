@@ -1,5 +1,6 @@
-"""Time of one optimizer step for one layout: compute at an achievable rate, α–β collectives over the
-link each mesh dim crosses, the pipeline bubble, exposed data-parallel communication, and the optimizer.
+"""Time of one optimizer step for one layout: compute at an achievable rate plus fixed host time per
+micro-batch, α–β collectives over the link each mesh dim crosses, the pipeline bubble, exposed data-parallel
+communication, and the optimizer. On a shared node (cpu) ranks time-share the cores.
 
 Formulas and sources: docs/planner.md.
 """
@@ -104,6 +105,24 @@ def compute_rate(hw: Hardware, a: Assumptions) -> float:
     return hw.peak_flops * (a.compute_efficiency or PEAK_EFFICIENCY)
 
 
+def time_share(hw: Hardware, busy: float) -> float:
+    """How many times slower than alone a single-threaded rank runs while `busy` ranks compute: on a shared
+    node max(1, busy / cores), the cores being time-shared; 1 where every rank owns its device."""
+    return max(1.0, busy / hw.cores) if hw.shared_node else 1.0
+
+
+def micro_batch_time(flops: float, layers: int, hw: Hardware, a: Assumptions, busy: float) -> float:
+    """One micro-batch's forward + backward on one rank: `flops` at the achievable rate of a rank alone,
+    plus the size-independent host time (layers·layer_overhead + micro_batch_overhead). On a shared node the
+    same thread does both, so they add, and time-sharing stretches both; on a GPU kernels run asynchronously
+    behind the host, so the larger of the two counts."""
+    work = flops / compute_rate(hw.per_rank(1), a)
+    host = layers * hw.layer_overhead_s + hw.micro_batch_overhead_s
+    if hw.shared_node:
+        return (work + host) * time_share(hw, busy)
+    return max(work, host)
+
+
 def _dp_exposed(
     w: Workload, lay: Layout, hw: Hardware, a: Assumptions, psi: float, layers: int, compute_mb: float
 ) -> float:
@@ -144,16 +163,19 @@ def _dp_exposed(
 
 def step_time(w: Workload, layout: Layout, hw: Hardware, a: Assumptions = DEFAULTS) -> StepTime:
     """Predicted step time. The pipeline runs at its slowest stage: m slots of (compute + TP + p2p) plus
-    the bubble; data-parallel tails and the optimizer step follow (the worst stage's)."""
+    the bubble; data-parallel tails and the optimizer step follow (the worst stage's). On a shared node every
+    rank computes during the m slots and on average half of them during fill and drain; the step is then the
+    longer of the critical path and the work, as the cores that idle ranks leave go to the others."""
     model, lay = w.model, layout
-    hw = hw.per_rank(lay.gpus)
+    busy_bubble = lay.gpus / 2 if lay.pp > 1 else lay.gpus
+    bubble_speedup = time_share(hw, lay.gpus) / time_share(hw, busy_bubble)
     act = BYTES[w.precision][3]
     m = lay.micro_batches(w.global_batch)
     tokens = w.seq_len * lay.micro_batch
+    rank = hw.per_rank(lay.gpus)
     layer_f, head_f, attention_f = _flops_split(model, w.seq_len)
     recompute_f = {"none": 0.0, "selective": 0.0 if a.flash_attention else attention_f, "full": layer_f / 3}
     layer_f += recompute_f[lay.recompute]
-    rate = compute_rate(hw, a) * lay.tp
 
     activation = tokens * model.dim * act  # one micro-batch's hidden states, s·b·h
     tp_cross = crosses_nodes(lay, "tp", hw.gpus_per_node)
@@ -161,6 +183,12 @@ def step_time(w: Workload, layout: Layout, hw: Hardware, a: Assumptions = DEFAUL
     per_collective = sum(collective_time(op, activation, lay.tp, hw.link("tp", tp_cross, op)) for op in tp_ops)
     n_collectives = 6 if lay.recompute == "full" else 4  # per layer: 2 forward, 2 backward, 2 recompute
     tp_layer = n_collectives * per_collective * (1 - a.tp_overlap)
+    # outside the layers, one call each: the vocab-parallel embedding's output (first stage) and the head
+    # input's gradient (last stage); and the vocab-parallel loss's all-reduces of fp32 row max, then sum-exp
+    # stacked with the target logit (last stage)
+    tp_link = hw.link("tp", tp_cross, "all_reduce")
+    tp_edge = per_collective / len(tp_ops) * (1 - a.tp_overlap)
+    tp_loss = sum(collective_time("all_reduce", k * tokens * 4, lay.tp, tp_link) for k in (1, 2)) * (1 - a.tp_overlap)
     p2p = 0.0
     if lay.pp > 1:
         pp_link = hw.link("pp", crosses_nodes(lay, "pp", hw.gpus_per_node), "send_recv")
@@ -171,18 +199,24 @@ def step_time(w: Workload, layout: Layout, hw: Hardware, a: Assumptions = DEFAUL
     slot_compute = slot_tp = dp_comm = optimizer = 0.0
     for s in representative_stages(layers):
         last = s == lay.pp - 1
-        compute_mb = tokens * (layers[s] * layer_f + (head_f if last else 0.0)) / rate
-        if compute_mb + layers[s] * tp_layer > slot_compute + slot_tp:
-            slot_compute, slot_tp = compute_mb, layers[s] * tp_layer
+        flops = tokens * (layers[s] * layer_f + (head_f if last else 0.0)) / lay.tp
+        compute_mb = micro_batch_time(flops, layers[s], hw, a, lay.gpus)
+        tp_mb = layers[s] * tp_layer + (tp_edge if s == 0 else 0.0) + (tp_edge + tp_loss if last else 0.0)
+        if compute_mb + tp_mb > slot_compute + slot_tp:
+            slot_compute, slot_tp = compute_mb, tp_mb
         psi = stage_params(model, lay.tp, layers[s], s == 0, last)
         stage_dp = _dp_exposed(w, lay, hw, a, psi, layers[s], compute_mb)
-        stage_optimizer = 2 * sum(model_state_bytes(psi, lay.dp, lay.zero, w.precision)) / hw.memory_bw
+        stage_optimizer = 2 * sum(model_state_bytes(psi, lay.dp, lay.zero, w.precision)) / rank.memory_bw
         if stage_dp + stage_optimizer > dp_comm + optimizer:
             dp_comm, optimizer = stage_dp, stage_optimizer
 
     slot = slot_compute + slot_tp + p2p
     v = lay.virtual_stages if lay.schedule == "interleaved" else 1
-    bubble = (lay.pp - 1) / v * slot  # = bubble_fraction × (m·slot + bubble)
+    # Critical path: m slots plus (p − 1)/v in fill and drain, each at the speed of a rank while the ranks of
+    # half the stages compute; work: m slots at the speed while all compute. Both are lower bounds, and where
+    # every rank owns its device the first is the larger: bubble = bubble_fraction × (m·slot + bubble).
+    critical = (m + (lay.pp - 1) / v) * (slot_compute / bubble_speedup + slot_tp + p2p)
+    bubble = max(0.0, critical - m * slot)
     total = m * slot + bubble + dp_comm + optimizer
     tokens_per_s = w.global_batch * w.seq_len / total
     tflops = flops_per_token(model, w.seq_len) * tokens_per_s / lay.gpus / 1e12
@@ -195,6 +229,6 @@ def step_time(w: Workload, layout: Layout, hw: Hardware, a: Assumptions = DEFAUL
         optimizer=optimizer,
         tokens_per_s=tokens_per_s,
         tflops_per_gpu=tflops,
-        mfu=tflops * 1e12 / hw.peak_flops,
+        mfu=tflops * 1e12 / rank.peak_flops,
         train_days=w.train_tokens / tokens_per_s / 86400,
     )

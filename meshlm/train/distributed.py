@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,16 @@ def init_distributed(device: torch.device, timeout_s: float) -> bool:
     if dist.is_initialized():
         return False
     timeout = datetime.timedelta(seconds=timeout_s)
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+    ):
+        warnings.warn(
+            "torchrun shares its rendezvous store across restarts, so a restarted group can read the previous "
+            "attempt's addresses and fail to connect (pytorch#135712); launch with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for reliable restarts",
+            stacklevel=2,
+        )
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timeout)

@@ -3,7 +3,8 @@
 - `Watchdog`: a rank that finishes no step within the timeout (stuck collective, deadlock) dumps every
   thread's Python stack to the run directory and exits non-zero, so torchrun's agent restarts the group.
 - `Preemption`: SIGTERM (a spot notice) sets a flag; the loop finishes its step, all ranks agree, save, exit 0.
-- `StepGuard`: a non-finite gradient norm or a loss spike skips the update (or stops), always logged.
+- `StepGuard`: a non-finite gradient norm or a loss spike vetoes the update (the trainer then skips it or
+  rolls back, by policy) or stops the run; always logged.
 - `check_replicas_in_sync`: data-parallel replicas compare parameter checksums; a mismatch names rank and tensor.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import faulthandler
 import math
+import os
 import signal
 from collections import deque
 from pathlib import Path
@@ -54,13 +56,19 @@ class Watchdog:
 
 
 class Preemption:
-    """Catches SIGTERM; `requested()` is True on every rank as soon as any rank received it."""
+    """Catches SIGTERM; `requested()` is True on every rank as soon as any rank received it.
+
+    A second SIGTERM is not a spot notice: it is someone (torchrun's agent tearing down a failed group, a
+    user) insisting, so the process dies at once instead of lingering in a collective with a dead peer."""
 
     def __init__(self) -> None:
         self._flag = False
         self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._flag:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
         self._flag = True
 
     def requested(self, device: torch.device) -> bool:

@@ -1,14 +1,29 @@
-"""The training loop: config in, checkpoints and metrics out. Parallelism enters only via ParallelModel."""
+"""The training loop: config in, checkpoints and metrics out. Parallelism enters only via ParallelModel.
+
+`train(cfg)` checks the layout, joins the process group and runs a `Trainer`, whose methods each own one
+concern: set-up, resume and rollback (sharded checkpoints, any layout), one step, what follows a step
+(logging, fault guards, evaluation) and saves.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from meshlm.checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
+from meshlm.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    init_optimizer_state,
+    latest_valid_checkpoint,
+    optimizer_steps,
+    read_trainer_state,
+    set_optimizer_steps,
+    training_entries,
+)
 from meshlm.config import Config, to_toml
 from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data
 from meshlm.model import Transformer, flops_per_token
@@ -19,7 +34,8 @@ from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, parse_layout, validate_layout
 from meshlm.train.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
-from meshlm.train.guards import Preemption, StepGuard, Watchdog, check_replicas_in_sync
+from meshlm.train.faults import fault_point
+from meshlm.train.guards import Preemption, StepGuard, TrainingFault, Watchdog, check_replicas_in_sync
 from meshlm.train.optim import build_optimizer, lr_at, train_step
 
 
@@ -31,6 +47,7 @@ class TrainResult:
     start_step: int = 0
     final_step: int = 0
     skipped_steps: list[int] = field(default_factory=list)
+    rollbacks: list[int] = field(default_factory=list)  # steps after which weights were rolled back
     preempted: bool = False
 
 
@@ -62,11 +79,6 @@ def resolve_auto_layout(cfg: Config, world_size: int) -> Config:
         section, name = key.split(".")
         data[section][name] = value
     return Config.model_validate(data)
-
-
-def optimizer_is_resumable(layout: Layout, zero: int) -> bool:
-    """Layouts whose rank-0 optimizer state is the whole state (the others arrive with sharded checkpoints)."""
-    return layout.tp == 1 and layout.pp == 1 and zero == 0
 
 
 def load_data(cfg: Config, vocab_size: int) -> TokenData:
@@ -105,153 +117,219 @@ def train(cfg: Config) -> TrainResult:
     watchdog = Watchdog(Path(cfg.log.run_dir), env_rank(), cfg.fault.watchdog_s)
     watchdog.arm()
     created_group = init_distributed(device, cfg.parallel.timeout_s)
+    trainer = None
     try:
-        return _train(cfg, layout, n_micro, device, watchdog)
+        trainer = Trainer(cfg, layout, n_micro, device, watchdog)
+        return trainer.run()
     finally:
+        if trainer is not None:
+            trainer.close()
         watchdog.close()
         if created_group:
             dist.destroy_process_group()
 
 
-def _train(cfg: Config, layout: Layout, n_micro: int, device: torch.device, watchdog: Watchdog) -> TrainResult:
-    rank = dist.get_rank()
-    run_dir = Path(cfg.log.run_dir)
-    model_cfg = cfg.model.build()
-    watchdog.disarm()
-    data = load_data(cfg, model_cfg.vocab_size)
-    watchdog.arm()
-    sampler = GlobalBatchSampler(data.train, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+def _differing_field(saved: dict, current: dict) -> str:
+    name = next((k for k in current if saved.get(k) != current[k]), "?")
+    return f"model.{name}: checkpoint {saved.get(name)!r}, config {current.get(name)!r}"
 
-    torch.manual_seed(cfg.train.seed)
-    model = Transformer(model_cfg)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    say = print if rank == 0 else (lambda *_: None)
-    resumable = optimizer_is_resumable(layout, cfg.parallel.zero)
-    checkpoint = latest_valid_checkpoint(run_dir, warn=say) if cfg.checkpoint.resume else None
-    optimizer_state = None
-    if checkpoint is not None:
-        model_state, trainer_state, optimizer_state = load_checkpoint(checkpoint)
-        model.load_state_dict(model_state)
-        sampler.load_state_dict(trainer_state["sampler"])
-        if optimizer_state is None or not resumable:
-            say(f"warning: {checkpoint} restores weights only under layout {layout}; Adam moments restart")
-            optimizer_state = None
-        say(f"resuming from {checkpoint} at step {sampler.step}")
-    model.to(device)
 
-    mesh = build_mesh(layout, device.type)
-    pm = ParallelModel(model, mesh, cfg.parallel, n_micro, autocast_dtype(cfg.train.dtype, device))
-    optimizer = build_optimizer(pm, cfg.train)
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
-    dp_rank, dp = mesh.rank("dp"), layout.dp
+class Trainer:
+    """One rank's training run; every public method is collective (all ranks call it together)."""
 
-    result = TrainResult(run_dir=run_dir, start_step=sampler.step, final_step=sampler.step)
-    logger = None
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(cfg))
-        logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard)
-    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-    flops_per_step = flops_per_token(model_cfg, cfg.data.seq_len) * tokens_per_step
-    dist.barrier()  # ranks sharing a CPU measure its matmul peak together
-    observer = StepObserver(
-        flops_per_step, tokens_per_step, n_devices=dist.get_world_size(), device=device,
-        peak_flops=cfg.log.peak_flops or None, model=pm, optimizer=optimizer, activations=cfg.log.activation_memory,
-    )  # fmt: skip
-    profiler = StepProfiler(cfg.log.profile_steps, run_dir / "profile", rank, device)
-    if logger:
-        logger.log(sampler.step, "env", **environment(device, str(layout)), peak_flops=observer.peak_flops)
+    def __init__(self, cfg: Config, layout: Layout, n_micro: int, device: torch.device, watchdog: Watchdog) -> None:
+        self.cfg, self.layout, self.device, self.watchdog = cfg, layout, device, watchdog
+        self.rank = dist.get_rank()
+        self.run_dir = Path(cfg.log.run_dir)
+        self.model_cfg = cfg.model.build()
+        self.say = print if self.rank == 0 else (lambda *_: None)
 
-    def save(step: int) -> None:
-        state = pm.full_state_dict()
-        if rank == 0:
-            trainer_state = {
-                "step": step,
-                "sampler": sampler.state_dict(),
-                "layout": str(layout),
-                "model": model_cfg.to_dict(),
-            }
-            save_checkpoint(
-                run_dir,
-                step,
-                state,
-                trainer_state,
-                optimizer.state_dict() if resumable else None,
-                keep=cfg.checkpoint.keep,
+        watchdog.disarm()  # tokenizing the corpus is bounded by the barrier's own timeout
+        self.data = load_data(cfg, self.model_cfg.vocab_size)
+        watchdog.arm()
+        self.sampler = GlobalBatchSampler(self.data.train, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+
+        torch.manual_seed(cfg.train.seed)
+        model = Transformer(self.model_cfg)
+        model.activation_checkpointing = cfg.train.activation_checkpointing
+        model.to(device)
+        self.mesh = build_mesh(layout, device.type)
+        self.model = ParallelModel(model, self.mesh, cfg.parallel, n_micro, autocast_dtype(cfg.train.dtype, device))
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        init_optimizer_state(self.optimizer)  # so checkpoints and rollbacks can fill it in place
+        self.checkpointer = Checkpointer(
+            self.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.parallel.timeout_s
+        )
+        self.dp_rank, self.dp = self.mesh.rank("dp"), layout.dp
+
+        self.result = TrainResult(run_dir=self.run_dir)
+        self.resume()
+        self.logger = None
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+            self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard)
+        tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        dist.barrier()  # ranks sharing a CPU measure its matmul peak together
+        self.observer = StepObserver(
+            flops_per_token(self.model_cfg, cfg.data.seq_len) * tokens_per_step, tokens_per_step,
+            n_devices=dist.get_world_size(), device=device, peak_flops=cfg.log.peak_flops or None,
+            model=self.model, optimizer=self.optimizer, activations=cfg.log.activation_memory,
+        )  # fmt: skip
+        self.profiler = StepProfiler(cfg.log.profile_steps, self.run_dir / "profile", self.rank, device)
+        self.log(self.sampler.step, "env", **environment(device, str(layout)), peak_flops=self.observer.peak_flops)
+        self.preemption = Preemption()
+        self.guard = StepGuard(cfg.fault.nonfinite, cfg.fault.spike_factor)
+        self.check_desync = cfg.fault.desync_every and layout.dp > 1 and cfg.parallel.zero < 3
+
+    def log(self, step: int, kind: str, **values: object) -> None:
+        if self.logger is not None:
+            self.logger.log(step, kind, **values)
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def newest_checkpoint(self) -> Path | None:
+        """Rank 0 verifies (naming and skipping corrupt ones) and tells the others."""
+        found: list[str | None] = [None]
+        if self.rank == 0:
+            path = latest_valid_checkpoint(self.run_dir, warn=self.say)
+            found = [str(path) if path else None]
+        dist.broadcast_object_list(found, src=0)
+        return Path(found[0]) if found[0] else None
+
+    def resume(self) -> None:
+        path = self.newest_checkpoint() if self.cfg.checkpoint.resume else None
+        if path is not None:
+            saved = self.load(path, restore_data_position=True)
+            self.say(f"resuming from {path} at step {self.sampler.step} (saved under {saved.get('layout')})")
+        self.result.start_step = self.result.final_step = self.sampler.step
+
+    def load(self, path: Path, restore_data_position: bool) -> dict:
+        """Weights and Adam state from `path`, resharded to this layout; the data position too if asked."""
+        saved = read_trainer_state(path)
+        current = json.loads(json.dumps(self.model_cfg.to_dict()))
+        if saved.get("model") != current:
+            raise CheckpointError(
+                f"checkpoint {path} is for another model ({_differing_field(saved['model'], current)})"
             )
-        dist.barrier()
+        self.checkpointer.load(path, training_entries(self.model, self.optimizer))
+        set_optimizer_steps(self.optimizer, saved["optimizer_steps"])
+        self.model.after_load()
+        if restore_data_position:
+            self.sampler.load_state_dict(saved["sampler"])
+        return saved
 
-    preemption = Preemption()
-    guard = StepGuard(cfg.fault.nonfinite, cfg.fault.spike_factor)
-    check_desync = cfg.fault.desync_every and layout.dp > 1 and cfg.parallel.zero < 3
-    try:
-        with TrainProgress(cfg.train.steps, sampler.step, enabled=cfg.log.progress and rank == 0) as progress:
-            watchdog.arm()
-            if result.start_step == 0 and cfg.train.eval_every:
-                result.eval_losses.append((0, evaluate(pm, data, cfg, dp_rank, dp)))
-                if logger:
-                    logger.log(0, "eval", loss=result.eval_losses[-1][1])
-            while sampler.step < cfg.train.steps:
-                step = sampler.step
-                profiler.before_step(step + 1)
-                observer.start_step()
-                with observer.data_wait():
-                    inputs, targets = sampler.next_batch(dp_rank, dp)
-                lr = lr_at(step, cfg.train)
-                loss, grad_norm, applied = train_step(
-                    pm, optimizer, inputs.to(device), targets.to(device), lr, cfg.train.grad_clip, guard.allow
-                )
-                metrics = observer.end_step()
-                watchdog.arm()
-                result.losses.append(loss)
-                done = step + 1
-                if trace := profiler.after_step(done):
-                    progress.print(f"profiler trace: {trace}")
-                progress.update(done, loss, metrics["tokens_per_s"], extra=f"MFU {metrics['mfu']:.1%}")
-                if not applied:
-                    result.skipped_steps.append(done)
-                    progress.print(f"step {done}: update skipped: {guard.last_reason}")
-                    if logger:
-                        logger.log(done, "fault", skipped=1, loss=loss, grad_norm=grad_norm, reason=guard.last_reason)
-                if logger and (done % cfg.log.every == 0 or done == cfg.train.steps or done == 1):
-                    logger.log(
-                        done,
-                        "train",
-                        loss=loss,
-                        grad_norm=grad_norm,
-                        lr=lr,
-                        **metrics,
-                    )
-                if cfg.log.aggregate_every and (done % cfg.log.aggregate_every == 0 or done == cfg.train.steps):
-                    summary = aggregate(metrics, cfg.log.straggler_threshold)
-                    if logger:
-                        logger.log(done, "ranks", **summary)
-                    if summary.get("straggler_rank", -1) >= 0:
-                        progress.print(
-                            f"step {done}: rank {summary['straggler_rank']:.0f} is a straggler "
-                            f"({summary['straggler_ratio']:.2f}× the median compute time)"
-                        )
-                if check_desync and done % cfg.fault.desync_every == 0:
-                    check_replicas_in_sync(pm)
-                if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
-                    val = evaluate(pm, data, cfg, dp_rank, dp)
-                    result.eval_losses.append((done, val))
-                    progress.print(f"step {done}: train loss {loss:.4f}, val loss {val:.4f}")
-                    if logger:
-                        logger.log(done, "eval", loss=val)
-                if preemption.requested(device):
-                    watchdog.arm(cfg.fault.grace_s)
-                    save(done)
-                    result.preempted = True
-                    say(f"SIGTERM: saved step {done}, exiting")
+    def save(self, step: int) -> None:
+        state = {
+            "step": step,
+            "sampler": self.sampler.state_dict(),
+            "optimizer_steps": optimizer_steps(self.optimizer),
+            "layout": str(self.layout),
+            "world_size": dist.get_world_size(),
+            "model": self.model_cfg.to_dict(),
+        }
+        held_s = self.checkpointer.save(step, training_entries(self.model, self.optimizer), state)
+        self.log(step, "checkpoint", held_s=held_s, staging_bytes=self.checkpointer.staging_bytes)
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        with TrainProgress(cfg.train.steps, self.sampler.step, enabled=cfg.log.progress and self.rank == 0) as bar:
+            self.progress = bar
+            self.watchdog.arm()
+            if self.result.start_step == 0 and cfg.train.eval_every:
+                self.evaluate(0)
+            while self.sampler.step < cfg.train.steps:
+                done = self.step()
+                if self.preemption.requested(self.device):
+                    self.watchdog.arm(cfg.fault.grace_s)
+                    self.save(done)
+                    self.checkpointer.wait()
+                    self.result.preempted = True
+                    self.say(f"SIGTERM: saved step {done}, exiting")
                     break
                 if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
-                    save(done)
-    finally:
-        preemption.close()
-        observer.close()
-    result.final_step = sampler.step
-    if logger:
-        logger.close()
-    return result
+                    self.save(done)
+        self.checkpointer.wait()
+        self.result.final_step = self.sampler.step
+        return self.result
+
+    def step(self) -> int:
+        """One optimizer step and everything that follows it; returns the number of steps done."""
+        step = self.sampler.step
+        self.profiler.before_step(step + 1)
+        self.observer.start_step()
+        with self.observer.data_wait():
+            inputs, targets = self.sampler.next_batch(self.dp_rank, self.dp)
+        lr = lr_at(step, self.cfg.train)
+        loss, grad_norm, applied = train_step(
+            self.model, self.optimizer, inputs.to(self.device), targets.to(self.device), lr,
+            self.cfg.train.grad_clip, self.guard.allow,
+        )  # fmt: skip
+        metrics = self.observer.end_step()
+        self.watchdog.arm()
+        done = step + 1
+        fault_point("step", self.rank, done)
+        self.result.losses.append(loss)
+        if trace := self.profiler.after_step(done):
+            self.progress.print(f"profiler trace: {trace}")
+        self.progress.update(done, loss, metrics["tokens_per_s"], extra=f"MFU {metrics['mfu']:.1%}")
+        if not applied:
+            self.rejected(done, loss, grad_norm)
+        if done % self.cfg.log.every == 0 or done == self.cfg.train.steps or done == 1:
+            self.log(done, "train", loss=loss, grad_norm=grad_norm, lr=lr, **metrics)
+        self.periodic_checks(done, metrics)
+        return done
+
+    def rejected(self, done: int, loss: float, grad_norm: float) -> None:
+        """A vetoed update: skipped, or (policy 'rollback') weights and Adam state back to the newest
+        checkpoint while the data position stays, so the batches since are not seen again."""
+        self.result.skipped_steps.append(done)
+        action = "skipped"
+        if self.cfg.fault.nonfinite == "rollback":
+            self.checkpointer.wait()
+            path = self.newest_checkpoint()
+            if path is None:
+                action = "skipped (no checkpoint to roll back to yet)"
+            elif len(self.result.rollbacks) >= self.cfg.fault.max_rollbacks:
+                raise TrainingFault(
+                    f"stopping: {self.guard.last_reason} after {len(self.result.rollbacks)} rollbacks "
+                    f"(fault.max_rollbacks = {self.cfg.fault.max_rollbacks})"
+                )
+            else:
+                self.load(path, restore_data_position=False)
+                self.result.rollbacks.append(done)
+                action = f"rolled back to {path.name}"
+        self.progress.print(f"step {done}: update {action}: {self.guard.last_reason}")
+        self.log(done, "fault", skipped=1, action=action, loss=loss, grad_norm=grad_norm, reason=self.guard.last_reason)
+
+    def periodic_checks(self, done: int, metrics: dict) -> None:
+        """Straggler summary, replica desync check and evaluation, each on its own interval."""
+        cfg = self.cfg
+        last = done == cfg.train.steps
+        if cfg.log.aggregate_every and (done % cfg.log.aggregate_every == 0 or last):
+            summary = aggregate(metrics, cfg.log.straggler_threshold)
+            self.log(done, "ranks", **summary)
+            if summary.get("straggler_rank", -1) >= 0:
+                self.progress.print(
+                    f"step {done}: rank {summary['straggler_rank']:.0f} is a straggler "
+                    f"({summary['straggler_ratio']:.2f}× the median compute time)"
+                )
+        if self.check_desync and done % cfg.fault.desync_every == 0:
+            check_replicas_in_sync(self.model)
+        if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or last):
+            self.evaluate(done)
+
+    def evaluate(self, done: int) -> None:
+        val = evaluate(self.model, self.data, self.cfg, self.dp_rank, self.dp)
+        self.result.eval_losses.append((done, val))
+        if done:
+            self.progress.print(f"step {done}: train loss {self.result.losses[-1]:.4f}, val loss {val:.4f}")
+        self.log(done, "eval", loss=val)
+
+    def close(self) -> None:
+        """Release signal handlers, observers and logs. A save still in flight here means the run failed:
+        it is abandoned (its staging folder is never committed), the previous checkpoint stays valid."""
+        self.result.final_step = self.sampler.step
+        for part in ("preemption", "observer", "logger"):
+            if getattr(self, part, None) is not None:
+                getattr(self, part).close()
