@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.checkpoint import list_checkpoints, load_model_state
+from meshlm.checkpoint import CheckpointError, list_checkpoints, load_model_state
 from meshlm.config import load_config, parse_overrides
 from meshlm.parallel.mesh import LayoutError
 from meshlm.train.trainer import train
@@ -81,3 +81,9 @@ def test_run_directory_converts_to_hugging_face(small_run: list[str], tmp_path: 
     exported = load_hf_into_model(tmp_path / "hf").state_dict()
     for name, tensor in load_model_state(list_checkpoints(Path(cfg.log.run_dir))[-1]).items():
         assert torch.equal(exported[name], tensor), name
+
+
+def test_checkpoint_of_another_model_is_refused_naming_the_field(small_run: list[str]) -> None:
+    train(_cfg(small_run, "--train.steps", "2", "--train.eval_every", "0"))
+    with pytest.raises(CheckpointError, match=r"is for another model \(model\.dim: checkpoint 64, config 128\)"):
+        train(_cfg(small_run, "--train.steps", "4", "--train.eval_every", "0", "--model.dim", "128"))
