@@ -82,7 +82,7 @@ def meshlm_case(name: str, model_name: str, root: Path, repeats: int) -> dict:
             held: list[float] = []
 
             def save(ckpt: Checkpointer = ckpt, step: int = step, held: list = held) -> None:
-                held.append(ckpt.save(step, training_entries(pm, opt), {"step": step}))
+                held.append(ckpt.save(step, training_entries(pm, opt, writer=True), {"step": step}))
                 ckpt.wait()
 
             out["blocking" if kind == "blocking" else "total"].append(timed(save))

@@ -100,7 +100,7 @@ def train_layout(
         losses.append(loss)
         norms.append(norm)
     if save_to:
-        checkpointer.save(stop, training_entries(pm, opt), {"step": stop})
+        checkpointer.save(stop, training_entries(pm, opt, writer=True), {"step": stop})
     return {"losses": losses, "grad_norms": norms, "state": pm.full_state_dict()}
 
 

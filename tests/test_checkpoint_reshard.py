@@ -8,8 +8,17 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from distributed import run_distributed
-from equivalence import assert_close_runs, train_layout
+from equivalence import TEST_MODEL, assert_close_runs, train_layout
+
+from meshlm.checkpoint import init_optimizer_state, training_entries
+from meshlm.config import ParallelSection, TrainSection
+from meshlm.model import Transformer
+from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.train.optim import build_optimizer
 
 STEPS, SAVE_AT, MICRO = 10, 5, 2
 SAVED_AT_8 = ("pp=2,dp=2,tp=2", {"zero": 1, "sequence_parallel": True})
@@ -88,3 +97,30 @@ def test_resume_under_another_layout_and_world_size(
             assert_close_runs(reference, got)
         except AssertionError as e:
             raise AssertionError(f"{SAVED_AT_8} -> world {world} {layout} {parallel}: {e}") from None
+
+
+def writer_share_job(cases: list) -> list[tuple[int, int]]:
+    """(elements this rank writes, elements of the whole model state) per layout, after one step."""
+    out = []
+    for layout, parallel in cases:
+        world = dist.get_world_size()
+        lay = parse_layout(layout, world)
+        torch.manual_seed(0)
+        pm = ParallelModel(Transformer(TEST_MODEL), build_mesh(lay, "cpu"), ParallelSection(**parallel), n_micro=1)
+        opt = build_optimizer(pm, TrainSection())
+        init_optimizer_state(opt)
+        written = sum(v.numel() for e in training_entries(pm, opt, writer=True).values() for v in e.views)
+        out.append((written, 3 * sum(p.numel() for p in Transformer(TEST_MODEL).parameters())))
+    return out
+
+
+def test_replicas_share_the_writing_and_write_every_element_once() -> None:
+    """Under ZeRO-0 every rank holds the whole state; as writers, each takes about a quarter (DCP would
+    otherwise stage and deduplicate everything), and over the ranks every element is written exactly once."""
+    cases = [("dp=4", {"zero": 0}), ("dp=4", {"zero": 2, "zero_shard_size": 2}), ("dp=2,tp=2", {"zero": 0})]
+    ranks = run_distributed(writer_share_job, 4, cases)
+    for i, case in enumerate(cases):
+        written = [r[i][0] for r in ranks]
+        total = ranks[0][i][1]
+        assert sum(written) == total, (case, written, total)
+        assert max(written) < 0.3 * total, (case, written)

@@ -30,12 +30,15 @@ def key_of(kind: str, name: str) -> str:
     return f"model/{name}" if kind == "model" else f"optim/{kind}/{name}"
 
 
-def training_entries(model: ParallelModel, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Chunks]:
-    """This rank's boxes of every global tensor, as views of the live weights (and optimizer moments)."""
+def training_entries(
+    model: ParallelModel, optimizer: torch.optim.Optimizer | None = None, writer: bool = False
+) -> dict[str, Chunks]:
+    """This rank's boxes of every global tensor, as views of the live weights (and optimizer moments): all it
+    holds (to load into), or with `writer` its share of them (to save: every box is written by one rank)."""
     shapes = global_shapes(model.cfg)
     params = dict(model.named_parameters())
     entries: dict[str, Chunks] = {}
-    for kind, pieces in model.local_shards(optimizer).items():
+    for kind, pieces in model.local_shards(optimizer, writer).items():
         for piece in pieces:
             tp_dim, tp_start = getattr(params[piece.name], "_meshlm_tp_slice", (None, 0))
             entry = entries.setdefault(key_of(kind, piece.name), Chunks(shapes[piece.name], [], []))

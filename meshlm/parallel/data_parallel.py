@@ -343,29 +343,43 @@ class DataParallel:
         return state
 
     def sharded_state_dict(
-        self, optimizer: torch.optim.Optimizer | None = None, all_replicas: bool = False
+        self, optimizer: torch.optim.Optimizer | None = None, replicas: str = "primary"
     ) -> dict[str, list[ShardedTensor]]:
         """This rank's pieces of the fp32 weights ('model') and, given the optimizer, of AdamW's moments
-        ('exp_avg', 'exp_avg_sq'), as views (no copies). By default only the primary replica reports, so the
-        union over all ranks covers every element exactly once; `all_replicas` reports on every replica (what a
-        checkpoint load must fill). Tied parameters appear once, under their first name."""
+        ('exp_avg', 'exp_avg_sq'), as views (no copies). Which replicas report:
+          primary  the primary replica only: the union over all ranks covers every element once;
+          spread   also once, the pieces spread over the replicas by size (balanced writers);
+          all      every replica all its pieces (what a checkpoint load must fill).
+        Tied parameters appear once, under their first name."""
+        if replicas not in ("primary", "spread", "all"):
+            raise ValueError(f"replicas must be 'primary', 'spread' or 'all', got {replicas!r}")
         keys = ["model"] + (["exp_avg", "exp_avg_sq"] if optimizer is not None else [])
         out: dict[str, list[ShardedTensor]] = {key: [] for key in keys}
-        if not (self.primary_replica or all_replicas):
+        if replicas == "primary" and not self.primary_replica:
             return out
-        for buf in self.buffers:
-            for p, offset, lo, hi in buf.pieces:
-                if self.stage == 0:
-                    sources = {"model": p.detach().view(-1)}
-                    state = optimizer.state[p] if optimizer is not None else {}
-                else:
-                    sources = {"model": buf.master.detach()[lo:hi]}
-                    state = optimizer.state[buf.master] if optimizer is not None else {}
-                for key in keys[1:]:
-                    moment = state[key].view(-1)
-                    sources[key] = moment if self.stage == 0 else moment[lo:hi]
-                for key, local in sources.items():
-                    out[key].append(ShardedTensor(self.names[id(p)], p.shape, offset, local))
+        n_replicas, replica = 1, 0
+        if replicas == "spread" and self.replicate_group is not None:
+            n_replicas, replica = dist.get_world_size(self.replicate_group), dist.get_rank(self.replicate_group)
+        pieces = [(buf, piece) for buf in self.buffers for piece in buf.pieces]
+        load = [0] * n_replicas  # every replica computes the same greedy split: largest pieces first
+        mine = set()
+        for i in sorted(range(len(pieces)), key=lambda i: -(pieces[i][1][3] - pieces[i][1][2])):
+            writer = load.index(min(load))
+            load[writer] += pieces[i][1][3] - pieces[i][1][2]
+            if writer == replica:
+                mine.add(i)
+        for buf, (p, offset, lo, hi) in (pieces[i] for i in sorted(mine)):
+            if self.stage == 0:
+                sources = {"model": p.detach().view(-1)}
+                state = optimizer.state[p] if optimizer is not None else {}
+            else:
+                sources = {"model": buf.master.detach()[lo:hi]}
+                state = optimizer.state[buf.master] if optimizer is not None else {}
+            for key in keys[1:]:
+                moment = state[key].view(-1)
+                sources[key] = moment if self.stage == 0 else moment[lo:hi]
+            for key, local in sources.items():
+                out[key].append(ShardedTensor(self.names[id(p)], p.shape, offset, local))
         return out
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

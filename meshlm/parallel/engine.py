@@ -202,18 +202,26 @@ class ParallelModel:
                 p.grad = None
 
     # ---- state for checkpoints ----------------------------------------------------------------------
-    def local_shards(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, list[ShardedTensor]]:
-        """Every piece of fp32 state this rank holds, replicas included, as flat views into live storage:
-        'model' (ZeRO masters or the parameters) and, given the optimizer, 'exp_avg' / 'exp_avg_sq'.
-        A piece's shape and offset are within the parameter as this rank holds it (its tp slice)."""
+    def local_shards(
+        self, optimizer: torch.optim.Optimizer | None = None, writer: bool = False
+    ) -> dict[str, list[ShardedTensor]]:
+        """Pieces of fp32 state this rank holds, as flat views into live storage: 'model' (ZeRO masters or the
+        parameters) and, given the optimizer, 'exp_avg' / 'exp_avg_sq'. A piece's shape and offset are within
+        the parameter as this rank holds it (its tp slice). All of them by default (what a load fills); with
+        `writer`, only this rank's share of what is replicated, so that over all ranks every element is
+        written once and the writing is spread over the replicas (dp copies, tp-replicated norms)."""
         if self.dp is not None:
-            return self.dp.sharded_state_dict(optimizer, all_replicas=True)
-        keys = ["model"] + (["exp_avg", "exp_avg_sq"] if optimizer is not None else [])
-        out: dict[str, list[ShardedTensor]] = {key: [] for key in keys}
-        for name, p in self.named_parameters():
-            out["model"].append(ShardedTensor(name, p.shape, 0, p.detach().view(-1)))
-            for key in keys[1:]:
-                out[key].append(ShardedTensor(name, p.shape, 0, optimizer.state[p][key].view(-1)))
+            out = self.dp.sharded_state_dict(optimizer, replicas="spread" if writer else "all")
+        else:
+            keys = ["model"] + (["exp_avg", "exp_avg_sq"] if optimizer is not None else [])
+            out = {key: [] for key in keys}
+            for name, p in self.named_parameters():
+                out["model"].append(ShardedTensor(name, p.shape, 0, p.detach().view(-1)))
+                for key in keys[1:]:
+                    out[key].append(ShardedTensor(name, p.shape, 0, optimizer.state[p][key].view(-1)))
+        if writer and self.mesh.rank("tp") > 0:
+            params = dict(self.named_parameters())
+            out = {key: [s for s in pieces if not is_tp_replicated(params[s.name])] for key, pieces in out.items()}
         return out
 
     def after_load(self) -> None:

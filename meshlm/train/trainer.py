@@ -227,7 +227,7 @@ class Trainer:
             "world_size": dist.get_world_size(),
             "model": self.model_cfg.to_dict(),
         }
-        held_s = self.checkpointer.save(step, training_entries(self.model, self.optimizer), state)
+        held_s = self.checkpointer.save(step, training_entries(self.model, self.optimizer, writer=True), state)
         self.log(step, "checkpoint", held_s=held_s, staging_bytes=self.checkpointer.staging_bytes)
 
     # ---- the loop ---------------------------------------------------------------------------------------
