@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,7 +27,6 @@ from distributed import free_port
 from meshlm.checkpoint import list_checkpoints, load_model_state
 
 STEPS = 8
-JOIN_STEPS = 300  # long enough that the second node joins before the first finishes alone
 
 
 def _args(small_run: list[str], run_dir: Path, *extra: str, steps: int = STEPS) -> list[str]:
@@ -115,21 +115,40 @@ def test_hung_rank_takes_every_rank_down_with_stacks(small_run: list[str], tmp_p
     assert "fault_point" in (tmp_path / "stacks" / "rank1.txt").read_text()
 
 
+def _records(metrics: Path) -> list[dict]:
+    return [json.loads(line) for line in _text(metrics).splitlines() if line.endswith("}")]
+
+
 def test_node_joining_restarts_the_group_at_the_new_world_size(small_run: list[str], tmp_path: Path) -> None:
+    """The run is open-ended so that the join never races the end of training: once the grown group has
+    trained a few steps, both agents are sent SIGTERM (a preemption: save, exit)."""
     port = free_port()
     launcher = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
                 "--rdzv-conf", "last_call_timeout=1,join_timeout=120"]  # fmt: skip
-    args = _args(small_run, tmp_path, steps=JOIN_STEPS)
-    first = _torchrun(launcher, args)
+    args = _args(small_run, tmp_path, steps=1_000_000)
     metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (tmp_path / "checkpoints" / "step_00000004").exists():
-        time.sleep(0.2)
-    second = _torchrun(launcher, args)
-    out = _finish(first) + _finish(second)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    layouts = [r["layout"] for r in records if r["kind"] == "env"]
-    assert layouts[0] == "pp=1,dp=1,tp=1" and layouts[-1] == "pp=1,dp=2,tp=1", layouts
-    assert "saved under pp=1,dp=1,tp=1" in out
-    assert list_checkpoints(tmp_path)[-1].name == f"step_{JOIN_STEPS:08d}"
+    agents = [_torchrun(launcher, args)]
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not list_checkpoints(tmp_path):  # (older ones are pruned)
+            time.sleep(0.2)
+        agents.append(_torchrun(launcher, args))
+
+        def grown_steps() -> list[int]:
+            records = _records(metrics)
+            joined = [i for i, r in enumerate(records) if r["kind"] == "env" and r["layout"] == "pp=1,dp=2,tp=1"]
+            return [r["step"] for r in records[joined[0] :] if r["kind"] == "train"] if joined else []
+
+        while time.monotonic() < deadline and len(grown_steps()) < 5:
+            time.sleep(0.2)
+    finally:
+        for agent in agents:
+            agent.send_signal(signal.SIGTERM)
+        out = "".join(agent.communicate(timeout=120)[0] for agent in agents)
+    layouts = [r["layout"] for r in _records(metrics) if r["kind"] == "env"]
+    assert layouts[:2] == ["pp=1,dp=1,tp=1", "pp=1,dp=2,tp=1"], (layouts, out[-3000:])
+    resumed = out.split("resuming from ")[1].splitlines()[0].split()  # the grown group's rank 0, at world 2
+    assert resumed[-1] == "pp=1,dp=1,tp=1)", resumed  # "... at step N (saved under pp=1,dp=1,tp=1)"
+    steps = grown_steps()
+    assert steps[:5] == list(range(int(resumed[3]) + 1, int(resumed[3]) + 6)), steps  # it went on from there

@@ -14,6 +14,7 @@ import pickle
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from meshlm.checkpoint.shards import ChunkLoadPlanner, Chunks, ChunkSavePlanner, SafeReader
 from meshlm.checkpoint.store import CheckpointError, commit_checkpoint, file_record, staging_folder
-from meshlm.train.faults import fault_point
 
 Entries = dict[str, Any]  # key -> Chunks or a plain tensor
 ALIGN = 64  # staging offsets stay aligned for every dtype
@@ -35,7 +35,17 @@ ALIGN = 64  # staging offsets stay aligned for every dtype
 class Checkpointer:
     """Saves `Entries` to `run_dir/checkpoints/step_N` and loads them back under any layout. Collective."""
 
-    def __init__(self, run_dir: Path, keep: int, async_save: bool, timeout_s: float) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        keep: int,
+        async_save: bool,
+        timeout_s: float,
+        on_shard_written: Callable[[int], None] | None = None,
+    ) -> None:
+        """`on_shard_written(step)` runs after this rank's files of a save are written, before the commit
+        (where fault-injection tests kill a rank mid-save)."""
+        self.on_shard_written = on_shard_written
         self.run_dir = Path(run_dir)
         self.keep = keep
         self.rank = dist.get_rank()
@@ -114,7 +124,8 @@ class Checkpointer:
         dist.barrier(group=self.group)
         writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
         dcp.save(entries, storage_writer=writer, planner=ChunkSavePlanner(), process_group=self.group)
-        fault_point("save", self.rank, step)
+        if self.on_shard_written is not None:
+            self.on_shard_written(step)
         own = {p.name: file_record(p) for p in tmp.glob(f"__{self.rank}_*.distcp")}
         records: list[dict | None] | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
         dist.gather_object(own, records, dst=0, group=self.group)

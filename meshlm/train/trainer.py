@@ -158,8 +158,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.train)
         init_optimizer_state(self.optimizer)  # so checkpoints and rollbacks can fill it in place
         self.checkpointer = Checkpointer(
-            self.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.parallel.timeout_s
-        )
+            self.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.parallel.timeout_s,
+            on_shard_written=lambda step: fault_point("save", self.rank, step),
+        )  # fmt: skip
         self.dp_rank, self.dp = self.mesh.rank("dp"), layout.dp
 
         self.result = TrainResult(run_dir=self.run_dir)
