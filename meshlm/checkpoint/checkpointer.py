@@ -51,7 +51,7 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.async_save = async_save
-        self.pending: Future | None = None
+        self.pending: tuple[Future, threading.Thread] | None = None
         self.staging: torch.Tensor | None = None
         self.staging_bytes = 0  # high-water mark of the staging buffer, for the benchmark and the docs
 
@@ -68,7 +68,7 @@ class Checkpointer:
         return time.perf_counter() - start
 
     @staticmethod
-    def _in_background(fn: Any, *args: Any) -> Future:
+    def _in_background(fn: Any, *args: Any) -> tuple[Future, threading.Thread]:
         """Run fn in a daemon thread: a save stuck on a dead peer must not keep a failing process alive."""
         future: Future = Future()
 
@@ -78,13 +78,15 @@ class Checkpointer:
             except BaseException as e:
                 future.set_exception(e)
 
-        threading.Thread(target=run, name="meshlm-checkpoint", daemon=True).start()
-        return future
+        thread = threading.Thread(target=run, name="meshlm-checkpoint", daemon=True)
+        thread.start()
+        return future, thread
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed on every rank; re-raise its failure."""
         if self.pending is not None:
-            pending, self.pending = self.pending, None
+            (pending, thread), self.pending = self.pending, None
+            thread.join()  # not only the result: no writer thread may outlive a clean exit (gloo aborts)
             pending.result()
 
     def _rng_entries(self) -> Entries:
