@@ -1,3 +1,55 @@
-"""meshlm: train Llama-style decoders with data, ZeRO, tensor and pipeline parallelism on one device mesh."""
+"""meshlm: train Llama-style decoders with data, ZeRO, tensor and pipeline parallelism on one device mesh.
+
+The public API (docs/api.md), importable from `meshlm` directly:
+
+    init_mesh, parallelize, ParallelModel, Checkpoints          your model and your loop
+    ParallelPlan, PipelineSplit, register_plan, plan_for,        per-family plan tables
+    COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, SEQUENCE_PARALLEL
+    fit, Callback, BatchSource                                   meshlm's loop with your model, loss and data
+    StepObserver, StepGuard, Preemption, Watchdog                metrics and guards as calls
+    Transformer, ModelConfig, preset                             the built-in Llama
+
+Names load on first use, so `import meshlm` (and the CLI) stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "init_mesh": "meshlm.api",
+    "parallelize": "meshlm.api",
+    "Checkpoints": "meshlm.api",
+    "ParallelModel": "meshlm.parallel.engine",
+    "ParallelPlan": "meshlm.parallel.plan",
+    "PipelineSplit": "meshlm.parallel.plan",
+    "register_plan": "meshlm.parallel.plan",
+    "plan_for": "meshlm.parallel.plan",
+    "PlanError": "meshlm.parallel.plan",
+    "COLWISE": "meshlm.parallel.plan",
+    "COLWISE_HEADS": "meshlm.parallel.plan",
+    "ROWWISE": "meshlm.parallel.plan",
+    "VOCAB_EMBEDDING": "meshlm.parallel.plan",
+    "VOCAB_HEAD": "meshlm.parallel.plan",
+    "SEQUENCE_PARALLEL": "meshlm.parallel.plan",
+    "fit": "meshlm.train.trainer",
+    "Callback": "meshlm.train.trainer",
+    "BatchSource": "meshlm.train.trainer",
+    "StepObserver": "meshlm.observe",
+    "StepGuard": "meshlm.train.guards",
+    "Preemption": "meshlm.train.guards",
+    "Watchdog": "meshlm.train.guards",
+    "Transformer": "meshlm.model",
+    "ModelConfig": "meshlm.model",
+    "preset": "meshlm.model",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'meshlm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -7,10 +7,12 @@ code 2, before any work starts.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshlm.config import Config, ConfigError, load_config, parse_overrides, reference_markdown, to_toml
 
@@ -22,11 +24,11 @@ def _config_from(args: argparse.Namespace, extra: list[str]) -> Config:
     return load_config(args.config, parse_overrides(extra))
 
 
-def _run_config(run_dir: Path) -> Config:
+def _run_config(run_dir: Path, overrides: Iterable[tuple[str, Any]] = ()) -> Config:
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         raise ConfigError(f"run directory {run_dir}: config.toml not found (is this a meshlm run directory?)")
-    return load_config(path, [("log.run_dir", str(run_dir))])
+    return load_config(path, [("log.run_dir", str(run_dir)), *overrides])
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
@@ -41,36 +43,56 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _load_run_model(run_dir: Path, cfg: Config) -> tuple[Transformer, Path]:
-    import torch
+    """The newest valid checkpoint's model, which must be the model of the run's config.toml."""
+    from meshlm.checkpoint import CheckpointError
+    from meshlm.model.hf import load_checkpoint_model
 
-    from meshlm.checkpoint import CheckpointError, latest_valid_checkpoint, load_model_state
-    from meshlm.model import Transformer
-
-    checkpoint = latest_valid_checkpoint(run_dir, warn=lambda m: print(m, file=sys.stderr))
-    if checkpoint is None:
-        raise CheckpointError(f"run directory {run_dir}: no valid checkpoint under {run_dir}/checkpoints")
-    model = Transformer(cfg.model.build())
-    model.load_state_dict(load_model_state(checkpoint))
+    model, checkpoint = load_checkpoint_model(run_dir)
+    expected = cfg.model.build()
+    if model.cfg != expected:
+        name = next(k for k, v in expected.to_dict().items() if getattr(model.cfg, k) != v)
+        raise CheckpointError(
+            f"checkpoint {checkpoint} is for another model (model.{name}: checkpoint "
+            f"{getattr(model.cfg, name)!r}, config.toml {getattr(expected, name)!r})"
+        )
     model.eval()
-    torch.set_grad_enabled(False)
     return model, checkpoint
 
 
+# `meshlm eval` runs the trainer's own evaluation on one process: these override the run's layout.
+SINGLE_PROCESS = [
+    ("parallel.layout", ""),
+    ("parallel.zero", 0),
+    ("parallel.zero_shard_size", None),
+    ("parallel.zero_param_dtype", "fp32"),
+]
+
+
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    """The validation loss the trainer logs, from the newest checkpoint: the trainer's `evaluate` on a
+    ParallelModel at world size 1, with the run's batches, dtype and device."""
     import torch
+    import torch.distributed as dist
 
-    from meshlm.data import eval_batches, prepare_data
-    from meshlm.model import cross_entropy_loss
+    from meshlm.data import prepare_data
+    from meshlm.parallel.engine import ParallelModel
+    from meshlm.parallel.mesh import build_mesh, parse_layout
+    from meshlm.train.distributed import autocast_dtype, init_distributed, resolve_device
+    from meshlm.train.trainer import evaluate
 
-    cfg = _run_config(args.run_dir)
+    batches = [] if args.batches is None else [("train.eval_batches", args.batches)]
+    cfg = _run_config(args.run_dir, [*SINGLE_PROCESS, *batches])
     model, checkpoint = _load_run_model(args.run_dir, cfg)
-    data = prepare_data(cfg.data, cfg.model.build().vocab_size)
-    with torch.no_grad():
-        losses = [
-            cross_entropy_loss(model(x), y).item()
-            for x, y in eval_batches(data.val, cfg.data.seq_len, cfg.train.global_batch, args.batches)
-        ]
-    loss = sum(losses) / len(losses)
+    device = resolve_device(cfg.train.device)
+    data = prepare_data(cfg.data, model.cfg.vocab_size)
+    created_group = init_distributed(device, cfg.parallel.timeout_s)
+    try:
+        mesh = build_mesh(parse_layout(cfg.parallel.layout, 1), device.type)
+        parallel = ParallelModel(model.to(device), mesh, cfg.parallel, 1, autocast_dtype(cfg.train.dtype, device))
+        loss = evaluate(parallel, data, cfg, dp_rank=0, dp=1)
+    finally:
+        if created_group:
+            dist.destroy_process_group()
     print(f"{checkpoint}: validation loss {loss:.4f} (perplexity {torch.tensor(loss).exp().item():.2f})")
     return 0
 
@@ -83,7 +105,7 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 
     cfg = _run_config(args.run_dir)
     model, _ = _load_run_model(args.run_dir, cfg)
-    tokenizer = prepare_data(cfg.data, cfg.model.build().vocab_size).tokenizer
+    tokenizer = prepare_data(cfg.data, model.cfg.vocab_size).tokenizer
     prompt = torch.tensor([encode(tokenizer, args.prompt)], dtype=torch.long)
     generator = torch.Generator().manual_seed(args.seed)
     out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, generator)
@@ -96,8 +118,44 @@ def cmd_config_show(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, like every other meshlm error (the usage is behind -h)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
+def _integer(low: int, high: int = 2**63 - 1) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 = greedy), got {text!r}")
+    return value
+
+
+def _prompt(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("the prompt must not be empty")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshlm", description="Train Llama-style models on a device mesh.")
+    parser = Parser(prog="meshlm", description="Train Llama-style models on a device mesh.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train (or resume) a run; any config field: --section.field VALUE")
@@ -106,16 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="validation loss of a run's newest checkpoint")
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--batches", type=int, help="validation batches (default: the run's train.eval_batches)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help="sample text from a run's newest checkpoint")
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--prompt", default="def ")
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", type=_prompt, default="def ")
+    p.add_argument("--max-new-tokens", type=_integer(0), default=100)
+    p.add_argument("--temperature", type=_temperature, default=0.8)
+    p.add_argument("--top-k", type=_integer(1), default=50)
+    p.add_argument("--seed", type=_integer(0), default=0)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("config", help="configuration tools")

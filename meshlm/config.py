@@ -6,6 +6,7 @@ with a one-line message that names the field (`ConfigError`), before any work st
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -24,8 +25,19 @@ class ConfigError(ValueError):
     """A configuration problem, already phrased as one line naming the field."""
 
 
+INT64 = 2**63
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _fits_int64(cls, value: object) -> object:
+        """Integers go to torch and numpy as int64: a larger one would overflow far from the config."""
+        if isinstance(value, int) and not isinstance(value, bool) and not -INT64 <= value < INT64:
+            raise ValueError("Input should fit in 64 bits (between -2**63 and 2**63 - 1)")
+        return value
 
 
 class ModelSection(Section):
@@ -53,6 +65,10 @@ class ModelSection(Section):
 
     def build(self) -> ModelConfig:
         overrides = {k: v for k, v in self.model_dump().items() if k != "preset" and v is not None}
+        shape = PRESETS[self.preset].to_dict() | overrides
+        head_dim, rest = divmod(shape["dim"], shape["n_heads"])
+        if not rest and head_dim % 2:  # ModelConfig's own message would not name the fields
+            raise ValueError(f"model.dim / model.n_heads = {head_dim} must be even (rotary embeddings)")
         return PRESETS[self.preset].replace(**overrides)
 
 
@@ -104,13 +120,16 @@ class ParallelSection(Section):
     sequence_parallel: bool = Field(False, description="shard norms/residuals along the sequence over tp")
     schedule: Literal["gpipe", "1f1b", "interleaved"] = Field("1f1b", description="pipeline schedule")
     virtual_stages: int = Field(1, gt=0, description="model chunks per pipeline rank (interleaved)")
-    timeout_s: float = Field(300.0, gt=0, description="collective timeout before a rank gives up")
+    timeout_s: float = Field(300.0, gt=0, le=7 * 24 * 3600, description="collective timeout before a rank gives up")
 
 
 class CheckpointSection(Section):
     every: int = Field(100, ge=0, description="save every N steps; 0 saves only at the end")
-    keep: int = Field(3, gt=0, description="newest checkpoints kept")
+    keep: int = Field(3, gt=0, description="newest valid checkpoints kept (corrupt ones are moved aside, not counted)")
     resume: bool = Field(True, description="continue from the newest valid checkpoint")
+    allow_fresh_start: bool = Field(
+        False, description="when checkpoints exist but none is valid, train from step 0 instead of stopping"
+    )
     async_save: bool = Field(True, description="write checkpoints in the background while training goes on")
 
 
@@ -140,6 +159,14 @@ class LogSection(Section):
     activation_memory: bool = Field(False, description="measure saved-activation bytes each step")
     profile_steps: str = Field("", description="torch profiler trace of steps 'A:B' into run_dir/profile")
 
+    @field_validator("profile_steps")
+    @classmethod
+    def _steps_range(cls, text: str) -> str:
+        from meshlm.observe.profile import parse_steps
+
+        parse_steps(text)
+        return text
+
 
 class Config(Section):
     model: ModelSection = ModelSection()
@@ -168,12 +195,33 @@ class Config(Section):
         return self
 
 
-def _format_error(err: ValidationError) -> str:
+def _key(part: object) -> str:
+    """A field name as TOML would write it: bare when it can be, else quoted (so it stays on one line)."""
+    text = str(part)
+    return text if re.fullmatch(r"[A-Za-z0-9_-]+", text) else _toml_string(text)
+
+
+def _valid_fields(loc: tuple) -> str:
+    """The field names that would be valid where `loc` points (for 'unknown field' messages)."""
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        annotation = model.model_fields[part].annotation if part in model.model_fields else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    return ", ".join(model.model_fields)
+
+
+def _format_error(err: ValidationError, prefix: tuple[str, ...] = ()) -> str:
+    """The first error as 'config error: section.field: what is wrong' (`prefix`: where `err`'s model sits)."""
     first = err.errors()[0]
-    field = ".".join(str(p) for p in first["loc"])
-    msg = first["msg"].removeprefix("Value error, ")
+    loc = (*prefix, *first["loc"])
+    field = ".".join(_key(p) for p in loc)
+    msg = first["msg"].removeprefix("Value error, ").removeprefix(f"{field}: ")
     if first["type"] == "extra_forbidden":
-        msg = "unknown field"
+        msg = f"unknown {'section' if len(loc) == 1 else 'field'}; valid: {_valid_fields(loc)}"
+    elif first["type"] == "model_type":
+        msg = f"should be a table of fields ([{field}]), got {type(first['input']).__name__}"
     return f"config error: {field}: {msg}" if field else f"config error: {msg}"
 
 
@@ -191,8 +239,13 @@ def _apply_override(data: dict, dotted: str, value: Any) -> None:
         raise ConfigError(f"config error: {dotted}: overrides look like --section.field VALUE")
     section, field = parts
     if section not in Config.model_fields:
-        raise ConfigError(f"config error: {section}: unknown section; valid: {', '.join(Config.model_fields)}")
-    data.setdefault(section, {})[field] = value
+        raise ConfigError(f"config error: {_key(section)}: unknown section; valid: {', '.join(Config.model_fields)}")
+    table = data.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(
+            f"config error: {section}: should be a table of fields ([{section}]), got {type(table).__name__}"
+        )
+    table[field] = value
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
@@ -224,7 +277,11 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, Any]]
         if not path.is_file():
             raise ConfigError(f"config error: file {path} not found")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_bytes().decode())
+        except OSError as e:
+            raise ConfigError(f"config error: {path}: cannot read ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config error: {path}: not UTF-8 text (byte {e.start})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config error: {path}: invalid TOML ({e})") from None
     for key, value in overrides or []:
@@ -233,6 +290,28 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, Any]]
         return Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_error(e)) from None
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quote, backslash and control characters escaped, so it reads back the same."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + re.sub(r"[\x00-\x1f\x7f]", lambda m: f"\\u{ord(m[0]):04x}", escaped) + '"'
+
+
+def model_config_from_dict(values: object, where: str) -> ModelConfig:
+    """A ModelConfig from its `to_dict()` form (as a checkpoint stores it), validated like the [model] section;
+    a ConfigError names `where` and the field."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: the model config should be an object of fields, got {type(values).__name__}")
+    missing = [name for name in ModelConfig.__dataclass_fields__ if name not in values]
+    if missing:
+        raise ConfigError(f"{where}: model.{missing[0]}: missing")
+    try:
+        return ModelSection.model_validate(values).build()
+    except ValidationError as e:
+        raise ConfigError(f"{where}: {_format_error(e, ('model',)).removeprefix('config error: ')}") from None
+    except ValueError as e:  # a shape ModelConfig refuses (e.g. dim not divisible by n_heads)
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def to_toml(cfg: Config) -> str:
@@ -246,7 +325,7 @@ def to_toml(cfg: Config) -> str:
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+                text = _toml_string(value)
             else:
                 text = repr(value)
             lines.append(f"{key} = {text}")

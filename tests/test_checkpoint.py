@@ -22,7 +22,7 @@ from meshlm.checkpoint import (
     load_model_state,
     verify_checkpoint,
 )
-from meshlm.checkpoint.shards import Chunks, flat_range_boxes
+from meshlm.checkpoint.shards import Chunks, SafeReader, flat_range_boxes
 from meshlm.checkpoint.store import file_record
 
 
@@ -146,3 +146,21 @@ def test_missing_entry_is_a_clear_error(tmp_path: Path) -> None:
     wanted = {**_entries(0.0), "model/other": Chunks(torch.Size([2]), [(0,)], [torch.zeros(2)])}
     with pytest.raises(CheckpointError, match=r"step_00000001 lacks entry model/other"):
         Checkpointer(tmp_path, keep=3, async_save=False, timeout_s=30).load(path, wanted)
+
+
+def test_metadata_is_read_once_per_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The missing-entry check and DCP's load share one read of `.metadata` (issue #13)."""
+    path = _save(tmp_path, 1)
+    reads: list[Path] = []
+    read = SafeReader.read_metadata
+
+    def counted(self: SafeReader, *args: object, **kwargs: object) -> object:
+        reads.append(Path(self.path))
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(SafeReader, "read_metadata", counted)
+    target = _entries(0.0)
+    Checkpointer(tmp_path, keep=3, async_save=False, timeout_s=30).load(path, target)
+    assert reads == [path] and torch.equal(target["model/w"].views[0], torch.ones(2, 4))
+    load_model_state(path)
+    assert reads == [path, path]

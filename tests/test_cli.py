@@ -1,12 +1,16 @@
 """The real `meshlm` entry point, run as a subprocess the way a user runs it."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import small_run_args
 
 from meshlm.checkpoint import list_checkpoints
+from meshlm.cli import main
+from meshlm.observe.metrics import read_metrics
 
 
 def meshlm(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -39,21 +43,98 @@ def test_bad_input_is_one_line_and_exit_code_2(args: list[str], message: str, tm
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_train_eval_generate_through_the_entry_point(small_run: list[str]) -> None:
-    run_dir = Path(small_run[small_run.index("--log.run_dir") + 1])
-    out = meshlm("train", *small_run, "--train.steps", "6", "--train.eval_every", "3")
+@pytest.fixture(scope="module")
+def trained_run(data_cache: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run trained through the entry point: 6 steps, evaluated at 0, 3 and 6, one checkpoint."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    out = meshlm("train", *small_run_args(data_cache, run_dir), "--train.steps", "6", "--train.eval_every", "3")
     assert out.returncode == 0, out.stderr
     assert "validation loss" in out.stdout
-    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000006"]
-    assert (run_dir / "metrics.jsonl").read_text().count('"kind": "eval"') == 3
+    return run_dir
 
-    out = meshlm("eval", str(run_dir), "--batches", "2")
+
+def test_train_eval_generate_through_the_entry_point(trained_run: Path) -> None:
+    assert [p.name for p in list_checkpoints(trained_run)] == ["step_00000006"]
+    evals = read_metrics(trained_run, "eval")
+    assert [r["step"] for r in evals] == [0, 3, 6]
+
+    out = meshlm("eval", str(trained_run))  # the trainer's own evaluation: the same loss it logged
     assert out.returncode == 0, out.stderr
-    assert "step_00000006: validation loss" in out.stdout
+    assert f"step_00000006: validation loss {evals[-1]['loss']:.4f}" in out.stdout
 
-    out = meshlm("generate", str(run_dir), "--prompt", "import os\n", "--max-new-tokens", "12", "--temperature", "0")
+    out = meshlm(
+        "generate", str(trained_run), "--prompt", "import os\n", "--max-new-tokens", "12", "--temperature", "0"
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("import os\n") and len(out.stdout) > len("import os\n")
+
+
+def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    capsys.readouterr()
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("file", "damage", "message"),
+    [
+        ("__0_0.distcp", truncate, "__0_0.distcp has"),
+        (".metadata", flip_a_byte, ".metadata fails its sha256 check"),
+        (".metadata", Path.unlink, ".metadata is missing"),
+        ("trainer.json", flip_a_byte, "trainer.json fails its sha256 check"),
+        ("manifest.json", Path.unlink, "manifest.json is missing"),
+    ],
+)
+def test_a_corrupt_only_checkpoint_is_one_line_for_eval_generate_and_export(
+    trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], file: str, damage, message: str
+) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    damage(list_checkpoints(run_dir)[-1] / file)
+    for args, expected_code in [
+        (["eval", str(run_dir)], 2),
+        (["generate", str(run_dir)], 2),
+        (["convert", "meshlm-to-hf", str(run_dir), str(tmp_path / "hf")], 1),
+    ]:
+        code, err = run_main(args, capsys)
+        assert code == expected_code and len(err.splitlines()) == 1, (args, err)
+        assert f"{run_dir}: no valid checkpoint under {run_dir / 'checkpoints'}" in err and message in err, err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_of_another_model_and_bad_arguments(
+    trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    config = run_dir / "config.toml"
+    config.write_text(config.read_text().replace('preset = "test"', 'preset = "test"\nn_layers = 2'))
+    code, err = run_main(["eval", str(run_dir)], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "is for another model (model.n_layers: checkpoint 4, config.toml 2)" in err
+    for args, message in [
+        (["eval", str(run_dir), "--batches", "0"], "config error: train.eval_batches: Input should be greater than 0"),
+        (["generate", str(run_dir), "--top-k", "0"], "argument --top-k: expected an integer from 1 to"),
+        (["generate", str(run_dir), "--temperature", "-1"], "argument --temperature: expected a finite number >= 0"),
+        (["generate", str(run_dir), "--prompt", ""], "argument --prompt: the prompt must not be empty"),
+        (["generate", str(run_dir), "--seed", "1e3"], "argument --seed: expected an integer from 0 to"),
+        (["eval", str(run_dir), "--bogus"], "unrecognized arguments: --bogus"),
+    ]:
+        code, err = run_main(args, capsys)
+        assert code == 2 and len(err.splitlines()) == 1 and message in err, (args, err)
 
 
 def test_eval_of_a_directory_without_run_is_a_clear_error(tmp_path: Path) -> None:

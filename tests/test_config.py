@@ -4,7 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.config import Config, ConfigError, load_config, parse_overrides, reference_markdown, to_toml
+from meshlm.config import (
+    Config,
+    ConfigError,
+    load_config,
+    model_config_from_dict,
+    parse_overrides,
+    reference_markdown,
+    to_toml,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,3 +88,57 @@ def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
 def test_readme_config_reference_is_current() -> None:
     """The README's table is generated from the config classes; regenerate it with `meshlm config reference`."""
     assert reference_markdown() in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ("[train]\nlr = inf\n", "train.lr: Input should be a finite number"),
+        ("[train]\nlr = nan\n", "train.lr: Input should be a finite number"),
+        ("[train]\nsteps = 99999999999999999999999\n", "train.steps: Input should fit in 64 bits"),
+        ("[parallel]\ntimeout_s = 1e300\n", "parallel.timeout_s: Input should be less than or equal to 604800"),
+        ('[log]\nprofile_steps = "7:5"\n', "log.profile_steps: '7:5' needs 1 <= FIRST <= LAST"),
+        ("model = 3\n", "model: should be a table of fields ([model]), got int"),
+        ('[train]\n"a\\nb" = 1\n', 'train."a\\u000ab": unknown field; valid: steps, global_batch'),
+        ("[trian]\nsteps = 1\n", "trian: unknown section; valid: model, data, train"),
+        ("[model]\nn_heads = 256\nn_kv_heads = 1\n", "model.dim / model.n_heads = 1 must be even"),
+    ],
+)
+def test_bad_toml_values_give_one_line_naming_the_field(toml: str, expected: str, tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_unreadable_files_and_overrides_into_a_non_table(tmp_path: Path) -> None:
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[train]")
+    with pytest.raises(ConfigError, match=r"binary\.toml: not UTF-8 text \(byte 0\)"):
+        load_config(binary)
+    scalar = tmp_path / "scalar.toml"
+    scalar.write_text("train = 3\n")
+    with pytest.raises(ConfigError, match=r"train: should be a table of fields \(\[train\]\), got int"):
+        load_config(scalar, parse_overrides(["--train.steps", "4"]))
+
+
+def test_strings_round_trip_through_toml(tmp_path: Path) -> None:
+    """Any string a field holds, control characters included, is written so that it reads back the same."""
+    cfg = load_config(None, [("data.source", 'a"b\\c\nd\te\x00f\x7fg é')])
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_model_config_from_dict_names_the_field() -> None:
+    fields = load_config().model.build().to_dict()
+    assert model_config_from_dict(fields, "ckpt") == load_config().model.build()
+    with pytest.raises(ConfigError, match=r"^ckpt: model\.dim: Input should be a valid integer"):
+        model_config_from_dict(fields | {"dim": "wide"}, "ckpt")
+    with pytest.raises(ConfigError, match=r"^ckpt: model\.n_layers: missing$"):
+        model_config_from_dict({k: v for k, v in fields.items() if k != "n_layers"}, "ckpt")
+    with pytest.raises(ConfigError, match=r"^ckpt: model\.dim \(256\) must be divisible by model\.n_heads \(3\)"):
+        model_config_from_dict(fields | {"n_heads": 3}, "ckpt")
+    with pytest.raises(ConfigError, match=r"^ckpt: the model config should be an object of fields, got list"):
+        model_config_from_dict([1], "ckpt")

@@ -251,3 +251,103 @@ def test_cli_round_trip(hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     capsys.readouterr()
     assert run_convert(parser.parse_args(["convert", "meshlm-to-hf", str(hf_dir / "model.safetensors"), "x"])) == 1
     assert "not a meshlm checkpoint file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_attention_heads": "4"}, "num_attention_heads='4' should be a positive integer below 2**63"),
+        ({"hidden_size": 64.0}, "hidden_size=64.0 should be a positive integer"),
+        ({"vocab_size": True}, "vocab_size=True should be a positive integer"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads=0 should be a positive integer"),
+        ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' should be a positive finite number"),
+        ({"rope_theta": float("nan")}, "rope_theta=nan should be a positive finite number"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": -1}}, "rope_parameters.rope_theta=-1 should be"),
+        ({"rope_scaling": 3}, "rope_scaling=3 should be an object or null"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes' should be true or false"),
+        ({"num_key_value_heads": 3}, "num_attention_heads (4) must be divisible by num_key_value_heads (3)"),
+        ({"hidden_size": 66, "head_dim": None}, "hidden_size (66) must be divisible by num_attention_heads (4)"),
+        ({"hidden_size": 12, "head_dim": None}, "hidden_size / num_attention_heads = 3 must be even"),
+        ({"vocab_size": 2**62}, "vocab_size × hidden_size = 295147905179352825856 elements: too large"),
+        ({"vocab_size": "x" * 100}, "vocab_size='" + "x" * 36 + "... should be"),
+    ],
+)
+def test_wrong_types_and_ranges_name_the_field(changes: dict, message: str) -> None:
+    hf_config = hf_config_from_model(make_meshlm_model().cfg) | changes
+    with pytest.raises(ValueError) as info:
+        model_config_from_hf(hf_config)
+    assert str(info.value).startswith("config.json: ")
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_invalid_json_names_the_file(hf_dir: Path) -> None:
+    (hf_dir / "config.json").write_text('{"vocab_size": 128,')
+    with pytest.raises(ValueError, match=r"hf/config\.json: invalid JSON \(Expecting property name"):
+        import_hf(hf_dir)
+    (hf_dir / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"hf: config\.json: should be a JSON object of fields, got list"):
+        import_hf(hf_dir)
+
+
+def test_a_depth_the_weights_lack_is_refused_before_building(hf_dir: Path) -> None:
+    config = json.loads((hf_dir / "config.json").read_text()) | {"num_hidden_layers": 10**12}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"config\.json: num_hidden_layers=1000000000000 but .*model\.safetensors holds 2"
+    ):
+        import_hf(hf_dir)
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="meshlm")
+    add_convert_parser(parser.add_subparsers(dest="command", required=True))
+    capsys.readouterr()
+    code = run_convert(parser.parse_args(["convert", *args]))
+    return code, capsys.readouterr().err
+
+
+def test_truncated_safetensors_is_one_line_in_both_directions(
+    hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    meshlm_file = tmp_path / "ckpt.safetensors"
+    assert run_cli(["hf-to-meshlm", str(hf_dir), str(meshlm_file)], capsys)[0] == 0
+    for path, args in [
+        (hf_dir / "model.safetensors", ["hf-to-meshlm", str(hf_dir), str(tmp_path / "x.safetensors")]),
+        (meshlm_file, ["meshlm-to-hf", str(meshlm_file), str(tmp_path / "out")]),
+    ]:
+        data = path.read_bytes()
+        for cut in (len(data) // 2, 5):
+            path.write_bytes(data[:cut])
+            code, err = run_cli(args, capsys)
+            assert code == 1 and len(err.splitlines()) == 1, err
+            assert f"{path}: not a valid safetensors file (Error while deserializing header" in err
+
+
+def test_index_problems_name_the_file(tmp_path: Path) -> None:
+    export_hf(make_meshlm_model(), tmp_path, max_shard_bytes=30_000)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first_shard = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / first_shard).unlink()
+    with pytest.raises(FileNotFoundError, match=rf"{first_shard}: shard listed in .*index\.json does not exist"):
+        import_hf(tmp_path)
+    index_path.write_text("{")
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: invalid JSON"):
+        import_hf(tmp_path)
+    index_path.write_text(json.dumps({"weight_map": {"model.norm.weight": 3}}))
+    with pytest.raises(ValueError, match=r"index\.json: no weight_map object of tensor name -> file name"):
+        import_hf(tmp_path)
+
+
+def test_meshlm_file_with_bad_metadata_or_tensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = make_meshlm_model(tie_embeddings=True)
+    path = tmp_path / "ckpt.safetensors"
+    for metadata, message in [
+        ("{", "metadata meshlm_model_config is not JSON"),
+        (json.dumps(model.cfg.to_dict() | {"dim": "wide"}), "meshlm_model_config: model.dim: Input"),
+        (json.dumps(model.cfg.to_dict() | {"n_layers": 3}), "missing tensor model.layers.2.input_layernorm"),
+    ]:
+        tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k != "model.embed_tokens.weight"}
+        save_file(tensors, path, metadata={"format": "pt", "meshlm_model_config": metadata})
+        code, err = run_cli(["meshlm-to-hf", str(path), str(tmp_path / "out")], capsys)
+        assert code == 1 and len(err.splitlines()) == 1 and message in err, err

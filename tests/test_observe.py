@@ -246,3 +246,38 @@ def test_profiler_traces_exactly_the_chosen_steps(tmp_path) -> None:
         parse_steps("five")
     with pytest.raises(ValueError, match="FIRST <= LAST"):
         parse_steps("7:5")
+
+
+def test_mfu_always_says_what_it_is_a_fraction_of(tmp_path) -> None:
+    """On CPU the denominator is the matmul rate measured at start-up, not a nominal peak: the progress bar,
+    the report and the planner all say so, in the same words."""
+    import argparse
+
+    from meshlm.observe.peak import DATASHEET_PEAK, MEASURED_MATMUL, mfu_basis
+    from meshlm.observe.report import render
+    from meshlm.plan.cli import ASSUMED_MATMUL, _mfu_basis
+    from meshlm.plan.hardware import hardware
+
+    measured = StepObserver(1e9, 128)
+    given = StepObserver(1e9, 128, peak_flops=1e12)
+    for observer in (measured, given):
+        observer.close()
+    assert measured.mfu_label(0.865) == "MFU 86.5% of measured matmul"
+    assert given.mfu_label(0.25) == "MFU 25.0% of log.peak_flops"
+    assert mfu_basis("cuda", "NVIDIA H100 80GB HBM3") == DATASHEET_PEAK
+    assert mfu_basis("cuda", "NVIDIA L4") == mfu_basis("cpu") == MEASURED_MATMUL
+
+    train = {"kind": "train", "time": 0.0, "loss": 5.0, "tokens_per_s": 1e3, "mfu": 0.865}
+    lines = [{"step": 0, "kind": "env", "time": 0.0, "device": "cpu"}, {"step": 1, **train}, {"step": 2, **train}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    page = render(tmp_path)
+    assert "median MFU (of measured matmul)" in page and "over the measured matmul of all devices" in page
+    (tmp_path / "config.toml").write_text("[log]\npeak_flops = 1e12\n")
+    assert "median MFU (of log.peak_flops)" in render(tmp_path)
+
+    def plan_args(calibration: str | None) -> argparse.Namespace:
+        return argparse.Namespace(calibration=calibration)
+
+    assert _mfu_basis(hardware("H100-SXM"), plan_args(None)) == DATASHEET_PEAK
+    assert _mfu_basis(hardware("cpu"), plan_args(None)) == ASSUMED_MATMUL
+    assert _mfu_basis(hardware("cpu"), plan_args("doctor.json")) == MEASURED_MATMUL

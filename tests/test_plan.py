@@ -1,5 +1,5 @@
 """The planner: hand-computed memory, activation, bubble, collective and checkpoint numbers; the search's
-rejections and choices; the CLI's JSON and error lines; properties over random layouts."""
+rejections and choices; the CLI's JSON and error lines; properties over random strategies."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ import math
 from unittest import mock
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from meshlm.config import load_config
 from meshlm.model.config import PRESETS, ModelConfig
 from meshlm.model.flops import param_counts
+from meshlm.parallel.mesh import Layout
 from meshlm.plan import (
     Assumptions,
     Constraints,
-    Layout,
     Link,
     PlanError,
     Workload,
@@ -34,22 +34,29 @@ from meshlm.plan import (
     step_time,
     young_interval,
 )
-from meshlm.plan.cli import add_plan_parser, count, run_plan
-from meshlm.plan.cost import CostModel, expected_wall_time, run_cost
+from meshlm.plan.cli import add_plan_parser, count, duration, run_plan
+from meshlm.plan.cost import CostModel, run_cost
 from meshlm.plan.hardware import GB
 from meshlm.plan.memory import (
+    Strategy,
     chunk_layers,
-    in_flight,
+    held_layers,
     layer_activation_bytes,
     model_state_bytes,
-    stage_layers,
+    rank_chunks,
+    rank_layers,
     stage_params,
 )
+from meshlm.plan.spot import expected_wall_time
 from meshlm.plan.step_time import crosses_nodes
 
 # d=64, 4 heads of 16, 2 KV heads, I=128, V=256, 4 layers: Ψ = 180,800. Own copy: presets may change.
 TEST = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=128, max_seq_len=64)
 NO_OVERHEAD = Assumptions(overhead_gb=0, overhead_fraction=0)
+
+
+def strategy(pp: int = 1, dp: int = 1, tp: int = 1, **choices: object) -> Strategy:
+    return Strategy(Layout(pp, dp, tp), **choices)
 
 
 def plan_args(*argv: str) -> argparse.Namespace:
@@ -89,9 +96,9 @@ def test_zero_stages_shard_model_states(precision, zero, expected):
 
 def test_zero3_is_16_psi_over_n_in_memory():
     w = Workload(TEST, 64, 8, 1e6, "bf16")
-    mem = memory(w, Layout(dp=8, zero=3), hardware("H100-SXM"), NO_OVERHEAD)
+    mem = memory(w, strategy(dp=8, zero=3), hardware("H100-SXM"), NO_OVERHEAD)
     assert mem.params + mem.grads + mem.optimizer == pytest.approx(16 * 180_800 / 8)
-    mem0 = memory(w, Layout(dp=8, zero=0), hardware("H100-SXM"), NO_OVERHEAD)
+    mem0 = memory(w, strategy(dp=8, zero=0), hardware("H100-SXM"), NO_OVERHEAD)
     assert mem0.params + mem0.grads + mem0.optimizer == 16 * 180_800
 
 
@@ -121,20 +128,27 @@ def test_sequence_parallel_divides_everything_by_tp():
     assert layer_activation_bytes(TEST, 32, 1, 2, True, "none", "bf16") * 2 == full
 
 
-def test_in_flight_micro_batches():
-    assert in_flight("gpipe", 4, 8, 1, 0) == 8
-    assert [in_flight("1f1b", 4, 8, 1, s) for s in range(4)] == [4, 3, 2, 1]
-    assert in_flight("1f1b", 4, 2, 1, 0) == 2
-    # Korthikanti et al.: interleaving multiplies the first stage's 1F1B memory by 1 + (p−1)/(p·v).
-    assert in_flight("interleaved", 4, 8, 2, 0) == pytest.approx(4 * (1 + 3 / (4 * 2)))
-    assert in_flight("1f1b", 1, 8, 1, 0) == 1
+def test_held_layer_activations_replay_the_runtime_schedule():
+    """Layer-activations a rank holds, for ranks of 3 layers (one chunk) or 2 chunks of 2 layers."""
+    assert held_layers("gpipe", 4, 8, 1, 0, (3,)) == 8 * 3
+    assert [held_layers("1f1b", 4, 8, 1, s, (3,)) for s in range(4)] == [12, 9, 6, 3]
+    assert held_layers("1f1b", 4, 2, 1, 0, (3,)) == 6
+    # Megatron's warm-up, 2(p − 1) + (v − 1)p + 1 = 11 chunks: Korthikanti et al.'s 1 + (p−1)/(p·v) on 1F1B's p
+    assert held_layers("interleaved", 4, 8, 2, 0, (2, 2)) == 11 * 2 == pytest.approx(4 * 4 * (1 + 3 / (4 * 2)))
+    assert held_layers("interleaved", 4, 64, 2, 0, (2, 2)) == 22  # the peak does not grow with m
+    assert held_layers("interleaved", 4, 8, 2, 0, (0, 2)) == 2 * 4  # an empty chunk holds nothing
+    assert held_layers("1f1b", 1, 8, 1, 0, (3,)) == 3
 
 
-def test_uneven_split_follows_llama3():
-    chunks = chunk_layers(126, 128)
+def test_split_is_the_runtimes():
+    """meshlm's runtime splits by FLOPs with a layer per chunk; Llama 3's recipe leaves the first and last of
+    pp·v = n_layers + 2 chunks empty, which only the Megatron-style runtime allows."""
+    assert rank_layers(TEST.replace(n_layers=10), 4) == (2, 3, 3, 2)
+    big = PRESETS["llama3-405b"]
+    assert rank_layers(big, 16) == (7, *[8] * 14, 7)
+    chunks = chunk_layers(big, 128, "megatron")
     assert chunks[0] == chunks[-1] == 0 and set(chunks[1:-1]) == {1}
-    assert sum(stage_layers(126, 16, 8)) == 126
-    assert stage_layers(10, 4) == (2, 3, 3, 2)
+    assert sum(rank_layers(big, 16, 8, "megatron")) == 126 and rank_chunks(big, 16, 8, "megatron")[0][0] == 0
 
 
 # --- step time ------------------------------------------------------------------------------------
@@ -158,7 +172,7 @@ def test_bubble_fractions():
 
 def test_step_time_bubble_matches_fraction():
     w = Workload(PRESETS["llama3-8b"], 4096, 64, 1e9)
-    for lay in (Layout(pp=4, dp=2, schedule="1f1b"), Layout(pp=4, dp=2, schedule="interleaved", virtual_stages=2)):
+    for lay in (strategy(4, 2, schedule="1f1b"), strategy(4, 2, schedule="interleaved", virtual_stages=2)):
         t = step_time(w, lay, hardware("H100-SXM"))
         pipeline = t.compute + t.tp_comm + t.pp_comm + t.bubble
         assert t.bubble / pipeline == pytest.approx(bubble_fraction(lay.schedule, 4, 32, lay.virtual_stages))
@@ -174,17 +188,19 @@ def test_node_placement_pp_outer_dp_tp_inner():
 def test_step_time_uses_slower_link_across_nodes():
     w = Workload(PRESETS["llama3-8b"], 4096, 64, 1e9)
     hw = hardware("H100-SXM")
-    inside = step_time(w, Layout(dp=8), hw)
-    across = step_time(w, Layout(dp=8), dataclasses.replace(hw, gpus_per_node=4))
+    inside = step_time(w, strategy(dp=8), hw)
+    across = step_time(w, strategy(dp=8), dataclasses.replace(hw, gpus_per_node=4))
     assert across.dp_comm > inside.dp_comm
 
 
 def test_full_recompute_costs_a_third_more_layer_compute():
     w = Workload(PRESETS["llama3-8b"], 4096, 64, 1e9)
     hw = hardware("H100-SXM")
-    none, full = (step_time(w, Layout(dp=8, recompute=r), hw) for r in ("none", "full"))
+    none, full = (step_time(w, strategy(dp=8, recompute=r), hw) for r in ("none", "full"))
     assert 1.25 < full.compute / none.compute < 4 / 3  # the head is not recomputed
     assert full.tflops_per_gpu < none.tflops_per_gpu
+    assert 1.25 < full.hardware_tflops_per_gpu / full.tflops_per_gpu < 4 / 3
+    assert none.hardware_tflops_per_gpu == pytest.approx(none.tflops_per_gpu)
 
 
 # --- cost -----------------------------------------------------------------------------------------
@@ -206,10 +222,12 @@ def test_spot_costs_more_time_and_preemption_rate_counts():
     hw = hardware("H100-SXM")
     calm = run_cost(86_400, 64, 1e12, hw, CostModel(preemption_rate=0.0))
     busy = run_cost(86_400, 64, 1e12, hw, CostModel(preemption_rate=1e-3))
-    assert calm.wall_spot_s == pytest.approx(calm.wall_on_demand_s)
-    assert busy.wall_spot_s > busy.wall_on_demand_s > 86_400
-    assert busy.interval_spot_s < busy.interval_on_demand_s
-    assert busy.usd_on_demand == pytest.approx(busy.wall_on_demand_s / 3600 * 64 * hw.price_on_demand)
+    assert calm.spot.wall_s == pytest.approx(calm.on_demand.wall_s)
+    assert calm.recommended is calm.spot  # same time, cheaper
+    assert busy.spot.wall_s > busy.on_demand.wall_s > 86_400
+    assert busy.spot.interval_s < busy.on_demand.interval_s
+    od = busy.on_demand
+    assert od.usd == pytest.approx(od.wall_s / 3600 * 64 * hw.price_on_demand)
 
 
 # --- search ---------------------------------------------------------------------------------------
@@ -239,7 +257,7 @@ def test_search_rejects_memory_misfits_with_sizes():
 def test_llama3_70b_on_64_h100_keeps_tp_in_the_node():
     w = Workload(PRESETS["llama3-70b"], 8192, 512, 15e12, name="llama3-70b")
     plan = best(w, 64, hardware("H100-SXM"))
-    assert plan.layout.tp == 8 and plan.layout.gpus == 64
+    assert plan.strategy.tp == 8 and plan.strategy.gpus == 64
     assert plan.memory.total <= 80 * GB
     assert 0.2 < plan.step.mfu < 0.5
 
@@ -250,15 +268,15 @@ def test_cost_objective_can_prefer_fewer_gpus():
     c = Constraints(pp=1, tp=1)  # data parallel only: keeps the search small
     fast = best(w, [8, 64], hw, objective="throughput", constraints=c)
     cheap = best(w, [8, 64], hw, objective="cost", constraints=c)
-    assert fast.layout.gpus == 64 and cheap.layout.gpus == 8
+    assert fast.strategy.gpus == 64 and cheap.strategy.gpus == 8
 
 
 def test_plan_for_config_gives_valid_trainer_overrides():
     cfg = load_config(overrides=[("train.global_batch", 16), ("data.seq_len", 128)])
-    layout = plan_for_config(cfg, 2)
-    assert layout.gpus == 2
-    applied = load_config(overrides=[("train.global_batch", 16), *layout.overrides().items()])
-    assert applied.parallel.layout == layout.mesh and applied.parallel.zero == layout.zero
+    choice = plan_for_config(cfg, 2)
+    assert choice.gpus == 2
+    applied = load_config(overrides=[("train.global_batch", 16), *choice.overrides().items()])
+    assert applied.parallel.layout == choice.layout and applied.parallel.zero == choice.zero
 
 
 def test_calibration_overrides_links_by_dim_then_kind():
@@ -297,10 +315,12 @@ def test_cli_json_has_required_keys(capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     keys = {"layout", "memory_gb_per_gpu", "memory_parts_gb", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu"}
-    keys |= {"train_days", "cost_usd_on_demand", "cost_usd_spot", "checkpoint_interval_s", "zero", "micro_batch"}
-    keys |= {"schedule", "recompute"}
+    keys |= {"train_days", "cost_usd_on_demand", "cost_usd", "pool", "restarts", "checkpoint_interval_s", "zero"}
+    keys |= {"micro_batch", "schedule", "recompute", "hardware_tflops_per_gpu", "offerings"}
     assert len(out["plans"]) == 3 and keys <= set(out["plans"][0])
     assert out["plans"][0]["memory_gb_per_gpu"] == pytest.approx(out["plans"][0]["memory_parts_gb"]["total"])
+    offerings = out["plans"][0]["offerings"]
+    assert {"on_demand", "spot", "mixed", "recommended", "note"} <= set(offerings)
 
 
 def test_cli_table_and_rejection_summary(capsys):
@@ -322,7 +342,7 @@ def test_cli_unknown_gpu_and_bad_layout(capsys):
     assert run_plan(plan_args("--model", "test", "--gpus", "8", "--gpu", "cpu", "--layout", "tp=3")) == 2
     assert "layout does not match the GPU count" in capsys.readouterr().err
     assert run_plan(plan_args("--model", "nope", "--gpus", "8")) == 2
-    assert "unknown preset 'nope'" in capsys.readouterr().err
+    assert "--model 'nope': not a preset (tiny, test, " in capsys.readouterr().err
 
 
 def test_cli_reads_a_doctor_calibration(tmp_path, capsys):
@@ -339,21 +359,24 @@ def test_cli_reads_a_doctor_calibration(tmp_path, capsys):
     assert "calibration" in capsys.readouterr().err
 
 
-def test_count_suffixes():
+def test_count_and_duration_suffixes():
     assert count("15T") == 15e12 and count("16Mi") == 2**24 and count("2.5e12") == 2.5e12
-    with pytest.raises(argparse.ArgumentTypeError):
-        count("lots")
+    assert duration("30d") == 30 * 86400 and duration("1.5h") == 5400 and duration("90min") == 5400
+    for bad in ("lots", "3 parsecs"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            (count if bad == "lots" else duration)(bad)
 
 
 # --- properties -----------------------------------------------------------------------------------
 
 
-def _layout(pp, tp, dp, mb, schedule, v, recompute, sp) -> Layout:
-    return Layout(pp, dp, tp, 0, mb, schedule, v if schedule == "interleaved" else 1, recompute, sp)
+def _strategy(pp, tp, dp, mb, schedule, v, recompute, sp) -> Strategy:
+    return strategy(pp, dp, tp, micro_batch=mb, schedule=schedule, virtual_stages=v if schedule == "interleaved" else 1,
+                    recompute=recompute, sequence_parallel=sp)  # fmt: skip
 
 
 layouts = st.builds(
-    _layout,
+    _strategy,
     pp=st.sampled_from([1, 2, 4]),
     tp=st.sampled_from([1, 2, 4]),
     dp=st.sampled_from([1, 2, 4]),
@@ -365,9 +388,16 @@ layouts = st.builds(
 )
 
 
+def runnable(s: Strategy, n_layers: int, batch: int = 16) -> bool:
+    """What the runtime can run: a layer per pipeline chunk; interleaved with micro-batches divisible by pp."""
+    m = batch // (s.dp * s.micro_batch)
+    return s.pp * s.virtual_stages <= n_layers and (s.schedule != "interleaved" or (s.pp > 1 and m % s.pp == 0))
+
+
 @settings(max_examples=60, deadline=None)
 @given(layouts, st.sampled_from(["bf16", "fp32"]))
 def test_memory_never_grows_with_zero_stage(layout, precision):
+    assume(runnable(layout, TEST.n_layers))
     w = Workload(TEST, 64, 16, 1e6, precision)
     hw = hardware("H100-SXM")
     mems = [memory(w, dataclasses.replace(layout, zero=z), hw) for z in range(4)]
@@ -380,6 +410,7 @@ def test_memory_never_grows_with_zero_stage(layout, precision):
 @settings(max_examples=60, deadline=None)
 @given(layouts, st.sampled_from(["H100-SXM", "A100-40GB", "cpu"]))
 def test_step_time_positive_and_consistent(layout, gpu):
+    assume(runnable(layout, TEST.n_layers))
     w = Workload(TEST, 64, 16, 1e6, "fp32" if gpu == "cpu" else "bf16")
     t = step_time(w, layout, hardware(gpu))
     assert t.total > 0 and all(part >= 0 for part in t.parts().values())
@@ -387,13 +418,14 @@ def test_step_time_positive_and_consistent(layout, gpu):
     assert 0 < t.mfu < 1
 
 
-def every_stage(layers: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(range(len(layers)))
+def every_stage(chunks: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    return tuple(range(len(chunks)))
 
 
 @settings(max_examples=60, deadline=None)
 @given(layouts, st.sampled_from([4, 7, 10]))
 def test_representative_stages_hold_the_maximum(layout, n_layers):
+    assume(runnable(layout, n_layers))
     w = Workload(TEST.replace(n_layers=n_layers), 64, 16, 1e6)
     hw = hardware("H100-SXM")
     with mock.patch("meshlm.plan.memory.representative_stages", every_stage):

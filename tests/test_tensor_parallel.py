@@ -132,7 +132,7 @@ def _check_gradients(cfg: ModelConfig, sp: bool, checkpointing: bool) -> None:
     apply_tensor_parallel(model, group, sequence_parallel=sp)
     model.activation_checkpointing = checkpointing
     vocab_parallel_cross_entropy(model(x), y, group).backward()
-    grads = unshard_state_dict({n: p.grad for n, p in model.named_parameters()}, cfg, group)
+    grads = unshard_state_dict({n: p.grad for n, p in model.named_parameters()}, model, group)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=2e-7, msg=lambda m, n=name: f"{n}: {m}")
 

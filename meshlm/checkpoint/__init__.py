@@ -9,16 +9,21 @@ from meshlm.checkpoint.state import (
 )
 from meshlm.checkpoint.store import (
     CheckpointError,
+    RunCheckpoints,
+    StorageError,
     latest_valid_checkpoint,
     list_checkpoints,
     load_model_state,
     read_trainer_state,
+    storage_cause,
     verify_checkpoint,
 )
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
+    "RunCheckpoints",
+    "StorageError",
     "init_optimizer_state",
     "latest_valid_checkpoint",
     "list_checkpoints",
@@ -26,6 +31,7 @@ __all__ = [
     "optimizer_steps",
     "read_trainer_state",
     "set_optimizer_steps",
+    "storage_cause",
     "training_entries",
     "verify_checkpoint",
 ]

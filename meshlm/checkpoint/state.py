@@ -1,32 +1,19 @@
-"""What a checkpoint holds for a ParallelModel: its fp32 weights and AdamW moments as global tensors.
+"""What a checkpoint holds for a ParallelModel: its fp32 weights and optimizer state as global tensors.
 
-Keys are layout-free (`model/<HF name>`, `optim/exp_avg/<HF name>`, `optim/exp_avg_sq/<HF name>`, each of the
-full model's shape), so any layout can load what any other layout saved. This rank contributes the boxes it
+Keys are layout-free (`model/<name>`, `optim/<state>/<name>` for each per-element optimizer state, e.g.
+AdamW's exp_avg and exp_avg_sq, each of the full model's shape), so any layout can load what any other
+layout saved. This rank contributes the boxes it
 holds: ZeRO flat pieces cut into row boxes (shards.flat_range_boxes), moved by its tensor-parallel offset.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from meshlm.checkpoint.shards import Chunks, flat_range_boxes
-from meshlm.model import Transformer
-from meshlm.model.config import ModelConfig
 from meshlm.parallel.engine import ParallelModel
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-@functools.lru_cache(maxsize=4)
-def global_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
-    """Every parameter's full shape, from a model built on the meta device (no memory). Cached: building
-    even a meta model takes half a second at 405B, and every save would otherwise pay it while training waits."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return {name: p.shape for name, p in model.named_parameters()}
 
 
 def key_of(kind: str, name: str) -> str:
@@ -38,7 +25,7 @@ def training_entries(
 ) -> dict[str, Chunks]:
     """This rank's boxes of every global tensor, as views of the live weights (and optimizer moments): all it
     holds (to load into), or with `writer` its share of them (to save: every box is written by one rank)."""
-    shapes = global_shapes(model.cfg)
+    shapes = model.global_shapes
     params = dict(model.named_parameters())
     entries: dict[str, Chunks] = {}
     for kind, pieces in model.local_shards(optimizer, writer).items():
@@ -60,23 +47,38 @@ def training_entries(
 
 @torch.no_grad()
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW's state (zero moments, step 0) ahead of its first step, so a checkpoint can fill it."""
+    """Create any torch optimizer's state ahead of its first step, so a checkpoint can fill it in place:
+    one step at learning rate and weight decay 0 on zero gradients (weights unchanged; moments and momentum
+    buffers zero, as a first step would start them), then the step counts back to 0."""
+    if all(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+        return
+    saved = [{k: group[k] for k in ("lr", "weight_decay") if k in group} for group in optimizer.param_groups]
+    zeroed = []
     for group in optimizer.param_groups:
+        group.update({k: 0.0 for k in ("lr", "weight_decay") if k in group})
         for p in group["params"]:
-            state = optimizer.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                for moment in MOMENTS:
-                    state[moment] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+                zeroed.append(p)
+    optimizer.step()
+    for group, values in zip(optimizer.param_groups, saved, strict=True):
+        group.update(values)
+    for p in zeroed:
+        p.grad = None
+    set_optimizer_steps(optimizer, 0)
 
 
 def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
-    """Updates AdamW has applied (the same for every parameter; skipped steps do not count)."""
+    """Updates the optimizer has applied (the same for every parameter; skipped steps do not count), for
+    optimizers that count them (Adam, AdamW); 0 for those that do not (SGD)."""
     for state in optimizer.state.values():
-        return int(state["step"])
+        return int(state.get("step", 0))
     return 0
 
 
 def set_optimizer_steps(optimizer: torch.optim.Optimizer, steps: int) -> None:
     for state in optimizer.state.values():
-        state["step"].fill_(steps)
+        if torch.is_tensor(state.get("step")):
+            state["step"].fill_(steps)
+        elif "step" in state:
+            state["step"] = steps

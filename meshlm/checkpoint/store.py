@@ -6,10 +6,15 @@ writing rank), `trainer.json` (step, sampler, optimizer step count, model config
 manifest last and renames the folder, so a checkpoint is visible only when complete and an interrupted save
 leaves the previous one valid. The folder must be on storage every rank can reach (one node, or a shared
 file system across nodes).
+
+`RunCheckpoints` is rank 0's keeper of those folders during training: a corrupt checkpoint is moved aside
+(`corrupt-step_00000100/`), never counted by retention and never deleted; staging folders of failed or
+interrupted saves are removed at start-up.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -20,17 +25,66 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from meshlm.checkpoint.shards import ChunkLoadPlanner, SafeReader
 
 MANIFEST = "manifest.json"
 TRAINER = "trainer.json"
+STAGING_PREFIX = ".tmp-step_"
+CORRUPT_PREFIX = "corrupt-"
+
+# What an errno means to someone whose save or log just failed.
+STORAGE_ERRORS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EROFS: "read-only file system",
+    errno.EIO: "I/O error",
+}
 
 
 class CheckpointError(ValueError):
     """A missing, partial, corrupt or incompatible checkpoint, named by file."""
+
+
+class StorageError(CheckpointError):
+    """Writing into the run directory failed (disk full, permission, I/O error): one line naming path and cause."""
+
+
+def megabytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system holding `path` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def storage_cause(error: BaseException, where: Path, needed: int = 0) -> str:
+    """`error` from writing under `where`, in words. DCP reports a full disk as torch's 'unexpected pos'
+    RuntimeError without an errno, so a failure other than an OSError is called a full disk when the file
+    system has less free than the `needed` bytes; otherwise its first line is kept."""
+    rank = ""
+    if isinstance(error, CheckpointException) and error.failures:
+        failed_rank, cause = min(error.failures.items(), key=lambda item: item[0])
+        error = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback frames)
+        rank = f" (rank {failed_rank})" if dist.is_initialized() and dist.get_world_size() > 1 else ""
+    if isinstance(error, OSError) and error.errno is not None:
+        words = STORAGE_ERRORS.get(error.errno, error.strerror or os.strerror(error.errno))
+        return f"{error.filename or where}: {words}{rank}"
+    free = free_bytes(where)
+    if free < needed:
+        return f"{where}: no space left on device ({megabytes(free)} free, needs {megabytes(needed)}){rank}"
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{where}: {type(error).__name__}: {first_line}{rank}"
 
 
 def sha256_file(path: Path) -> str:
@@ -50,32 +104,11 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def staging_folder(run_dir: Path, step: int) -> Path:
-    return checkpoint_dir(run_dir) / f".tmp-step_{step:08d}"
-
-
-def commit_checkpoint(
-    run_dir: Path, step: int, files: dict[str, dict[str, Any]], trainer_state: dict[str, Any], keep: int
-) -> Path:
-    """Rank 0, once every rank's files are in the staging folder: write trainer.json and the manifest
-    (`files` are the ranks' own records), rename the folder into place, keep the newest `keep`."""
-    tmp, final = staging_folder(run_dir, step), checkpoint_dir(run_dir) / f"step_{step:08d}"
-    (tmp / TRAINER).write_text(json.dumps(trainer_state, indent=2))
-    files = dict(files)
-    for name in (".metadata", TRAINER):
-        files[name] = file_record(tmp / name)
-    manifest = tmp / MANIFEST
-    manifest.write_text(json.dumps({"step": step, "files": dict(sorted(files.items()))}, indent=2))
-    with manifest.open("rb") as f:
-        os.fsync(f.fileno())
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    return checkpoint_dir(run_dir) / f"{STAGING_PREFIX}{step:08d}"
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Committed checkpoint folders, oldest first (staging folders of interrupted saves are ignored)."""
+    """Committed checkpoint folders, oldest first (staging folders and quarantined ones are ignored)."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return []
@@ -88,23 +121,23 @@ def verify_checkpoint(path: Path) -> None:
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint file {manifest_path} is missing (partial save?)")
     try:
-        files = json.loads(manifest_path.read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        files = json.loads(manifest_path.read_bytes())["files"]
+        records = [(name, int(meta["bytes"]), meta["sha256"]) for name, meta in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"checkpoint {manifest_path}: unreadable manifest ({e})") from None
-    for name, meta in files.items():
+    for name, size, digest in records:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {file} is missing")
-        if file.stat().st_size != meta["bytes"]:
-            raise CheckpointError(
-                f"checkpoint file {file} has {file.stat().st_size} bytes, manifest says {meta['bytes']}"
-            )
-        if sha256_file(file) != meta["sha256"]:
+        if file.stat().st_size != size:
+            raise CheckpointError(f"checkpoint file {file} has {file.stat().st_size} bytes, manifest says {size}")
+        if sha256_file(file) != digest:
             raise CheckpointError(f"checkpoint file {file} fails its sha256 check (corrupt)")
 
 
 def latest_valid_checkpoint(run_dir: Path, warn: Callable[[str], Any] = print) -> Path | None:
-    """The newest checkpoint that verifies; corrupt or partial ones are reported by name and skipped."""
+    """The newest checkpoint that verifies; corrupt or partial ones are reported by name and skipped (left in
+    place: this is for readers such as `meshlm eval`; training moves them aside with RunCheckpoints)."""
     for path in reversed(list_checkpoints(run_dir)):
         try:
             verify_checkpoint(path)
@@ -112,6 +145,128 @@ def latest_valid_checkpoint(run_dir: Path, warn: Callable[[str], Any] = print) -
         except CheckpointError as e:
             warn(f"skipping {e}")
     return None
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Total size of a committed checkpoint, from its manifest (0 if unreadable)."""
+    try:
+        files = json.loads((path / MANIFEST).read_bytes())["files"]
+        return sum(int(meta["bytes"]) for meta in files.values()) + (path / MANIFEST).stat().st_size
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0
+
+
+class RunCheckpoints:
+    """Rank 0's view of a run's checkpoint folders. Each folder is hashed at most once per process (the ones
+    this process committed count as verified), so retention can count only valid checkpoints cheaply."""
+
+    def __init__(self, run_dir: Path, say: Callable[[str], Any] = print) -> None:
+        self.run_dir = Path(run_dir)
+        self.root = checkpoint_dir(run_dir)
+        self.say = say
+        self.verified: set[str] = set()
+        self.last_bytes = 0  # size of the newest checkpoint, for the free-space check before a save
+
+    def is_valid(self, path: Path) -> bool:
+        """Verify `path` (once); a corrupt checkpoint is moved aside with a one-line warning."""
+        if path.name in self.verified:
+            return True
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            self.quarantine(path, str(e))
+            return False
+        self.verified.add(path.name)
+        return True
+
+    def quarantine(self, path: Path, reason: str) -> Path:
+        """Move a corrupt checkpoint to `corrupt-step_N` (kept for inspection, invisible to resume and
+        retention) and say so."""
+        target = path.with_name(CORRUPT_PREFIX + path.name)
+        n = 1
+        while target.exists():
+            target, n = path.with_name(f"{CORRUPT_PREFIX}{path.name}.{n}"), n + 1
+        os.replace(path, target)
+        self.say(f"{reason}: moved that checkpoint aside to {target} (kept, not used)")
+        return target
+
+    def newest_valid(self) -> Path | None:
+        """The newest checkpoint that verifies; newer corrupt ones are moved aside on the way."""
+        for path in reversed(list_checkpoints(self.run_dir)):
+            if self.is_valid(path):
+                self.last_bytes = self.last_bytes or checkpoint_bytes(path)
+                return path
+        return None
+
+    def quarantined(self) -> list[Path]:
+        return sorted(self.root.glob(f"{CORRUPT_PREFIX}step_*")) if self.root.is_dir() else []
+
+    def remove_staging(self) -> None:
+        """Start-up: delete the staging folders of failed or interrupted saves (never committed, so never
+        needed), with one line saying what was removed."""
+        folders = sorted(self.root.glob(f"{STAGING_PREFIX}*")) if self.root.is_dir() else []
+        if not folders:
+            return
+        size = sum(f.stat().st_size for folder in folders for f in folder.rglob("*") if f.is_file())
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        names = ", ".join(f.name for f in folders)
+        self.say(f"removed {names} from {self.root} ({megabytes(size)}), left by a failed or interrupted save")
+
+    def resume_point(self, allow_fresh_start: bool) -> Path | None:
+        """Start-up: the checkpoint to resume from. When checkpoints were there but none is valid, refuse to
+        start from scratch (that would overwrite the run) unless `allow_fresh_start`."""
+        path = self.newest_valid()
+        corrupt = self.quarantined()
+        if path is None and corrupt and not allow_fresh_start:
+            raise CheckpointError(
+                f"{self.root}: no valid checkpoint to resume from ({len(corrupt)} corrupt, moved aside: "
+                f"{', '.join(p.name for p in corrupt)}); pass --checkpoint.allow_fresh_start true to train "
+                f"from step 0"
+            )
+        return path
+
+    def space_warning(self, step: int) -> str | None:
+        """A warning when the file system has less free space than the last checkpoint took."""
+        if not self.last_bytes:
+            return None
+        free = free_bytes(self.root)
+        if free >= self.last_bytes:
+            return None
+        return (
+            f"warning: {self.root} has {megabytes(free)} free but the last checkpoint took "
+            f"{megabytes(self.last_bytes)}: the save of step {step} will probably fail"
+        )
+
+    def commit(self, step: int, files: dict[str, dict[str, Any]], trainer_state: dict[str, Any]) -> Path:
+        """Once every rank's files are in the staging folder: write trainer.json and the manifest (`files` are
+        the ranks' own records, the manifest is fsynced and written last) and rename the folder into place."""
+        tmp, final = staging_folder(self.run_dir, step), self.root / f"step_{step:08d}"
+        (tmp / TRAINER).write_text(json.dumps(trainer_state, indent=2))
+        files = dict(files)
+        for name in (".metadata", TRAINER):
+            files[name] = file_record(tmp / name)
+        manifest = tmp / MANIFEST
+        manifest.write_text(json.dumps({"step": step, "files": dict(sorted(files.items()))}, indent=2))
+        with manifest.open("rb") as f:
+            os.fsync(f.fileno())
+        size = sum(r["bytes"] for r in files.values()) + manifest.stat().st_size
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        self.verified.add(final.name)
+        self.last_bytes = size
+        return final
+
+    def retain(self, keep: int) -> None:
+        """Delete all but the newest `keep` valid checkpoints. Corrupt ones are moved aside, not counted, so
+        the newest valid checkpoint is never deleted."""
+        kept = 0
+        for path in reversed(list_checkpoints(self.run_dir)):
+            if kept >= keep:
+                shutil.rmtree(path, ignore_errors=True)
+                self.verified.discard(path.name)
+            elif self.is_valid(path):
+                kept += 1
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -122,11 +277,27 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint file {file} is unreadable ({e})") from None
 
 
+class MetadataOnceReader(SafeReader):
+    """SafeReader that reads `.metadata` once: the caller's own checks and DCP's load share that read."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if args or kwargs.get("rank") is not None:  # a rank-local metadata file: not the one cached
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        self._metadata.storage_meta.load_id = self.load_id  # DCP's load resets the reader after our read
+        return self._metadata
+
+
 def load_model_state(path: Path) -> dict[str, torch.Tensor]:
     """The full fp32 weights (HF names) of a verified checkpoint, in this process alone (no process group):
     for generation, evaluation and export."""
     verify_checkpoint(path)
-    reader = SafeReader(path)
+    reader = MetadataOnceReader(path)
     metadata = reader.read_metadata()
     state = {
         key: torch.empty(md.size, dtype=md.properties.dtype)

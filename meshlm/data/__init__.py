@@ -1,6 +1,6 @@
 """meshlm.data: text sources, a byte-level BPE tokenizer, cached token files and deterministic batches."""
 
-from meshlm.data.dataset import TokenData, prepare_data
+from meshlm.data.dataset import TokenData, prepare_data, prepare_data_shared
 from meshlm.data.sampler import GlobalBatchSampler, eval_batches
 from meshlm.data.sources import DataError, iter_documents
 from meshlm.data.tokenizer import EOT, decode, encode, eot_id, train_tokenizer
@@ -16,5 +16,6 @@ __all__ = [
     "eval_batches",
     "iter_documents",
     "prepare_data",
+    "prepare_data_shared",
     "train_tokenizer",
 ]

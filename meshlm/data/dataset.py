@@ -205,3 +205,16 @@ def _chunks(items: Iterable[tuple[int, str]], max_chars: int = 1 << 22) -> Itera
             chunk, size = [], 0
     if chunk:
         yield chunk
+
+
+def prepare_data_shared(cfg: DataSection, vocab_size: int) -> TokenData:
+    """`prepare_data` on every rank of the default process group: rank 0 tokenizes (once, cached on disk),
+    then the others read the same cache (collective)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        data = prepare_data(cfg, vocab_size)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        data = prepare_data(cfg, vocab_size)
+    return data

@@ -41,3 +41,18 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> fl
     """
     forward = 2 * matmul_params(cfg) + 4 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
     return float(3 * forward if training else forward)
+
+
+def part_costs(cfg: ModelConfig, cost: str = "flops", seq_len: int | None = None) -> tuple[float, float, float]:
+    """(embedding, one layer, final norm + head) cost, by forward FLOPs per token or by parameter count.
+
+    FLOPs balance step time (the embedding is a lookup, the head a V×d matmul); parameters balance memory.
+    """
+    counts = param_counts(cfg)
+    if cost == "params":
+        return float(counts["embedding"]), float(counts["per_layer"]), float(counts["final_norm"] + counts["lm_head"])
+    if cost == "flops":
+        s = seq_len or cfg.max_seq_len
+        matmuls = counts["attention_per_layer"] + counts["mlp_per_layer"]
+        return 0.0, 2.0 * matmuls + 4.0 * s * cfg.dim, 2.0 * cfg.vocab_size * cfg.dim
+    raise ValueError(f"pipeline split cost must be 'flops' or 'params', got {cost!r}")

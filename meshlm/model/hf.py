@@ -10,15 +10,19 @@ producing a different model. transformers is not needed here; it is only used by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_file, save_model
 
+from meshlm.config import model_config_from_dict
 from meshlm.model.config import ModelConfig
 from meshlm.model.llama import Transformer
 
@@ -31,54 +35,107 @@ MESHLM_CONFIG_KEY = "meshlm_model_config"
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
-def model_config_from_hf(hf_config: dict) -> ModelConfig:
-    """Translate a Llama `config.json` dict, refusing features meshlm's model does not implement."""
+def _short(value: object) -> str:
+    """repr of a config value, cut to 40 characters so a huge one still gives a readable line."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def model_config_from_hf(hf_config: object) -> ModelConfig:
+    """Translate a Llama `config.json` object, refusing features meshlm's model does not implement and
+    values of the wrong type or range, each with one line naming the field. A null counts as absent."""
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"config.json: should be a JSON object of fields, got {type(hf_config).__name__}")
+
+    def get(field: str, default: object = None) -> object:
+        value = hf_config.get(field)
+        return default if value is None else value
 
     def unsupported(field: str, value: object, wanted: str) -> ValueError:
-        return ValueError(f"config.json: {field}={value!r} is not supported by meshlm (needs {wanted})")
+        return ValueError(f"config.json: {field}={_short(value)} is not supported by meshlm (needs {wanted})")
+
+    def integer(field: str, default: int | None = None) -> int:
+        value = get(field, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**63:
+            raise ValueError(f"config.json: {field}={_short(value)} should be a positive integer below 2**63")
+        return value
+
+    def number(field: str, value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= sys.float_info.max:
+            raise ValueError(f"config.json: {field}={_short(value)} should be a positive finite number")
+        return float(value)
 
     for field in _REQUIRED_FIELDS:
-        if field not in hf_config:
+        if get(field) is None:
             raise ValueError(f"config.json: missing required field {field}")
-    if hf_config.get("model_type", "llama") != "llama":
+    if get("model_type", "llama") != "llama":
         raise unsupported("model_type", hf_config["model_type"], "'llama'")
-    if hf_config.get("hidden_act", "silu") != "silu":
+    if get("hidden_act", "silu") != "silu":
         raise unsupported("hidden_act", hf_config["hidden_act"], "'silu'")
     for field in ("attention_bias", "mlp_bias"):
-        if hf_config.get(field, False):
+        if get(field, False) is not False:
             raise unsupported(field, hf_config[field], "false")
-    dim, n_heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
-    head_dim = hf_config.get("head_dim")
-    if head_dim is not None and head_dim * n_heads != dim:
+    dim, n_heads = integer("hidden_size"), integer("num_attention_heads")
+    n_kv_heads = integer("num_key_value_heads", n_heads)
+    if dim % n_heads:
+        raise ValueError(f"config.json: hidden_size ({dim}) must be divisible by num_attention_heads ({n_heads})")
+    if n_heads % n_kv_heads:
+        raise ValueError(
+            f"config.json: num_attention_heads ({n_heads}) must be divisible by num_key_value_heads ({n_kv_heads})"
+        )
+    head_dim = get("head_dim")
+    if head_dim is not None and head_dim != dim // n_heads:
         raise unsupported("head_dim", head_dim, "hidden_size / num_attention_heads")
+    if (dim // n_heads) % 2:
+        raise ValueError(
+            f"config.json: hidden_size / num_attention_heads = {dim // n_heads} must be even (rotary embeddings)"
+        )
     # transformers 4 writes rope_theta + rope_scaling; transformers 5 writes rope_parameters.
-    rope_theta = hf_config.get("rope_theta", 10000.0)
+    rope_theta = number("rope_theta", get("rope_theta", 10000.0))
     for field in ("rope_scaling", "rope_parameters"):
-        rope = hf_config.get(field) or {}
+        rope = get(field, {})
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json: {field}={_short(rope)} should be an object or null")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise unsupported(f"{field}.rope_type", rope_type, "'default'")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise unsupported(f"{field}.partial_rotary_factor", rope["partial_rotary_factor"], "1.0")
-        rope_theta = rope.get("rope_theta", rope_theta)
-    if hf_config.get("partial_rotary_factor", 1.0) != 1.0:
+        if rope.get("rope_theta") is not None:
+            rope_theta = number(f"{field}.rope_theta", rope["rope_theta"])
+    if get("partial_rotary_factor", 1.0) != 1.0:
         raise unsupported("partial_rotary_factor", hf_config["partial_rotary_factor"], "1.0")
-    try:
-        return ModelConfig(
-            vocab_size=hf_config["vocab_size"],
-            dim=dim,
-            n_layers=hf_config["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=hf_config.get("num_key_value_heads") or n_heads,
-            intermediate_size=hf_config["intermediate_size"],
-            max_seq_len=hf_config.get("max_position_embeddings", 2048),
-            rope_theta=float(rope_theta),
-            norm_eps=hf_config.get("rms_norm_eps", 1e-6),
-            tie_embeddings=hf_config.get("tie_word_embeddings", False),
-            init_std=hf_config.get("initializer_range", 0.02),
-        )
-    except ValueError as e:
-        raise ValueError(f"config.json: shape meshlm cannot build: {e}") from e
+    tie = get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ValueError(f"config.json: tie_word_embeddings={_short(tie)} should be true or false")
+    vocab_size, intermediate_size = integer("vocab_size"), integer("intermediate_size")
+    max_seq_len = integer("max_position_embeddings", 2048)
+    largest = {  # every weight and rotary table of llama.py is at most one of these
+        "vocab_size × hidden_size": vocab_size * dim,
+        "intermediate_size × hidden_size": intermediate_size * dim,
+        "hidden_size²": dim * dim,
+        "max_position_embeddings × hidden_size / num_attention_heads": max_seq_len * (dim // n_heads),
+    }
+    for product, numel in largest.items():
+        if numel * 4 >= 2**63:
+            raise ValueError(f"config.json: {product} = {numel} elements: too large for one fp32 tensor")
+    return ModelConfig(
+        vocab_size=vocab_size,
+        dim=dim,
+        n_layers=integer("num_hidden_layers"),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        intermediate_size=intermediate_size,
+        max_seq_len=max_seq_len,
+        rope_theta=rope_theta,
+        norm_eps=number("rms_norm_eps", get("rms_norm_eps", 1e-6)),
+        tie_embeddings=tie,
+        init_std=number("initializer_range", get("initializer_range", 0.02)),
+    )
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -127,16 +184,35 @@ def _check_shapes(
         raise ValueError(f"{where(name)}: unexpected tensor {name}")
 
 
+def _read_json(path: Path) -> object:
+    """A JSON file's value; invalid JSON (or text that is not UTF-8) is one line naming the file."""
+    try:
+        return json.loads(path.read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: invalid JSON ({_first_line(e)})") from None
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path) -> Iterator[Any]:
+    """`safe_open`, with a truncated or corrupt file (header or data) reported in one line naming it."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a valid safetensors file ({_first_line(e)})") from None
+
+
 def _tensor_files(directory: Path) -> tuple[dict[str, Path], Path]:
     """Map each stored tensor name to its safetensors file; also return the file listing them."""
     single, index = directory / WEIGHTS_NAME, directory / INDEX_NAME
     if single.exists():
-        with safe_open(single, framework="pt") as f:
+        with _open_safetensors(single) as f:
             return dict.fromkeys(f.keys(), single), single
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no weight_map")
+        listing = _read_json(index)
+        weight_map = listing.get("weight_map") if isinstance(listing, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+            raise ValueError(f"{index}: no weight_map object of tensor name -> file name")
         return {name: directory / file for name, file in weight_map.items()}, index
     raise FileNotFoundError(
         f"{directory}: no {WEIGHTS_NAME} or {INDEX_NAME} (only safetensors checkpoints are supported)"
@@ -148,15 +224,20 @@ def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
     `Transformer(cfg).state_dict()` (tensors keep their stored dtype). Checks names and shapes from
     the safetensors headers before loading any data."""
     directory = Path(directory)
+    config_path = directory / CONFIG_NAME
+    hf_config = _read_json(config_path)
     try:
-        cfg = model_config_from_hf(json.loads((directory / CONFIG_NAME).read_text()))
+        cfg = model_config_from_hf(hf_config)
     except ValueError as e:
-        raise ValueError(f"{directory}: {e}") from e
+        raise ValueError(f"{directory}: {e}") from None
 
+    files, listing = _tensor_files(directory)
+    stored_layers = {int(m[1]) for name in files if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    if len(stored_layers) != cfg.n_layers:  # checked first: a huge claimed depth would take long to build
+        raise ValueError(f"{config_path}: num_hidden_layers={cfg.n_layers} but {listing} holds {len(stored_layers)}")
     expected = _expected_shapes(cfg)
     if cfg.tie_embeddings:  # HF stores a tied head once, as the embedding
         del expected["lm_head.weight"]
-    files, listing = _tensor_files(directory)
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         if not name.endswith("rotary_emb.inv_freq"):  # a buffer some old exports saved
@@ -166,7 +247,7 @@ def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
     for path, names in by_file.items():
         if not path.exists():
             raise FileNotFoundError(f"{path}: shard listed in {listing} does not exist")
-        with safe_open(path, framework="pt") as f:
+        with _open_safetensors(path) as f:
             stored = set(f.keys())
             for name in names:
                 if name not in stored:
@@ -176,7 +257,7 @@ def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
 
     state: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
-        with safe_open(path, framework="pt") as f:
+        with _open_safetensors(path) as f:
             state.update({name: f.get_tensor(name) for name in names})
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -248,22 +329,52 @@ def _save_meshlm_file(model: Transformer, path: Path) -> None:
     save_model(model, str(path), metadata={"format": "pt", MESHLM_CONFIG_KEY: json.dumps(model.cfg.to_dict())})
 
 
+def load_checkpoint_model(path: Path) -> tuple[Transformer, Path]:
+    """The model of a training checkpoint folder, or of a run directory's newest valid checkpoint, built
+    from the model config the checkpoint records. Checkpoints skipped as corrupt are printed to stderr,
+    or named in the error when none is valid."""
+    from meshlm.checkpoint import CheckpointError, latest_valid_checkpoint, load_model_state, read_trainer_state
+
+    checkpoint: Path | None = path
+    if not (path / "trainer.json").is_file():
+        skipped: list[str] = []
+        checkpoint = latest_valid_checkpoint(path, warn=skipped.append)
+        if checkpoint is None:
+            reasons = f" ({'; '.join(skipped)})" if skipped else ""
+            raise CheckpointError(f"{path}: no valid checkpoint under {path / 'checkpoints'}{reasons}")
+        for line in skipped:
+            print(line, file=sys.stderr)
+    trainer_state = read_trainer_state(checkpoint)
+    model_fields = trainer_state.get("model") if isinstance(trainer_state, dict) else None
+    model = Transformer(model_config_from_dict(model_fields, str(checkpoint / "trainer.json")))
+    model.load_state_dict(load_model_state(checkpoint))
+    return model, checkpoint
+
+
 def _load_meshlm_file(path: Path) -> Transformer:
     """A meshlm safetensors file, a training checkpoint folder, or a run directory (its newest checkpoint)."""
     if path.is_dir():
-        from meshlm.checkpoint import latest_valid_checkpoint, load_model_state, read_trainer_state
-
-        checkpoint = path if (path / "trainer.json").is_file() else latest_valid_checkpoint(path)
-        if checkpoint is None:
-            raise ValueError(f"{path}: neither a checkpoint folder nor a run directory with a valid checkpoint")
-        model = Transformer(ModelConfig(**read_trainer_state(checkpoint)["model"]))
-        model.load_state_dict(load_model_state(checkpoint))
-        return model
-    with safe_open(path, framework="pt") as f:
+        return load_checkpoint_model(path)[0]
+    with _open_safetensors(path) as f:
         metadata = f.metadata() or {}
+        names = f.keys()
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names}
     if MESHLM_CONFIG_KEY not in metadata:
         raise ValueError(f"{path}: no {MESHLM_CONFIG_KEY} metadata; not a meshlm checkpoint file")
-    model = Transformer(ModelConfig(**json.loads(metadata[MESHLM_CONFIG_KEY])))
+    try:
+        fields = json.loads(metadata[MESHLM_CONFIG_KEY])
+    except ValueError as e:
+        raise ValueError(f"{path}: metadata {MESHLM_CONFIG_KEY} is not JSON ({_first_line(e)})") from None
+    cfg = model_config_from_dict(fields, f"{path}: metadata {MESHLM_CONFIG_KEY}")
+    expected = _expected_shapes(cfg)
+    if cfg.tie_embeddings:  # save_model stores a tied weight under one of its names
+        tied = ("lm_head.weight", "model.embed_tokens.weight")
+        kept = next((name for name in tied if name in shapes), tied[0])
+        for name in tied:
+            if name != kept:
+                del expected[name]
+    _check_shapes(shapes, expected, lambda _: str(path))
+    model = Transformer(cfg)
     load_model(model, path, strict=True)
     return model
 

@@ -92,3 +92,19 @@ def peak_flops(device: torch.device) -> float:
         if table is not None:
             return table
     return measured_peak_flops(device.type)
+
+
+# What an MFU figure is a fraction of, as every MFU label says it: "MFU 41.0% of datasheet peak".
+DATASHEET_PEAK = "datasheet peak"
+MEASURED_MATMUL = "measured matmul"
+GIVEN_PEAK = "log.peak_flops"
+
+
+def mfu_basis(device_type: str, device_name: str = "", given: bool = False) -> str:
+    """The denominator `peak_flops` picks for this device: a CPU or an unknown GPU has no datasheet peak,
+    so its MFU is a fraction of its own measured matmul rate (near 100% is possible there)."""
+    if given:
+        return GIVEN_PEAK
+    if device_type == "cuda" and gpu_peak_flops(device_name) is not None:
+        return DATASHEET_PEAK
+    return MEASURED_MATMUL

@@ -2,7 +2,9 @@
 
 Plots (PNG, embedded as base64) of loss, throughput, MFU, the step-time breakdown, memory and the spread over
 ranks, then the environment and the config. Each plot needs only its own metrics: a run logged before some
-metric existed gets the plots it can have and a note naming the rest.
+metric existed gets the plots it can have and a note naming the rest. A resumed run is shown as its final
+history (steps redone after a resume replace the earlier ones), with each resume marked on every plot;
+lines of `metrics.jsonl` that do not parse are skipped and counted.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from meshlm.observe.metrics import read_metrics
+from meshlm.observe.metrics import latest_timeline, load_metrics
+from meshlm.observe.peak import mfu_basis
 
 try:
     import tomllib
@@ -137,6 +140,14 @@ def ranks_plot(run: dict[str, list[dict]]) -> Figure | None:
     return fig
 
 
+def mark_resumes(fig: Figure, steps: list[int]) -> None:
+    """A dotted vertical line at each step a run resumed from, on every axis of `fig`."""
+    for ax in fig.axes:
+        for step in steps:
+            ax.axvline(step, color="grey", ls=":", lw=1)
+            ax.text(step, 1.0, " resume", transform=ax.get_xaxis_transform(), fontsize=7, color="grey", va="top")
+
+
 def _png(fig: Figure) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
@@ -148,7 +159,13 @@ def _median(records: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summary_rows(run: dict[str, list[dict]]) -> list[tuple[str, str]]:
+def run_mfu_basis(env: dict, config: dict) -> str:
+    """What the run's MFU is a fraction of, from its env record and config (see `observe.peak.mfu_basis`)."""
+    given = bool(config.get("log", {}).get("peak_flops"))
+    return mfu_basis(env.get("device", "cpu"), env.get("device_name", ""), given)
+
+
+def summary_rows(run: dict[str, list[dict]], mfu_of: str) -> list[tuple[str, str]]:
     train, evals, ranks = run["train"], run["eval"], run["ranks"]
     rows = []
     if train:
@@ -161,7 +178,7 @@ def summary_rows(run: dict[str, list[dict]]) -> list[tuple[str, str]]:
     for key, label, fmt in (
         ("step_time_s", "median step time", "{:.3f} s"),
         ("tokens_per_s", "median throughput", "{:,.0f} tokens/s"),
-        ("mfu", "median MFU", "{:.2%}"),
+        ("mfu", f"median MFU (of {mfu_of})", "{:.2%}"),
     ):
         value = _median(train, key)
         if value is not None:
@@ -180,7 +197,19 @@ def summary_rows(run: dict[str, list[dict]]) -> list[tuple[str, str]]:
         rows.append(("stragglers", ", ".join(f"rank {r}" for r in flagged) or "none flagged"))
     if run["fault"]:
         rows.append(("skipped updates", ", ".join(f"step {r['step']}" for r in run["fault"])))
+    if run["resume"]:
+        rows.append(("resumed at", ", ".join(f"step {r['step']}" for r in run["resume"])))
+    failed = [r for r in run["checkpoint"] if r.get("status") == "failed"]
+    if failed:
+        rows.append(("failed checkpoint saves", "; ".join(f"step {r['step']}: {r.get('error', '?')}" for r in failed)))
     return rows
+
+
+def skipped_lines_note(bad_lines: list[int]) -> str:
+    """'3 unreadable lines skipped (lines 4, 9, 12)', the first ten numbered."""
+    shown = ", ".join(map(str, bad_lines[:10])) + (", …" if len(bad_lines) > 10 else "")
+    plural = "s" if len(bad_lines) > 1 else ""
+    return f"{len(bad_lines)} unreadable line{plural} skipped (line{plural} {shown})"
 
 
 def environment_rows(env: dict, config: dict, ranks: list[dict]) -> list[tuple[str, str]]:
@@ -199,7 +228,7 @@ def environment_rows(env: dict, config: dict, ranks: list[dict]) -> list[tuple[s
 PLOTS: tuple[tuple[str, str, Callable[[dict[str, list[dict]]], Figure | None]], ...] = (
     ("Loss", "loss of each logged training step, and the validation loss", loss_plot),
     ("Throughput", "tokens of the global batch per second of step time", throughput_plot),
-    ("MFU", "model FLOPs per second over the peak of all devices (docs/observability.md)", mfu_plot),
+    ("MFU", "model FLOPs per second over the {mfu_of} of all devices (docs/observability.md)", mfu_plot),
     ("Time breakdown", "compute, exposed communication by kind, pipeline bubble and data wait", breakdown_plot),
     ("Memory", "tensor bytes by category (stacked) and the process / allocator totals", memory_plot),
     ("Ranks", "min / median / max over ranks at each aggregation step; stragglers marked", ranks_plot),
@@ -218,8 +247,11 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 def render(run_dir: Path) -> str:
     """The HTML page of a run directory (metrics.jsonl, config.toml)."""
-    records = read_metrics(run_dir)
-    run = {kind: [r for r in records if r["kind"] == kind] for kind in ("train", "eval", "ranks", "env", "fault")}
+    records, bad_lines = load_metrics(run_dir)
+    records = latest_timeline(records)
+    kinds = ("train", "eval", "ranks", "env", "fault", "resume", "checkpoint")
+    run = {kind: [r for r in records if r["kind"] == kind] for kind in kinds}
+    resumes = [r["step"] for r in run["resume"]]
     config_path = run_dir / "config.toml"
     config_text = config_path.read_text() if config_path.is_file() else ""
     try:
@@ -227,11 +259,12 @@ def render(run_dir: Path) -> str:
     except tomllib.TOMLDecodeError:
         config = {}
     env = run["env"][-1] if run["env"] else {}
+    mfu_of = run_mfu_basis(env, config)
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>meshlm run {html.escape(run_dir.name)}</title>",
         f"<style>{STYLE}</style></head><body><h1>meshlm run <code>{html.escape(str(run_dir))}</code></h1>",
         "<h2>Summary</h2>",
-        _table(summary_rows(run)),
+        _table(summary_rows(run, mfu_of) + ([("metrics.jsonl", skipped_lines_note(bad_lines))] if bad_lines else [])),
     ]
     missing = []
     for title, caption, plot in PLOTS:
@@ -239,6 +272,10 @@ def render(run_dir: Path) -> str:
         if fig is None:
             missing.append(title)
             continue
+        caption = caption.format(mfu_of=mfu_of)
+        mark_resumes(fig, resumes)
+        if resumes:
+            caption += "; dotted lines: resumes"
         parts.append(f"<h2>{title}</h2><p class='note'>{caption}</p><img alt='{title}' src='data:image/png;base64,")
         parts.append(_png(fig) + "'>")
     if missing:
@@ -270,5 +307,8 @@ def run_report(args: argparse.Namespace) -> int:
     if not (args.run_dir / "metrics.jsonl").is_file():
         print(f"meshlm report: {args.run_dir}/metrics.jsonl not found (not a meshlm run directory?)", file=sys.stderr)
         return 2
+    bad_lines = load_metrics(args.run_dir)[1]
+    if bad_lines:
+        print(f"meshlm report: {args.run_dir}/metrics.jsonl: {skipped_lines_note(bad_lines)}", file=sys.stderr)
     print(f"report written to {build_report(args.run_dir, args.out)}")
     return 0

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.observe.memory import ActivationMeter, MemoryProbe, cuda_memory, process_memory
+from meshlm.observe.peak import mfu_basis
 from meshlm.observe.peak import peak_flops as device_peak_flops
 from meshlm.observe.timers import TIMERS, Timers
 
@@ -65,7 +66,8 @@ class StepObserver:
     `flops_per_step` and `tokens_per_step` are for the whole global batch (all ranks); `n_devices` is the
     world size, so MFU is per device. `peak_flops` per device defaults to the GPU datasheet table, else a
     matmul rate measured once per process and averaged over ranks: then construct the observer on all ranks
-    together, right after a barrier, so ranks sharing a CPU measure their share of it."""
+    together, right after a barrier, so ranks sharing a CPU measure their share of it. `mfu_basis` says which
+    (`mfu_label` puts it next to the figure)."""
 
     def __init__(
         self,
@@ -83,6 +85,8 @@ class StepObserver:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.peak_flops = peak_flops or agreed_peak_flops(self.device)
+        name = torch.cuda.get_device_name(self.device) if self.cuda else ""
+        self.mfu_basis = mfu_basis(self.device.type, name, given=bool(peak_flops))
         self.timers = timers
         self.timers.enable(cuda=self.cuda)
         self.memory = MemoryProbe(model, optimizer) if model is not None else None
@@ -119,6 +123,10 @@ class StepObserver:
             metrics["mem_activations_bytes"] = self.activation_meter.peak
         metrics |= cuda_memory(self.device) if self.cuda else process_memory()
         return metrics
+
+    def mfu_label(self, value: float) -> str:
+        """'MFU 86.5% of measured matmul': an MFU figure always says what it is a fraction of."""
+        return f"MFU {value:.1%} of {self.mfu_basis}"
 
     def close(self) -> None:
         """Switch the process-wide timers off again (near-zero cost for code that runs without an observer)."""

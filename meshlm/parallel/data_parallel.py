@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.observe.timers import comm, timed_wait
+from meshlm.parallel.plan import ParallelPlan, plan_for, zero3_unit_groups
 from meshlm.parallel.zero import (
     FlatBuffer,
     Unit,
@@ -32,7 +33,6 @@ from meshlm.parallel.zero import (
     direct_params,
     hybrid_shard_groups,
     reduce_scatter_flat,
-    unit_module_groups,
 )
 
 # ZeRO-2/3 wait for the oldest reduction beyond this many in flight, so freed gradient buffers bound memory.
@@ -92,7 +92,8 @@ def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
 class DataParallel:
     """Makes dp replicas of `chunks` train like one model: gradient averaging plus optional ZeRO sharding.
 
-    shard_group_size enables hybrid sharding (HSDP): shard within consecutive blocks of that many dp ranks and
+    ZeRO-3 units are the plan's `zero3_units` (default: the model's registered plan). shard_group_size enables
+    hybrid sharding (HSDP): shard within consecutive blocks of that many dp ranks and
     replicate across blocks. param_dtype is the working (gathered) weight dtype, e.g. bf16, over fp32 master
     shards (zero >= 1); reduce_dtype is the dtype gradients are summed in.
     """
@@ -106,12 +107,14 @@ class DataParallel:
         shard_group_size: int | None = None,
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
+        plan: ParallelPlan | None = None,
     ) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero}")
         if zero == 0 and (shard_group_size is not None or param_dtype != torch.float32):
             raise ValueError("hybrid sharding and param_dtype need zero >= 1 (zero 0 steps the fp32 params)")
         self.chunks = chunks
+        self.plan = plan
         self.stage = zero
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
@@ -163,7 +166,7 @@ class DataParallel:
     def _build_units(self, chunk: nn.Module, params: list[nn.Parameter]) -> list[Unit]:
         """ZeRO-3 units in forward order; a parameter shared by two units (tied embeddings) joins the first."""
         owned = {id(p) for p in params}
-        groups = unit_module_groups(chunk)
+        groups = zero3_unit_groups(chunk, self.plan or plan_for(chunk))
         hooked = {m for modules in groups for m in modules}
         units, unit_of_param = [], {}
         for modules in groups:
@@ -346,14 +349,16 @@ class DataParallel:
         self, optimizer: torch.optim.Optimizer | None = None, replicas: str = "primary"
     ) -> dict[str, list[ShardedTensor]]:
         """This rank's pieces of the fp32 weights ('model') and, given the optimizer, of AdamW's moments
-        ('exp_avg', 'exp_avg_sq'), as views (no copies). Which replicas report:
+        (engine.optimizer_state_keys: AdamW's 'exp_avg', 'exp_avg_sq'), as views (no copies). Which replicas report:
           primary  the primary replica only: the union over all ranks covers every element once;
           spread   also once, the pieces spread over the replicas by size (balanced writers);
           all      every replica all its pieces (what a checkpoint load must fill).
         Tied parameters appear once, under their first name."""
         if replicas not in ("primary", "spread", "all"):
             raise ValueError(f"replicas must be 'primary', 'spread' or 'all', got {replicas!r}")
-        keys = ["model"] + (["exp_avg", "exp_avg_sq"] if optimizer is not None else [])
+        from meshlm.parallel.engine import optimizer_state_keys
+
+        keys = ["model"] + (optimizer_state_keys(optimizer) if optimizer is not None else [])
         out: dict[str, list[ShardedTensor]] = {key: [] for key in keys}
         if replicas == "primary" and not self.primary_replica:
             return out

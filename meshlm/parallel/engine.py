@@ -1,10 +1,12 @@
-"""ParallelModel: the plain model as one rank holds it under a layout — the trainer's only view of parallelism.
+"""ParallelModel: a plain model as one rank holds it under a layout — what a training loop sees of parallelism.
 
-Composition order (each step transforms the output of the previous one, none touches the model code):
-  1. tensor parallel  swaps Linear/Embedding modules for sharded ones on the `tp` group;
-  2. pipeline         keeps only this rank's stage(s) of the layers on the `pp` group;
+Composition order (each step transforms the output of the previous one, none touches the model code), each
+driven by the model's ParallelPlan (meshlm.parallel.plan), never by its attribute names:
+  1. tensor parallel  swaps the Linear/Embedding modules the plan names for sharded ones on the `tp` group;
+  2. pipeline         keeps only this rank's stage(s) of the plan's layers on the `pp` group;
   3. data parallel    / ZeRO owns gradient reduction and parameter / optimizer sharding on `dp`.
-Every gradient is correct after `forward_backward` returns, so clipping and the optimizer are layout-agnostic.
+Every gradient is correct after `forward_backward` (or `backward`) returns, so clipping and the optimizer
+are layout-agnostic, and any torch.optim optimizer steps what `parameters()` returns.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.config import ParallelSection
-from meshlm.model.llama import Transformer, cross_entropy_loss
+from meshlm.model.llama import cross_entropy_loss
 from meshlm.observe.timers import comm
 from meshlm.parallel.data_parallel import ShardedTensor
 from meshlm.parallel.mesh import Mesh
+from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -32,50 +35,86 @@ def is_tp_replicated(param: nn.Parameter) -> bool:
     return getattr(param, "_meshlm_tp_shard_dim", None) is None
 
 
+def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The optimizer's per-element state (AdamW: exp_avg, exp_avg_sq; SGD: momentum_buffer): the tensors
+    shaped like their parameter, which are sharded with it. Scalars (step counts) are not."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state:
+                return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape and v.ndim)
+    return []
+
+
+def causal_lm_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of logits, or of an output object's `.logits` (Hugging Face models)."""
+    return cross_entropy_loss(getattr(output, "logits", output), targets)
+
+
 class ParallelModel:
-    """This rank's model chunks plus the collectives that make them behave like the single-process model."""
+    """This rank's model chunks plus the collectives that make them behave like the single-process model.
+
+    `plan` defaults to the registered plan of the model's class (meshlm.parallel.plan.plan_for). `loss_fn`
+    maps (model output, targets) to a mean loss; by default token cross-entropy, vocabulary-parallel under
+    tp (the logits stay sharded). `gather_logits` makes a tp model return full logits instead, for a loss
+    of one's own that needs them (at the cost of gathering them)."""
 
     def __init__(
         self,
-        model: Transformer,
+        model: nn.Module,
         mesh: Mesh,
         parallel: ParallelSection,
         n_micro: int,
         autocast_dtype: torch.dtype | None = None,
+        plan: ParallelPlan | None = None,
+        loss_fn: LossFn | None = None,
+        gather_logits: bool = False,
     ) -> None:
-        self.cfg = model.cfg
         self.mesh = mesh
         self.n_micro = n_micro
         self.autocast_dtype = autocast_dtype
         self.device_type = next(model.parameters()).device.type
-        self.loss_fn: LossFn = cross_entropy_loss
+        self.plan = plan = plan or plan_for(model)
         layout = mesh.layout
+        check_plan(model, plan, layout.tp, layout.pp, parallel.zero, parallel.sequence_parallel)
+        self.global_shapes = {name: p.shape for name, p in model.named_parameters()}
+        if layout.pp > 1:
+            from meshlm.parallel.pipeline import hidden_size
+
+            width = hidden_size(model, plan.pipeline)  # read before tp swaps the embedding
+        self.loss_fn: LossFn = loss_fn or causal_lm_loss
 
         if layout.tp > 1:
             from meshlm.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 
-            apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=parallel.sequence_parallel)
-            tp_group = mesh.group("tp")
+            tp_state = apply_tensor_parallel(model, mesh.group("tp"), parallel.sequence_parallel, plan)
+            for m in model.modules():
+                if getattr(m, "vocab_head", False):
+                    m.gather_output = gather_logits
+            if loss_fn is None and not gather_logits:
 
-            def tp_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-                return vocab_parallel_cross_entropy(logits, targets, tp_group)
+                def tp_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
+                    return vocab_parallel_cross_entropy(getattr(output, "logits", output), targets, tp_state.group)
 
-            self.loss_fn = tp_loss
+                self.loss_fn = tp_loss
 
         self.pipeline = None
         if layout.pp > 1:
             from meshlm.parallel.pipeline import PipelineSchedule, split_model
 
-            self.chunks: list[nn.Module] = split_model(model, mesh.rank("pp"), layout.pp, parallel.virtual_stages)
+            self.chunks: list[nn.Module] = split_model(
+                model, mesh.rank("pp"), layout.pp, parallel.virtual_stages, plan=plan
+            )
             self.pipeline = PipelineSchedule(
                 self.chunks,
                 mesh.group("pp"),
                 schedule=parallel.schedule,
                 n_micro=n_micro,
-                loss_fn=self.loss_fn,
+                loss_fn=self._staged_loss,
                 autocast=self.autocast,
                 set_grad_sync=self.set_grad_sync,
                 seq_shards=layout.tp if parallel.sequence_parallel else 1,
+                hidden_size=width,
             )
         else:
             self.chunks = [model]
@@ -91,7 +130,11 @@ class ParallelModel:
                 bucket_mb=parallel.bucket_mb,
                 shard_group_size=parallel.zero_shard_size,
                 param_dtype=torch.bfloat16 if parallel.zero_param_dtype == "bf16" else torch.float32,
+                plan=plan,
             )
+
+    def _staged_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, targets)
 
     # ---- helpers the strategies share -------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -109,8 +152,17 @@ class ParallelModel:
             chunk.train(mode)
 
     # ---- one optimizer step's worth of work ---------------------------------------------------------
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Run every micro-batch of this replica's batch; return the global-batch mean loss on every rank."""
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn | None = None
+    ) -> torch.Tensor:
+        """Run every micro-batch of this replica's batch (any layout, pipeline included); return the
+        global-batch mean loss on every rank. `loss_fn` replaces the model's loss for this call."""
+        if loss_fn is not None:
+            previous, self.loss_fn = self.loss_fn, loss_fn
+            try:
+                return self.forward_backward(inputs, targets)
+            finally:
+                self.loss_fn = previous
         self.train(True)
         micro_inputs, micro_targets = inputs.chunk(self.n_micro), targets.chunk(self.n_micro)
         if self.pipeline is not None:
@@ -126,7 +178,7 @@ class ParallelModel:
                 loss += micro_loss.detach()
         if self.dp is not None:
             self.dp.finish_grad_sync()
-        return self._replica_mean(loss)
+        return self.replica_mean(loss)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -137,9 +189,10 @@ class ParallelModel:
         else:
             with self.autocast():
                 loss = self.loss_fn(self.chunks[0](inputs), targets).float()
-        return self._replica_mean(loss)
+        return self.replica_mean(loss)
 
-    def _replica_mean(self, loss: torch.Tensor) -> torch.Tensor:
+    def replica_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean of a per-replica scalar over data-parallel replicas (from the last stage under pp)."""
         loss = loss.detach().float().clone()
         if self.pipeline is not None:
             self.pipeline.broadcast_from_last_stage(loss)
@@ -149,16 +202,62 @@ class ParallelModel:
             loss /= self.mesh.size("dp")
         return loss
 
+    # ---- a loop of one's own: forward, backward, no_sync, step ------------------------------------------
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        """The model's forward on this rank (not under pipeline parallelism: use `forward_backward`)."""
+        if self.pipeline is not None:
+            raise RuntimeError("under pipeline parallelism call forward_backward(inputs, targets, loss_fn)")
+        with self.autocast():
+            return self.chunks[0](*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), then (outside `no_sync`) wait for the overlapped gradient reduction to finish."""
+        loss.backward()
+        if self.dp is not None and all(self.dp.grad_sync):
+            self.dp.finish_grad_sync()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backwards inside only accumulate, with no communication; the first
+        `backward` after it reduces the accumulated gradients once."""
+        for chunk in range(len(self.chunks)):
+            self.set_grad_sync(chunk, False)
+        try:
+            yield
+        finally:
+            for chunk in range(len(self.chunks)):
+                self.set_grad_sync(chunk, True)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """optimizer.step(), then what the layout needs after it (ZeRO-1/2 gather the new weights), then
+        zero_grad: the one call that replaces `optimizer.step(); optimizer.zero_grad()`."""
+        optimizer.step()
+        self.after_optimizer_step()
+        self.zero_grad()
+
+    def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        """This data-parallel replica's rows of a global batch (the same on every tp / pp rank)."""
+        dp, rank = self.mesh.size("dp"), self.mesh.rank("dp")
+        if batch.shape[0] % dp:
+            raise ValueError(f"global batch of {batch.shape[0]} rows does not split over dp={dp}")
+        rows = batch.shape[0] // dp
+        return batch[rank * rows : (rank + 1) * rows]
+
     # ---- optimizer interface ------------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model parameters this rank holds (tp shards, its pipeline stages), under the model's names."""
         for chunk in self.chunks:
             yield from chunk.named_parameters()
 
+    def parameters(self) -> list[nn.Parameter]:
+        """What an optimizer must step: the parameters, or under ZeRO this rank's fp32 master shards."""
+        return [p for group in self.optimizer_param_groups(0.0) for p in group["params"]]
+
     def optimizer_param_groups(self, weight_decay: float) -> list[dict]:
-        """Matrices decay, vectors (norm weights) do not; under ZeRO the groups hold flat shards."""
+        """Matrices decay, vectors (norm weights, biases) do not; under ZeRO the groups hold flat shards."""
         if self.dp is not None:
             return self.dp.optimizer_param_groups(weight_decay)
-        params = [p for _, p in self.named_parameters()]
+        params = [p for _, p in self.named_parameters() if p.requires_grad]
         return [
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
@@ -206,14 +305,15 @@ class ParallelModel:
         self, optimizer: torch.optim.Optimizer | None = None, writer: bool = False
     ) -> dict[str, list[ShardedTensor]]:
         """Pieces of fp32 state this rank holds, as flat views into live storage: 'model' (ZeRO masters or the
-        parameters) and, given the optimizer, 'exp_avg' / 'exp_avg_sq'. A piece's shape and offset are within
-        the parameter as this rank holds it (its tp slice). All of them by default (what a load fills); with
-        `writer`, only this rank's share of what is replicated, so that over all ranks every element is
-        written once and the writing is spread over the replicas (dp copies, tp-replicated norms)."""
+        parameters) and, given the optimizer, each of its per-element states (optimizer_state_keys). A
+        piece's shape and offset are within the parameter as this rank holds it (its tp slice). All of them by
+        default (what a load fills); with `writer`, only this rank's share of what is replicated, so that
+        over all ranks every element is written once and the writing is spread over the replicas (dp
+        copies, tp-replicated norms)."""
         if self.dp is not None:
             out = self.dp.sharded_state_dict(optimizer, replicas="spread" if writer else "all")
         else:
-            keys = ["model"] + (["exp_avg", "exp_avg_sq"] if optimizer is not None else [])
+            keys = ["model"] + (optimizer_state_keys(optimizer) if optimizer is not None else [])
             out = {key: [] for key in keys}
             for name, p in self.named_parameters():
                 out["model"].append(ShardedTensor(name, p.shape, 0, p.detach().view(-1)))
@@ -232,7 +332,7 @@ class ParallelModel:
     # ---- gathering the whole model ------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded fp32 weights with HF names, on every rank (for tests, export and generation)."""
+        """The unsharded fp32 weights under the model's names, on every rank (tests, export, generation)."""
         if self.dp is not None:
             state = self.dp.unsharded_state_dict()
         else:
@@ -242,7 +342,8 @@ class ParallelModel:
         if self.mesh.size("tp") > 1:
             from meshlm.parallel.tensor_parallel import unshard_state_dict
 
-            state = unshard_state_dict(state, self.cfg, self.mesh.group("tp"))
+            params = {n: p for c in self.chunks for n, p in c.named_parameters(remove_duplicate=False)}
+            state = unshard_state_dict(state, params, self.mesh.group("tp"))
         if self.pipeline is not None:
             parts: list[dict[str, torch.Tensor] | None] = [None] * self.mesh.size("pp")
             dist.all_gather_object(parts, state, group=self.mesh.group("pp"))

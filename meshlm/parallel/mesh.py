@@ -71,13 +71,24 @@ def validate_layout(
     sequence_parallel: bool = False,
 ) -> int:
     """Check that the model and batch split evenly over the layout; return micro-batches per replica."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    check_tensor_parallel(model, tp, seq_len, sequence_parallel)
+    check_tensor_parallel(model, layout.tp, seq_len, sequence_parallel)
+    return check_batch_and_schedule(layout, model.n_layers, global_batch, micro_batch, virtual_stages, schedule)
+
+
+def check_batch_and_schedule(
+    layout: Layout,
+    n_layers: int,
+    global_batch: int,
+    micro_batch: int = 0,
+    virtual_stages: int = 1,
+    schedule: str = "1f1b",
+) -> int:
+    """The model-independent half of the layout checks (any nn.Module): the batch splits over dp and
+    micro-batches, the layers over pipeline chunks, and the schedule has enough micro-batches."""
+    pp, dp = layout.pp, layout.dp
     chunks = pp * virtual_stages
-    if chunks > model.n_layers:
-        raise LayoutError(
-            f"pp×virtual_stages = {chunks} exceeds model.n_layers ({model.n_layers}); each chunk needs a layer"
-        )
+    if chunks > n_layers:
+        raise LayoutError(f"pp×virtual_stages = {chunks} exceeds model.n_layers ({n_layers}); each chunk needs a layer")
     if virtual_stages > 1 and schedule != "interleaved":
         raise LayoutError(f"parallel.virtual_stages={virtual_stages} needs parallel.schedule = 'interleaved'")
     if global_batch % dp:

@@ -1,7 +1,8 @@
 """Pipeline parallelism: split the layers into contiguous stages and run a schedule of micro-batches over them.
 
-`split_model` keeps only this rank's stages ("chunks") of the plain Transformer: the embedding lives on the
-first stage, the final norm and head on the last, and with v virtual stages rank r holds stages r, r+p, ...
+`split_model` keeps only this rank's stages ("chunks") of a plain model, as its plan's `PipelineSplit` says:
+the first-stage modules (embedding) live on the first stage, the last-stage ones (final norm, head) on the
+last, and with v virtual stages rank r holds stages r, r+p, ...
 `PipelineSchedule` executes the per-rank action list from `schedules.py` with point-to-point sends and
 receives on the `pp` group; every wait has a timeout, so a dead or stuck neighbour ends the step with a
 `PipelineError` that names the stage and micro-batch instead of hanging.
@@ -10,6 +11,7 @@ receives on the `pp` group; every wait has a timeout, so a dead or stuck neighbo
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -20,9 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.model.config import ModelConfig
-from meshlm.model.flops import param_counts
-from meshlm.model.llama import Transformer, cross_entropy_loss
+from meshlm.model.flops import part_costs
+from meshlm.model.llama import cross_entropy_loss
 from meshlm.observe.timers import bubble, comm
+from meshlm.parallel.plan import ParallelPlan, PipelineSplit, PlanError, check_pipeline_split, plan_for
 from meshlm.parallel.schedules import COMPUTE, SENDS, WAITS, Action, build_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -34,33 +37,25 @@ class PipelineError(RuntimeError):
 
 
 # ---- splitting --------------------------------------------------------------------------------------
-def part_costs(cfg: ModelConfig, cost: str = "flops", seq_len: int | None = None) -> tuple[float, float, float]:
-    """(embedding, one layer, final norm + head) cost, by forward FLOPs per token or by parameter count.
-
-    FLOPs balance step time (the embedding is a lookup, the head a V×d matmul); parameters balance memory.
-    """
-    counts = param_counts(cfg)
-    if cost == "params":
-        return float(counts["embedding"]), float(counts["per_layer"]), float(counts["final_norm"] + counts["lm_head"])
-    if cost == "flops":
-        s = seq_len or cfg.max_seq_len
-        matmuls = counts["attention_per_layer"] + counts["mlp_per_layer"]
-        return 0.0, 2.0 * matmuls + 4.0 * s * cfg.dim, 2.0 * cfg.vocab_size * cfg.dim
-    raise ValueError(f"pipeline split cost must be 'flops' or 'params', got {cost!r}")
-
-
 def stage_layers(
     cfg: ModelConfig,
     n_stages: int,
     boundaries: Sequence[int] | None = None,
     cost: str = "flops",
 ) -> list[range]:
-    """Layer indices of each model stage: contiguous, non-empty, in order.
+    """Layer indices of each stage of meshlm's Llama (the planner predicts memory for this same split)."""
+    return split_layers(cfg.n_layers, n_stages, part_costs(cfg, cost), boundaries)
+
+
+def split_layers(
+    n: int, n_stages: int, costs: tuple[float, float, float], boundaries: Sequence[int] | None = None
+) -> list[range]:
+    """Layer indices of each of `n_stages` stages of `n` layers: contiguous, non-empty, in order.
 
     `boundaries` lists the first layer of stages 1..n_stages-1 explicitly; otherwise the split minimises
-    the most expensive stage (then the spread), counting the embedding on stage 0 and the head on the last.
+    the most expensive stage (then the spread), with `costs` = (first-stage modules, one layer, last-stage
+    modules), so the embedding counts on stage 0 and the head on the last.
     """
-    n = cfg.n_layers
     if not 1 <= n_stages <= n:
         raise ValueError(f"cannot split {n} layers into {n_stages} pipeline stages (each stage needs a layer)")
     if boundaries is not None:
@@ -71,7 +66,7 @@ def stage_layers(
             )
         return [range(a, b) for a, b in itertools.pairwise(cuts)]
 
-    embed, layer, head = part_costs(cfg, cost)
+    embed, layer, head = costs
 
     def stage_cost(stage: int, start: int, end: int) -> float:
         return (end - start) * layer + (embed if stage == 0 else 0.0) + (head if stage == n_stages - 1 else 0.0)
@@ -95,41 +90,110 @@ def stage_layers(
     return [range(a, b) for a, b in itertools.pairwise(cuts)]
 
 
+def linear_flops(module: nn.Module | None) -> float:
+    """Forward FLOPs per token of a module's matmuls (2 per Linear weight); lookups (embeddings) are free."""
+    if module is None:
+        return 0.0
+    return 2.0 * sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def module_stage_costs(model: nn.Module, split: PipelineSplit) -> tuple[float, float, float]:
+    """(first-stage modules, one block, last-stage modules) by matmul FLOPs: the cost model for any plan
+    without its own `stage_costs` (blocks are assumed alike)."""
+    blocks = list(model.get_submodule(split.layers).children())
+
+    def parts(names: tuple[str, ...]) -> float:
+        return sum(linear_flops(model.get_submodule(n)) for n in names)
+
+    return parts(split.first), linear_flops(blocks[0]), parts(split.last)
+
+
+def _private_copy(module: nn.Module) -> nn.Module:
+    """A shallow copy sharing parameters, buffers and children, with its own child, parameter and hook
+    tables, so that changing the copy (dropping a part, a ZeRO-3 hook) leaves the original alone."""
+    clone = copy.copy(module)
+    for key, value in vars(module).items():
+        if isinstance(value, dict) and (key in ("_modules", "_parameters", "_buffers") or "hook" in key):
+            clone.__dict__[key] = value.__class__(value)
+    return clone
+
+
+def _stage_view(model: nn.Module, split: PipelineSplit, layer_keys: list[str], first: bool, last: bool) -> nn.Module:
+    """The model as one stage sees it: its blocks only, and None for the first/last parts it does not own."""
+    copies: dict[str, nn.Module] = {}
+
+    def copy_of(path: str) -> nn.Module:
+        if path not in copies:
+            clone = _private_copy(model.get_submodule(path))
+            if path:
+                parent, _, attr = path.rpartition(".")
+                copy_of(parent)._modules[attr] = clone
+            copies[path] = clone
+        return copies[path]
+
+    root = copy_of("")
+    layers = copy_of(split.layers)
+    layers._modules = {k: layers._modules[k] for k in layer_keys}
+    dropped = ([] if first else list(split.first)) + ([] if last else list(split.last))
+    for path in dropped:
+        parent, _, attr = path.rpartition(".")
+        copy_of(parent)._modules[attr] = None
+    return root
+
+
 def split_model(
-    model: Transformer,
+    model: nn.Module,
     pp_rank: int,
     pp_size: int,
     virtual_stages: int = 1,
     boundaries: Sequence[int] | None = None,
     cost: str = "flops",
+    plan: ParallelPlan | None = None,
 ) -> list[nn.Module]:
     """This rank's chunks, in chunk order: chunk c is model stage c·pp_size + pp_rank (Megatron's assignment).
 
-    Each chunk is a Transformer sharing `model`'s modules, with the parts it does not own set to None or left
-    out of the layer dict (so parameter names stay the HF names). Drop `model` to free the rest.
+    Each chunk is a view of `model` sharing its modules, holding only its stage's blocks and None for the
+    first/last parts it does not own (so parameter names stay the model's). Drop `model` to free the rest.
     """
-    cfg = model.cfg
-    if cfg.tie_embeddings and pp_size > 1:
-        raise ValueError(
-            "model.tie_embeddings is not supported with pp > 1: the embedding (first stage) and the head "
-            "(last stage) live on different ranks; set model.tie_embeddings = false"
-        )
+    plan = plan or plan_for(model)
     n_stages = pp_size * virtual_stages
-    ranges = stage_layers(cfg, n_stages, boundaries, cost)
-    chunks: list[nn.Module] = []
-    for stage in range(pp_rank, n_stages, pp_size):
-        with torch.device("meta"):
-            chunk = Transformer(cfg.replace(n_layers=1))  # an empty shell; every part is replaced below
-        chunk.cfg = cfg
-        chunk.model.embed_tokens = model.model.embed_tokens if stage == 0 else None
-        chunk.model.layers = nn.ModuleDict({str(i): model.model.layers[str(i)] for i in ranges[stage]})
-        chunk.model.norm = model.model.norm if stage == n_stages - 1 else None
-        chunk.lm_head = model.lm_head if stage == n_stages - 1 else None
-        chunk.rope_cos, chunk.rope_sin = model.rope_cos, model.rope_sin
-        chunk.activation_checkpointing = model.activation_checkpointing
-        chunk.train(model.training)
-        chunks.append(chunk)
-    return chunks
+    check_pipeline_split(model, plan, n_stages)
+    split = plan.pipeline
+    keys = list(model.get_submodule(split.layers)._modules)
+    if cost == "params":
+        costs = _param_costs(model, split)
+    elif plan.stage_costs is not None:
+        costs = plan.stage_costs(model)
+    else:
+        costs = module_stage_costs(model, split)
+    ranges = split_layers(len(keys), n_stages, costs, boundaries)
+    return [
+        _stage_view(model, split, [keys[i] for i in ranges[stage]], stage == 0, stage == n_stages - 1)
+        for stage in range(pp_rank, n_stages, pp_size)
+    ]
+
+
+def _param_costs(model: nn.Module, split: PipelineSplit) -> tuple[float, float, float]:
+    """(first, one block, last) by parameter count: balances memory rather than time."""
+
+    def count(names: tuple[str, ...]) -> float:
+        return float(sum(p.numel() for n in names for p in model.get_submodule(n).parameters()))
+
+    block = next(iter(model.get_submodule(split.layers).children()))
+    return count(split.first), float(sum(p.numel() for p in block.parameters())), count(split.last)
+
+
+def hidden_size(model: nn.Module, split: PipelineSplit) -> int:
+    """Width of the activations between stages: the split's own, else the first-stage embedding's."""
+    if split.hidden_size:
+        return split.hidden_size
+    for name in split.first:
+        for m in model.get_submodule(name).modules():
+            if isinstance(m, nn.Embedding):
+                return m.embedding_dim
+    raise PlanError(
+        f"pipeline split of {type(model).__name__}: set PipelineSplit.hidden_size (no first-stage embedding)"
+    )
 
 
 # ---- executing a schedule ---------------------------------------------------------------------------
@@ -162,6 +226,7 @@ class PipelineSchedule:
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         set_grad_sync: Callable[[int, bool], None] | None = None,
         seq_shards: int = 1,
+        hidden_size: int | None = None,
     ) -> None:
         self.chunks = chunks
         self.group = pp_group
@@ -176,7 +241,8 @@ class PipelineSchedule:
         self.actions = build_schedule(schedule, self.size, n_micro, len(chunks))[self.rank]
         self.eval_actions = build_schedule(schedule, self.size, n_micro, len(chunks), forward_only=True)[self.rank]
         param = next(chunks[0].parameters())
-        self.dtype, self.device, self.dim = param.dtype, param.device, chunks[0].cfg.dim
+        self.dtype, self.device = param.dtype, param.device
+        self.dim = hidden_size or chunks[0].cfg.dim
         self.stats = StepStats()
 
     def stage(self, chunk: int) -> int:

@@ -1,39 +1,51 @@
-"""Megatron-style tensor parallelism, optionally with sequence parallelism, applied to the plain model.
+"""Megatron-style tensor parallelism, optionally with sequence parallelism, applied to a plain model by plan.
 
-`apply_tensor_parallel` swaps modules in place and keeps every parameter name, so state dicts stay HF-named:
+`apply_tensor_parallel` swaps the modules the model's `ParallelPlan` names (meshlm.parallel.plan) in place and
+keeps every parameter name, so state dicts keep their names (HF names for meshlm's Llama):
 
-    embed_tokens                   VocabParallelEmbedding   rows = this rank's vocab slice
-    input/post_attention_layernorm TensorParallelRMSNorm    whole weight; opens the column-parallel region
-    q/k/v_proj, gate/up_proj       ColumnParallelLinear     rows = this rank's heads / intermediate slice
-    o_proj, down_proj              RowParallelLinear        columns = the same slice; closes the region
-    model.norm, lm_head            TensorParallelRMSNorm, ColumnParallelLinear (vocab-sharded logits)
+    vocab_embedding   VocabParallelEmbedding   rows = this rank's vocabulary slice
+    colwise           ColumnParallelLinear     rows (and bias) = this rank's slice of the output features
+    colwise_heads     ColumnParallelLinear     the same at head boundaries; fewer heads than ranks: replicated
+    rowwise           RowParallelLinear        columns = the same slice; partial outputs summed, bias added once
+    vocab_head        ColumnParallelLinear     vocabulary-sharded logits (or gathered, for inference)
+    sequence_parallel the module itself        under SP its parameters' gradients are summed over tp
 
-Per block the forward pass does one collective on the way into attention and the MLP (copy, or all-gather
-along the sequence under SP) and one on the way out (all-reduce, or reduce-scatter under SP); backward
-does the conjugates. Every gradient is complete when backward returns — the norm weights under SP and
-replicated KV heads are summed inside autograd — so data parallelism / ZeRO compose without knowing.
+A column-parallel linear opens the tensor-parallel region on its input (copy_to_tp, or an all-gather along
+the sequence under SP), once per input tensor: q/k/v (or gate/up) reading one normed activation share one
+collective. A row-parallel linear closes it (all-reduce, or reduce-scatter under SP); backward does the
+conjugates. Every gradient is complete when backward returns — norm weights under SP and replicated KV heads
+are summed inside autograd — so data parallelism / ZeRO compose without knowing.
 
 Initialisation is full-then-shard: the caller builds the whole model from the seed and each rank keeps its
-slices, so any tp gives the single-process initial weights. (For models that do not fit on one device,
-build on the meta device and initialise each shard from a generator seeded per (parameter, rank) — future
-work.)
+slices, so any tp gives the single-process initial weights.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.model.config import ModelConfig
-from meshlm.model.llama import RMSNorm, Transformer
 from meshlm.parallel.mesh import check_tensor_parallel
+from meshlm.parallel.plan import (
+    COLWISE,
+    COLWISE_HEADS,
+    ROWWISE,
+    SEQUENCE_PARALLEL,
+    VOCAB_EMBEDDING,
+    VOCAB_HEAD,
+    ParallelPlan,
+    check_plan,
+    plan_for,
+    tp_modules,
+)
 from meshlm.parallel.tp_ops import (
+    _all_reduce,
     copy_to_tp,
     gather_from_tp,
     gather_seq_for_linears,
@@ -48,7 +60,6 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "TPState",
-    "TensorParallelRMSNorm",
     "VocabParallelEmbedding",
     "apply_tensor_parallel",
     "check_tensor_parallel",
@@ -58,91 +69,98 @@ __all__ = [
 ]
 
 
-# ---- validation ----------------------------------------------------------------------------------------
 # ---- modules -----------------------------------------------------------------------------------------
 @dataclass
 class TPState:
-    """What every tensor-parallel module of one model shares (`gathered_logits` flips sequence_parallel)."""
+    """What every tensor-parallel module of one model shares (`gathered_logits` flips sequence_parallel).
+
+    `opened` remembers the last input a column-parallel linear opened the region for, and the result, so
+    the linears reading the same tensor share one collective (and, under SP, one saved shard)."""
 
     group: dist.ProcessGroup
     rank: int
     size: int
     sequence_parallel: bool
+    opened: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
-
-class TensorParallelRMSNorm(RMSNorm):
-    """RMSNorm that also opens the column-parallel region it feeds (attention, MLP or lm_head).
-
-    Input: the residual stream — replicated, or this rank's sequence shard under SP. Output: the full
-    sequence on every rank (copy_to_tp, or an all-gather whose shard the column linears save under SP).
-    Under SP each rank's weight gradient covers only its positions, so it is summed over tp in autograd.
-    """
-
-    def __init__(self, norm: RMSNorm, tp: TPState) -> None:
-        super().__init__(norm.weight.shape[0], norm.eps)
-        self.weight = norm.weight
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sp = self.tp.sequence_parallel
-        weight = copy_to_tp(self.weight, self.tp.group) if sp else self.weight
-        # The same ops as RMSNorm.forward, so the result is bitwise the single-process one.
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = weight * h.to(dtype)
-        return gather_seq_for_linears(y, self.tp.group) if sp else copy_to_tp(y, self.tp.group)
+    def open_region(self, x: torch.Tensor) -> torch.Tensor:
+        if self.opened is not None and self.opened[0] is x:
+            return self.opened[1]
+        out = gather_seq_for_linears(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        self.opened = (x, out)
+        return out
 
 
 class ColumnParallelLinear(nn.Module):
-    """y[..., this rank's outputs] = x @ weight_shardᵀ with weight_shard = rows of the full weight.
+    """y[..., this rank's outputs] = x @ weight_shardᵀ (+ bias_shard), weight_shard = rows of the full weight.
 
-    The input is already the full sequence on every rank (opened by TensorParallelRMSNorm, once for q/k/v);
-    under SP the matmul saves only this rank's shard of it for backward. A KV projection replicated over
+    The input is the full activation on every rank (the region is opened here, once per input tensor); under
+    SP the matmul saves only this rank's sequence shard of it for backward. A KV projection replicated over
     `tp // n_kv_heads` ranks passes `kv_head`: its gradient is then summed over those ranks.
-    `gather_output` (inference) all-gathers the output features.
+    `gather_output` all-gathers the output features (full logits for inference or a loss of one's own).
     """
 
     def __init__(
-        self, weight: nn.Parameter, tp: TPState, kv_head: int | None = None, n_kv_heads: int | None = None
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        tp: TPState,
+        kv_head: int | None = None,
+        n_kv_heads: int | None = None,
+        vocab_head: bool = False,
     ) -> None:
         super().__init__()
         self.weight = weight
+        self.bias = bias
         self.tp = tp
         self.kv_head, self.n_kv_heads = kv_head, n_kv_heads
+        self.vocab_head = vocab_head
         self.gather_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
+        weight, bias = self.weight, self.bias
         if self.kv_head is not None:
             weight = sum_over_head_replicas(weight, self.kv_head, self.n_kv_heads, self.tp.group)
-        y = linear_saving_shard(x, weight)
+            if bias is not None:
+                bias = sum_over_head_replicas(bias, self.kv_head, self.n_kv_heads, self.tp.group)
+        x = self.tp.open_region(x)
+        if getattr(x, "meshlm_seq_shard", None) is None:
+            y = F.linear(x, weight, bias)
+        else:
+            y = linear_saving_shard(x, weight)
+            if bias is not None:
+                y = y + bias
         return gather_from_tp(y, self.tp.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """Partial y = x[..., this rank's inputs] @ weight_shardᵀ, summed over tp: all-reduce, or under SP a
-    reduce-scatter that leaves each rank its sequence shard of the residual stream."""
+    reduce-scatter that leaves each rank its sequence shard of the residual stream; the bias is added once,
+    after the sum (under SP on the shard, so its gradient is summed over tp by a hook)."""
 
-    def __init__(self, weight: nn.Parameter, tp: TPState) -> None:
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, tp: TPState) -> None:
         super().__init__()
         self.weight = weight
+        self.bias = bias
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        return reduce_scatter_seq(y, self.tp.group) if self.tp.sequence_parallel else reduce_from_tp(y, self.tp.group)
+        y = reduce_scatter_seq(y, self.tp.group) if self.tp.sequence_parallel else reduce_from_tp(y, self.tp.group)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [rank·V/tp, (rank+1)·V/tp) of the embedding: ids outside the slice give zeros, and the sum
     over tp (all-reduce, or reduce-scatter along the sequence under SP) is the full lookup."""
 
-    def __init__(self, weight: nn.Parameter, tp: TPState) -> None:
+    def __init__(self, weight: nn.Parameter, tp: TPState, padding_idx: int | None = None) -> None:
         super().__init__()
         self.weight = weight
         self.tp = tp
         self.vocab_start = tp.rank * weight.shape[0]
+        local_pad = None if padding_idx is None else padding_idx - self.vocab_start
+        self.padding_idx = local_pad if local_pad is not None and 0 <= local_pad < weight.shape[0] else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         sp = self.tp.sequence_parallel
@@ -150,88 +168,119 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"sequence length {ids.shape[1]} is not divisible by tp={self.tp.size} under SP")
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
+        h = h.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_scatter_seq(h, self.tp.group) if sp else reduce_from_tp(h, self.tp.group)
 
 
 # ---- applying it to a model --------------------------------------------------------------------------
 def _shard(w: torch.Tensor, dim: int, index: int, size: int) -> nn.Parameter:
     """Slice `index` (of width `size`) along `dim`, as a new Parameter tagged with its shard dim."""
-    param = nn.Parameter(w.detach().narrow(dim, index * size, size).clone())
+    param = nn.Parameter(w.detach().narrow(dim, index * size, size).clone(), requires_grad=w.requires_grad)
     param._meshlm_tp_shard_dim = dim  # read by engine.is_tp_replicated; None = held whole by every rank
     param._meshlm_tp_slice = (dim, index * size)  # where the slice sits in the full tensor (checkpoints)
     return param
 
 
-@torch.no_grad()
-def apply_tensor_parallel(model: Transformer, group: dist.ProcessGroup, sequence_parallel: bool = False) -> None:
-    """Keep this rank's shards of `model` (built whole, from the same seed on every rank) in place."""
-    cfg = model.cfg
-    tp = TPState(group, dist.get_rank(group), dist.get_world_size(group), sequence_parallel)
-    check_tensor_parallel(cfg, tp.size, seq_len=0, sequence_parallel=False)
-    hd = cfg.head_dim
-    q_rows = cfg.n_heads // tp.size * hd
-    inter = cfg.intermediate_size // tp.size
+def _sum_grad_over_tp(param: nn.Parameter, tp: TPState) -> None:
+    """Under SP a module run on this rank's sequence shard gets a partial gradient: sum it over tp."""
+    param.register_hook(lambda grad: _all_reduce(grad, tp.group))
 
-    vocab = cfg.vocab_size // tp.size
-    embedding = None
-    if model.model.embed_tokens is not None:
-        weight = _shard(model.model.embed_tokens.weight, 0, tp.rank, vocab)
-        model.model.embed_tokens = embedding = VocabParallelEmbedding(weight, tp)
 
-    for block in model.model.layers.values():
-        attn, mlp = block.self_attn, block.mlp
-        block.input_layernorm = TensorParallelRMSNorm(block.input_layernorm, tp)
-        block.post_attention_layernorm = TensorParallelRMSNorm(block.post_attention_layernorm, tp)
-        attn.q_proj = ColumnParallelLinear(_shard(attn.q_proj.weight, 0, tp.rank, q_rows), tp)
-        if cfg.n_kv_heads % tp.size == 0:
-            kv_rows = cfg.n_kv_heads // tp.size * hd
-            attn.k_proj = ColumnParallelLinear(_shard(attn.k_proj.weight, 0, tp.rank, kv_rows), tp)
-            attn.v_proj = ColumnParallelLinear(_shard(attn.v_proj.weight, 0, tp.rank, kv_rows), tp)
-        else:
-            # Fewer KV heads than ranks: tp/n_kv consecutive ranks share the KV head their query heads use.
+class _Sharder:
+    """Builds each parallel module from the plain one; a Parameter shared by two modules (tied embedding
+    and head) is sharded once and shared again."""
+
+    def __init__(self, model: nn.Module, plan: ParallelPlan, tp: TPState) -> None:
+        self.model, self.plan, self.tp = model, plan, tp
+        self.shards: dict[int, nn.Parameter] = {}
+
+    def shard(self, w: torch.Tensor, dim: int, index: int, size: int) -> nn.Parameter:
+        key = (id(w), dim, index, size)
+        if key not in self.shards:
+            self.shards[key] = _shard(w, dim, index, size)
+        return self.shards[key]
+
+    def split_rows(self, module: nn.Module, index: int, rows: int) -> tuple[nn.Parameter, nn.Parameter | None]:
+        bias = getattr(module, "bias", None)
+        return self.shard(module.weight, 0, index, rows), None if bias is None else self.shard(bias, 0, index, rows)
+
+    def build(self, module: nn.Module, style: str) -> nn.Module:
+        tp = self.tp
+        if style == VOCAB_EMBEDDING:
+            rows = module.num_embeddings // tp.size
+            return VocabParallelEmbedding(self.shard(module.weight, 0, tp.rank, rows), tp, module.padding_idx)
+        if style in (COLWISE, VOCAB_HEAD):
+            weight, bias = self.split_rows(module, tp.rank, module.out_features // tp.size)
+            return ColumnParallelLinear(weight, bias, tp, vocab_head=style == VOCAB_HEAD)
+        if style == COLWISE_HEADS:
+            head_dim = self.plan.head_dim(self.model)
+            heads = module.out_features // head_dim
+            if heads % tp.size == 0:
+                return ColumnParallelLinear(*self.split_rows(module, tp.rank, module.out_features // tp.size), tp)
+            # Fewer heads than ranks: tp/heads consecutive ranks share the head their query heads use.
             # The first of them counts its gradient for clipping (shard dim 0), the others are replicas.
-            replicas = tp.size // cfg.n_kv_heads
+            replicas = tp.size // heads
             head = tp.rank // replicas
-            for name in ("k_proj", "v_proj"):
-                weight = _shard(getattr(attn, name).weight, 0, head, hd)
-                if tp.rank % replicas:
-                    weight._meshlm_tp_shard_dim = None
-                setattr(attn, name, ColumnParallelLinear(weight, tp, kv_head=head, n_kv_heads=cfg.n_kv_heads))
-        attn.o_proj = RowParallelLinear(_shard(attn.o_proj.weight, 1, tp.rank, q_rows), tp)
-        mlp.gate_proj = ColumnParallelLinear(_shard(mlp.gate_proj.weight, 0, tp.rank, inter), tp)
-        mlp.up_proj = ColumnParallelLinear(_shard(mlp.up_proj.weight, 0, tp.rank, inter), tp)
-        mlp.down_proj = RowParallelLinear(_shard(mlp.down_proj.weight, 1, tp.rank, inter), tp)
+            weight, bias = self.split_rows(module, head, head_dim)
+            if tp.rank % replicas:
+                for p in (weight, bias):
+                    if p is not None:
+                        p._meshlm_tp_shard_dim = None
+            return ColumnParallelLinear(weight, bias, tp, kv_head=head, n_kv_heads=heads)
+        if style == ROWWISE:
+            weight = self.shard(module.weight, 1, tp.rank, module.in_features // tp.size)
+            bias = module.bias
+            if bias is not None and tp.sequence_parallel:
+                _sum_grad_over_tp(bias, tp)
+            return RowParallelLinear(weight, bias, tp)
+        if style == SEQUENCE_PARALLEL:
+            if tp.sequence_parallel:
+                for p in module.parameters(recurse=False):
+                    _sum_grad_over_tp(p, tp)
+            return module
+        raise ValueError(f"unknown tensor-parallel style {style!r}")
 
-    if model.model.norm is not None:
-        model.model.norm = TensorParallelRMSNorm(model.model.norm, tp)
-    if model.lm_head is not None:
-        if cfg.tie_embeddings and embedding is not None:
-            weight = embedding.weight  # one vocab-sharded Parameter for both, as in the plain model
-        else:
-            weight = _shard(model.lm_head.weight, 0, tp.rank, vocab)
-        model.lm_head = ColumnParallelLinear(weight, tp)
+
+@torch.no_grad()
+def apply_tensor_parallel(
+    model: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool = False, plan: ParallelPlan | None = None
+) -> TPState:
+    """Keep this rank's shards of `model` (built whole, from the same seed on every rank) in place, as the
+    model's plan (or `plan`) says. The plan is checked against the model before anything changes."""
+    plan = plan or plan_for(model)
+    tp = TPState(group, dist.get_rank(group), dist.get_world_size(group), sequence_parallel)
+    check_plan(model, plan, tp=tp.size, pp=1, zero=0, sequence_parallel=sequence_parallel)
+    sharder = _Sharder(model, plan, tp)
+    for name, module, style in list(tp_modules(model, plan)):
+        parallel = sharder.build(module, style)
+        if parallel is not module:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, parallel)
+    return tp
 
 
 @contextlib.contextmanager
-def gathered_logits(model: Transformer) -> Iterator[Transformer]:
+def gathered_logits(model: nn.Module) -> Iterator[nn.Module]:
     """Inference view of a tp-sharded model: full logits on every rank and no sequence sharding (prompt
     lengths need not divide tp), so `meshlm.model.generate` runs unchanged on all ranks in lockstep."""
-    tp = model.lm_head.tp
-    was_sp = tp.sequence_parallel
-    tp.sequence_parallel, model.lm_head.gather_output = False, True
+    heads = [m for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.vocab_head]
+    states = {id(h.tp): h.tp for h in heads}
+    saved = {key: tp.sequence_parallel for key, tp in states.items()}
+    for tp in states.values():
+        tp.sequence_parallel = False
+    for head in heads:
+        head.gather_output = True
     try:
         yield model
     finally:
-        tp.sequence_parallel, model.lm_head.gather_output = was_sp, False
+        for key, tp in states.items():
+            tp.sequence_parallel = saved[key]
+        for head in heads:
+            head.gather_output = False
 
 
 # ---- gathering the full model -------------------------------------------------------------------------
-_DIM0 = ("q_proj.weight", "gate_proj.weight", "up_proj.weight", "embed_tokens.weight", "lm_head.weight")
-_DIM1 = ("o_proj.weight", "down_proj.weight")
-_KV = ("k_proj.weight", "v_proj.weight")
-
-
 def _comm_device(group: dist.ProcessGroup) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -239,20 +288,25 @@ def _comm_device(group: dist.ProcessGroup) -> torch.device:
 
 
 @torch.no_grad()
-def unshard_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, group: dist.ProcessGroup) -> dict:
-    """This rank's shards (HF names) -> the full tensors, on every tp rank. Collective: every rank of
-    `group` must call it with the same names. Replicated KV heads are kept once per head."""
+def unshard_state_dict(
+    state: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor] | nn.Module, group: dist.ProcessGroup
+) -> dict[str, torch.Tensor]:
+    """This rank's shards -> the full tensors, on every tp rank, placed by each parameter's tp slice.
+    `params` (or a module's named parameters) tells which names are shards. Collective: every rank of `group`
+    must call it with the same names. Replicated KV heads (equal slice offsets) are kept once."""
+    if isinstance(params, nn.Module):
+        params = dict(params.named_parameters(remove_duplicate=False))
     size = dist.get_world_size(group)
     device = _comm_device(group)
-    replicas = size // cfg.n_kv_heads if cfg.n_kv_heads < size else 1
-    full = {}
-    for name in sorted(state):
+    sliced = sorted(n for n in state if getattr(params.get(n), "_meshlm_tp_slice", None) is not None)
+    every: list[dict | None] = [None] * size
+    dist.all_gather_object(every, {n: params[n]._meshlm_tp_slice[1] for n in sliced}, group=group)
+    full = dict(state)
+    for name in sliced:
         t = state[name]
-        if name.endswith(_DIM0 + _DIM1 + _KV):
-            parts = [torch.empty_like(t, device=device) for _ in range(size)]
-            dist.all_gather(parts, t.to(device).contiguous(), group=group)
-            if name.endswith(_KV):
-                parts = parts[::replicas]
-            t = torch.cat(parts, dim=1 if name.endswith(_DIM1) else 0).to(state[name].device)
-        full[name] = t
-    return {name: full[name] for name in state}
+        dim = params[name]._meshlm_tp_slice[0]
+        parts = [torch.empty_like(t, device=device) for _ in range(size)]
+        dist.all_gather(parts, t.to(device).contiguous(), group=group)
+        by_start = {every[r][name]: parts[r] for r in range(size)}
+        full[name] = torch.cat([by_start[s] for s in sorted(by_start)], dim=dim).to(t.device)
+    return full

@@ -125,21 +125,6 @@ def hybrid_shard_groups(
     return shard_group, replicate_group
 
 
-def unit_module_groups(chunk: nn.Module) -> list[list[nn.Module]]:
-    """The modules of each ZeRO-3 unit in forward order: the chunk itself (for any parameter outside the
-    units below), the embedding, each transformer block, and the final norm with the head."""
-    groups = [[chunk]]
-    decoder = getattr(chunk, "model", None)
-    if decoder is not None and hasattr(decoder, "layers"):
-        if decoder.embed_tokens is not None:
-            groups.append([decoder.embed_tokens])
-        groups += [[layer] for layer in decoder.layers.values()]
-        tail = [m for m in (decoder.norm, getattr(chunk, "lm_head", None)) if m is not None]
-        if tail:
-            groups.append(tail)
-    return groups
-
-
 def direct_params(module: nn.Module, hooked: set[nn.Module]) -> list[nn.Parameter]:
     """Parameters reachable from `module` without entering another unit's module."""
     params, stack = [], [module]

@@ -1,4 +1,4 @@
-"""The planner: predict memory, step time and cost of every parallel layout, and pick one.
+"""The planner: predict memory, step time and cost of every parallel strategy, and pick one.
 
     from meshlm.plan import Workload, best, hardware
     plan = best(Workload(preset("llama3-70b"), 8192, 1024, 15e12), 64, hardware("H100-SXM"))
@@ -6,9 +6,9 @@
 Formulas, sources, the calibration schema and a comparison with published runs: docs/planner.md.
 """
 
-from meshlm.plan.cost import CostModel, RunCost, run_cost, young_interval
+from meshlm.plan.cost import CostModel, run_cost
 from meshlm.plan.hardware import GPUS, Calibration, Hardware, Link, hardware
-from meshlm.plan.memory import Assumptions, Layout, Memory, Workload, memory
+from meshlm.plan.memory import Assumptions, Memory, Strategy, Workload, memory
 from meshlm.plan.search import (
     Constraints,
     Plan,
@@ -19,6 +19,7 @@ from meshlm.plan.search import (
     plan_for_config,
     search,
 )
+from meshlm.plan.spot import Estimate, Offerings, Pool, Rates, compare, estimate, young_interval
 from meshlm.plan.step_time import StepTime, bubble_fraction, collective_time, step_time
 
 __all__ = [
@@ -27,19 +28,24 @@ __all__ = [
     "Calibration",
     "Constraints",
     "CostModel",
+    "Estimate",
     "Hardware",
-    "Layout",
     "Link",
     "Memory",
+    "Offerings",
     "Plan",
     "PlanError",
-    "RunCost",
+    "Pool",
+    "Rates",
     "SearchResult",
     "StepTime",
+    "Strategy",
     "Workload",
     "best",
     "bubble_fraction",
     "collective_time",
+    "compare",
+    "estimate",
     "evaluate",
     "hardware",
     "memory",

@@ -1,4 +1,5 @@
-"""`meshlm plan`: rank the layouts that fit a model on a cluster, as a table or as JSON."""
+"""`meshlm plan`: rank the strategies that fit a model on a cluster, as a table or as JSON, price them on
+demand, on spot and mixed, and write a Slurm or Kubernetes launch file for the best one."""
 
 from __future__ import annotations
 
@@ -6,21 +7,27 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from meshlm.model.config import preset
+from meshlm.config import load_config
+from meshlm.model.config import PRESETS, ModelConfig, preset
 from meshlm.model.flops import param_counts
 from meshlm.plan.cost import CostModel
+from meshlm.plan.emit import job_name, kubernetes, launch_for, slurm
 from meshlm.plan.hardware import Hardware, hardware
 from meshlm.plan.memory import Assumptions, Workload
-from meshlm.plan.search import Constraints, PlanError, SearchResult, no_fit_message, search
+from meshlm.plan.search import Constraints, Plan, PlanError, SearchResult, no_fit_message, search
+from meshlm.plan.spot import Estimate
 
 SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+DURATIONS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 DEFAULT_BATCH_TOKENS = 2**22  # when no batch is given: ~4M tokens per step
 TOKENS_PER_PARAM = 20  # when no training length is given: compute-optimal (Hoffmann et al. 2022)
+EMIT_SUFFIX = {"slurm": ".sbatch", "kubernetes": ".pytorchjob.json"}
 
 
 def count(text: str) -> float:
@@ -29,6 +36,14 @@ def count(text: str) -> float:
     if not match or (match[2] and match[2] not in SUFFIXES):
         raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 16M, 15T, 16Mi, 2.5e12)")
     return float(match[1]) * SUFFIXES.get(match[2] or "", 1)
+
+
+def duration(text: str) -> float:
+    """'30d' -> 2592000.0 seconds; units s, m/min, h, d, w."""
+    match = re.fullmatch(r"([0-9.]+)\s*([a-z]+)", text.strip())
+    if not match or match[2] not in DURATIONS or not re.fullmatch(r"[0-9]+(\.[0-9]+)?", match[1]):
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30d, 12h, 90min, 3600s)")
+    return float(match[1]) * DURATIONS[match[2]]
 
 
 def positive(text: str) -> int:
@@ -58,11 +73,79 @@ def parse_layout(text: str) -> dict[str, int]:
     return dims
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """A model shape and where it came from: how `meshlm train` selects it, and the run settings a meshlm
+    config brings along (defaults for --seq-len, --global-batch, --train-tokens, --precision)."""
+
+    model: ModelConfig
+    name: str
+    train_args: tuple[str, ...]
+    seq_len: int | None = None
+    global_batch: int | None = None
+    train_tokens: float | None = None
+    precision: str | None = None
+
+
+def _shape_args(model: ModelConfig) -> tuple[str, ...]:
+    """`meshlm train` overrides that build exactly this shape (any preset, every field replaced)."""
+    args = ["--model.preset", "tiny"]
+    for key, value in model.to_dict().items():
+        args += [f"--model.{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return tuple(args)
+
+
+def resolve_model(text: str) -> ModelSource:
+    """--model: a preset name, a meshlm TOML run config, or a Hugging Face config.json (or its folder), read
+    by meshlm's own importer (meshlm.model.hf), so every family meshlm imports plans."""
+    if text in PRESETS:
+        return ModelSource(preset(text), text, ("--model.preset", text))
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix not in (".toml", ".json"):
+        raise PlanError(
+            f"--model {text!r}: not a preset ({', '.join(PRESETS)}), a meshlm .toml run config, or a Hugging Face "
+            "config.json (file or folder)"
+        )
+    if not path.is_file():
+        raise PlanError(f"--model {text}: file {path} not found")
+    if path.suffix == ".toml":
+        cfg = load_config(path)
+        tokens = cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
+        precision = None if cfg.train.dtype == "auto" else cfg.train.dtype
+        return ModelSource(
+            cfg.model.build(),
+            path.stem,
+            ("--config", str(path)),
+            cfg.data.seq_len,
+            cfg.train.global_batch,
+            tokens,
+            precision,
+        )
+    from meshlm.model.hf import model_config_from_hf
+
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PlanError(f"--model {path}: not readable JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise PlanError(f"--model {path}: expected a JSON object (a Hugging Face config.json)")
+    try:
+        model = model_config_from_hf(hf)
+    except ValueError as e:
+        raise PlanError(f"--model {path}: {str(e).removeprefix('config.json: ')}") from None
+    name = str(hf.get("_name_or_path") or path.parent.name or path.stem).rstrip("/").split("/")[-1]
+    return ModelSource(model, name, _shape_args(model))
+
+
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `plan` on a subparsers object."""
     p = subparsers.add_parser("plan", help="rank parallel layouts by predicted memory, speed and cost")
-    p.add_argument("--model", required=True, help="a model preset, e.g. llama3-70b")
-    p.add_argument("--seq-len", type=positive, help="tokens per sequence (default: the model's max_seq_len)")
+    p.add_argument(
+        "--model", required=True, help="a preset (e.g. llama3-70b), a meshlm .toml config, or an HF config.json"
+    )
+    p.add_argument("--seq-len", type=positive, help="tokens per sequence (default: the config's, or max_seq_len)")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=positive, help="sequences per optimizer step")
     batch.add_argument("--global-batch-tokens", type=count, help="tokens per step, e.g. 16Mi (default 4Mi)")
@@ -81,28 +164,49 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     fixed.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     fixed.add_argument("--even-layers", action="store_true", help="require n_layers divisible by the pipeline split")
     model = p.add_argument_group("model assumptions (docs/planner.md)")
-    model.add_argument("--compute-efficiency", type=float, help="fraction of peak (0.5) or of measured matmul (0.8)")
+    model.add_argument(
+        "--runtime", choices=["meshlm", "megatron"], default="meshlm", help="whose kernels and split run the step"
+    )
+    model.add_argument("--compute-efficiency", type=float, help="GEMM rate / peak (device table) or / measured (0.8)")
     model.add_argument("--dp-overlap", type=float, help="fraction of backward hiding DP communication (0.8; cpu 0)")
     model.add_argument("--tp-overlap", type=float, default=0.0, help="fraction of TP communication hidden")
     model.add_argument("--overhead-gb", type=float, help="fixed framework memory per device (GPU 2, cpu 0.5)")
+    model.add_argument("--memory-gb", type=float, help="usable memory per device (default: the device's)")
     model.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
-    money = p.add_argument_group("cost")
+    money = p.add_argument_group("cost, failures and spot (docs/planner.md)")
     money.add_argument("--price-on-demand", type=float, help="$ per GPU-hour (default: hardware table)")
     money.add_argument("--price-spot", type=float, help="$ per GPU-hour on spot (default: hardware table)")
     money.add_argument("--failure-rate", type=float, help="hardware interruptions per GPU-hour (Llama 3: ~2e-5)")
     money.add_argument("--preemption-rate", type=float, default=1e-3, help="spot preemptions per --preemption-per")
-    money.add_argument("--preemption-per", choices=["gpu-hour", "job-hour"], default="gpu-hour")
+    money.add_argument("--preemption-per", choices=["gpu-hour", "node-hour", "job-hour"], default="gpu-hour")
+    money.add_argument("--replace-s", type=float, default=3600.0, help="mean time until a preempted node is back")
     money.add_argument("--restart-s", type=float, default=600.0, help="restart overhead besides reading the checkpoint")
     money.add_argument("--storage-gbps", type=float, default=20.0, help="checkpoint storage bandwidth, GB/s")
+    money.add_argument("--deadline", type=duration, help="wall-time limit, e.g. 30d: pools that miss it are not used")
     out = p.add_argument_group("output")
     out.add_argument("--objective", choices=["throughput", "cost"], default="throughput")
     out.add_argument("--top", type=positive, default=10, help="layouts to show")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    out.add_argument("--emit", choices=["slurm", "kubernetes"], help="write a launch file for the best plan")
+    out.add_argument("--emit-to", type=Path, help="where to write it (default: meshlm-NAME.sbatch / .pytorchjob.json)")
+    out.add_argument("--image", help="container image with meshlm installed (--emit kubernetes)")
     p.set_defaults(func=run_plan)
     return p
 
 
-def _request(args: argparse.Namespace) -> tuple[Workload, Hardware, Constraints, Assumptions, CostModel]:
+@dataclass(frozen=True)
+class Request:
+    """Everything `meshlm plan` was asked, as planner inputs."""
+
+    source: ModelSource
+    workload: Workload
+    hw: Hardware
+    constraints: Constraints
+    assumptions: Assumptions
+    costs: CostModel
+
+
+def _request(args: argparse.Namespace) -> Request:
     """Turn parsed arguments into planner inputs; every problem becomes a one-line ValueError."""
     calibration = None
     if args.calibration is not None:
@@ -111,15 +215,19 @@ def _request(args: argparse.Namespace) -> tuple[Workload, Hardware, Constraints,
         except (OSError, json.JSONDecodeError) as e:
             raise PlanError(f"calibration {args.calibration}: {e}") from None
     hw = hardware(args.gpu or (None if calibration else "H100-SXM"), calibration)
-    model = preset(args.model)
-    seq_len = args.seq_len or model.max_seq_len
+    source = resolve_model(args.model)
+    model = source.model
+    seq_len = args.seq_len or source.seq_len or model.max_seq_len
     if seq_len > model.max_seq_len:
-        raise PlanError(f"--seq-len {seq_len} exceeds {args.model}'s max_seq_len {model.max_seq_len}")
+        raise PlanError(f"--seq-len {seq_len} exceeds {source.name}'s max_seq_len {model.max_seq_len}")
     tokens = args.global_batch_tokens or DEFAULT_BATCH_TOKENS
-    global_batch = args.global_batch or max(1, round(tokens / seq_len))
-    train_tokens = args.train_tokens or TOKENS_PER_PARAM * param_counts(model)["total"]
-    precision = args.precision or ("fp32" if hw.shared_node else "bf16")
-    w = Workload(model, seq_len, global_batch, train_tokens, precision, args.model)
+    global_batch = args.global_batch or (None if args.global_batch_tokens else source.global_batch)
+    global_batch = global_batch or max(1, round(tokens / seq_len))
+    train_tokens = args.train_tokens or source.train_tokens or TOKENS_PER_PARAM * param_counts(model)["total"]
+    precision = args.precision or source.precision or ("fp32" if hw.shared_node else "bf16")
+    w = Workload(model, seq_len, global_batch, train_tokens, precision, source.name)
+    if args.emit == "kubernetes" and not args.image:
+        raise PlanError("--emit kubernetes needs --image (the container image with meshlm installed)")
     c = Constraints(
         **parse_layout(args.layout),
         zero=args.zero,
@@ -129,8 +237,10 @@ def _request(args: argparse.Namespace) -> tuple[Workload, Hardware, Constraints,
         recompute=args.recompute,
         sequence_parallel=args.sequence_parallel,
         uneven_layers=not args.even_layers,
+        memory_gb=args.memory_gb,
     )
     a = Assumptions(
+        runtime=args.runtime,
         flash_attention=args.flash_attention,
         overhead_gb=args.overhead_gb,
         compute_efficiency=args.compute_efficiency,
@@ -142,49 +252,67 @@ def _request(args: argparse.Namespace) -> tuple[Workload, Hardware, Constraints,
         price_spot=args.price_spot,
         preemption_rate=args.preemption_rate,
         preemption_per=args.preemption_per,
+        replace_s=args.replace_s,
         restart_s=args.restart_s,
         storage_gbps=args.storage_gbps,
+        deadline_s=args.deadline,
         **({} if args.failure_rate is None else {"failure_rate": args.failure_rate}),
     )
-    return w, hw, c, a, costs
+    return Request(source, w, hw, c, a, costs)
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """Run `meshlm plan`; 0 on success, 2 with a one-line message when nothing can be planned."""
     try:
-        w, hw, c, a, costs = _request(args)
-        result = search(w, args.gpus, hw, args.objective, c, a, costs)
+        r = _request(args)
+        result = search(
+            r.workload, args.gpus, r.hw, args.objective, r.constraints, r.assumptions, r.costs, priced=args.top
+        )
         if not result.plans:
-            raise PlanError(no_fit_message(w, args.gpus, hw, c, a, result))
-    except ValueError as e:  # PlanError, unknown gpu / preset, bad calibration
+            raise PlanError(no_fit_message(r.workload, args.gpus, r.hw, r.constraints, r.assumptions, result))
+        if args.emit:
+            _emit(args, r, result.plans[0])
+    except (ValueError, OSError) as e:  # PlanError, ConfigError, unknown gpu / preset, bad calibration, unwritable
         print(f"meshlm plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(_summary(w, hw, args, result), indent=2, ensure_ascii=False))
+        print(json.dumps(_summary(r, args, result), indent=2, ensure_ascii=False))
     else:
-        _print_table(w, hw, args, result)
+        _print_table(r, args, result)
     return 0
 
 
-def _summary(w: Workload, hw: Hardware, args: argparse.Namespace, result: SearchResult) -> dict:
+def _emit(args: argparse.Namespace, r: Request, plan: Plan) -> None:
+    """Write the launch file of the best plan's recommended pool and say where, on stderr."""
+    w = r.workload
+    launch = launch_for(plan, list(r.source.train_args), w.seq_len, w.global_batch, w.train_tokens, w.name)
+    summary = f"{w.name} on {plan.strategy.gpus}× {r.hw.name}: {plan.strategy}, {plan.cost.pool.describe()}"
+    text = slurm(launch, summary) if args.emit == "slurm" else kubernetes(launch, summary, args.image)
+    path = args.emit_to or Path(job_name(w.name) + EMIT_SUFFIX[args.emit])
+    path.write_text(text)
+    if args.emit == "slurm":
+        path.chmod(0o755)
+    print(f"meshlm plan: wrote {path} ({summary})", file=sys.stderr)
+
+
+def _summary(r: Request, args: argparse.Namespace, result: SearchResult) -> dict:
+    w = r.workload
     return {
         "model": w.name,
         "params": param_counts(w.model)["total"],
-        "hardware": hw.name,
+        "hardware": r.hw.name,
         "gpus": args.gpus,
         "seq_len": w.seq_len,
         "global_batch": w.global_batch,
         "train_tokens": w.train_tokens,
         "precision": w.precision,
+        "runtime": r.assumptions.runtime,
         "objective": args.objective,
+        "deadline_days": None if r.costs.deadline_s is None else r.costs.deadline_s / 86400,
         "fitting": len(result.plans),
         "rejected": dict(result.reasons().most_common()),
         "plans": [p.to_dict() for p in result.plans[: args.top]],
     }
-
-
-def _money(x: float) -> str:
-    return "never" if x == float("inf") else f"${x:,.0f}"
 
 
 def _si(x: float) -> str:
@@ -195,7 +323,15 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _print_table(w: Workload, hw: Hardware, args: argparse.Namespace, result: SearchResult) -> None:
+def _offer(e: Estimate, recommended: Estimate) -> str:
+    """'$137M, 116 d' for a table cell ('cannot finish' for a pool that never does); '*' marks the pick."""
+    if not e.feasible:
+        return "cannot finish"
+    return f"${_si(e.usd)}, {e.wall_s / 86400:.3g} d" + (" *" if e is recommended else "")
+
+
+def _print_table(r: Request, args: argparse.Namespace, result: SearchResult) -> None:
+    w, hw = r.workload, r.hw
     params = _si(param_counts(w.model)["total"])
     gpus = ",".join(map(str, args.gpus))
     title = (
@@ -204,20 +340,29 @@ def _print_table(w: Workload, hw: Hardware, args: argparse.Namespace, result: Se
     )
     table = Table(title=title, title_justify="left")
     columns = ["#", "layout", "zero", "mb", "schedule", "recompute", "sp", "GB/GPU", "step s", "tok/s"]
-    columns += ["TFLOP/s", "MFU", "days", "on demand", "spot", "ckpt every"]
+    columns += ["TFLOP/s", "MFU", "on demand", "spot", "mixed", "restarts", "ckpt every"]
     for name in columns:
         left = name in ("layout", "schedule", "recompute")
-        table.add_column(name, justify="left" if left else "right", no_wrap=left)
+        table.add_column(name, justify="left" if left else "right", no_wrap=True)
     for i, plan in enumerate(result.plans[: args.top], 1):
         d = plan.to_dict()
         schedule = d["schedule"] + (f"×{d['virtual_stages']}" if d["schedule"] == "interleaved" else "")
+        o = plan.offerings
         table.add_row(
             str(i), d["layout"], str(d["zero"]), str(d["micro_batch"]), schedule, d["recompute"],
             "yes" if d["sequence_parallel"] else "", f"{d['memory_gb_per_gpu']:.1f}", f"{d['step_time_s']:.2f}",
-            f"{d['tokens_per_s']:,.0f}", f"{d['tflops_per_gpu']:.3g}", f"{d['mfu']:.1%}", f"{d['train_days']:.1f}",
-            _money(plan.cost.usd_on_demand), _money(plan.cost.usd_spot), f"{d['checkpoint_interval_s'] / 60:.0f} min",
+            f"{d['tokens_per_s']:,.0f}", f"{d['tflops_per_gpu']:.3g}", f"{d['mfu']:.1%}",
+            *(_offer(e, o.recommended) for e in (o.on_demand, o.spot, o.mixed)),
+            f"{o.recommended.restarts:,.0f}", f"{o.recommended.interval_s / 60:.0f} min",
         )  # fmt: skip
-    console = Console(width=max(Console().width, 180))  # 16 columns: never squeeze them into 80
+    console = Console(width=max(Console().width, 200))  # 17 columns: never squeeze them into 80
     console.print(table)
+    o = result.plans[0].offerings
+    lines = [f"#1 recommended: {o.recommended.pool.describe()}"]
+    lines += [f"#1 {name}: {note}"
+              for name, note in (("spot", o.spot_note), ("mixed", o.mixed_note)) if note]  # fmt: skip
+    lines += [f"#1: {o.note}"] if o.note.startswith("nothing finishes") else []
+    for line in lines:
+        console.print(line, soft_wrap=True)
     rejected = ", ".join(f"{reason} ×{n}" for reason, n in result.reasons().most_common())
     console.print(f"{len(result.plans)} layouts fit; rejected {len(result.rejected)}: {rejected or 'none'}")

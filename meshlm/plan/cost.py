@@ -1,15 +1,15 @@
-"""Wall time and dollars for a whole run, on demand and on spot, once failures, preemptions and
-checkpoints are priced in. Checkpoint interval: Young (1974); expected wall time: Daly (2006)."""
+"""Prices, failure and preemption rates, and checkpoint timing: what turns a step time into the wall time and
+dollars of a whole run (on demand, spot or mixed, `meshlm.plan.spot`)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from meshlm.plan.hardware import Hardware
-
-HOUR = 3600.0
+from meshlm.plan.spot import Offerings, Rates, compare
 
 
 @dataclass(frozen=True)
@@ -21,76 +21,51 @@ class CostModel:
     # Llama 3 (Dubey et al. 2024, §3.3.4): 419 unexpected interruptions in 54 days on 16,384 GPUs.
     failure_rate: float = 419 / (54 * 24 * 16384)  # per GPU-hour, both offerings
     preemption_rate: float = 1e-3  # spot preemptions, per `preemption_per`; illustrative
-    preemption_per: Literal["gpu-hour", "job-hour"] = "gpu-hour"
+    preemption_per: Literal["gpu-hour", "node-hour", "job-hour"] = "gpu-hour"
+    replace_s: float = 3600.0  # mean time until a preempted spot node is back; illustrative
     restart_s: float = 600.0  # reschedule, re-initialise, warm up (plus reading the checkpoint back)
     storage_gbps: float = 20.0  # aggregate checkpoint write/read bandwidth, GB/s
+    deadline_s: float | None = None  # wall-time limit: pools that miss it are not recommended
 
 
 DEFAULT_COSTS = CostModel()
 
 
-def young_interval(checkpoint_s: float, mtbf_s: float) -> float:
-    """Optimal time between checkpoints, sqrt(2·δ·MTBF) (Young 1974)."""
-    return math.sqrt(2 * checkpoint_s * mtbf_s)
+def nodes_of(gpus: int, gpus_per_node: int) -> int:
+    """Nodes a job of `gpus` devices occupies (a partial node is a whole one)."""
+    return math.ceil(gpus / gpus_per_node)
 
 
-def expected_wall_time(
-    solve_s: float, interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float
-) -> float:
-    """Expected wall time of `solve_s` seconds of work checkpointed every `interval_s` under Poisson
-    failures: M·e^{R/M}·(e^{(τ+δ)/M} − 1)·T_s/τ (Daly 2006). Infinite when failures outpace it."""
-    if math.isinf(mtbf_s):
-        return solve_s + checkpoint_s * solve_s / interval_s
-    exponent = (restart_s + interval_s + checkpoint_s) / mtbf_s
-    if exponent > 700:
-        return math.inf
-    return (
-        mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + checkpoint_s) / mtbf_s) * solve_s / interval_s
+def rates(gpus: int, checkpoint_bytes: float, hw: Hardware, c: CostModel = DEFAULT_COSTS) -> Rates:
+    """The interruption rates, times and prices of a job of `gpus` devices. A per-GPU preemption rate makes a
+    node's g times that; a per-job rate is spread over the job's nodes."""
+    delta = checkpoint_bytes / (c.storage_gbps * 1e9)
+    per_node = {"gpu-hour": hw.gpus_per_node, "node-hour": 1, "job-hour": 1 / nodes_of(gpus, hw.gpus_per_node)}
+    return Rates(
+        failure_per_gpu_hour=c.failure_rate,
+        preemption_per_node_hour=c.preemption_rate * per_node[c.preemption_per],
+        replace_s=c.replace_s,
+        restart_s=c.restart_s,
+        checkpoint_s=delta,
+        load_s=delta,
+        price_on_demand=hw.price_on_demand if c.price_on_demand is None else c.price_on_demand,
+        price_spot=hw.price_spot if c.price_spot is None else c.price_spot,
     )
 
 
-@dataclass(frozen=True)
-class RunCost:
-    checkpoint_s: float  # δ, time to write one checkpoint
-    mtbf_on_demand_s: float
-    mtbf_spot_s: float
-    interval_on_demand_s: float
-    interval_spot_s: float
-    wall_on_demand_s: float
-    wall_spot_s: float
-    usd_on_demand: float
-    usd_spot: float
-
-
-def run_cost(solve_s: float, gpus: int, checkpoint_bytes: float, hw: Hardware, c: CostModel = DEFAULT_COSTS) -> RunCost:
-    """Price a run of `solve_s` failure-free seconds on `gpus` devices. Restart cost R adds reading the
-    checkpoint back; the interval is capped at the run itself (then one checkpoint, at the end)."""
+def run_cost(
+    solve_s: float,
+    gpus: int,
+    checkpoint_bytes: float,
+    hw: Hardware,
+    c: CostModel = DEFAULT_COSTS,
+    speed: Callable[[int], float] | None = None,
+    min_nodes: int | None = None,
+) -> Offerings:
+    """Price a run of `solve_s` failure-free seconds on `gpus` devices on demand, on spot and mixed; elastic
+    pools shrink to `min_nodes` at `speed(nodes)` of the full layout's throughput."""
     if solve_s <= 0:
         raise ValueError(f"run length must be > 0 s, got {solve_s}")
-    delta = checkpoint_bytes / (c.storage_gbps * 1e9)
-    restart = c.restart_s + delta
-    failures = c.failure_rate * gpus / HOUR  # per second
-    preemptions = c.preemption_rate * (gpus if c.preemption_per == "gpu-hour" else 1) / HOUR
-    mtbf = 1 / failures if failures > 0 else math.inf
-    mtbf_spot = 1 / (failures + preemptions) if failures + preemptions > 0 else math.inf
-    out = {}
-    for name, m in (("on_demand", mtbf), ("spot", mtbf_spot)):
-        tau = min(young_interval(delta, m), solve_s)
-        out[name] = (tau, expected_wall_time(solve_s, tau, delta, restart, m))
-    price_od = hw.price_on_demand if c.price_on_demand is None else c.price_on_demand
-    price_spot = hw.price_spot if c.price_spot is None else c.price_spot
-
-    def usd(wall: float, price: float) -> float:
-        return wall / HOUR * gpus * price if price else 0.0  # a free device costs $0 even if it never ends
-
-    return RunCost(
-        checkpoint_s=delta,
-        mtbf_on_demand_s=mtbf,
-        mtbf_spot_s=mtbf_spot,
-        interval_on_demand_s=out["on_demand"][0],
-        interval_spot_s=out["spot"][0],
-        wall_on_demand_s=out["on_demand"][1],
-        wall_spot_s=out["spot"][1],
-        usd_on_demand=usd(out["on_demand"][1], price_od),
-        usd_spot=usd(out["spot"][1], price_spot),
-    )
+    nodes = nodes_of(gpus, hw.gpus_per_node)
+    r = rates(gpus, checkpoint_bytes, hw, c)
+    return compare(solve_s, nodes, gpus / nodes, r, speed, min_nodes, c.deadline_s)

@@ -58,6 +58,8 @@ class Hardware:
     cores: float = 1.0  # shared_node: effective cores the ranks time-share (each rank runs one thread)
     layer_overhead_s: float = LAYER_OVERHEAD_S  # fixed host time of one layer's forward + backward
     micro_batch_overhead_s: float = MICRO_BATCH_OVERHEAD_S  # fixed host time per micro-batch besides layers
+    gemm_efficiency: float = 0.5  # fraction of peak that a training step's GEMMs sustain (no calibration)
+    attention_efficiency: float = 1.0  # flash-attention FLOP rate as a fraction of the GEMM rate
     links: dict[tuple[str, str], Link] = field(default_factory=dict, compare=False)  # (dim|kind, op) -> Link
 
     def link(self, dim: str, crosses_nodes: bool, op: str) -> Link:
@@ -82,7 +84,7 @@ class Hardware:
         )
 
 
-def _gpu(name, tflops, mem_gb, hbm_tbs, nvlink_gbs, net_gbs, on_demand, spot) -> Hardware:
+def _gpu(name, tflops, mem_gb, hbm_tbs, nvlink_gbs, net_gbs, on_demand, spot, gemm, attention) -> Hardware:
     return Hardware(
         name=name,
         peak_flops=tflops * 1e12,
@@ -93,19 +95,23 @@ def _gpu(name, tflops, mem_gb, hbm_tbs, nvlink_gbs, net_gbs, on_demand, spot) ->
         gpus_per_node=8,
         price_on_demand=on_demand,
         price_spot=spot,
+        gemm_efficiency=gemm,
+        attention_efficiency=attention,
     )
 
 
+A100_GEMM, A100_ATTENTION = 0.7, 0.8
+H100_GEMM, H100_ATTENTION = 0.6, 0.6
 # NVLink: A100 600 GB/s, H100/H200 900 GB/s bidirectional per GPU -> 300 / 450 per direction.
 # Network: DGX A100 one 200 Gb/s HDR NIC per GPU (25 GB/s); DGX H100/H200 one 400 Gb/s NDR NIC (50 GB/s).
 # Prices: illustrative cloud $/GPU-hour (on demand, spot); override them with --price-on-demand/--price-spot.
 GPUS: dict[str, Hardware] = {
     g.name: g
     for g in (
-        _gpu("A100-40GB", 312, 40, 1.555, 300, 25, 3.00, 1.20),
-        _gpu("A100-80GB", 312, 80, 2.039, 300, 25, 3.50, 1.40),
-        _gpu("H100-SXM", 989, 80, 3.35, 450, 50, 6.00, 2.50),
-        _gpu("H200", 989, 141, 4.8, 450, 50, 7.00, 3.00),
+        _gpu("A100-40GB", 312, 40, 1.555, 300, 25, 3.00, 1.20, A100_GEMM, A100_ATTENTION),
+        _gpu("A100-80GB", 312, 80, 2.039, 300, 25, 3.50, 1.40, A100_GEMM, A100_ATTENTION),
+        _gpu("H100-SXM", 989, 80, 3.35, 450, 50, 6.00, 2.50, H100_GEMM, H100_ATTENTION),
+        _gpu("H200", 989, 141, 4.8, 450, 50, 7.00, 3.00, H100_GEMM, H100_ATTENTION),
     )
 }
 ALIASES = {"h100": "H100-SXM", "h100sxm": "H100-SXM", "h200sxm": "H200"}

@@ -1,21 +1,30 @@
-"""Memory per device of one layout: model states by ZeRO stage, activations by recompute policy and
+"""Memory per device of one strategy: model states by ZeRO stage, activations by recompute policy and
 pipeline schedule, the loss's logits, transient buffers, and framework overhead.
 
-Every formula and its source is in docs/planner.md; the code follows the same names.
+The pipeline split and the schedule are the runtime's own (`meshlm.parallel.pipeline.stage_layers`,
+`meshlm.parallel.schedules.compute_order`), so the planner predicts memory for the split and the order of
+micro-batches that actually run. Every formula and its source is in docs/planner.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
 
 from meshlm.model.config import ModelConfig
+from meshlm.parallel.mesh import Layout
+from meshlm.parallel.pipeline import stage_layers
+from meshlm.parallel.schedules import compute_order
 from meshlm.plan.hardware import GB, Hardware
 
 Precision = Literal["bf16", "fp32"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Recompute = Literal["none", "selective", "full"]
+# Whose kernels and pipeline split run the step: meshlm's eager PyTorch layer (unfused RMSNorm and SwiGLU,
+# at least one layer per pipeline chunk), or a Megatron-style production stack with fused norm and SwiGLU
+# kernels that also allows Llama 3's empty first and last chunks (the published runs of docs/planner.md).
+Runtime = Literal["meshlm", "megatron"]
 
 # Bytes per parameter of (weights, gradients, optimizer state) and per stored activation element.
 # bf16: mixed-precision Adam as in the ZeRO paper (2Ψ + 2Ψ + 12Ψ: fp32 master, m, v).
@@ -36,12 +45,11 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One way to run a workload: the mesh (pp outer, dp, tp inner) and every per-rank choice."""
+class Strategy:
+    """How to run a workload: the runtime's device mesh (pp outer, dp, tp inner) plus every per-rank choice
+    the planner makes beside it."""
 
-    pp: int = 1
-    dp: int = 1
-    tp: int = 1
+    mesh: Layout = field(default_factory=Layout)
     zero: int = 0
     micro_batch: int = 1
     schedule: Schedule = "1f1b"
@@ -50,21 +58,33 @@ class Layout:
     sequence_parallel: bool = False
 
     @property
-    def gpus(self) -> int:
-        return self.pp * self.dp * self.tp
+    def pp(self) -> int:
+        return self.mesh.pp
 
     @property
-    def mesh(self) -> str:
+    def dp(self) -> int:
+        return self.mesh.dp
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.tp
+
+    @property
+    def gpus(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def layout(self) -> str:
         """The `parallel.layout` string, e.g. 'pp=2,dp=4,tp=8'."""
-        return f"pp={self.pp},dp={self.dp},tp={self.tp}"
+        return str(self.mesh)
 
     def micro_batches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch)
 
     def overrides(self) -> dict[str, object]:
-        """The meshlm config fields (`section.field`) that select this layout in the trainer."""
+        """The meshlm config fields (`section.field`) that select this strategy in the trainer."""
         return {
-            "parallel.layout": self.mesh,
+            "parallel.layout": self.layout,
             "parallel.zero": self.zero,
             "parallel.schedule": self.schedule,
             "parallel.virtual_stages": self.virtual_stages,
@@ -76,17 +96,18 @@ class Layout:
     def __str__(self) -> str:
         sched = f"{self.schedule}×{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
         sp = " sp" if self.sequence_parallel else ""
-        return f"{self.mesh} zero={self.zero} mb={self.micro_batch} {sched} recompute={self.recompute}{sp}"
+        return f"{self.layout} zero={self.zero} mb={self.micro_batch} {sched} recompute={self.recompute}{sp}"
 
 
 @dataclass(frozen=True)
 class Assumptions:
     """Knobs of the model that are not hardware figures; defaults and their reasons in docs/planner.md."""
 
+    runtime: Runtime = "meshlm"  # whose kernels and pipeline split run the step
     flash_attention: bool = True  # SDPA flash / memory-efficient kernels: no s² attention matrix stored
     overhead_gb: float | None = None  # fixed per-device overhead; None: the device's framework_bytes
     overhead_fraction: float = 0.05  # allocator fragmentation, as a fraction of everything else
-    compute_efficiency: float | None = None  # None: 0.5 of peak, or 0.8 of a measured matmul rate
+    compute_efficiency: float | None = None  # GEMM rate / peak; None: the device's, or 0.8 of a measured rate
     dp_overlap: float | None = None  # fraction of backward that hides DP communication; None: 0.8, cpu 0
     tp_overlap: float = 0.0  # fraction of tensor-parallel communication hidden behind compute
     bucket_mb: float = 25.0  # last gradient bucket, never hidden
@@ -95,29 +116,39 @@ class Assumptions:
 DEFAULTS = Assumptions()
 
 
-def chunk_layers(n_layers: int, chunks: int) -> list[int]:
-    """Layers per model chunk, as even as possible. The remainder goes to the middle chunks, so the first
-    (embedding) and last (head and loss) chunks get fewer: the Llama 3 recipe (Dubey et al. 2024, §3.3.2)."""
-    base, extra = divmod(n_layers, chunks)
-    order = [*range(1, chunks - 1), 0, chunks - 1] if chunks > 2 else list(range(chunks))
-    counts = [base] * chunks
-    for c in order[:extra]:
-        counts[c] += 1
-    return counts
+def max_chunks(model: ModelConfig, runtime: Runtime) -> int:
+    """Most pipeline chunks (pp × virtual stages) a runtime can cut the model into."""
+    return model.n_layers + (2 if runtime == "megatron" else 0)
 
 
 @lru_cache(maxsize=4096)
-def stage_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
-    """Layers each pipeline rank holds; with v virtual stages rank i holds chunks i, i+pp, i+2pp, ..."""
-    chunks = chunk_layers(n_layers, pp * virtual_stages)
-    return tuple(sum(chunks[i::pp]) for i in range(pp))
+def chunk_layers(model: ModelConfig, chunks: int, runtime: Runtime = "meshlm") -> tuple[int, ...]:
+    """Layers of each model chunk, as the runtime splits them: meshlm's `stage_layers` (contiguous, at least
+    one layer each, balancing FLOPs with the embedding on the first chunk and the head on the last). Beyond
+    one chunk per layer the Megatron-style runtime leaves the first and last chunks empty (embedding and
+    head alone), Llama 3's 405B recipe (Dubey et al. 2024, §3.3.2), and splits the rest the same way."""
+    if chunks > model.n_layers and runtime == "megatron":
+        return (0, *(len(r) for r in stage_layers(model, chunks - 2)), 0)
+    return tuple(len(r) for r in stage_layers(model, chunks))
 
 
 @lru_cache(maxsize=4096)
-def representative_stages(layers: tuple[int, ...]) -> tuple[int, ...]:
-    """Stages worth evaluating: first, last, and the first of each run of equal layer counts. Every
-    schedule keeps the most micro-batches in flight on the earliest stage, so these hold the maxima."""
-    return tuple(i for i in range(len(layers)) if i in (0, 1, len(layers) - 1) or layers[i] != layers[i - 1])
+def rank_chunks(model: ModelConfig, pp: int, virtual_stages: int = 1, runtime: Runtime = "meshlm") -> tuple:
+    """Per pipeline rank, the layers of each chunk it holds: rank i holds chunks i, i+pp, i+2pp, ..."""
+    chunks = chunk_layers(model, pp * virtual_stages, runtime)
+    return tuple(chunks[i::pp] for i in range(pp))
+
+
+def rank_layers(model: ModelConfig, pp: int, virtual_stages: int = 1, runtime: Runtime = "meshlm") -> tuple[int, ...]:
+    """Layers each pipeline rank holds."""
+    return tuple(sum(c) for c in rank_chunks(model, pp, virtual_stages, runtime))
+
+
+@lru_cache(maxsize=4096)
+def representative_stages(chunks: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """Stages worth evaluating: first, second, last, and the first of each run of equal chunk splits. Every
+    schedule keeps the most micro-batches in flight on the earliest stages, so these hold the maxima."""
+    return tuple(i for i in range(len(chunks)) if i in (0, 1, len(chunks) - 1) or chunks[i] != chunks[i - 1])
 
 
 @lru_cache(maxsize=1024)
@@ -154,6 +185,17 @@ def model_state_bytes(psi: float, dp: int, zero: int, precision: Precision) -> t
     )
 
 
+# Activation elements per token one layer stores for backward, as coefficients of
+# (h replicated over tp unless sequence parallel, h split over tp, this rank's KV width, I split over tp).
+STORED = {
+    # RMSNorm input, normalised tensor and output, twice; Q and attention output; K, V; gate, silu, up, product
+    "meshlm": (6, 2, 2, 4),
+    # fused RMSNorm keeps its input, the next matmul its output, twice; fused SwiGLU keeps gate and up, the
+    # down projection its input (Korthikanti et al. 2022's accounting, with SwiGLU for GeLU)
+    "megatron": (4, 2, 2, 3),
+}
+
+
 def layer_activation_bytes(
     model: ModelConfig,
     seq_len: int,
@@ -163,13 +205,11 @@ def layer_activation_bytes(
     recompute: Recompute,
     precision: Precision,
     flash: bool = True,
+    runtime: Runtime = "meshlm",
 ) -> float:
     """Bytes one layer stores for backward for one micro-batch (Korthikanti et al. 2022, adapted to
-    Llama: RMSNorm, GQA, SwiGLU, no dropout). Per token, in activation elements:
-      norms and their outputs: 2 × (input, normalised, output) = 6h   (/tp with sequence parallel)
-      attention: Q and output 2h/tp, K and V 2·kv (kv = this rank's KV heads × head_dim)
-      SwiGLU: gate, silu(gate), up, product = 4·I/tp
-      softmax probabilities a·s/tp, only without flash attention and without selective recompute
+    Llama: RMSNorm, GQA, SwiGLU, no dropout), per token in activation elements (`STORED`), plus the softmax
+    probabilities a·s/tp, only without flash attention and without selective recompute.
     Full recompute keeps only the layer input: h (/tp with sequence parallel)."""
     h = model.dim
     shard = tp if sp else 1
@@ -178,33 +218,43 @@ def layer_activation_bytes(
     if recompute == "full":
         return tokens * h / shard * act
     kv = max(model.n_kv_heads // tp, 1) * model.head_dim
-    per_token = 6 * h / shard + 2 * h / tp + 2 * kv + 4 * model.intermediate_size / tp
+    norms, q_out, kv_width, mlp = STORED[runtime]
+    per_token = norms * h / shard + q_out * h / tp + kv_width * kv + mlp * model.intermediate_size / tp
     if not flash and recompute == "none":
         per_token += model.n_heads / tp * seq_len
     return tokens * per_token * act
 
 
-def in_flight(schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int, stage: int) -> float:
-    """Micro-batches whose activations `stage` holds at its peak, in units of all of its layers.
-    GPipe keeps all m; 1F1B keeps pp − stage (Narayanan et al. 2021); interleaved keeps
-    2(pp − stage − 1) + (v − 1)·pp + 1 chunks of 1/v of the layers (Megatron-LM's warm-up count)."""
-    m, v = micro_batches, virtual_stages
+@lru_cache(maxsize=64)
+def _order(schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int) -> list:
+    return compute_order(schedule, pp, micro_batches, virtual_stages)
+
+
+@lru_cache(maxsize=8192)
+def held_layers(schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int, stage: int, chunks: tuple) -> int:
+    """Peak layer-activations (one micro-batch through one layer = 1) that pipeline rank `stage` holds, with
+    `chunks` the layers of each of its chunks, replaying the runtime's own order of forwards and backwards
+    (1F1B keeps pp − stage, interleaved Megatron's 2(pp − stage − 1) + (v − 1)·pp + 1 chunks). GPipe keeps
+    all m. A 1F1B or interleaved order does not depend on m up to its drain, and after the warm-up (under
+    2·pp micro-batches) what is held repeats every pp micro-batches, so replaying 4·pp of them finds the peak."""
     if pp == 1:
-        return 1
+        return sum(chunks)  # gradient accumulation: one micro-batch at a time
     if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(pp - stage, m)
-    return min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v) / v
+        return micro_batches * sum(chunks)
+    held = peak = 0
+    for action in _order(schedule, pp, min(micro_batches, 4 * pp), virtual_stages)[stage]:
+        held += chunks[action.chunk] if action.kind == "F" else -chunks[action.chunk]
+        peak = max(peak, held)
+    return peak
 
 
-def logits_bytes(w: Workload, layout: Layout) -> float:
+def logits_bytes(w: Workload, strategy: Strategy) -> float:
     """The last stage's loss buffers for one micro-batch: logits in the activation dtype, their fp32 copy
     (bf16 only) and the fp32 log-softmax kept for backward, the latter for all m under GPipe."""
     act = BYTES[w.precision][3]
-    saved = layout.micro_batches(w.global_batch) if layout.schedule == "gpipe" and layout.pp > 1 else 1
+    saved = strategy.micro_batches(w.global_batch) if strategy.schedule == "gpipe" and strategy.pp > 1 else 1
     per_element = act + (4 if act < 4 else 0) + 4 * saved
-    return w.seq_len * layout.micro_batch * w.model.vocab_size / layout.tp * per_element
+    return w.seq_len * strategy.micro_batch * w.model.vocab_size / strategy.tp * per_element
 
 
 @dataclass(frozen=True)
@@ -229,27 +279,27 @@ class Memory:
         return {name: getattr(self, name) / GB for name in parts}
 
 
-def memory(w: Workload, layout: Layout, hw: Hardware, a: Assumptions = DEFAULTS) -> Memory:
+def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS) -> Memory:
     """Peak memory per device: the maximum over pipeline stages."""
-    model, lay = w.model, layout
-    layers = stage_layers(model.n_layers, lay.pp, lay.virtual_stages)
-    m = lay.micro_batches(w.global_batch)
-    act_args = (model, w.seq_len, lay.micro_batch, lay.tp, lay.sequence_parallel)
-    per_layer = layer_activation_bytes(*act_args, lay.recompute, w.precision, a.flash_attention)
+    model, s = w.model, strategy
+    chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
+    m = s.micro_batches(w.global_batch)
+    act_args = (model, w.seq_len, s.micro_batch, s.tp, s.sequence_parallel)
+    per_layer = layer_activation_bytes(*act_args, s.recompute, w.precision, a.flash_attention, a.runtime)
     buffers = 0.0
-    if lay.recompute == "full":  # backward re-runs one layer at a time: its full activations are live
-        buffers += layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention)
-    if lay.zero == 3:
-        buffers += 2 * layer_params(model, lay.tp) * BYTES[w.precision][0]  # current and prefetched layer
+    if s.recompute == "full":  # backward re-runs one layer at a time: its full activations are live
+        buffers += layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention, a.runtime)
+    if s.zero == 3:
+        buffers += 2 * layer_params(model, s.tp) * BYTES[w.precision][0]  # current and prefetched layer
     fixed = hw.framework_bytes if a.overhead_gb is None else a.overhead_gb * GB
     worst = None
-    for s in representative_stages(layers):
-        psi = stage_params(model, lay.tp, layers[s], s == 0, s == lay.pp - 1)
-        params, grads, optimizer = model_state_bytes(psi, lay.dp, lay.zero, w.precision)
-        activations = in_flight(lay.schedule, lay.pp, m, lay.virtual_stages, s) * layers[s] * per_layer
-        logits = logits_bytes(w, lay) if s == lay.pp - 1 else 0.0
+    for i in representative_stages(chunks):
+        psi = stage_params(model, s.tp, sum(chunks[i]), i == 0, i == s.pp - 1)
+        params, grads, optimizer = model_state_bytes(psi, s.dp, s.zero, w.precision)
+        activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks[i]) * per_layer
+        logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
         rest = params + grads + optimizer + activations + logits + buffers
-        mem = Memory(params, grads, optimizer, activations, logits, buffers, fixed + a.overhead_fraction * rest, s)
+        mem = Memory(params, grads, optimizer, activations, logits, buffers, fixed + a.overhead_fraction * rest, i)
         if worst is None or mem.total > worst.total:
             worst = mem
     return worst

@@ -3,28 +3,33 @@ rank the rest by predicted throughput or cost, and pick one for the trainer (`pa
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Literal
 
 from meshlm.config import Config
 from meshlm.model.flops import param_counts
-from meshlm.plan.cost import DEFAULT_COSTS, CostModel, RunCost, run_cost
+from meshlm.parallel.mesh import Layout
+from meshlm.plan.cost import DEFAULT_COSTS, CostModel, nodes_of, rates, run_cost
 from meshlm.plan.hardware import GB, Hardware, hardware
 from meshlm.plan.memory import (
     BYTES,
     DEFAULTS,
     Assumptions,
-    Layout,
     Memory,
     Recompute,
     Schedule,
+    Strategy,
     Workload,
+    max_chunks,
     memory,
 )
+from meshlm.plan.spot import Estimate, Offerings, Pool, estimate
 from meshlm.plan.step_time import StepTime, bubble_fraction, step_time
 
 Objective = Literal["throughput", "cost"]
@@ -50,6 +55,7 @@ class Constraints:
     sequence_parallel: bool | None = None
     uneven_layers: bool = True  # allow n_layers not divisible by the pipeline split (docs/planner.md)
     max_micro_batch: int = 16
+    memory_gb: float | None = None  # usable memory per device; None: the device's
     recompute_options: tuple[Recompute, ...] = ("none", "selective", "full")
 
 
@@ -63,49 +69,62 @@ class Rejection:
 
 @dataclass(frozen=True)
 class Plan:
-    """One layout with its predicted memory, speed and cost."""
+    """One strategy with its predicted memory, speed and cost. `on_demand` prices every evaluated plan;
+    `offerings` (spot, mixed, spares, elastic shrink) only those a search returns first (`price`)."""
 
-    layout: Layout
+    strategy: Strategy
     micro_batches: int
     memory: Memory
     step: StepTime | None  # None only in memory-only searches
-    cost: RunCost | None
+    on_demand: Estimate | None
+    offerings: Offerings | None = None
+    checkpoint_bytes: float = 0.0
+
+    @property
+    def cost(self) -> Estimate | None:
+        """The recommended pool's estimate once priced, else on demand's."""
+        return self.offerings.recommended if self.offerings else self.on_demand
 
     def to_dict(self) -> dict:
         """Plain JSON-ready values; infinities (a run that never finishes) become None."""
-        lay = self.layout
+        s, cost = self.strategy, self.cost
         out = {
-            "layout": lay.mesh,
-            "gpus": lay.gpus,
-            "pp": lay.pp,
-            "dp": lay.dp,
-            "tp": lay.tp,
-            "zero": lay.zero,
-            "micro_batch": lay.micro_batch,
+            "layout": s.layout,
+            "gpus": s.gpus,
+            "pp": s.pp,
+            "dp": s.dp,
+            "tp": s.tp,
+            "zero": s.zero,
+            "micro_batch": s.micro_batch,
             "micro_batches": self.micro_batches,
-            "schedule": lay.schedule,
-            "virtual_stages": lay.virtual_stages,
-            "recompute": lay.recompute,
-            "sequence_parallel": lay.sequence_parallel,
+            "schedule": s.schedule,
+            "virtual_stages": s.virtual_stages,
+            "recompute": s.recompute,
+            "sequence_parallel": s.sequence_parallel,
             "memory_gb_per_gpu": self.memory.total / GB,
             "memory_parts_gb": self.memory.parts_gb(),
             "memory_stage": self.memory.stage,
             "step_time_s": self.step.total,
             "step_parts_s": self.step.parts(),
-            "bubble_fraction": bubble_fraction(lay.schedule, lay.pp, self.micro_batches, lay.virtual_stages),
+            "bubble_fraction": bubble_fraction(s.schedule, s.pp, self.micro_batches, s.virtual_stages),
             "tokens_per_s": self.step.tokens_per_s,
             "tflops_per_gpu": self.step.tflops_per_gpu,
+            "hardware_tflops_per_gpu": self.step.hardware_tflops_per_gpu,
             "mfu": self.step.mfu,
             "train_days": self.step.train_days,
-            "wall_days_on_demand": self.cost.wall_on_demand_s / 86400,
-            "wall_days_spot": self.cost.wall_spot_s / 86400,
-            "cost_usd_on_demand": self.cost.usd_on_demand,
-            "cost_usd_spot": self.cost.usd_spot,
-            "checkpoint_s": self.cost.checkpoint_s,
-            "checkpoint_interval_s": self.cost.interval_on_demand_s,
-            "checkpoint_interval_spot_s": self.cost.interval_spot_s,
+            "checkpoint_gb": self.checkpoint_bytes / 1e9,
+            "wall_days_on_demand": self.on_demand.wall_s / 86400,
+            "cost_usd_on_demand": self.on_demand.usd,
+            "wall_days": cost.wall_s / 86400,
+            "cost_usd": cost.usd,
+            "restarts": cost.restarts,
+            "checkpoint_interval_s": cost.interval_s,
+            "pool": cost.pool.describe(),
         }
-        return {k: None if isinstance(v, float) and math.isinf(v) else v for k, v in out.items()}
+        out = {k: None if isinstance(v, float) and math.isinf(v) else v for k, v in out.items()}
+        if self.offerings:
+            out["offerings"] = self.offerings.to_dict()
+        return out
 
 
 @dataclass
@@ -121,8 +140,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _mesh_problem(w: Workload, gpus_per_node: int, pp: int, dp: int, tp: int, uneven: bool) -> tuple[str, str] | None:
-    """Why a (pp, dp, tp) mesh cannot run this model, as (reason, detail), or None."""
+def _mesh_problem(
+    w: Workload, gpus_per_node: int, pp: int, dp: int, tp: int, uneven: bool, chunks: int
+) -> tuple[str, str] | None:
+    """Why a (pp, dp, tp) mesh cannot run this model, as (reason, detail), or None; `chunks` is the most
+    pipeline chunks the runtime can cut the model into."""
     model = w.model
     checks = [
         (tp > gpus_per_node, "tp > GPUs per node", f"tp={tp} > {gpus_per_node} per node"),
@@ -134,33 +156,35 @@ def _mesh_problem(w: Workload, gpus_per_node: int, pp: int, dp: int, tp: int, un
         ),
         (model.intermediate_size % tp, "tp does not divide intermediate_size", f"{model.intermediate_size} % {tp}"),
         (model.vocab_size % tp, "tp does not divide vocab_size", f"vocab_size={model.vocab_size}, tp={tp}"),
-        (pp > model.n_layers, "pp > n_layers", f"pp={pp} > {model.n_layers} layers"),
+        (pp > chunks, "pp > n_layers", f"pp={pp} > {model.n_layers} layers"),
         (not uneven and model.n_layers % pp, "pp does not divide n_layers", f"{model.n_layers} layers, pp={pp}"),
         (w.global_batch % dp, "dp does not divide global batch", f"global batch {w.global_batch}, dp={dp}"),
     ]
     return next(((reason, detail) for bad, reason, detail in checks if bad), None)
 
 
-def _schedule_problem(w: Workload, lay: Layout, m: int, uneven: bool) -> tuple[str, str] | None:
+def _schedule_problem(w: Workload, lay: Strategy, m: int, uneven: bool, chunks: int) -> tuple[str, str] | None:
     if lay.schedule == "1f1b" and lay.pp > 1 and m < lay.pp:
         return "1f1b needs micro-batches ≥ pp", f"m={m} < pp={lay.pp}"
     if lay.schedule != "interleaved":
         return None
-    chunks, layers = lay.pp * lay.virtual_stages, w.model.n_layers
+    n, layers = lay.pp * lay.virtual_stages, w.model.n_layers
+    limit = "n_layers" if chunks == layers else f"n_layers + {chunks - layers}"
     checks = [
         (lay.pp == 1 or lay.virtual_stages < 2, "interleaved needs pp ≥ 2 and virtual stages ≥ 2", str(lay)),
         (m % lay.pp, "interleaved needs micro-batches divisible by pp", f"m={m}, pp={lay.pp}"),
-        (uneven and chunks > layers + 2, "pp·v > n_layers + 2", f"pp·v={chunks}, {layers} layers"),
-        (not uneven and layers % chunks, "pp·v does not divide n_layers", f"pp·v={chunks}, {layers} layers"),
+        (n > chunks, f"pp·v > {limit}", f"pp·v={n}, {layers} layers"),
+        (not uneven and layers % n, "pp·v does not divide n_layers", f"pp·v={n}, {layers} layers"),
     ]
     return next(((reason, detail) for bad, reason, detail in checks if bad), None)
 
 
-def enumerate_layouts(
-    w: Workload, gpus: int, gpus_per_node: int, c: Constraints, flash: bool = True
-) -> Iterator[Layout | Rejection]:
-    """Every combination the constraints allow, each either a structurally valid Layout or a Rejection.
+def enumerate_strategies(
+    w: Workload, gpus: int, gpus_per_node: int, c: Constraints, a: Assumptions = DEFAULTS
+) -> Iterator[Strategy | Rejection]:
+    """Every combination the constraints allow, each either a structurally valid Strategy or a Rejection.
     Selective recompute is skipped with flash attention, where it recomputes nothing."""
+    flash, chunks = a.flash_attention, max_chunks(w.model, a.runtime)
     meshes = [(pp, gpus // (tp * pp), tp) for tp in _divisors(gpus) for pp in _divisors(gpus // tp)]
     meshes = [(pp, dp, tp) for pp, dp, tp in meshes if (c.pp or pp, c.dp or dp, c.tp or tp) == (pp, dp, tp)]
     if not meshes:
@@ -170,7 +194,7 @@ def enumerate_layouts(
     recomputes = [c.recompute] if c.recompute else [r for r in c.recompute_options if not (flash and r == "selective")]
     for pp, dp, tp in meshes:
         mesh = f"pp={pp},dp={dp},tp={tp}"
-        problem = _mesh_problem(w, gpus_per_node, pp, dp, tp, c.uneven_layers)
+        problem = _mesh_problem(w, gpus_per_node, pp, dp, tp, c.uneven_layers, chunks)
         per_replica = w.global_batch // dp
         if not problem and c.micro_batch and per_replica % c.micro_batch:
             problem = "micro-batch does not divide per-replica batch", f"{per_replica} % {c.micro_batch}"
@@ -185,8 +209,8 @@ def enumerate_layouts(
             [c.sequence_parallel] if c.sequence_parallel is not None else ([False, True] if tp > 1 else [False]),
         )
         for b, (schedule, v), zero, recompute, sp in choices:
-            lay = Layout(pp, dp, tp, zero, b, schedule, v, recompute, sp)
-            problem = _schedule_problem(w, lay, per_replica // b, c.uneven_layers)
+            lay = Strategy(Layout(pp, dp, tp), zero, b, schedule, v, recompute, sp)
+            problem = _schedule_problem(w, lay, per_replica // b, c.uneven_layers, chunks)
             yield Rejection(str(lay), *problem) if problem else lay
 
 
@@ -201,21 +225,74 @@ def _schedules(pp: int, c: Constraints) -> list[tuple[Schedule, int]]:
     return out
 
 
-def evaluate(
-    w: Workload, layout: Layout, hw: Hardware, a: Assumptions = DEFAULTS, costs: CostModel = DEFAULT_COSTS
-) -> Plan:
-    """Memory, step time and run cost of one layout (whether or not it fits)."""
-    step = step_time(w, layout, hw, a)
+def checkpoint_bytes(w: Workload) -> float:
+    """Bytes of one checkpoint: every parameter's weight and optimizer state."""
     w_bytes, _, o_bytes, _ = BYTES[w.precision]
-    checkpoint = param_counts(w.model)["total"] * (w_bytes + o_bytes)  # weights + optimizer state
-    cost = run_cost(step.train_days * 86400, layout.gpus, checkpoint, hw, costs)
-    return Plan(layout, layout.micro_batches(w.global_batch), memory(w, layout, hw, a), step, cost)
+    return param_counts(w.model)["total"] * (w_bytes + o_bytes)
 
 
-def _rank_key(objective: Objective):
+def evaluate(
+    w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS, costs: CostModel = DEFAULT_COSTS
+) -> Plan:
+    """Memory, step time and on-demand cost of one strategy (whether or not it fits)."""
+    step = step_time(w, strategy, hw, a)
+    ckpt = checkpoint_bytes(w)
+    nodes = nodes_of(strategy.gpus, hw.gpus_per_node)
+    pool = Pool(nodes, strategy.gpus / nodes)
+    cost = estimate(step.train_days * 86400, pool, rates(strategy.gpus, ckpt, hw, costs))
+    mem = memory(w, strategy, hw, a)
+    return Plan(strategy, strategy.micro_batches(w.global_batch), mem, step, cost, checkpoint_bytes=ckpt)
+
+
+def capacity(hw: Hardware, gpus: int, c: Constraints) -> float:
+    """Usable bytes per device: the constraint's, else the device's share."""
+    return c.memory_gb * GB if c.memory_gb is not None else hw.per_rank(gpus).memory_bytes
+
+
+def elastic_shrink(
+    w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS, c: Constraints = Constraints()
+) -> tuple[Callable[[int], float], int | None]:
+    """What an elastic job keeps after losing nodes: (throughput on n nodes relative to the full strategy, the
+    fewest nodes anything fits on). On n nodes it runs the same strategy with the largest dp that fits the
+    surviving GPUs, divides the global batch and the schedule, and fits in memory."""
+    s, g = strategy, hw.gpus_per_node
+    unit = s.pp * s.tp
+    full = step_time(w, s, hw, a).tokens_per_s
+    chunks = max_chunks(w.model, a.runtime)
+
+    @cache
+    def at(dp: int) -> float:
+        shrunk = dataclasses.replace(s, mesh=Layout(s.pp, dp, s.tp))
+        per_replica = w.global_batch // dp
+        if w.global_batch % dp or per_replica % s.micro_batch:
+            return 0.0
+        if _schedule_problem(w, shrunk, per_replica // s.micro_batch, c.uneven_layers, chunks):
+            return 0.0
+        if memory(w, shrunk, hw, a).total > capacity(hw, shrunk.gpus, c):
+            return 0.0
+        return step_time(w, shrunk, hw, a).tokens_per_s / full
+
+    @cache
+    def speed(nodes: int) -> float:
+        most = min(s.dp, int(nodes * g) // unit)
+        return next((r for d in range(most, 0, -1) if (r := at(d)) > 0), 0.0)
+
+    fewest = next((n for n in range(1, nodes_of(s.gpus, g) + 1) if speed(n) > 0), None)
+    return speed, fewest
+
+
+def price(plan: Plan, w: Workload, hw: Hardware, a: Assumptions, costs: CostModel, c: Constraints) -> Plan:
+    """The plan with its full offerings: on demand, spot and mixed pools with spares and elastic shrink."""
+    speed, fewest = elastic_shrink(w, plan.strategy, hw, a, c)
+    work = plan.step.train_days * 86400
+    offerings = run_cost(work, plan.strategy.gpus, plan.checkpoint_bytes, hw, costs, speed, fewest)
+    return dataclasses.replace(plan, offerings=offerings)
+
+
+def _rank_key(objective: Objective) -> Callable[[Plan], tuple]:
     if objective == "throughput":
         return lambda p: (-p.step.tokens_per_s, p.memory.total)
-    return lambda p: (min(p.cost.usd_on_demand, p.cost.usd_spot), -p.step.tokens_per_s)
+    return lambda p: (p.cost.usd, -p.step.tokens_per_s)
 
 
 def search(
@@ -227,26 +304,34 @@ def search(
     a: Assumptions = DEFAULTS,
     costs: CostModel = DEFAULT_COSTS,
     memory_only: bool = False,
+    priced: int = 10,
 ) -> SearchResult:
-    """Evaluate every valid layout on each device count in `gpus`; plans come back best first.
-    With memory_only, plans carry no step time or cost (used to find what would fit)."""
+    """Evaluate every valid strategy on each device count in `gpus`; plans come back best first. The first
+    `priced` (by the objective, on demand) also get spot, mixed and elastic offerings, and under the cost
+    objective are re-ranked by the recommended pool's dollars. With memory_only, plans carry no step time or
+    cost (used to find what would fit)."""
     result = SearchResult()
     for n in [gpus] if isinstance(gpus, int) else gpus:
-        capacity = hw.per_rank(n).memory_bytes
-        for item in enumerate_layouts(w, n, hw.gpus_per_node, constraints, a.flash_attention):
+        limit = capacity(hw, n, constraints)
+        for item in enumerate_strategies(w, n, hw.gpus_per_node, constraints, a):
             if isinstance(item, Rejection):
                 result.rejected.append(item)
                 continue
             mem = memory(w, item, hw, a)
-            if mem.total > capacity:
-                detail = f"needs {mem.total / GB:.1f} GB > {capacity / GB:.1f} GB"
+            if mem.total > limit:
+                detail = f"needs {mem.total / GB:.1f} GB > {limit / GB:.1f} GB"
                 result.rejected.append(Rejection(str(item), "out of memory", detail, mem))
             elif memory_only:
                 result.plans.append(Plan(item, item.micro_batches(w.global_batch), mem, None, None))
             else:
                 result.plans.append(evaluate(w, item, hw, a, costs))
-    key = (lambda p: p.memory.total) if memory_only else _rank_key(objective)
+    if memory_only:
+        result.plans.sort(key=lambda p: p.memory.total)
+        return result
+    key = _rank_key(objective)
     result.plans.sort(key=key)
+    head = [price(p, w, hw, a, costs, constraints) for p in result.plans[:priced]]
+    result.plans[:priced] = sorted(head, key=key)
     return result
 
 
@@ -260,7 +345,7 @@ def best(
     costs: CostModel = DEFAULT_COSTS,
 ) -> Plan:
     """The top-ranked plan, or PlanError saying why nothing works and what would."""
-    result = search(w, gpus, hw, objective, constraints, a, costs)
+    result = search(w, gpus, hw, objective, constraints, a, costs, priced=1 if objective == "throughput" else 10)
     if not result.plans:
         raise PlanError(no_fit_message(w, gpus, hw, constraints, a, result))
     return result.plans[0]
@@ -275,30 +360,30 @@ def no_fit_message(
     oom = [r for r in result.rejected if r.memory is not None]
     if oom:
         smallest = min(oom, key=lambda r: r.memory.total)
-        need, capacity = smallest.memory.total / GB, hw.per_rank(n).memory_bytes / GB
-        msg = f"{w.name} does not fit on {n}× {hw.name}: smallest footprint {need:.1f} GB > {capacity:.1f} GB"
+        need, limit = smallest.memory.total / GB, capacity(hw, n, c) / GB
+        msg = f"{w.name} does not fit on {n}× {hw.name}: smallest footprint {need:.1f} GB > {limit:.1f} GB"
         msg += f" per GPU ({smallest.layout})"
     else:
         first = result.rejected[0]
         msg = f"no valid layout for {w.name} on {n}× {hw.name}: {first.layout}: {first.reason} ({first.detail})"
         if len(result.rejected) > 1:
             msg += "; rejected: " + ", ".join(f"{r} ×{k}" for r, k in result.reasons().most_common(3))
-    free = Constraints(uneven_layers=c.uneven_layers, recompute_options=c.recompute_options)
+    free = Constraints(uneven_layers=c.uneven_layers, memory_gb=c.memory_gb, recompute_options=c.recompute_options)
     m = n if free != c else 2 * n
     while m <= (MAX_GPUS if oom else n):  # more devices only help when memory is the problem
         if search(w, m, hw, constraints=free, a=a, memory_only=True).plans:
-            fastest = search(w, m, hw, constraints=free, a=a).plans[0]
-            example = f"{fastest.layout} at {fastest.memory.total / GB:.1f} GB/GPU"
+            fastest = search(w, m, hw, constraints=free, a=a, priced=0).plans[0]
+            example = f"{fastest.strategy} at {fastest.memory.total / GB:.1f} GB/GPU"
             return f"{msg}; {'fits as' if m == n else f'needs ≥ {m} GPUs, e.g.'} {example}"
         m *= 2
     return f"{msg}; nothing fits on up to {MAX_GPUS} GPUs" if oom else msg
 
 
-def plan_for_config(cfg: Config, world_size: int, calibration: dict | None = None) -> Layout:
-    """The fastest layout for a meshlm run config on `world_size` ranks, for `--parallel.layout auto`.
+def plan_for_config(cfg: Config, world_size: int, calibration: dict | None = None) -> Strategy:
+    """The fastest strategy for a meshlm run config on `world_size` ranks, for `--parallel.layout auto`.
 
     The device comes from the calibration (its `device`), else cpu, or the local GPU's table entry.
-    The pipeline split is kept even and recomputation limited to what the trainer has (none or full)."""
+    Recomputation is limited to what the trainer has (none or full); the pipeline split is the trainer's."""
     model = cfg.model.build()
     hw = hardware(calibration.get("device") if calibration else _local_device(cfg), calibration)
     gpu = not hw.shared_node
@@ -313,10 +398,9 @@ def plan_for_config(cfg: Config, world_size: int, calibration: dict | None = Non
     )
     c = Constraints(
         micro_batch=cfg.train.micro_batch or None,
-        uneven_layers=False,
         recompute_options=("none", "full"),
     )
-    return best(w, world_size, hw, constraints=c).layout
+    return best(w, world_size, hw, constraints=c).strategy
 
 
 def _local_device(cfg: Config) -> str:

@@ -13,22 +13,32 @@ from functools import lru_cache
 
 from meshlm.model.config import ModelConfig
 from meshlm.model.flops import flops_per_token
+from meshlm.parallel.mesh import Layout
 from meshlm.plan.hardware import Hardware, Link
 from meshlm.plan.memory import (
     BYTES,
     DEFAULTS,
     Assumptions,
-    Layout,
+    Runtime,
+    Strategy,
     Workload,
     model_state_bytes,
+    rank_chunks,
     representative_stages,
-    stage_layers,
     stage_params,
 )
 
-PEAK_EFFICIENCY = 0.5  # achievable fraction of datasheet peak for a whole training step's compute
 MEASURED_EFFICIENCY = 0.8  # achievable fraction of a measured large-matmul rate
+MEMORY_EFFICIENCY = 0.8  # achievable fraction of memory bandwidth for streaming elementwise kernels
 DP_OVERLAP = 0.8  # NCCL runs on a few SMs beside compute; gloo on cpu competes for the same cores
+# Activation elements per token that one layer's elementwise kernels read plus write in forward, as
+# coefficients of (h replicated over tp unless sequence parallel, h split over tp plus this rank's KV width,
+# I split over tp); backward moves about twice as much. meshlm: eager RMSNorm (fp32 upcast, square, mean,
+# scale, downcast, weight: ~16h each), two residual adds (3h each), unfused rotary on Q and K (~10 per
+# element) and the attention output's transpose, silu and product (5I). megatron: fused norms (2h each),
+# residual adds, fused rotary (2 per element), fused SwiGLU (3I).
+TRAFFIC: dict[str, tuple[float, float, float]] = {"meshlm": (38, 12, 5), "megatron": (10, 2, 3)}
+UNFUSED_ATTENTION = 4  # without flash: scores written, softmax read + written, probabilities read (a·s each)
 
 
 def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
@@ -44,13 +54,13 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
     raise ValueError(f"unknown collective {op!r}")
 
 
-def crosses_nodes(layout: Layout, dim: str, gpus_per_node: int) -> bool:
+def crosses_nodes(mesh: Layout, dim: str, gpus_per_node: int) -> bool:
     """Whether some group of mesh dim `dim` spans two nodes. Ranks are numbered pp outermost, then dp,
     tp innermost (rank = (i_pp·dp + i_dp)·tp + i_tp) and fill nodes in order."""
-    size = getattr(layout, dim)
-    stride = {"tp": 1, "dp": layout.tp, "pp": layout.tp * layout.dp}[dim]
+    size = getattr(mesh, dim)
+    stride = {"tp": 1, "dp": mesh.tp, "pp": mesh.tp * mesh.dp}[dim]
     span = (size - 1) * stride
-    for block in range(0, layout.gpus, stride * size)[:gpus_per_node]:
+    for block in range(0, mesh.world_size, stride * size)[:gpus_per_node]:
         for first in range(block, block + min(stride, gpus_per_node)):
             if first // gpus_per_node != (first + span) // gpus_per_node:
                 return True
@@ -75,6 +85,44 @@ def _flops_split(model: ModelConfig, seq_len: int) -> tuple[float, float, float]
 
 
 @dataclass(frozen=True)
+class LayerWork:
+    """What one layer costs per token on one tensor-parallel rank, forward + backward (+ recompute)."""
+
+    gemm_flops: float  # projections, at the GEMM rate
+    attention_flops: float  # QKᵀ and AV: at the flash-attention rate, or the GEMM rate when unfused
+    memory_bytes: float  # elementwise kernels (norms, residuals, rotary, SwiGLU; unfused softmax), at HBM speed
+    recompute_flops: float  # of the above FLOPs, those spent recomputing (hardware but not model FLOPs)
+
+
+@lru_cache(maxsize=4096)
+def layer_work(
+    model: ModelConfig, seq_len: int, tp: int, sp: bool, recompute: str, flash: bool, runtime: Runtime, act: int
+) -> LayerWork:
+    """Per-token work of one layer: FLOPs from `flops_per_token` (model FLOPs, 3× the forward), plus the
+    recomputed forward (full: the whole layer; selective: the attention core, only without flash), and the
+    bytes its elementwise kernels move (`TRAFFIC`; backward twice the forward)."""
+    layer_f, _, attention_f = _flops_split(model, seq_len)
+    gemm, attention = (layer_f - 3 * attention_f) / tp, 3 * attention_f / tp
+    kv = max(model.n_kv_heads // tp, 1) * model.head_dim
+    replicated, split, mlp = TRAFFIC[runtime]
+    forward = replicated * model.dim / (tp if sp else 1) + split * (model.dim / tp + kv)
+    forward += mlp * model.intermediate_size / tp
+    softmax = 0.0 if flash else UNFUSED_ATTENTION * model.n_heads / tp * seq_len
+    forward_bytes = (forward + softmax) * act
+    extra_gemm = extra_attention = extra_bytes = 0.0
+    if recompute == "full":
+        extra_gemm, extra_attention, extra_bytes = gemm / 3, attention / 3, forward_bytes
+    elif recompute == "selective" and not flash:
+        extra_attention, extra_bytes = attention / 3, softmax * act
+    return LayerWork(
+        gemm + extra_gemm,
+        attention + extra_attention,
+        3 * forward_bytes + extra_bytes,
+        extra_gemm + extra_attention,
+    )
+
+
+@dataclass(frozen=True)
 class StepTime:
     """Seconds per step by part, and the throughput they imply."""
 
@@ -86,6 +134,7 @@ class StepTime:
     optimizer: float
     tokens_per_s: float
     tflops_per_gpu: float  # model FLOPs (no recomputation), the MFU numerator
+    hardware_tflops_per_gpu: float  # FLOPs executed, recomputation included (the HFU numerator)
     mfu: float
     train_days: float
 
@@ -99,10 +148,22 @@ class StepTime:
 
 
 def compute_rate(hw: Hardware, a: Assumptions) -> float:
-    """Achievable FLOP/s of a training step on one device."""
+    """Achievable GEMM FLOP/s of a training step on one device."""
     if hw.matmul_flops is not None:
         return hw.matmul_flops * (a.compute_efficiency or MEASURED_EFFICIENCY)
-    return hw.peak_flops * (a.compute_efficiency or PEAK_EFFICIENCY)
+    return hw.peak_flops * (a.compute_efficiency or hw.gemm_efficiency)
+
+
+def work_time(gemm: float, attention: float, nbytes: float, hw: Hardware, a: Assumptions, flash: bool) -> float:
+    """Seconds of device work for a rank alone: GEMM FLOPs at the GEMM rate, attention-core FLOPs at the
+    flash-attention rate (or the GEMM rate, unfused), and elementwise bytes at the achievable bandwidth."""
+    alone = hw.per_rank(1)
+    rate = compute_rate(alone, a)
+    return (
+        gemm / rate
+        + attention / (rate * (hw.attention_efficiency if flash else 1.0))
+        + nbytes / (alone.memory_bw * MEMORY_EFFICIENCY)
+    )
 
 
 def time_share(hw: Hardware, busy: float) -> float:
@@ -111,49 +172,48 @@ def time_share(hw: Hardware, busy: float) -> float:
     return max(1.0, busy / hw.cores) if hw.shared_node else 1.0
 
 
-def micro_batch_time(flops: float, layers: int, hw: Hardware, a: Assumptions, busy: float) -> float:
-    """One micro-batch's forward + backward on one rank: `flops` at the achievable rate of a rank alone,
-    plus the size-independent host time (layers·layer_overhead + micro_batch_overhead). On a shared node the
-    same thread does both, so they add, and time-sharing stretches both; on a GPU kernels run asynchronously
+def micro_batch_time(work_s: float, layers: int, hw: Hardware, busy: float) -> float:
+    """One micro-batch's forward + backward on one rank: `work_s` of device work (`work_time`), plus the
+    size-independent host time (layers·layer_overhead + micro_batch_overhead). On a shared node the same
+    thread does both, so they add, and time-sharing stretches both; on a GPU kernels run asynchronously
     behind the host, so the larger of the two counts."""
-    work = flops / compute_rate(hw.per_rank(1), a)
     host = layers * hw.layer_overhead_s + hw.micro_batch_overhead_s
     if hw.shared_node:
-        return (work + host) * time_share(hw, busy)
-    return max(work, host)
+        return (work_s + host) * time_share(hw, busy)
+    return max(work_s, host)
 
 
 def _dp_exposed(
-    w: Workload, lay: Layout, hw: Hardware, a: Assumptions, psi: float, layers: int, compute_mb: float
+    w: Workload, s: Strategy, hw: Hardware, a: Assumptions, psi: float, layers: int, compute_mb: float
 ) -> float:
     """Data-parallel communication left on the critical path. Gradients are reduced in buckets that hide
     behind backward (a.dp_overlap of it) except the last; ZeRO-1/2 all-gather updated weights after the
     step; ZeRO-2 reduce-scatters every micro-batch (sharded gradients cannot accumulate); ZeRO-3 gathers
     and reduces layer by layer, in forward, backward (and the recompute forward), prefetched except the
     first and last. Every bucket or layer is its own collective and pays the latency term again."""
-    if lay.dp == 1:
+    if s.dp == 1:
         return 0.0
     w_bytes, g_bytes, _, _ = BYTES[w.precision]
-    cross = crosses_nodes(lay, "dp", hw.gpus_per_node)
+    cross = crosses_nodes(s.mesh, "dp", hw.gpus_per_node)
     bucket = a.bucket_mb * 1e6
 
     def t(op: str, nbytes: float, calls: int | None = None) -> float:
         calls = calls or max(1, math.ceil(nbytes / bucket))  # default: one call per bucket
-        return calls * collective_time(op, nbytes / calls, lay.dp, hw.link("dp", cross, op))
+        return calls * collective_time(op, nbytes / calls, s.dp, hw.link("dp", cross, op))
 
-    m = lay.micro_batches(w.global_batch)
+    m = s.micro_batches(w.global_batch)
     grads, weights = psi * g_bytes, psi * w_bytes
-    backward = compute_mb * (3 / 4 if lay.recompute == "full" else 2 / 3)
+    backward = compute_mb * (3 / 4 if s.recompute == "full" else 2 / 3)
     after = 0.0  # collectives after the optimizer step, never hidden
-    if lay.zero == 0:
+    if s.zero == 0:
         overlapped, window, tail = t("all_reduce", grads), backward, t("all_reduce", min(bucket, grads), 1)
-    elif lay.zero in (1, 2):
-        times = m if lay.zero == 2 else 1
+    elif s.zero in (1, 2):
+        times = m if s.zero == 2 else 1
         overlapped, window = times * t("reduce_scatter", grads), times * backward
         tail, after = t("reduce_scatter", min(bucket, grads), 1), t("all_gather", weights)
     else:
         units = max(layers, 1)
-        gathers = 3 if lay.recompute == "full" else 2
+        gathers = 3 if s.recompute == "full" else 2
         overlapped = m * (gathers * t("all_gather", weights, units) + t("reduce_scatter", grads, units))
         window = m * compute_mb
         tail = t("all_gather", weights / units, 1) + t("reduce_scatter", grads / units, 1)
@@ -161,65 +221,70 @@ def _dp_exposed(
     return after + min(overlapped, max(tail, overlapped - overlap * window))
 
 
-def step_time(w: Workload, layout: Layout, hw: Hardware, a: Assumptions = DEFAULTS) -> StepTime:
+def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS) -> StepTime:
     """Predicted step time. The pipeline runs at its slowest stage: m slots of (compute + TP + p2p) plus
     the bubble; data-parallel tails and the optimizer step follow (the worst stage's). On a shared node every
     rank computes during the m slots and on average half of them during fill and drain; the step is then the
     longer of the critical path and the work, as the cores that idle ranks leave go to the others."""
-    model, lay = w.model, layout
-    busy_bubble = lay.gpus / 2 if lay.pp > 1 else lay.gpus
-    bubble_speedup = time_share(hw, lay.gpus) / time_share(hw, busy_bubble)
+    model, s = w.model, strategy
+    busy_bubble = s.gpus / 2 if s.pp > 1 else s.gpus
+    bubble_speedup = time_share(hw, s.gpus) / time_share(hw, busy_bubble)
     act = BYTES[w.precision][3]
-    m = lay.micro_batches(w.global_batch)
-    tokens = w.seq_len * lay.micro_batch
-    rank = hw.per_rank(lay.gpus)
-    layer_f, head_f, attention_f = _flops_split(model, w.seq_len)
-    recompute_f = {"none": 0.0, "selective": 0.0 if a.flash_attention else attention_f, "full": layer_f / 3}
-    layer_f += recompute_f[lay.recompute]
+    m = s.micro_batches(w.global_batch)
+    tokens = w.seq_len * s.micro_batch
+    rank = hw.per_rank(s.gpus)
+    flash = a.flash_attention
+    work = layer_work(model, w.seq_len, s.tp, s.sequence_parallel, s.recompute, flash, a.runtime, act)
+    head_f = _flops_split(model, w.seq_len)[1] / s.tp
+    loss_bytes = 3 * (act + 8) * model.vocab_size / s.tp  # logits, their fp32 copy and log-softmax, fwd + bwd
 
     activation = tokens * model.dim * act  # one micro-batch's hidden states, s·b·h
-    tp_cross = crosses_nodes(lay, "tp", hw.gpus_per_node)
-    tp_ops = ("all_gather", "reduce_scatter") if lay.sequence_parallel else ("all_reduce",)
-    per_collective = sum(collective_time(op, activation, lay.tp, hw.link("tp", tp_cross, op)) for op in tp_ops)
-    n_collectives = 6 if lay.recompute == "full" else 4  # per layer: 2 forward, 2 backward, 2 recompute
+    tp_cross = crosses_nodes(s.mesh, "tp", hw.gpus_per_node)
+    tp_ops = ("all_gather", "reduce_scatter") if s.sequence_parallel else ("all_reduce",)
+    per_collective = sum(collective_time(op, activation, s.tp, hw.link("tp", tp_cross, op)) for op in tp_ops)
+    n_collectives = 6 if s.recompute == "full" else 4  # per layer: 2 forward, 2 backward, 2 recompute
     tp_layer = n_collectives * per_collective * (1 - a.tp_overlap)
     # outside the layers, one call each: the vocab-parallel embedding's output (first stage) and the head
     # input's gradient (last stage); and the vocab-parallel loss's all-reduces of fp32 row max, then sum-exp
     # stacked with the target logit (last stage)
     tp_link = hw.link("tp", tp_cross, "all_reduce")
     tp_edge = per_collective / len(tp_ops) * (1 - a.tp_overlap)
-    tp_loss = sum(collective_time("all_reduce", k * tokens * 4, lay.tp, tp_link) for k in (1, 2)) * (1 - a.tp_overlap)
+    tp_loss = sum(collective_time("all_reduce", k * tokens * 4, s.tp, tp_link) for k in (1, 2)) * (1 - a.tp_overlap)
     p2p = 0.0
-    if lay.pp > 1:
-        pp_link = hw.link("pp", crosses_nodes(lay, "pp", hw.gpus_per_node), "send_recv")
+    if s.pp > 1:
+        pp_link = hw.link("pp", crosses_nodes(s.mesh, "pp", hw.gpus_per_node), "send_recv")
         # activations forward and gradients back, split over tp (scatter/gather), once per virtual stage
-        p2p = 2 * lay.virtual_stages * collective_time("send_recv", activation / lay.tp, 2, pp_link)
+        p2p = 2 * s.virtual_stages * collective_time("send_recv", activation / s.tp, 2, pp_link)
 
-    layers = stage_layers(model.n_layers, lay.pp, lay.virtual_stages)
+    chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
     slot_compute = slot_tp = dp_comm = optimizer = 0.0
-    for s in representative_stages(layers):
-        last = s == lay.pp - 1
-        flops = tokens * (layers[s] * layer_f + (head_f if last else 0.0)) / lay.tp
-        compute_mb = micro_batch_time(flops, layers[s], hw, a, lay.gpus)
-        tp_mb = layers[s] * tp_layer + (tp_edge if s == 0 else 0.0) + (tp_edge + tp_loss if last else 0.0)
+    for i in representative_stages(chunks):
+        layers, last = sum(chunks[i]), i == s.pp - 1
+        gemm = tokens * (layers * work.gemm_flops + (head_f if last else 0.0))
+        nbytes = tokens * (layers * work.memory_bytes + (loss_bytes if last else 0.0))
+        device = work_time(gemm, tokens * layers * work.attention_flops, nbytes, hw, a, flash)
+        compute_mb = micro_batch_time(device, layers, hw, s.gpus)
+        tp_mb = layers * tp_layer + (tp_edge if i == 0 else 0.0) + (tp_edge + tp_loss if last else 0.0)
         if compute_mb + tp_mb > slot_compute + slot_tp:
             slot_compute, slot_tp = compute_mb, tp_mb
-        psi = stage_params(model, lay.tp, layers[s], s == 0, last)
-        stage_dp = _dp_exposed(w, lay, hw, a, psi, layers[s], compute_mb)
-        stage_optimizer = 2 * sum(model_state_bytes(psi, lay.dp, lay.zero, w.precision)) / rank.memory_bw
+        psi = stage_params(model, s.tp, layers, i == 0, last)
+        stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb)
+        stage_optimizer = 2 * sum(model_state_bytes(psi, s.dp, s.zero, w.precision)) / rank.memory_bw
         if stage_dp + stage_optimizer > dp_comm + optimizer:
             dp_comm, optimizer = stage_dp, stage_optimizer
 
     slot = slot_compute + slot_tp + p2p
-    v = lay.virtual_stages if lay.schedule == "interleaved" else 1
+    v = s.virtual_stages if s.schedule == "interleaved" else 1
     # Critical path: m slots plus (p − 1)/v in fill and drain, each at the speed of a rank while the ranks of
     # half the stages compute; work: m slots at the speed while all compute. Both are lower bounds, and where
     # every rank owns its device the first is the larger: bubble = bubble_fraction × (m·slot + bubble).
-    critical = (m + (lay.pp - 1) / v) * (slot_compute / bubble_speedup + slot_tp + p2p)
+    critical = (m + (s.pp - 1) / v) * (slot_compute / bubble_speedup + slot_tp + p2p)
     bubble = max(0.0, critical - m * slot)
     total = m * slot + bubble + dp_comm + optimizer
     tokens_per_s = w.global_batch * w.seq_len / total
-    tflops = flops_per_token(model, w.seq_len) * tokens_per_s / lay.gpus / 1e12
+    model_flops = flops_per_token(model, w.seq_len)
+    tflops = model_flops * tokens_per_s / s.gpus / 1e12
+    recomputed = model.n_layers * work.recompute_flops * s.tp
     return StepTime(
         compute=m * slot_compute,
         tp_comm=m * slot_tp,
@@ -229,6 +294,7 @@ def step_time(w: Workload, layout: Layout, hw: Hardware, a: Assumptions = DEFAUL
         optimizer=optimizer,
         tokens_per_s=tokens_per_s,
         tflops_per_gpu=tflops,
+        hardware_tflops_per_gpu=tflops * (model_flops + recomputed) / model_flops,
         mfu=tflops * 1e12 / rank.peak_flops,
         train_days=w.train_tokens / tokens_per_s / 86400,
     )

@@ -1,42 +1,50 @@
 """The training loop: config in, checkpoints and metrics out. Parallelism enters only via ParallelModel.
 
-`train(cfg)` checks the layout, joins the process group and runs a `Trainer`, whose methods each own one
+`fit(cfg, model=..., loss_fn=..., data=..., optimizer=..., callbacks=...)` checks the layout, joins the
+process group and runs a `Trainer` over the user's pieces or meshlm's built-in ones (meshlm.train.parts);
+`train(cfg)` is `fit` with every built-in, what `meshlm train` runs. The Trainer's methods each own one
 concern: set-up, resume and rollback (sharded checkpoints, any layout), one step, what follows a step
-(logging, fault guards, evaluation) and saves.
+(logging, fault guards, evaluation, callbacks) and saves. It drives the model only through the public
+ParallelModel calls a custom loop uses too (forward_backward, clip_grad_norm_, step).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from meshlm.checkpoint import (
     Checkpointer,
     CheckpointError,
     init_optimizer_state,
-    latest_valid_checkpoint,
     optimizer_steps,
     read_trainer_state,
     set_optimizer_steps,
     training_entries,
 )
-from meshlm.config import Config, to_toml
-from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data
+from meshlm.config import Config, ConfigError, to_toml
+from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data_shared
 from meshlm.model import Transformer, flops_per_token
 from meshlm.observe import StepObserver, aggregate
 from meshlm.observe.env import environment
 from meshlm.observe.metrics import MetricsLogger, TrainProgress
 from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.mesh import Layout, build_mesh, parse_layout, validate_layout
+from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout, validate_layout
+from meshlm.parallel.plan import check_plan, plan_for
 from meshlm.train.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.train.faults import fault_point
 from meshlm.train.guards import Preemption, StepGuard, TrainingFault, Watchdog, check_replicas_in_sync
 from meshlm.train.optim import build_optimizer, lr_at, train_step
+from meshlm.train.parts import Batch, BatchSource, Callback, TrainParts
+
+__all__ = ["BatchSource", "Callback", "TrainParts", "TrainResult", "Trainer", "fit", "train"]
 
 
 @dataclass
@@ -67,6 +75,22 @@ def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
     return layout, n_micro
 
 
+def check_user_layout(cfg: Config, world_size: int, model: nn.Module, parts: TrainParts) -> tuple[Layout, int]:
+    """The same fail-fast checks for a model of the user's: its plan against the layout, then the batch and
+    the schedule."""
+    if cfg.parallel.layout == "auto":
+        raise ConfigError("parallel.layout = 'auto' plans meshlm's own model shapes; give a layout for your model")
+    layout = parse_layout(cfg.parallel.layout, world_size)
+    plan = parts.plan or plan_for(model)
+    check_plan(model, plan, layout.tp, layout.pp, cfg.parallel.zero, cfg.parallel.sequence_parallel)
+    n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
+    n_micro = check_batch_and_schedule(
+        layout, n_layers, cfg.train.global_batch, cfg.train.micro_batch, cfg.parallel.virtual_stages,
+        cfg.parallel.schedule,
+    )  # fmt: skip
+    return layout, n_micro
+
+
 def resolve_auto_layout(cfg: Config, world_size: int) -> Config:
     """`--parallel.layout auto`: the planner's fastest layout for this model, batch and world size."""
     if cfg.parallel.layout != "auto":
@@ -81,16 +105,6 @@ def resolve_auto_layout(cfg: Config, world_size: int) -> Config:
     return Config.model_validate(data)
 
 
-def load_data(cfg: Config, vocab_size: int) -> TokenData:
-    """Rank 0 tokenizes (once, cached on disk); the other ranks then read the same cache."""
-    if dist.get_rank() == 0:
-        data = prepare_data(cfg.data, vocab_size)
-    dist.barrier()
-    if dist.get_rank() != 0:
-        data = prepare_data(cfg.data, vocab_size)
-    return data
-
-
 def evaluate(model: ParallelModel, data: TokenData, cfg: Config, dp_rank: int, dp: int) -> float:
     """Mean loss over a fixed set of validation batches (the same windows every time)."""
     device = model_device(model)
@@ -103,15 +117,39 @@ def evaluate(model: ParallelModel, data: TokenData, cfg: Config, dp_rank: int, d
     return sum(losses) / len(losses)
 
 
+def evaluate_batches(model: ParallelModel, batches: Iterable[Batch]) -> float:
+    """Mean loss over user-given global validation batches (this replica's rows of each)."""
+    device = model_device(model)
+    losses = [
+        model.eval_loss(model.local_batch(x).to(device), model.local_batch(y).to(device)).item() for x, y in batches
+    ]
+    if not losses:
+        raise ValueError("eval_data yielded no batches")
+    return sum(losses) / len(losses)
+
+
 def model_device(model: ParallelModel) -> torch.device:
     return next(model.chunks[0].parameters()).device
 
 
 def train(cfg: Config) -> TrainResult:
-    """Train (or resume) the run in `cfg.log.run_dir`; return the losses of this invocation."""
+    """Train (or resume) meshlm's own model on `cfg.data` in `cfg.log.run_dir` (what `meshlm train` runs)."""
+    return fit(cfg)
+
+
+def fit(cfg: Config, parts: TrainParts | None = None, **pieces: object) -> TrainResult:
+    """Train (or resume) the run in `cfg.log.run_dir` with the user's pieces (TrainParts fields as keyword
+    arguments: model, loss_fn, data, eval_data, optimizer, callbacks, plan) or meshlm's built-ins; every
+    checkpoint, guard, metric and restart feature of `meshlm train` applies. Returns this invocation's
+    losses."""
+    parts = parts or TrainParts(**pieces)
     world_size = env_world_size()
-    cfg = resolve_auto_layout(cfg, world_size)
-    layout, n_micro = check_config(cfg, world_size)
+    model = parts.build_model(cfg.train.seed)
+    if model is None:
+        cfg = resolve_auto_layout(cfg, world_size)
+        layout, n_micro = check_config(cfg, world_size)
+    else:
+        layout, n_micro = check_user_layout(cfg, world_size, model, parts)
     device = resolve_device(cfg.train.device)
     # Armed before the process group exists: a restarted rank can hang in rendezvous or set-up too.
     watchdog = Watchdog(Path(cfg.log.run_dir), env_rank(), cfg.fault.watchdog_s)
@@ -119,7 +157,7 @@ def train(cfg: Config) -> TrainResult:
     created_group = init_distributed(device, cfg.parallel.timeout_s)
     trainer = None
     try:
-        trainer = Trainer(cfg, layout, n_micro, device, watchdog)
+        trainer = Trainer(cfg, layout, n_micro, device, watchdog, parts, model)
         return trainer.run()
     finally:
         if trainer is not None:
@@ -137,29 +175,56 @@ def _differing_field(saved: dict, current: dict) -> str:
 class Trainer:
     """One rank's training run; every public method is collective (all ranks call it together)."""
 
-    def __init__(self, cfg: Config, layout: Layout, n_micro: int, device: torch.device, watchdog: Watchdog) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        layout: Layout,
+        n_micro: int,
+        device: torch.device,
+        watchdog: Watchdog,
+        parts: TrainParts | None = None,
+        model: nn.Module | None = None,
+    ) -> None:
         self.cfg, self.layout, self.device, self.watchdog = cfg, layout, device, watchdog
+        self.parts = parts = parts or TrainParts()
+        self.callbacks: list[Callback] = list(parts.callbacks)
         self.rank = dist.get_rank()
         self.run_dir = Path(cfg.log.run_dir)
-        self.model_cfg = cfg.model.build()
         self.say = print if self.rank == 0 else (lambda *_: None)
 
-        watchdog.disarm()  # tokenizing the corpus is bounded by the barrier's own timeout
-        self.data = load_data(cfg, self.model_cfg.vocab_size)
-        watchdog.arm()
-        self.sampler = GlobalBatchSampler(self.data.train, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+        self.data = None
+        source = parts.batch_source()
+        if source is None:
+            watchdog.disarm()  # tokenizing the corpus is bounded by the barrier's own timeout
+            self.data = prepare_data_shared(cfg.data, cfg.model.build().vocab_size)
+            watchdog.arm()
+            source = GlobalBatchSampler(self.data.train, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+        self.sampler: BatchSource = source
 
-        torch.manual_seed(cfg.train.seed)
-        model = Transformer(self.model_cfg)
-        model.activation_checkpointing = cfg.train.activation_checkpointing
+        if model is None:
+            model_cfg = cfg.model.build()
+            torch.manual_seed(cfg.train.seed)
+            model = Transformer(model_cfg)
+            model.activation_checkpointing = cfg.train.activation_checkpointing
+            self.model_identity = model_cfg.to_dict()
+            flops_per_tok = flops_per_token(model_cfg, cfg.data.seq_len)
+        else:
+            n_params = sum(p.numel() for p in model.parameters())
+            self.model_identity = {"class": type(model).__qualname__, "parameters": n_params}
+            flops_per_tok = 6.0 * n_params  # forward + backward matmuls; attention scores not counted
         model.to(device)
         self.mesh = build_mesh(layout, device.type)
-        self.model = ParallelModel(model, self.mesh, cfg.parallel, n_micro, autocast_dtype(cfg.train.dtype, device))
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        autocast = autocast_dtype(cfg.train.dtype, device)
+        self.model = ParallelModel(model, self.mesh, cfg.parallel, n_micro, autocast, parts.plan, parts.loss_fn)
+        if parts.optimizer is None:
+            self.optimizer = build_optimizer(self.model, cfg.train)
+        else:
+            self.optimizer = parts.optimizer(self.model.optimizer_param_groups(cfg.train.weight_decay))
         init_optimizer_state(self.optimizer)  # so checkpoints and rollbacks can fill it in place
         self.checkpointer = Checkpointer(
             self.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.parallel.timeout_s,
-            on_shard_written=lambda step: fault_point("save", self.rank, step),
+            on_shard_written=lambda step: fault_point("save", self.rank, step), say=self.say,
+            record=lambda step, outcome: self.log(step, "checkpoint", **outcome),
         )  # fmt: skip
         self.dp_rank, self.dp = self.mesh.rank("dp"), layout.dp
 
@@ -169,11 +234,11 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
-            self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard)
+            self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, start_step=self.sampler.step)
         tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         dist.barrier()  # ranks sharing a CPU measure its matmul peak together
         self.observer = StepObserver(
-            flops_per_token(self.model_cfg, cfg.data.seq_len) * tokens_per_step, tokens_per_step,
+            flops_per_tok * tokens_per_step, tokens_per_step,
             n_devices=dist.get_world_size(), device=device, peak_flops=cfg.log.peak_flops or None,
             model=self.model, optimizer=self.optimizer, activations=cfg.log.activation_memory,
         )  # fmt: skip
@@ -189,16 +254,12 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def newest_checkpoint(self) -> Path | None:
-        """Rank 0 verifies (naming and skipping corrupt ones) and tells the others."""
-        found: list[str | None] = [None]
-        if self.rank == 0:
-            path = latest_valid_checkpoint(self.run_dir, warn=self.say)
-            found = [str(path) if path else None]
-        dist.broadcast_object_list(found, src=0)
-        return Path(found[0]) if found[0] else None
+        """Rank 0 verifies (moving corrupt ones aside, named) and tells the others."""
+        return self.checkpointer.newest_valid()
 
     def resume(self) -> None:
-        path = self.newest_checkpoint() if self.cfg.checkpoint.resume else None
+        """Leftovers of failed saves removed, corrupt checkpoints moved aside, then the newest valid one."""
+        path = self.checkpointer.resume_point(self.cfg.checkpoint.resume, self.cfg.checkpoint.allow_fresh_start)
         if path is not None:
             saved = self.load(path, restore_data_position=True)
             self.say(f"resuming from {path} at step {self.sampler.step} (saved under {saved.get('layout')})")
@@ -207,7 +268,7 @@ class Trainer:
     def load(self, path: Path, restore_data_position: bool) -> dict:
         """Weights and Adam state from `path`, resharded to this layout; the data position too if asked."""
         saved = read_trainer_state(path)
-        current = json.loads(json.dumps(self.model_cfg.to_dict()))
+        current = json.loads(json.dumps(self.model_identity))
         if saved.get("model") != current:
             raise CheckpointError(
                 f"checkpoint {path} is for another model ({_differing_field(saved['model'], current)})"
@@ -226,10 +287,11 @@ class Trainer:
             "optimizer_steps": optimizer_steps(self.optimizer),
             "layout": str(self.layout),
             "world_size": dist.get_world_size(),
-            "model": self.model_cfg.to_dict(),
+            "model": self.model_identity,
         }
-        held_s = self.checkpointer.save(step, training_entries(self.model, self.optimizer, writer=True), state)
-        self.log(step, "checkpoint", held_s=held_s, staging_bytes=self.checkpointer.staging_bytes)
+        self.checkpointer.save(step, training_entries(self.model, self.optimizer, writer=True), state)
+        for callback in self.callbacks:
+            callback.on_checkpoint(self, step)
 
     # ---- the loop ---------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -241,6 +303,7 @@ class Trainer:
                 self.evaluate(0)
             while self.sampler.step < cfg.train.steps:
                 done = self.step()
+                self.checkpointer.poll(self.device)  # a failed background save stops the run here
                 if self.preemption.requested(self.device):
                     self.watchdog.arm(cfg.fault.grace_s)
                     self.save(done)
@@ -273,12 +336,14 @@ class Trainer:
         self.result.losses.append(loss)
         if trace := self.profiler.after_step(done):
             self.progress.print(f"profiler trace: {trace}")
-        self.progress.update(done, loss, metrics["tokens_per_s"], extra=f"MFU {metrics['mfu']:.1%}")
+        self.progress.update(done, loss, metrics["tokens_per_s"], extra=self.observer.mfu_label(metrics["mfu"]))
         if not applied:
             self.rejected(done, loss, grad_norm)
         if done % self.cfg.log.every == 0 or done == self.cfg.train.steps or done == 1:
             self.log(done, "train", loss=loss, grad_norm=grad_norm, lr=lr, **metrics)
         self.periodic_checks(done, metrics)
+        for callback in self.callbacks:
+            callback.on_step_end(self, done, loss, metrics)
         return done
 
     def rejected(self, done: int, loss: float, grad_norm: float) -> None:
@@ -321,7 +386,14 @@ class Trainer:
             self.evaluate(done)
 
     def evaluate(self, done: int) -> None:
-        val = evaluate(self.model, self.data, self.cfg, self.dp_rank, self.dp)
+        if self.data is not None:
+            val = evaluate(self.model, self.data, self.cfg, self.dp_rank, self.dp)
+        elif self.parts.eval_data is not None:
+            val = evaluate_batches(self.model, self.parts.eval_batches())
+        else:
+            return
+        for callback in self.callbacks:
+            callback.on_eval(self, done, val)
         self.result.eval_losses.append((done, val))
         if done:
             self.progress.print(f"step {done}: train loss {self.result.losses[-1]:.4f}, val loss {val:.4f}")

@@ -1,0 +1,155 @@
+"""meshlm as a library: your model, your loss, your loop, and every meshlm strategy under it.
+
+    mesh = meshlm.init_mesh("dp=2,tp=2")                     # under torchrun, or one process
+    model = meshlm.parallelize(MyModel(), mesh, zero=1)     # the class's registered plan, or plan=...
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    for x, y in batches:                                     # global batches, the same on every rank
+        loss = my_loss(model(model.local_batch(x)), model.local_batch(y))
+        model.backward(loss)                                 # overlapped, bucketed gradient reduction
+        model.clip_grad_norm_(1.0)                           # the true global norm, any layout
+        model.step(optimizer)                                # + ZeRO's gather of the new weights
+
+`parallelize` returns a `ParallelModel` (meshlm.parallel.engine); under pipeline parallelism the loop calls
+`model.forward_backward(x, y, loss_fn)` instead of forward + backward. `Checkpoints` saves and loads the
+model, the optimizer and any JSON state (the data position) as sharded checkpoints that reshard to any
+other layout. meshlm's own trainer is built on exactly these calls (meshlm.train.trainer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import ValidationError
+from torch import nn
+
+from meshlm.checkpoint import (
+    Checkpointer,
+    init_optimizer_state,
+    latest_valid_checkpoint,
+    optimizer_steps,
+    read_trainer_state,
+    set_optimizer_steps,
+    training_entries,
+)
+from meshlm.config import ConfigError, ParallelSection
+from meshlm.parallel.engine import LossFn, ParallelModel
+from meshlm.parallel.mesh import Mesh, build_mesh, check_batch_and_schedule, parse_layout
+from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
+from meshlm.train.distributed import init_distributed, resolve_device
+
+__all__ = ["Checkpoints", "init_mesh", "parallelize"]
+
+RESERVED = ("step", "optimizer_steps", "layout", "world_size")
+
+
+def init_mesh(layout: str = "", device: str = "auto", timeout_s: float = 300.0) -> Mesh:
+    """Join the process group (torchrun's environment, else a one-process group) and build the device mesh.
+
+    `layout` names the size of each dimension, 'pp=2,dp=2,tp=2' (dp takes what the others leave); `device`
+    is 'auto' (this rank's GPU if CUDA works), 'cpu' or 'cuda'; collectives give up after `timeout_s`."""
+    dev = resolve_device(device)
+    init_distributed(dev, timeout_s)
+    return build_mesh(parse_layout(layout, dist.get_world_size()), dev.type)
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    plan: ParallelPlan | None = None,
+    zero: int = 0,
+    zero_shard_size: int | None = None,
+    zero_param_dtype: str = "fp32",
+    sequence_parallel: bool = False,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    micro_batches: int = 1,
+    bucket_mb: float = 25.0,
+    loss_fn: LossFn | None = None,
+    gather_logits: bool = False,
+    autocast_dtype: torch.dtype | None = None,
+) -> ParallelModel:
+    """Apply the mesh's layout to `model` in place, as `plan` (default: the plan registered for the model's
+    class, else DP/ZeRO only) says: tensor parallel, then pipeline stages, then data parallel / ZeRO.
+
+    Every rank must build `model` with the same weights (same seed) before calling this. The plan is checked
+    first; a mismatch raises a one-line PlanError naming the module, with the model untouched.
+    `micro_batches` is how many micro-batches `forward_backward` cuts this replica's batch into (gradient
+    accumulation; under pp the pipeline's micro-batches). `loss_fn(output, targets)` is what
+    `forward_backward` minimises (default: token cross-entropy); `gather_logits` gives a tp model full
+    logits for a loss of one's own."""
+    try:
+        parallel = ParallelSection(
+            layout=str(mesh.layout),
+            zero=zero,
+            zero_shard_size=zero_shard_size,
+            zero_param_dtype=zero_param_dtype,
+            sequence_parallel=sequence_parallel,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            bucket_mb=bucket_mb,
+        )
+    except ValidationError as e:
+        error = e.errors()[0]
+        raise ConfigError(f"parallelize: {error['loc'][0]}: {error['msg']}") from None
+    plan = plan or plan_for(model)
+    layout = mesh.layout
+    check_plan(model, plan, layout.tp, layout.pp, zero, sequence_parallel)
+    n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
+    check_batch_and_schedule(layout, n_layers, micro_batches * layout.dp, 1, virtual_stages, schedule)
+    device = torch.device(mesh.device_mesh.device_type)
+    if device.type == "cuda":
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    return ParallelModel(model, mesh, parallel, micro_batches, autocast_dtype, plan, loss_fn, gather_logits)
+
+
+class Checkpoints:
+    """Sharded, atomic, checksummed checkpoints of a ParallelModel and its optimizer under `run_dir`, plus any
+    JSON-serialisable state (the data position, the step); any layout loads what any other saved.
+
+    Every call is collective: all ranks call it together. `async_save` writes in the background while
+    training goes on (`wait()` joins the save in flight)."""
+
+    def __init__(self, run_dir: str | Path, keep: int = 3, async_save: bool = True, timeout_s: float = 300.0) -> None:
+        self.run_dir = Path(run_dir)
+        self.checkpointer = Checkpointer(self.run_dir, keep, async_save, timeout_s)
+
+    def save(self, step: int, model: ParallelModel, optimizer: torch.optim.Optimizer, **state: Any) -> float:
+        """Save step `step`; returns the seconds training was held (the rest is written in the background)."""
+        reserved = set(state) & set(RESERVED)
+        if reserved:
+            raise ValueError(f"Checkpoints.save: state keys {sorted(reserved)} are meshlm's own; rename them")
+        init_optimizer_state(optimizer)
+        meta = {
+            **state,
+            "step": step,
+            "optimizer_steps": optimizer_steps(optimizer),
+            "layout": str(model.mesh.layout),
+            "world_size": dist.get_world_size(),
+        }
+        return self.checkpointer.save(step, training_entries(model, optimizer, writer=True), meta)
+
+    def load_latest(self, model: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """Load the newest valid checkpoint into `model` and `optimizer`, resharded to this layout; return
+        the state saved with it (with 'step', 'layout', 'world_size'), or None when there is none yet."""
+        self.wait()
+        found: list[str | None] = [None]
+        if dist.get_rank() == 0:
+            path = latest_valid_checkpoint(self.run_dir)
+            found = [str(path) if path else None]
+        dist.broadcast_object_list(found, src=0)
+        if found[0] is None:
+            return None
+        path = Path(found[0])
+        saved = read_trainer_state(path)
+        init_optimizer_state(optimizer)
+        self.checkpointer.load(path, training_entries(model, optimizer))
+        set_optimizer_steps(optimizer, saved["optimizer_steps"])
+        model.after_load()
+        return saved
+
+    def wait(self) -> None:
+        self.checkpointer.wait()

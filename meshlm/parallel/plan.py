@@ -1,0 +1,246 @@
+"""Parallel plans: what each strategy needs to know about a model family, as a small table.
+
+The strategies never name a model's attributes. Tensor parallelism asks the plan which modules to split and
+how, ZeRO-3 which modules form a gather/free unit, pipeline parallelism where the layers are and which
+modules only the first or the last stage runs. A new model family is one `ParallelPlan`:
+
+    ParallelPlan(
+        name="gpt2",
+        tensor_parallel={"h.*.attn.[qkv]": COLWISE, "h.*.attn.out": ROWWISE, "h.*.mlp.fc": COLWISE,
+                         "h.*.mlp.proj": ROWWISE, "wte": VOCAB_EMBEDDING, "head": VOCAB_HEAD},
+        zero3_units=("Block",),
+        pipeline=PipelineSplit(layers="h", first=("wte", "wpe"), last=("ln_f", "head")),
+    )
+
+Patterns are `fnmatch` globs over module names (`model.layers.*.self_attn.q_proj`); ZeRO-3 units match a
+module name or a class name, and a tuple of patterns makes one unit of several modules. `plan_for(model)`
+picks the registered plan of a model's class, else a generic data-parallel / ZeRO plan. `check_plan`
+validates a plan against a model and a layout before anything is changed, so nothing is ever trained on a
+half-applied plan.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from meshlm.parallel.mesh import LayoutError
+
+# ---- tensor-parallel styles ---------------------------------------------------------------------------
+COLWISE = "colwise"  # Linear: output features (weight rows, bias) split; input = the full activation
+COLWISE_HEADS = "colwise_heads"  # COLWISE at attention-head boundaries; fewer heads than ranks are replicated
+ROWWISE = "rowwise"  # Linear: input features split; partial outputs summed over tp, bias added once
+VOCAB_EMBEDDING = "vocab_embedding"  # Embedding: vocabulary rows split; lookups summed over tp
+VOCAB_HEAD = "vocab_head"  # output Linear: vocabulary rows split; logits vocab-sharded or gathered
+SEQUENCE_PARALLEL = "sequence_parallel"  # a module run on sequence shards under SP (norms): its grads summed
+TP_STYLES = (COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, SEQUENCE_PARALLEL)
+LINEAR_STYLES = (COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_HEAD)
+
+
+class PlanError(LayoutError):
+    """A plan that does not fit the model or the layout, phrased as one line naming the module."""
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """Where a model's layers are, for cutting it into contiguous pipeline stages.
+
+    `layers` is the dotted name of the ModuleList/ModuleDict of blocks; `first` the modules only the first
+    stage runs (embeddings), `last` those only the last stage runs (final norm, head). A stage keeps its
+    slice of the blocks and sees the modules it does not own as None, so the model's forward must skip a
+    None part (as meshlm's Transformer and torchtitan's models do) and loop over the blocks it holds."""
+
+    layers: str
+    first: tuple[str, ...] = ()
+    last: tuple[str, ...] = ()
+    hidden_size: int | None = None  # activation width between stages; default: the first-stage embedding's
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """One model family's table for every strategy (see the module docstring)."""
+
+    name: str
+    tensor_parallel: dict[str, str] = field(default_factory=dict)
+    zero3_units: tuple[str | tuple[str, ...], ...] = ()
+    pipeline: PipelineSplit | None = None
+    sequence_parallel: bool = False  # whether the family's forward runs on sequence shards (rotary, no abs. pos.)
+    head_dim: Callable[[nn.Module], int] | None = None  # width of one attention head, for COLWISE_HEADS
+    stage_costs: Callable[[nn.Module], tuple[float, float, float]] | None = None  # (first, per layer, last)
+    check: Callable[[nn.Module, int], None] | None = None  # family-specific tp checks (one-line LayoutError)
+
+    def tp_style(self, module_name: str) -> str | None:
+        for pattern, style in self.tensor_parallel.items():
+            if fnmatch.fnmatchcase(module_name, pattern):
+                return style
+        return None
+
+
+def tp_modules(model: nn.Module, plan: ParallelPlan) -> Iterator[tuple[str, nn.Module, str]]:
+    """(name, module, style) of every module the plan splits, in registration order."""
+    for name, module in model.named_modules():
+        style = plan.tp_style(name) if name else None
+        if style is not None:
+            yield name, module, style
+
+
+def zero3_unit_groups(chunk: nn.Module, plan: ParallelPlan) -> list[list[nn.Module]]:
+    """The modules of each ZeRO-3 unit, in forward (registration) order: the chunk itself first (it catches
+    every parameter outside the units), then one unit per plan entry match. A tuple entry gathers all its
+    matches as one unit; modules a pipeline stage does not hold (None) simply do not match."""
+    groups: list[list[nn.Module]] = [[chunk]]
+    taken: set[nn.Module] = set()
+    for name, module in chunk.named_modules():
+        if not name or module in taken:
+            continue
+        for entry in plan.zero3_units:
+            patterns = entry if isinstance(entry, tuple) else (entry,)
+            if not _matches(name, module, patterns):
+                continue
+            if isinstance(entry, tuple):
+                group = [m for n, m in chunk.named_modules() if n and _matches(n, m, patterns) and m not in taken]
+            else:
+                group = [module]
+            taken.update(m for g in group for m in g.modules())
+            groups.append(group)
+            break
+    return groups
+
+
+def _matches(name: str, module: nn.Module, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) or type(module).__name__ == p for p in patterns)
+
+
+# ---- checking a plan against a model and a layout -----------------------------------------------------
+def check_plan(model: nn.Module, plan: ParallelPlan, tp: int, pp: int, zero: int, sequence_parallel: bool) -> None:
+    """Raise a one-line PlanError naming the module if `plan` cannot be applied to `model` at this layout."""
+    cls = type(model).__name__
+    names = dict(model.named_modules())
+    if tp > 1:
+        if not plan.tensor_parallel:
+            raise PlanError(f"plan {plan.name!r} for {cls} has no tensor_parallel table; tp={tp} needs one")
+        if sequence_parallel and not plan.sequence_parallel:
+            raise PlanError(
+                f"plan {plan.name!r}: {cls} does not support parallel.sequence_parallel (its forward needs the "
+                "full sequence, e.g. learned positions); use sequence_parallel = false"
+            )
+        for pattern, style in plan.tensor_parallel.items():
+            if style not in TP_STYLES:
+                raise PlanError(f"plan {plan.name!r}: style {style!r} for {pattern!r}; valid: {', '.join(TP_STYLES)}")
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names if n):
+                raise PlanError(
+                    f"plan {plan.name!r}: tensor_parallel pattern {pattern!r} matches no module of {cls} "
+                    f"(modules: {_examples(names)})"
+                )
+        for name, module, style in tp_modules(model, plan):
+            _check_tp_module(plan, model, name, module, style, tp)
+        if plan.check is not None:
+            plan.check(model, tp)
+    if zero == 3:
+        for entry in plan.zero3_units:
+            patterns = entry if isinstance(entry, tuple) else (entry,)
+            for pattern in patterns:
+                if not any(_matches(n, m, (pattern,)) for n, m in names.items() if n):
+                    raise PlanError(
+                        f"plan {plan.name!r}: zero3_units entry {pattern!r} matches no module name or class of "
+                        f"{cls} (modules: {_examples(names)})"
+                    )
+    if pp > 1:
+        check_pipeline_split(model, plan, pp)
+
+
+def _check_tp_module(plan: ParallelPlan, model: nn.Module, name: str, module: nn.Module, style: str, tp: int) -> None:
+    where = f"plan {plan.name!r}: module {name} ({type(module).__name__}, {style})"
+    if style in LINEAR_STYLES and not isinstance(module, nn.Linear):
+        raise PlanError(f"{where}: {style} splits an nn.Linear; this module is not one")
+    if style == VOCAB_EMBEDDING and not isinstance(module, nn.Embedding):
+        raise PlanError(f"{where}: {style} splits an nn.Embedding; this module is not one")
+    if style in (COLWISE, VOCAB_HEAD) and module.out_features % tp:
+        raise PlanError(f"{where}: out_features {module.out_features} is not divisible by tp={tp}")
+    if style == ROWWISE and module.in_features % tp:
+        raise PlanError(f"{where}: in_features {module.in_features} is not divisible by tp={tp}")
+    if style == VOCAB_EMBEDDING and module.num_embeddings % tp:
+        raise PlanError(f"{where}: num_embeddings {module.num_embeddings} is not divisible by tp={tp}")
+    if style == COLWISE_HEADS:
+        if plan.head_dim is None:
+            raise PlanError(f"{where}: the plan gives no head_dim to split at head boundaries")
+        head_dim = plan.head_dim(model)
+        heads, rest = divmod(module.out_features, head_dim)
+        if rest or (heads % tp and tp % heads):
+            raise PlanError(
+                f"{where}: {module.out_features} outputs = {heads} heads of {head_dim}; the head count must "
+                f"divide or be divisible by tp={tp}"
+            )
+
+
+def check_pipeline_split(model: nn.Module, plan: ParallelPlan, n_stages: int) -> None:
+    """Every parameter must belong to a block, a first-stage or a last-stage module; with several stages
+    none may be shared by the first and the last (tied embeddings)."""
+    cls = type(model).__name__
+    split = plan.pipeline
+    if split is None:
+        raise PlanError(f"plan {plan.name!r} for {cls} has no pipeline split; pp > 1 needs PipelineSplit(...)")
+    names = dict(model.named_modules())
+    for part in (split.layers, *split.first, *split.last):
+        if part not in names:
+            raise PlanError(f"plan {plan.name!r}: pipeline module {part!r} does not exist in {cls}")
+    if not isinstance(names[split.layers], (nn.ModuleList, nn.ModuleDict)):
+        raise PlanError(f"plan {plan.name!r}: pipeline layers {split.layers!r} must be an nn.ModuleList or ModuleDict")
+    owners = (split.layers, *split.first, *split.last)
+    for pname, _ in model.named_parameters(remove_duplicate=False):
+        if not any(pname.startswith(owner + ".") for owner in owners):
+            raise PlanError(
+                f"plan {plan.name!r}: parameter {pname} of {cls} is in no pipeline stage; add its module to "
+                f"PipelineSplit.first or .last (now first={list(split.first)}, last={list(split.last)})"
+            )
+    if n_stages > 1:
+        first = {id(p): f"{n}.{pn}" for n in split.first for pn, p in names[n].named_parameters()}
+        for n in split.last:
+            for pn, p in names[n].named_parameters():
+                if id(p) in first:
+                    raise PlanError(
+                        f"{cls}: {first[id(p)]} (first stage) and {n}.{pn} (last stage) are one tied parameter, "
+                        "which cannot live on two pipeline stages; untie them (model.tie_embeddings = false)"
+                    )
+
+
+def _examples(names: dict[str, nn.Module], limit: int = 6) -> str:
+    shown = [n for n in names if n][:limit]
+    return ", ".join(shown) + (", ..." if len(names) - 1 > limit else "")
+
+
+# ---- the registry ---------------------------------------------------------------------------------------
+PlanSource = ParallelPlan | Callable[[nn.Module], ParallelPlan]
+_PLANS: dict[type | str, PlanSource] = {}
+
+
+def register_plan(model_class: type | str, plan: PlanSource) -> None:
+    """Use `plan` (or `plan(model)`) for instances of `model_class` and its subclasses; a class *name* serves
+    families whose package is optional (transformers), matched without importing it."""
+    _PLANS[model_class] = plan
+
+
+def plan_for(model: nn.Module) -> ParallelPlan:
+    """The registered plan of the model's class (or nearest base), else the generic plan (DP / ZeRO only)."""
+    from meshlm.parallel import plans  # noqa: F401  (registers the built-in families)
+
+    for cls in type(model).__mro__:
+        plan = _PLANS.get(cls) or _PLANS.get(cls.__name__)
+        if plan is not None:
+            return plan if isinstance(plan, ParallelPlan) else plan(model)
+    return generic_plan(model)
+
+
+def generic_plan(model: nn.Module) -> ParallelPlan:
+    """Any nn.Module: no tensor or pipeline split; ZeRO-3 units are the entries of its largest ModuleList or
+    ModuleDict (its blocks), or else its direct children that hold parameters."""
+    containers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+    if containers:
+        name, blocks = max(containers, key=lambda c: sum(p.numel() for p in c[1].parameters()))
+        units = tuple(f"{name}.{key}" for key, _ in blocks.named_children())
+    else:
+        units = tuple(n for n, m in model.named_children() if any(True for _ in m.parameters()))
+    return ParallelPlan(name=f"generic:{type(model).__name__}", zero3_units=units)

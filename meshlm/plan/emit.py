@@ -1,0 +1,167 @@
+"""Launch files for a plan: a Slurm sbatch script and a Kubeflow PyTorchJob manifest that run `meshlm train`
+under torchrun's elastic agent, with the plan's layout, checkpoint interval, restarts and node range.
+
+Both start one torchrun agent per node with a c10d rendezvous (Slurm: hosted on the job's first node;
+Kubernetes: the training operator's), `--nnodes MIN:MAX` (MIN < MAX when the recommended pool shrinks
+elastically), `--max-restarts` sized to the expected restarts, and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+(pytorch/pytorch#135712, docs/fault-tolerance.md). Hot spares are extra nodes whose agents wait in the
+rendezvous until a member is lost. docs/clusters.md shows both files and how to adapt them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import dataclass
+
+from meshlm.plan.memory import Strategy
+from meshlm.plan.search import Plan
+
+RDZV_PORT = 29500
+JOIN_TIMEOUT_S = 900  # how long the first agents wait for the others (nodes can be slow to boot)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a cluster needs to start a plan: nodes, agents and the trainer's command line."""
+
+    name: str
+    nodes: int  # MAX: the full layout's nodes
+    min_nodes: int  # MIN: the fewest an elastic job keeps training on (= nodes when rigid)
+    spares: int  # extra nodes started whose agents wait in the rendezvous
+    nproc_per_node: int
+    max_restarts: int
+    train_args: tuple[str, ...]  # after `-m meshlm.cli train`
+
+    def torchrun_args(self, endpoint: str, rdzv_id: str) -> list[str]:
+        """torchrun's arguments for one agent, rendezvous at `endpoint` (host:port)."""
+        return [
+            f"--nnodes={self.min_nodes}:{self.nodes}",
+            f"--nproc-per-node={self.nproc_per_node}",
+            f"--max-restarts={self.max_restarts}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={rdzv_id}",
+            f"--rdzv-conf=join_timeout={JOIN_TIMEOUT_S}",
+            "-m",
+            "meshlm.cli",
+            "train",
+            *self.train_args,
+        ]
+
+
+def _mesh_override(s: Strategy, elastic: bool) -> str:
+    """The `parallel.layout` value: the full mesh, or without dp for an elastic job, whose dp is whatever
+    the world it restarts with leaves."""
+    return f"pp={s.pp},tp={s.tp}" if elastic else s.layout
+
+
+def launch_for(
+    plan: Plan, model_args: list[str], seq_len: int, global_batch: int, train_tokens: float, name: str
+) -> Launch:
+    """The launch of a priced plan's recommended pool; `model_args` select the model (`--config FILE` or
+    `--model.*` overrides). Checkpoints every Young interval in steps; restarts allowed: three times the
+    expected number, at least 3."""
+    s, pick = plan.strategy, plan.cost
+    pool = pick.pool
+    fields = dict(s.overrides())
+    fields["parallel.layout"] = _mesh_override(s, pool.elastic)
+    step_s = plan.step.total
+    steps = max(1, math.ceil(train_tokens / (global_batch * seq_len)))
+    fields["data.seq_len"] = seq_len
+    fields["train.global_batch"] = global_batch
+    fields["train.steps"] = steps
+    fields["checkpoint.every"] = max(1, min(steps, round(pick.interval_s / step_s))) if pick.interval_s else steps
+    args = [*model_args]
+    for key, value in fields.items():
+        args += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    restarts = pick.restarts if math.isfinite(pick.restarts) else 0.0
+    return Launch(
+        name=name,
+        nodes=pool.nodes,
+        min_nodes=pool.min_nodes if pool.elastic else pool.nodes,
+        spares=pool.spares,
+        nproc_per_node=round(s.gpus / pool.nodes),
+        max_restarts=max(3, math.ceil(3 * restarts)),
+        train_args=tuple(args),
+    )
+
+
+def job_name(name: str) -> str:
+    """A name Slurm and Kubernetes both accept: lower-case letters, digits and '-'."""
+    clean = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+    return ("meshlm-" + clean)[:63].rstrip("-")
+
+
+def slurm(launch: Launch, summary: str) -> str:
+    """An sbatch script: one task per node runs a torchrun agent; the first node hosts the rendezvous.
+    HEAD_NODE, RDZV_PORT and RDZV_ID default to the job's own and can be set from outside; extra arguments
+    to the script go to `meshlm train` (e.g. --data.source, --log.run_dir on shared storage)."""
+    command = shlex.join(["torchrun", *launch.torchrun_args("RDZV_ENDPOINT", "RDZV_ID")])
+    command = command.replace("RDZV_ENDPOINT", '"$HEAD_NODE:$RDZV_PORT"').replace(
+        "--rdzv-id=RDZV_ID", '--rdzv-id="$RDZV_ID"'
+    )
+    spares = (
+        f" ({launch.spares} hot spare{'s' if launch.spares > 1 else ''} wait in the rendezvous)"
+        if launch.spares
+        else ""
+    )
+    return f"""#!/bin/bash
+#SBATCH --job-name={job_name(launch.name)}
+#SBATCH --nodes={launch.nodes + launch.spares}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={launch.nproc_per_node}
+#SBATCH --exclusive
+# {summary}
+# Trains on {launch.min_nodes}-{launch.nodes} nodes{spares}; written by `meshlm plan --emit slurm`.
+set -euo pipefail
+# torchrun's shared rendezvous store keeps a previous attempt's addresses (pytorch/pytorch#135712)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+HEAD_NODE=${{HEAD_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}
+RDZV_PORT=${{RDZV_PORT:-{RDZV_PORT}}}
+RDZV_ID=${{RDZV_ID:-$SLURM_JOB_ID}}
+srun --kill-on-bad-exit=0 --ntasks-per-node=1 \\
+  {command} "$@"
+"""
+
+
+def kubernetes(launch: Launch, summary: str, image: str) -> str:
+    """A Kubeflow training-operator PyTorchJob (kubeflow.org/v1, operator ≥ 1.7) with an elastic policy; the
+    operator passes the rendezvous to torchrun (PET_* variables). Written as JSON, which is valid YAML."""
+    command = ["torchrun", "-m", "meshlm.cli", "train", *launch.train_args]
+    job = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": job_name(launch.name), "annotations": {"meshlm/plan": summary}},
+        "spec": {
+            "nprocPerNode": str(launch.nproc_per_node),
+            "elasticPolicy": {
+                "rdzvBackend": "c10d",
+                "minReplicas": launch.min_nodes,
+                "maxReplicas": launch.nodes,
+                "maxRestarts": launch.max_restarts,
+                "rdzvConf": [{"key": "join_timeout", "value": str(JOIN_TIMEOUT_S)}],
+            },
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": launch.nodes,
+                    "restartPolicy": "OnFailure",
+                    "template": {
+                        "spec": {
+                            "containers": [
+                                {
+                                    "name": "pytorch",
+                                    "image": image,
+                                    "command": command,
+                                    "env": [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}],
+                                    "resources": {"limits": {"nvidia.com/gpu": launch.nproc_per_node}},
+                                }
+                            ]
+                        }
+                    },
+                }
+            },
+        },
+    }
+    return json.dumps(job, indent=2) + "\n"

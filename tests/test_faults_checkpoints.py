@@ -1,0 +1,201 @@
+"""Faults of issue #14, A–C, injected: a corrupt newest checkpoint meets retention (A), the disk fills up during
+a save (B), and staging folders of failed saves are left behind (C). Each ends with nothing valid lost and one
+line saying what happened."""
+
+from __future__ import annotations
+
+import errno
+import io
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from meshlm.checkpoint import Checkpointer, list_checkpoints, storage_cause
+from meshlm.checkpoint.shards import Chunks
+from meshlm.checkpoint.store import RunCheckpoints
+from meshlm.cli import main
+from meshlm.config import load_config, parse_overrides
+from meshlm.observe.metrics import read_metrics
+from meshlm.train.trainer import train
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _run(small_run: list[str], *extra: str) -> list[str]:
+    return [*small_run, "--train.eval_every", "0", "--log.peak_flops", "1e12", *extra]
+
+
+def _names(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+# ---- A: retention and corrupt checkpoints -------------------------------------------------------------------
+def test_corrupt_newest_is_moved_aside_and_retention_keeps_the_valid_ones(
+    small_run: list[str], capsys: pytest.CaptureFixture
+) -> None:
+    """The issue's reproduction, shortened: steps 2, 4, 6 saved; 6 corrupted; a run to step 5 with keep=1
+    resumes from 4 and must not end with only the corrupt checkpoint left (it used to delete 4 and 5)."""
+    run_dir = Path(small_run[small_run.index("--log.run_dir") + 1])
+    train(load_config(None, parse_overrides(_run(small_run, "--train.steps", "6", "--checkpoint.every", "2"))))
+    _flip_byte(run_dir / "checkpoints" / "step_00000006" / "__0_0.distcp")
+    capsys.readouterr()
+
+    again = _run(small_run, "--train.steps", "5", "--checkpoint.every", "1", "--checkpoint.keep", "1")
+    resumed = train(load_config(None, parse_overrides(again)))
+    out = capsys.readouterr().out
+    assert resumed.start_step == 4 and resumed.final_step == 5
+    assert _names(run_dir) == ["corrupt-step_00000006", "step_00000005"]
+    (moved,) = [line for line in out.splitlines() if "moved that checkpoint aside" in line]
+    assert "step_00000006/__0_0.distcp fails its sha256 check" in moved and "corrupt-step_00000006" in moved
+
+    assert train(load_config(None, parse_overrides(again))).start_step == 5  # and again: nothing lost
+
+
+def test_no_valid_checkpoint_refuses_a_fresh_start_unless_asked(
+    small_run: list[str], capsys: pytest.CaptureFixture
+) -> None:
+    run_dir = Path(small_run[small_run.index("--log.run_dir") + 1])
+    args = _run(small_run, "--train.steps", "2", "--checkpoint.every", "1", "--checkpoint.keep", "1")
+    train(load_config(None, parse_overrides(args)))
+    (only,) = list_checkpoints(run_dir)
+    (only / "manifest.json").write_text("{not json")
+    capsys.readouterr()
+
+    assert main(["train", *args]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("meshlm: ") and "no valid checkpoint to resume from" in line
+    assert "corrupt-step_00000002" in line and "--checkpoint.allow_fresh_start true" in line
+    assert main(["train", *args]) == 2  # the corrupt one is aside now: still no silent start from scratch
+
+    fresh = train(load_config(None, parse_overrides([*args, "--checkpoint.allow_fresh_start", "true"])))
+    assert fresh.start_step == 0 and fresh.final_step == 2
+    assert _names(run_dir) == ["corrupt-step_00000002", "step_00000002"]
+
+
+def test_retention_counts_only_verified_checkpoints(tmp_path: Path) -> None:
+    """A corrupt checkpoint older than the newest is found when retention reaches it: moved aside, not
+    counted, so `keep` valid ones stay."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    entries = {"model/w": Chunks(torch.Size([2, 2]), [(0, 0)], [torch.zeros(2, 2)])}
+    first = Checkpointer(tmp_path, keep=2, async_save=False, timeout_s=30)
+    for step in (1, 2, 3):
+        first.save(step, entries, {"step": step})
+    _flip_byte(tmp_path / "checkpoints" / "step_00000003" / "trainer.json")  # by another process, later
+    said: list[str] = []
+    Checkpointer(tmp_path, keep=2, async_save=False, timeout_s=30, say=said.append).save(4, entries, {"step": 4})
+    assert _names(tmp_path) == ["corrupt-step_00000003", "step_00000002", "step_00000004"]
+    assert len(said) == 1 and "step_00000003/trainer.json fails its sha256 check" in said[0]
+
+
+# ---- B: a full disk during a save ---------------------------------------------------------------------------
+class _FillingStream:
+    """A file whose writes fail with ENOSPC once `room` bytes are written, as on a file system that fills up."""
+
+    def __init__(self, stream: io.IOBase, disk: _Disk) -> None:
+        self._stream, self._disk = stream, disk
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        if self._disk.room < size:
+            raise OSError(errno.ENOSPC, "No space left on device", self._stream.name)
+        self._disk.room -= size
+        return self._stream.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class _Disk:
+    """A simulated disk for one save: the files of the step `full_at` staging folder get `room` bytes in all;
+    free space reports what is left (the pre-save check and the failure message read it)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, full_at: int, room: int) -> None:
+        self.room = room
+        original = FileSystem.create_stream
+
+        @contextmanager
+        def create_stream(fs: FileSystem, path: Any, mode: str) -> Iterator[Any]:
+            with original(fs, path, mode) as stream:
+                yield _FillingStream(stream, self) if f".tmp-step_{full_at:08d}" in str(path) else stream
+
+        usage = shutil.disk_usage
+        monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(p)._replace(free=self.room))
+
+
+def _wait_for_background_saves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make each step boundary find the save in flight finished, so where the failure surfaces is exact."""
+    poll = Checkpointer.poll
+
+    def finished_then_poll(self: Checkpointer, device: Any) -> None:
+        if self.pending is not None:
+            self.pending[3].join()
+        poll(self, device)
+
+    monkeypatch.setattr(Checkpointer, "poll", finished_then_poll)
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "blocking"])
+def test_full_disk_stops_at_the_next_step_with_one_line_and_resumes_later(
+    small_run: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+    async_save: bool,
+) -> None:  # fmt: skip
+    run_dir = Path(small_run[small_run.index("--log.run_dir") + 1])
+    args = _run(small_run, "--train.steps", "6", "--checkpoint.every", "2", "--log.every", "1",
+                "--checkpoint.async_save", str(async_save).lower())  # fmt: skip
+    _wait_for_background_saves(monkeypatch)
+    with monkeypatch.context() as disk:
+        _Disk(disk, full_at=4, room=200_000)
+        assert main(["train", *args]) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.splitlines()
+    tmp = run_dir / "checkpoints" / ".tmp-step_00000004"
+    assert line.startswith(f"meshlm: checkpoint save of step 4 failed: {tmp}: no space left on device")
+    assert "the last checkpoint took" in out and "save of step 4 will probably fail" in out  # warned first
+    assert max(r["step"] for r in read_metrics(run_dir, "train")) == (5 if async_save else 4)
+    saves = [(r["step"], r["status"]) for r in read_metrics(run_dir, "checkpoint")]
+    assert saves == [(2, "committed"), (4, "failed")]
+    assert _names(run_dir) == ["step_00000002"]  # the failed save's folder is gone: its space is back
+
+    resumed = train(load_config(None, parse_overrides(args)))  # room again
+    assert resumed.start_step == 2 and resumed.final_step == 6
+
+
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [(errno.ENOSPC, "no space left on device"), (errno.EACCES, "permission denied"), (errno.EIO, "I/O error")],
+)
+def test_storage_errors_are_named_with_path_and_cause(tmp_path: Path, code: int, words: str) -> None:
+    error = OSError(code, "raw", str(tmp_path / "file"))
+    assert storage_cause(error, tmp_path) == f"{tmp_path / 'file'}: {words}"
+    opaque = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598\nmore")
+    assert storage_cause(opaque, tmp_path) == f"{tmp_path}: RuntimeError: {str(opaque).splitlines()[0]}"
+    assert "no space left on device" in storage_cause(opaque, tmp_path, needed=shutil.disk_usage(tmp_path).free + 1)
+
+
+# ---- C: leftovers of failed or interrupted saves ------------------------------------------------------------
+def test_start_up_removes_staging_folders_saying_what(tmp_path: Path) -> None:
+    for step in (4, 6):
+        folder = tmp_path / "checkpoints" / f".tmp-step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "__0_0.distcp").write_bytes(b"x" * 2**20)
+    said: list[str] = []
+    store = RunCheckpoints(tmp_path, say=said.append)
+    store.remove_staging()
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+    assert said == [
+        f"removed .tmp-step_00000004, .tmp-step_00000006 from {tmp_path / 'checkpoints'} (2.0 MB), "
+        "left by a failed or interrupted save"
+    ]

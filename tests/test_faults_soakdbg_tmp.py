@@ -1,0 +1,102 @@
+"""Randomized soak (issue #14): the real `meshlm train`, run again and again on one run directory, each time
+killed with SIGKILL after a random step or halfway through a save, or stopped with SIGTERM, sometimes after the
+newest checkpoint was corrupted. After every run the next one must resume from the newest valid checkpoint
+(leftover staging folders removed, corrupt ones moved aside), and the run, once finished, must hold the same
+weights as an uninterrupted run, bit for bit. Seeded, so a failure replays."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from conftest import small_run_args
+
+from meshlm.checkpoint import latest_valid_checkpoint, list_checkpoints, load_model_state
+from meshlm.config import load_config, parse_overrides
+from meshlm.train.trainer import train
+
+SEED = 14
+RUNS = 5
+STEPS = 8
+EVERY = 2
+FILES = ("__0_0.distcp", ".metadata", "trainer.json", "manifest.json")
+
+
+def _newest_valid_step(run_dir: Path) -> int:
+    path = latest_valid_checkpoint(run_dir, warn=lambda _message: None)
+    return int(path.name.removeprefix("step_")) if path else 0
+
+
+def _corrupt(path: Path, rng: random.Random) -> None:
+    file = path / rng.choice(FILES)
+    data = bytearray(file.read_bytes())
+    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    file.write_bytes(bytes(data))
+
+
+def _train_process(args: list[str], fault: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHLM_INJECT_FAULT": fault}
+    command = [sys.executable, "-m", "meshlm.cli", "train", *args]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _sigterm_after_a_step(proc: subprocess.Popen, metrics: Path, offset: int) -> None:
+    """SIGTERM once this run has logged a step (a spot notice mid-training)."""
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if metrics.exists() and '"kind": "train"' in metrics.read_text()[offset:]:
+            proc.send_signal(signal.SIGTERM)
+            return
+        time.sleep(0.05)
+
+
+def test_random_kills_terminations_and_corruption_end_as_an_uninterrupted_run(data_cache: str, tmp_path: Path) -> None:
+    def args_for(run_dir: Path) -> list[str]:
+        return [*small_run_args(data_cache, run_dir), "--train.steps", str(STEPS), "--checkpoint.every", str(EVERY),
+                "--checkpoint.keep", "2", "--train.eval_every", "0", "--log.every", "1", "--log.peak_flops", "1e12",
+                "--checkpoint.allow_fresh_start", "true"]  # fmt: skip
+
+    reference_dir = tmp_path / "uninterrupted"
+    train(load_config(None, parse_overrides(args_for(reference_dir))))
+    expected_weights = load_model_state(list_checkpoints(reference_dir)[-1])
+
+    run_dir, rng = tmp_path / "soak", random.Random(SEED)
+    args, metrics = args_for(run_dir), run_dir / "metrics.jsonl"
+    history = []
+    for _ in range(RUNS):
+        start = _newest_valid_step(run_dir)
+        if start == STEPS or (start and rng.random() < 0.3):
+            _corrupt(list_checkpoints(run_dir)[-1], rng)
+            start = _newest_valid_step(run_dir)
+        leftovers = sorted(p.name for p in (run_dir / "checkpoints").glob(".tmp-step_*"))
+        kind = rng.choice(["kill", "save-kill", "sigterm"])
+        saves = [s for s in range(start + 1, STEPS + 1) if s % EVERY == 0 or s == STEPS]
+        step = rng.choice(saves) if kind == "save-kill" else rng.randint(start + 1, STEPS)
+        history.append((start, kind, step))
+
+        offset = len(metrics.read_text()) if metrics.exists() else 0
+        proc = _train_process(args, f"0:{step}:{kind}" if kind != "sigterm" else "")
+        if kind == "sigterm":
+            _sigterm_after_a_step(proc, metrics, offset)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == (0 if kind == "sigterm" else -signal.SIGKILL), (history, out)
+        resumed = re.search(r"resuming from \S+ at step (\d+)", out)
+        assert (int(resumed[1]) if resumed else 0) == start, (history, out)
+        if leftovers:
+            assert f"removed {', '.join(leftovers)}" in out, (history, out)
+        assert not any(p.name in leftovers for p in (run_dir / "checkpoints").iterdir()), history
+
+    start = _newest_valid_step(run_dir)
+    print('HISTORY', history)
+    finished = train(load_config(None, parse_overrides(args)))
+    assert (finished.start_step, finished.final_step) == (start, STEPS), history
+    weights = load_model_state(list_checkpoints(run_dir)[-1])
+    for name, tensor in expected_weights.items():
+        assert torch.equal(weights[name], tensor), (name, history)
