@@ -45,9 +45,9 @@ from meshlm.observe.calibration import calibration
 from meshlm.observe.doctor import doctor
 from meshlm.observe.memory import ActivationMeter, MemoryProbe
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.mesh import build_mesh, parse_layout, validate_layout
-from meshlm.plan import Layout, Workload, evaluate, hardware
-from meshlm.plan.memory import model_state_bytes, stage_layers, stage_params
+from meshlm.parallel.mesh import Layout, build_mesh, parse_layout, validate_layout
+from meshlm.plan import Strategy, Workload, evaluate, hardware
+from meshlm.plan.memory import model_state_bytes, rank_layers, stage_params
 from meshlm.train.optim import build_optimizer, train_step
 
 MEMORY_TOLERANCE = 0.10
@@ -166,14 +166,14 @@ def doctor_layout(cases: list[Case]) -> str:
 
 
 def predict(case: Case, model_cfg: ModelConfig, batch: int, micro_batch: int, seq_len: int, cal: dict | None):
-    layout = Layout(**case.sizes(), zero=case.zero, micro_batch=micro_batch, schedule=case.schedule)
+    layout = Strategy(Layout(**case.sizes()), zero=case.zero, micro_batch=micro_batch, schedule=case.schedule)
     w = Workload(model_cfg, seq_len, batch, train_tokens=1e9, precision="fp32")
     return layout, evaluate(w, layout, hardware("cpu", cal))
 
 
-def stage_model_states(model_cfg: ModelConfig, layout: Layout, stage: int) -> float:
+def stage_model_states(model_cfg: ModelConfig, layout: Strategy, stage: int) -> float:
     """The planner's params + grads + optimizer bytes of one pipeline stage's ranks."""
-    layers = stage_layers(model_cfg.n_layers, layout.pp, layout.virtual_stages)
+    layers = rank_layers(model_cfg, layout.pp, layout.virtual_stages)
     psi = stage_params(model_cfg, layout.tp, layers[stage], stage == 0, stage == layout.pp - 1)
     return sum(model_state_bytes(psi, layout.dp, layout.zero, "fp32"))
 

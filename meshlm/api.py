@@ -28,7 +28,6 @@ from torch import nn
 from meshlm.checkpoint import (
     Checkpointer,
     init_optimizer_state,
-    latest_valid_checkpoint,
     optimizer_steps,
     read_trainer_state,
     set_optimizer_steps,
@@ -136,14 +135,9 @@ class Checkpoints:
         """Load the newest valid checkpoint into `model` and `optimizer`, resharded to this layout; return
         the state saved with it (with 'step', 'layout', 'world_size'), or None when there is none yet."""
         self.wait()
-        found: list[str | None] = [None]
-        if dist.get_rank() == 0:
-            path = latest_valid_checkpoint(self.run_dir)
-            found = [str(path) if path else None]
-        dist.broadcast_object_list(found, src=0)
-        if found[0] is None:
+        path = self.checkpointer.newest_valid()  # corrupt ones are named and moved aside
+        if path is None:
             return None
-        path = Path(found[0])
         saved = read_trainer_state(path)
         init_optimizer_state(optimizer)
         self.checkpointer.load(path, training_entries(model, optimizer))

@@ -75,9 +75,13 @@ def api_run(
     optimizer: str = "adamw",
     loss=None,
     micro_batches: int = 1,
+    start: int = 0,
+    stop: int = STEPS,
+    checkpoints: str | None = None,
     **parallel,
 ) -> dict:
-    """A plain user loop through meshlm.parallelize: {'losses', 'state'} of STEPS steps."""
+    """A plain user loop through meshlm.parallelize: {'losses', 'state'} of steps start..stop-1. With
+    `checkpoints`, the newest checkpoint there is loaded first (if any) and step `stop` is saved at the end."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -88,8 +92,11 @@ def api_run(
         **parallel,
     )  # fmt: skip
     opt = OPTIMIZERS[optimizer](model.parameters())
+    saves = meshlm.Checkpoints(checkpoints, async_save=False) if checkpoints else None
+    if saves is not None and (saved := saves.load_latest(model, opt)) is not None:
+        assert (saved["step"], saved["position"]) == (start, start)
     losses = []
-    for step in range(STEPS):
+    for step in range(start, stop):
         x, y = global_batch(step, BATCH, SEQ, VOCAB)
         if mesh.size("pp") > 1 or micro_batches > 1:
             loss_value = model.forward_backward(model.local_batch(x), model.local_batch(y))
@@ -101,6 +108,9 @@ def api_run(
         model.clip_grad_norm_(1.0)
         model.step(opt)
         losses.append(loss_value.item())
+    if saves is not None:
+        saves.save(stop, model, opt, position=stop)
+        saves.wait()
     return {"losses": losses, "state": model.full_state_dict()}
 
 
@@ -124,17 +134,23 @@ def _reference_key(kwargs: dict) -> tuple:
     return kwargs.get("optimizer", "adamw"), kwargs.get("loss") is not None
 
 
-def _world2_runs() -> list[dict]:
-    return [api_run(layout, **par, **kwargs) for layout, par, kwargs in GPT2_CASES]
+def _world2_runs(run_dir: str) -> list[dict]:
+    runs = [api_run(layout, **par, **kwargs) for layout, par, kwargs in GPT2_CASES]
+    # The first half under dp=2 ZeRO-3 with Adam, saved through meshlm.Checkpoints; resumed at world 1.
+    api_run("dp=2", optimizer="adam", zero=3, stop=STEPS // 2, checkpoints=run_dir)
+    return runs
 
 
-def test_gpt2_style_model_under_every_layout_matches_one_process() -> None:
+def test_gpt2_style_model_under_every_layout_matches_one_process(tmp_path: Path) -> None:
     references = {}
     for _, _, kwargs in GPT2_CASES:
         key = _reference_key(kwargs)
         if key not in references:
             references[key] = api_run("", optimizer=key[0], loss=z_loss if key[1] else None)
-    results = run_distributed(_world2_runs, 2)
+    results = run_distributed(_world2_runs, 2, str(tmp_path))
+    resumed = api_run("", optimizer="adam", start=STEPS // 2, checkpoints=str(tmp_path))
+    ref = references[("adam", False)]
+    assert_close_runs({"losses": ref["losses"][STEPS // 2 :], "state": ref["state"]}, resumed)
     for rank, runs in enumerate(results):
         for (layout, par, kwargs), got in zip(GPT2_CASES, runs, strict=True):
             ref = references[_reference_key(kwargs)]

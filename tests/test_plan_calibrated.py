@@ -10,10 +10,11 @@ from meshlm.config import load_config
 from meshlm.model.config import ModelConfig
 from meshlm.observe.bandwidth import fit_link
 from meshlm.observe.calibration import calibration, cpu_machine
-from meshlm.plan import Layout, Workload, collective_time, hardware, plan_for_config, step_time
+from meshlm.parallel.mesh import Layout
+from meshlm.plan import Strategy, Workload, collective_time, hardware, plan_for_config, step_time
 from meshlm.plan.hardware import Link
 from meshlm.plan.memory import Assumptions
-from meshlm.plan.step_time import MEASURED_EFFICIENCY, micro_batch_time, time_share
+from meshlm.plan.step_time import MEASURED_EFFICIENCY, micro_batch_time, time_share, work_time
 
 TEST = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=128, max_seq_len=64)
 FREE_LINK = {"alpha_s": 0.0, "beta_Bps": 1e30}  # collectives that cost nothing, to isolate compute
@@ -43,14 +44,24 @@ def test_ranks_time_share_the_cores():
 def test_micro_batch_time_adds_host_time_on_cpu_and_overlaps_it_on_gpu():
     a = Assumptions()
     hw = cpu(cores=2, layer_s=1e-3, micro_batch_s=5e-4)
-    work = 4e9 / (5e10 * MEASURED_EFFICIENCY)  # 0.1 s on one core
-    assert micro_batch_time(4e9, 4, hw, a, busy=2) == pytest.approx(work + 4.5e-3)
-    assert micro_batch_time(4e9, 4, hw, a, busy=4) == pytest.approx(2 * (work + 4.5e-3))  # 4 ranks, 2 cores
+    work = work_time(4e9, 0.0, 0.0, hw, a, flash=True)
+    assert work == pytest.approx(4e9 / (5e10 * MEASURED_EFFICIENCY))  # 0.1 s on one core
+    assert micro_batch_time(work, 4, hw, busy=2) == pytest.approx(work + 4.5e-3)
+    assert micro_batch_time(work, 4, hw, busy=4) == pytest.approx(2 * (work + 4.5e-3))  # 4 ranks, 2 cores
     gpu = hardware("H100-SXM")
-    tiny = 1e6  # ~2.5 ns of H100 compute: the host's launches bound it
-    assert micro_batch_time(tiny, 4, gpu, a, busy=8) == 4 * gpu.layer_overhead_s + gpu.micro_batch_overhead_s
-    big = 1e15
-    assert micro_batch_time(big, 4, gpu, a, busy=8) == pytest.approx(big / (989e12 * 0.5))
+    tiny = work_time(1e6, 0.0, 0.0, gpu, a, flash=True)  # ~2.5 ns of H100 compute: the host's launches bound it
+    assert micro_batch_time(tiny, 4, gpu, busy=8) == 4 * gpu.layer_overhead_s + gpu.micro_batch_overhead_s
+    big = work_time(1e15, 0.0, 0.0, gpu, a, flash=True)
+    assert micro_batch_time(big, 4, gpu, busy=8) == pytest.approx(1e15 / (989e12 * gpu.gemm_efficiency))
+
+
+def test_work_time_prices_attention_and_elementwise_bytes():
+    """GEMMs at the device's GEMM rate, flash attention at its fraction of it, elementwise bytes at 80 % of HBM."""
+    gpu, a = hardware("H100-SXM"), Assumptions()
+    gemm = 989e12 * gpu.gemm_efficiency
+    assert work_time(0.0, 1e15, 0.0, gpu, a, flash=True) == pytest.approx(1e15 / (gemm * gpu.attention_efficiency))
+    assert work_time(0.0, 1e15, 0.0, gpu, a, flash=False) == pytest.approx(1e15 / gemm)
+    assert work_time(0.0, 0.0, 1e12, gpu, a, flash=True) == pytest.approx(1e12 / (3.35e12 * 0.8))
 
 
 def test_overhead_favours_fewer_larger_micro_batches():
@@ -58,7 +69,7 @@ def test_overhead_favours_fewer_larger_micro_batches():
     times = {}
     for overhead in (0.0, 1e-3):
         hw = cpu(layer_s=overhead, micro_batch_s=overhead)
-        times[overhead] = [step_time(w, Layout(micro_batch=b), hw).total for b in (1, 2, 4, 8)]
+        times[overhead] = [step_time(w, Strategy(micro_batch=b), hw).total for b in (1, 2, 4, 8)]
     assert times[0.0] == pytest.approx([times[0.0][0]] * 4)  # compute alone is linear in tokens
     steps = [t - times[0.0][0] for t in times[1e-3]]
     assert steps == pytest.approx([8 * 5e-3, 4 * 5e-3, 2 * 5e-3, 5e-3])  # m × (4 layers + 1) ms
@@ -79,14 +90,14 @@ def test_oversubscribed_pipeline_is_bound_by_work_not_bubble():
     the step is the work (m slots at the all-busy speed); with 4 (slower) cores every rank owns one, and
     fill and drain add (p − 1) slots."""
     w = Workload(TEST, 32, 8, 1e9, "fp32")
-    lay = Layout(pp=2, dp=2, micro_batch=2)
+    lay = Strategy(Layout(pp=2, dp=2), micro_batch=2)
     shared = step_time(w, lay, cpu(cores=2))
     assert shared.bubble == 0.0
     owned = step_time(w, lay, cpu(cores=4))
     m = 2
     assert owned.compute == pytest.approx(shared.compute)  # machine / 4 per rank either way
     assert owned.bubble == pytest.approx(owned.compute / m)  # (p − 1) = 1 slot
-    pipeline = step_time(w, Layout(pp=2, micro_batch=2), cpu(cores=2))  # 2 ranks, 2 cores
+    pipeline = step_time(w, Strategy(Layout(pp=2), micro_batch=2), cpu(cores=2))  # 2 ranks, 2 cores
     assert pipeline.bubble == pytest.approx(pipeline.compute / 4)  # m = 4 slots, 1 in the bubble
 
 
@@ -97,7 +108,7 @@ def test_tensor_parallel_pays_for_embedding_head_and_loss_calls():
     model = TEST.replace(n_layers=1)
     w = Workload(model, 32, 2, 1e9, "fp32")
     hw = cpu(cores=2, link={"alpha_s": alpha, "beta_Bps": 1e30})
-    st = step_time(w, Layout(tp=2, micro_batch=2), hw)
+    st = step_time(w, Strategy(Layout(tp=2), micro_batch=2), hw)
     call = collective_time("all_reduce", 1, 2, Link(alpha, 1e30))
     assert call == pytest.approx(2 * alpha)
     assert st.tp_comm == pytest.approx((4 + 2 + 2) * call)

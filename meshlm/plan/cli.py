@@ -16,9 +16,10 @@ from rich.table import Table
 from meshlm.config import load_config
 from meshlm.model.config import PRESETS, ModelConfig, preset
 from meshlm.model.flops import param_counts
+from meshlm.observe.peak import DATASHEET_PEAK, MEASURED_MATMUL
 from meshlm.plan.cost import CostModel
 from meshlm.plan.emit import job_name, kubernetes, launch_for, slurm
-from meshlm.plan.hardware import Hardware, hardware
+from meshlm.plan.hardware import GPUS, Hardware, hardware
 from meshlm.plan.memory import Assumptions, Workload
 from meshlm.plan.search import Constraints, Plan, PlanError, SearchResult, no_fit_message, search
 from meshlm.plan.spot import Estimate
@@ -27,6 +28,7 @@ SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi"
 DURATIONS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 DEFAULT_BATCH_TOKENS = 2**22  # when no batch is given: ~4M tokens per step
 TOKENS_PER_PARAM = 20  # when no training length is given: compute-optimal (Hoffmann et al. 2022)
+ASSUMED_MATMUL = "assumed matmul"  # cpu without a calibration: the hardware table's placeholder rate
 EMIT_SUFFIX = {"slurm": ".sbatch", "kubernetes": ".pytorchjob.json"}
 
 
@@ -295,6 +297,14 @@ def _emit(args: argparse.Namespace, r: Request, plan: Plan) -> None:
     print(f"meshlm plan: wrote {path} ({summary})", file=sys.stderr)
 
 
+def _mfu_basis(hw: Hardware, args: argparse.Namespace) -> str:
+    """What the predicted MFU is a fraction of, in the trainer's words (`meshlm.observe.peak.mfu_basis`):
+    a table GPU's datasheet peak, else (cpu, a GPU known only from its calibration) a matmul rate."""
+    if hw.name in GPUS:
+        return DATASHEET_PEAK
+    return MEASURED_MATMUL if args.calibration is not None else ASSUMED_MATMUL
+
+
 def _summary(r: Request, args: argparse.Namespace, result: SearchResult) -> dict:
     w = r.workload
     return {
@@ -308,6 +318,7 @@ def _summary(r: Request, args: argparse.Namespace, result: SearchResult) -> dict
         "precision": w.precision,
         "runtime": r.assumptions.runtime,
         "objective": args.objective,
+        "mfu_of": _mfu_basis(r.hw, args),
         "deadline_days": None if r.costs.deadline_s is None else r.costs.deadline_s / 86400,
         "fitting": len(result.plans),
         "rejected": dict(result.reasons().most_common()),
@@ -357,6 +368,9 @@ def _print_table(r: Request, args: argparse.Namespace, result: SearchResult) -> 
         )  # fmt: skip
     console = Console(width=max(Console().width, 200))  # 17 columns: never squeeze them into 80
     console.print(table)
+    basis = _mfu_basis(hw, args)
+    hint = " (`meshlm doctor --out FILE`, then --calibration FILE, measures it)" if basis == ASSUMED_MATMUL else ""
+    console.print(f"MFU: of {basis}{hint}")
     o = result.plans[0].offerings
     lines = [f"#1 recommended: {o.recommended.pool.describe()}"]
     lines += [f"#1 {name}: {note}"

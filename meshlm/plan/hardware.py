@@ -100,7 +100,11 @@ def _gpu(name, tflops, mem_gb, hbm_tbs, nvlink_gbs, net_gbs, on_demand, spot, ge
     )
 
 
-A100_GEMM, A100_ATTENTION = 0.7, 0.8
+# Sustained fraction of peak of a training step's GEMMs, one figure per chip generation, chosen against the
+# published runs of docs/planner.md (A100: 14 Megatron-LM rows; H100: Llama 3 405B's two); flash attention's
+# rate relative to it: FlashAttention-2 runs about as fast as the GEMMs on A100 (~70 % of peak, Dao 2023) and
+# at ~35 % of peak on H100 (Shah et al. 2024, FlashAttention-3, their FA2 baseline).
+A100_GEMM, A100_ATTENTION = 0.7, 1.0
 H100_GEMM, H100_ATTENTION = 0.6, 0.6
 # NVLink: A100 600 GB/s, H100/H200 900 GB/s bidirectional per GPU -> 300 / 450 per direction.
 # Network: DGX A100 one 200 Gb/s HDR NIC per GPU (25 GB/s); DGX H100/H200 one 400 Gb/s NDR NIC (50 GB/s).

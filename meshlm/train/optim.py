@@ -1,4 +1,5 @@
-"""AdamW over whatever parameters (or ZeRO shards) this rank owns, with warm-up + cosine decay."""
+"""AdamW (or any torch optimizer) over whatever parameters (or ZeRO shards) this rank owns, with warm-up +
+cosine decay of the learning rate."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from meshlm.parallel.engine import ParallelModel
 
 
 def build_optimizer(model: ParallelModel, train: TrainSection) -> torch.optim.AdamW:
-    """fp32 AdamW on the rank's parameters; `foreach` keeps the step fast on CPU and GPU alike."""
+    """meshlm's default optimizer: fp32 AdamW on the rank's parameters (matrices decay, vectors do not);
+    `foreach` keeps the step fast on CPU and GPU alike. `meshlm.fit(optimizer=...)` takes any other."""
     return torch.optim.AdamW(
         model.optimizer_param_groups(train.weight_decay),
         lr=train.lr,
@@ -53,7 +55,7 @@ def train_step(
     if applied:
         for group in optimizer.param_groups:
             group["lr"] = lr
-        optimizer.step()
-        model.after_optimizer_step()
-    model.zero_grad()
+        model.step(optimizer)
+    else:
+        model.zero_grad()
     return loss, grad_norm, applied
