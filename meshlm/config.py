@@ -65,10 +65,6 @@ class ModelSection(Section):
 
     def build(self) -> ModelConfig:
         overrides = {k: v for k, v in self.model_dump().items() if k != "preset" and v is not None}
-        shape = PRESETS[self.preset].to_dict() | overrides
-        head_dim, rest = divmod(shape["dim"], shape["n_heads"])
-        if not rest and head_dim % 2:  # ModelConfig's own message would not name the fields
-            raise ValueError(f"model.dim / model.n_heads = {head_dim} must be even (rotary embeddings)")
         return PRESETS[self.preset].replace(**overrides)
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from meshlm.checkpoint import Checkpointer, list_checkpoints, storage_cause
+from meshlm.checkpoint import Checkpointer, StorageError, list_checkpoints, storage_cause
 from meshlm.checkpoint.shards import Chunks
 from meshlm.checkpoint.store import RunCheckpoints
 from meshlm.cli import main
@@ -66,7 +66,7 @@ def test_no_valid_checkpoint_refuses_a_fresh_start_unless_asked(
     small_run: list[str], capsys: pytest.CaptureFixture
 ) -> None:
     run_dir = Path(small_run[small_run.index("--log.run_dir") + 1])
-    args = _run(small_run, "--train.steps", "2", "--checkpoint.every", "1", "--checkpoint.keep", "1")
+    args = _run(small_run, "--train.steps", "1", "--checkpoint.keep", "1")
     train(load_config(None, parse_overrides(args)))
     (only,) = list_checkpoints(run_dir)
     (only / "manifest.json").write_text("{not json")
@@ -75,12 +75,12 @@ def test_no_valid_checkpoint_refuses_a_fresh_start_unless_asked(
     assert main(["train", *args]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("meshlm: ") and "no valid checkpoint to resume from" in line
-    assert "corrupt-step_00000002" in line and "--checkpoint.allow_fresh_start true" in line
+    assert "corrupt-step_00000001" in line and "--checkpoint.allow_fresh_start true" in line
     assert main(["train", *args]) == 2  # the corrupt one is aside now: still no silent start from scratch
 
     fresh = train(load_config(None, parse_overrides([*args, "--checkpoint.allow_fresh_start", "true"])))
-    assert fresh.start_step == 0 and fresh.final_step == 2
-    assert _names(run_dir) == ["corrupt-step_00000002", "step_00000002"]
+    assert fresh.start_step == 0 and fresh.final_step == 1
+    assert _names(run_dir) == ["corrupt-step_00000001", "step_00000001"]
 
 
 def test_retention_counts_only_verified_checkpoints(tmp_path: Path) -> None:
@@ -147,14 +147,13 @@ def _wait_for_background_saves(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Checkpointer, "poll", finished_then_poll)
 
 
-@pytest.mark.parametrize("async_save", [True, False], ids=["async", "blocking"])
 def test_full_disk_stops_at_the_next_step_with_one_line_and_resumes_later(
-    small_run: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
-    async_save: bool,
-) -> None:  # fmt: skip
+    small_run: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """An async save fails in the background: the run stops at the next step boundary (not the next save),
+    records the save as failed, frees its folder, and a later run resumes from the previous checkpoint."""
     run_dir = Path(small_run[small_run.index("--log.run_dir") + 1])
-    args = _run(small_run, "--train.steps", "6", "--checkpoint.every", "2", "--log.every", "1",
-                "--checkpoint.async_save", str(async_save).lower())  # fmt: skip
+    args = _run(small_run, "--train.steps", "6", "--checkpoint.every", "2", "--log.every", "1")
     _wait_for_background_saves(monkeypatch)
     with monkeypatch.context() as disk:
         _Disk(disk, full_at=4, room=200_000)
@@ -164,13 +163,28 @@ def test_full_disk_stops_at_the_next_step_with_one_line_and_resumes_later(
     tmp = run_dir / "checkpoints" / ".tmp-step_00000004"
     assert line.startswith(f"meshlm: checkpoint save of step 4 failed: {tmp}: no space left on device")
     assert "the last checkpoint took" in out and "save of step 4 will probably fail" in out  # warned first
-    assert max(r["step"] for r in read_metrics(run_dir, "train")) == (5 if async_save else 4)
+    assert max(r["step"] for r in read_metrics(run_dir, "train")) == 5
     saves = [(r["step"], r["status"]) for r in read_metrics(run_dir, "checkpoint")]
     assert saves == [(2, "committed"), (4, "failed")]
     assert _names(run_dir) == ["step_00000002"]  # the failed save's folder is gone: its space is back
 
     resumed = train(load_config(None, parse_overrides(args)))  # room again
     assert resumed.start_step == 2 and resumed.final_step == 6
+
+
+def test_blocking_save_on_a_full_disk_fails_in_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    entries = {"model/w": Chunks(torch.Size([64, 64]), [(0, 0)], [torch.zeros(64, 64)])}
+    outcomes: list[tuple[int, str]] = []
+    ckpt = Checkpointer(tmp_path, keep=2, async_save=False, timeout_s=30,
+                        record=lambda step, values: outcomes.append((step, values["status"])))  # fmt: skip
+    ckpt.save(1, entries, {"step": 1})
+    _Disk(monkeypatch, full_at=2, room=1000)
+    with pytest.raises(StorageError, match=r"save of step 2 failed: .*\.tmp-step_00000002: no space left on device"):
+        ckpt.save(2, entries, {"step": 2})
+    assert outcomes == [(1, "committed"), (2, "failed")]
+    assert _names(tmp_path) == ["step_00000001"]
 
 
 @pytest.mark.parametrize(

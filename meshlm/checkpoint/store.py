@@ -56,8 +56,9 @@ class StorageError(CheckpointError):
     """Writing into the run directory failed (disk full, permission, I/O error): one line naming path and cause."""
 
 
-def megabytes(n: int) -> str:
-    return f"{n / 2**20:.1f} MB"
+def human_size(n: int) -> str:
+    """A size for a message: MB, or KB below one MB (so a nearly full disk does not read '0.0 MB')."""
+    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} KB"
 
 
 def free_bytes(path: Path) -> int:
@@ -82,7 +83,7 @@ def storage_cause(error: BaseException, where: Path, needed: int = 0) -> str:
         return f"{error.filename or where}: {words}{rank}"
     free = free_bytes(where)
     if free < needed:
-        return f"{where}: no space left on device ({megabytes(free)} free, needs {megabytes(needed)}){rank}"
+        return f"{where}: no space left on device ({human_size(free)} free, needs {human_size(needed)}){rank}"
     first_line = (str(error).strip().splitlines() or [""])[0]
     return f"{where}: {type(error).__name__}: {first_line}{rank}"
 
@@ -211,7 +212,7 @@ class RunCheckpoints:
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
         names = ", ".join(f.name for f in folders)
-        self.say(f"removed {names} from {self.root} ({megabytes(size)}), left by a failed or interrupted save")
+        self.say(f"removed {names} from {self.root} ({human_size(size)}), left by a failed or interrupted save")
 
     def resume_point(self, allow_fresh_start: bool) -> Path | None:
         """Start-up: the checkpoint to resume from. When checkpoints were there but none is valid, refuse to
@@ -234,8 +235,8 @@ class RunCheckpoints:
         if free >= self.last_bytes:
             return None
         return (
-            f"warning: {self.root} has {megabytes(free)} free but the last checkpoint took "
-            f"{megabytes(self.last_bytes)}: the save of step {step} will probably fail"
+            f"warning: {self.root} has {human_size(free)} free but the last checkpoint took "
+            f"{human_size(self.last_bytes)}: the save of step {step} will probably fail"
         )
 
     def commit(self, step: int, files: dict[str, dict[str, Any]], trainer_state: dict[str, Any]) -> Path:

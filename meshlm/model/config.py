@@ -34,7 +34,7 @@ class ModelConfig:
                 f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})"
             )
         if self.head_dim % 2:
-            raise ValueError(f"head dim dim/n_heads = {self.head_dim} must be even for rotary embeddings")
+            raise ValueError(f"model.dim / model.n_heads = {self.head_dim} must be even (rotary embeddings)")
 
     @property
     def head_dim(self) -> int:

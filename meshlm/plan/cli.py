@@ -334,8 +334,11 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _offer(e: Estimate, recommended: Estimate) -> str:
-    """'$137M, 116 d' for a table cell ('cannot finish' for a pool that never does); '*' marks the pick."""
+def _offer(e: Estimate | None, recommended: Estimate) -> str:
+    """'$137M, 116 d' for a table cell ('cannot finish' for a pool that never does, '—' for none); '*' marks
+    the pick."""
+    if e is None:
+        return "—"
     if not e.feasible:
         return "cannot finish"
     return f"${_si(e.usd)}, {e.wall_s / 86400:.3g} d" + (" *" if e is recommended else "")

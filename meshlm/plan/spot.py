@@ -205,7 +205,7 @@ class Offerings:
 
     on_demand: Estimate
     spot: Estimate
-    mixed: Estimate
+    mixed: Estimate | None  # None for a one-node job
     recommended: Estimate
     note: str
     spot_note: str
@@ -215,7 +215,7 @@ class Offerings:
         return {
             "on_demand": self.on_demand.to_dict(),
             "spot": self.spot.to_dict() | {"note": self.spot_note},
-            "mixed": self.mixed.to_dict() | {"note": self.mixed_note},
+            "mixed": self.mixed.to_dict() | {"note": self.mixed_note} if self.mixed else None,
             "recommended": self.recommended.pool.describe(),
             "note": self.note,
         }
@@ -277,10 +277,10 @@ def compare(
 
     spot = cheapest(_pools(nodes, g, nodes, min_nodes))
     shares = sorted({round(f * nodes) for f in SPOT_SHARES} - {0, nodes})
-    mixed = cheapest([p for k in shares for p in _pools(nodes, g, k, min_nodes)]) if shares else on_demand
-    meets = [e for e in (on_demand, spot, mixed) if in_time(e)]
+    mixed = cheapest([p for k in shares for p in _pools(nodes, g, k, min_nodes)]) if shares else None
+    meets = [e for e in (on_demand, spot, mixed) if e is not None and in_time(e)]
     recommended = min(meets, key=lambda e: (e.usd, e.wall_s)) if meets else on_demand
-    spot_note, mixed_note = _why_not(spot, on_demand), _why_not(mixed, on_demand) if shares else ""
+    spot_note, mixed_note = _why_not(spot, on_demand), _why_not(mixed, on_demand) if mixed else ""
     note = ""
     if not meets:
         note = f"nothing finishes within {_duration(deadline_s)}; on demand takes {_duration(on_demand.wall_s)}"

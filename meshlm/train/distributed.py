@@ -12,6 +12,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from meshlm.config import ConfigError
+
 
 def env_world_size() -> int:
     """World size announced by torchrun (1 for a plain process), known before any group exists."""
@@ -51,7 +53,7 @@ def resolve_device(choice: str) -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("train.device: 'cuda' requested but no CUDA device is available; use 'cpu' or 'auto'")
+        raise ConfigError("train.device: 'cuda' requested but no CUDA device is available; use 'cpu' or 'auto'")
     index = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(index)
     return torch.device("cuda", index)

@@ -243,7 +243,10 @@ class Trainer:
             model=self.model, optimizer=self.optimizer, activations=cfg.log.activation_memory,
         )  # fmt: skip
         self.profiler = StepProfiler(cfg.log.profile_steps, self.run_dir / "profile", self.rank, device)
-        self.log(self.sampler.step, "env", **environment(device, str(layout)), peak_flops=self.observer.peak_flops)
+        self.log(
+            self.sampler.step, "env", **environment(device, str(layout)), peak_flops=self.observer.peak_flops,
+            mfu_of=self.observer.mfu_basis,
+        )  # fmt: skip
         self.preemption = Preemption()
         self.guard = StepGuard(cfg.fault.nonfinite, cfg.fault.spike_factor)
         self.check_desync = cfg.fault.desync_every and layout.dp > 1 and cfg.parallel.zero < 3
