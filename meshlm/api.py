@@ -131,11 +131,17 @@ class Checkpoints:
         }
         return self.checkpointer.save(step, training_entries(model, optimizer, writer=True), meta)
 
-    def load_latest(self, model: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """Load the newest valid checkpoint into `model` and `optimizer`, resharded to this layout; return
-        the state saved with it (with 'step', 'layout', 'world_size'), or None when there is none yet."""
+    def load_latest(
+        self, model: ParallelModel, optimizer: torch.optim.Optimizer, allow_fresh_start: bool = False
+    ) -> dict[str, Any] | None:
+        """Load the newest valid checkpoint into `model` and `optimizer`, resharded to this layout; return the
+        state saved with it (with 'step', 'layout', 'world_size'), or None when there is none yet.
+
+        As at the start of `meshlm train`: folders of failed or interrupted saves are removed and corrupt
+        checkpoints moved aside (each named in one line); when checkpoints exist but none is valid this raises
+        CheckpointError rather than start over, unless `allow_fresh_start`."""
         self.wait()
-        path = self.checkpointer.newest_valid()  # corrupt ones are named and moved aside
+        path = self.checkpointer.resume_point(True, allow_fresh_start)
         if path is None:
             return None
         saved = read_trainer_state(path)
@@ -145,5 +151,11 @@ class Checkpoints:
         model.after_load()
         return saved
 
+    def poll(self, device: torch.device | str = "cpu") -> None:
+        """Call once per step while saving asynchronously (collective): a save that failed on any rank raises
+        its one-line StorageError on every rank here, at the next step, not at the next save."""
+        self.checkpointer.poll(torch.device(device))
+
     def wait(self) -> None:
+        """Block until the save in flight is committed on every rank (or raise why it failed)."""
         self.checkpointer.wait()

@@ -23,6 +23,7 @@ from meshlm.parallel.mesh import build_mesh, parse_layout, validate_layout
 from meshlm.train.optim import build_optimizer, lr_at, train_step
 
 TEST_MODEL = preset("test")
+SGD_LR = 0.5
 
 
 def global_batch(step: int, batch: int, seq_len: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +53,8 @@ def train_layout(
     stop: int | None = None,
     resume_from: str | None = None,
     save_to: str | None = None,
+    optimizer: str = "adamw",
+    lr: float | None = None,
 ) -> dict:
     """Run optimizer steps `start`..`stop - 1` of a `steps`-step schedule (all of them by default); return
     {'losses', 'grad_norms', 'state' (full fp32 weights)}.
@@ -68,7 +71,7 @@ def train_layout(
         steps=steps,
         global_batch=batch,
         micro_batch=micro_batch,
-        lr=3e-3,
+        lr=lr if lr is not None else (SGD_LR if optimizer == "sgd" else 3e-3),
         eps=1e-6,
         warmup_steps=2,
         grad_clip=grad_clip,
@@ -82,7 +85,10 @@ def train_layout(
     torch.manual_seed(seed)
     model = Transformer(model_cfg)
     pm = ParallelModel(model, mesh, par, n_micro)
-    opt = build_optimizer(pm, train)
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(pm.optimizer_param_groups(train.weight_decay), lr=train.lr, foreach=True)
+    else:
+        opt = build_optimizer(pm, train)
     if resume_from or save_to:
         checkpointer = Checkpointer(resume_from or save_to, keep=2, async_save=False, timeout_s=60)
     if resume_from:
@@ -91,17 +97,18 @@ def train_layout(
         set_optimizer_steps(opt, start)
         pm.after_load()
     dp_rank, dp = mesh.rank("dp"), lay.dp
-    losses, norms = [], []
+    losses, norms, lrs = [], [], []
     stop = steps if stop is None else stop
     for step in range(start, stop):
         x, y = global_batch(step, batch, seq_len, model_cfg.vocab_size, seed)
         rows = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
-        loss, norm, _ = train_step(pm, opt, x[rows], y[rows], lr_at(step, train), train.grad_clip)
+        lrs.append(lr_at(step, train))
+        loss, norm, _ = train_step(pm, opt, x[rows], y[rows], lrs[-1], train.grad_clip)
         losses.append(loss)
         norms.append(norm)
     if save_to:
         checkpointer.save(stop, training_entries(pm, opt, writer=True), {"step": stop})
-    return {"losses": losses, "grad_norms": norms, "state": pm.full_state_dict()}
+    return {"losses": losses, "grad_norms": norms, "state": pm.full_state_dict(), "optimizer": optimizer, "lrs": lrs}
 
 
 def assert_close_runs(ref: dict, got: dict, rtol: float = 1e-5, atol: float = 1e-5) -> None:

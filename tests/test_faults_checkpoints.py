@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_shared
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from meshlm.checkpoint import Checkpointer, StorageError, list_checkpoints, storage_cause
@@ -185,6 +186,52 @@ def test_blocking_save_on_a_full_disk_fails_in_the_save(tmp_path: Path, monkeypa
         ckpt.save(2, entries, {"step": 2})
     assert outcomes == [(1, "committed"), (2, "failed")]
     assert _names(tmp_path) == ["step_00000001"]
+
+
+def _poll_until_failure(ckpt: Checkpointer) -> str:
+    """Step boundaries until the save in flight fails: 'boundaries:message' (collective, ranks in lockstep)."""
+    for boundary in range(100_000):
+        try:
+            ckpt.poll(torch.device("cpu"))
+        except StorageError as e:
+            return f"{boundary}:{e}"
+    return "never failed"
+
+
+def _io_error(*_args: object) -> None:
+    raise OSError(errno.EIO, "Input/output error", "manifest.json")
+
+
+def _one_rank_fails_job(root: str) -> list[str]:
+    """Step 2: rank 1's shard hits a full disk. Step 3: rank 0's commit hits an I/O error. Every rank must
+    stop at the same step boundary with the same line (no rank left waiting in a collective)."""
+    rank, run = dist.get_rank(), Path(root)
+    entries = {"model/w": Chunks(torch.Size([2, 64]), [(rank, 0)], [torch.zeros(1, 64)])}
+    ckpt = Checkpointer(run, keep=2, async_save=True, timeout_s=30)
+    ckpt.save(1, entries, {"step": 1})
+    ckpt.wait()
+    patch = pytest.MonkeyPatch()  # undone before returning: these ranks serve other tests too
+    try:
+        _Disk(patch, full_at=2 if rank == 1 else -1, room=0)
+        ckpt.save(2, entries, {"step": 2})
+        results = [_poll_until_failure(ckpt)]
+        patch.undo()
+        if rank == 0:
+            patch.setattr(RunCheckpoints, "commit", _io_error)
+        ckpt.save(3, entries, {"step": 3})
+        results.append(_poll_until_failure(ckpt))
+    finally:
+        patch.undo()
+    return [*results, " ".join(_names(run))]
+
+
+def test_a_failure_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    ranks = run_shared(_one_rank_fails_job, 2, str(tmp_path), timeout=120)
+    assert ranks[0][:2] == ranks[1][:2]  # same boundary, same words
+    shard, commit = ranks[0][0].split(":", 1)[1], ranks[0][1].split(":", 1)[1]
+    assert "save of step 2 failed" in shard and "no space left on device" in shard and "(rank 1)" in shard
+    assert "save of step 3 failed" in commit and "manifest.json: I/O error" in commit
+    assert ranks[0][2] == "step_00000001"  # both failed saves' folders removed
 
 
 @pytest.mark.parametrize(

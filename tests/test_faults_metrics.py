@@ -5,11 +5,13 @@ shows each resume instead of crashing."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 from pathlib import Path
 
 import pytest
 
+from meshlm.checkpoint import StorageError
 from meshlm.config import load_config, parse_overrides
 from meshlm.observe.metrics import MetricsLogger, latest_timeline, load_metrics, read_metrics
 from meshlm.observe.report import add_report_parser, build_report, loss_plot, mark_resumes, run_report
@@ -61,6 +63,7 @@ def test_report_skips_and_counts_bad_lines_and_marks_resumes(tmp_path: Path, cap
     lines[1] = b"\xff\xfe binary garbage"  # UnicodeDecodeError before
     lines[3] = lines[3][:9]  # JSONDecodeError before
     lines.append(b'["a list, not a record"]')
+    lines.append(json.dumps({"step": 2, "kind": "checkpoint", "status": "failed", "error": "disk full"}).encode())
     lines.append(json.dumps({"step": 3, "kind": "resume"}).encode())
     lines += [json.dumps({"step": s, "kind": "train", "loss": 2.0}).encode() for s in (4, 5, 6)]
     (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
@@ -72,6 +75,7 @@ def test_report_skips_and_counts_bad_lines_and_marks_resumes(tmp_path: Path, cap
     page = (tmp_path / "report.html").read_text()
     assert "3 unreadable lines skipped (lines 2, 4, 6)" in page
     assert "<td>resumed at</td><td>step 3</td>" in page and "dotted lines: resumes" in page
+    assert "<td>failed checkpoint saves</td><td>step 2: disk full</td>" in page
     assert "steps logged</td><td>1 … 6 (5 records)" in page  # 1, 3 from the first attempt, then 4, 5, 6
 
     run = {"train": latest_timeline(read_metrics(tmp_path, "train")), "eval": []}
@@ -98,3 +102,19 @@ def test_resumed_run_marks_its_resume_and_reports(
     assert [r["step"] for r in latest_timeline(records) if r["kind"] == "train"] == [1, 2, 3, 4]
     page = build_report(run_dir).read_text()
     assert "<td>resumed at</td><td>step 3</td>" in page
+
+
+class _FullFile:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def write(self, _text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device", self.name)
+
+
+def test_a_metrics_write_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger._file = _FullFile(str(logger.path))
+    with pytest.raises(StorageError) as failed:
+        logger.log(1, "train", loss=1.0)
+    assert str(failed.value) == f"metrics cannot be written: {logger.path}: no space left on device"

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,7 +27,18 @@ from meshlm.train.trainer import train
 SEED = 14
 STEPS = 8
 EVERY = 2
-FILES = ("__0_0.distcp", ".metadata", "trainer.json", "manifest.json")
+FILES = ("__0_0.distcp", ".metadata", "trainer.json")  # each checked by its sha256 in the manifest
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """In-process runs use one thread like the subprocesses (fast on a busy machine, and the same arithmetic)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _newest_valid_step(run_dir: Path) -> int:
@@ -41,7 +54,7 @@ def _corrupt(path: Path, rng: random.Random) -> None:
 
 
 def _train_process(args: list[str], fault: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHLM_INJECT_FAULT": fault}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHLM_INJECT_FAULT": fault, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "meshlm.cli", "train", *args]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -63,7 +76,8 @@ def test_random_kills_terminations_and_corruption_end_as_an_uninterrupted_run(da
                 "--checkpoint.allow_fresh_start", "true"]  # fmt: skip
 
     reference_dir = tmp_path / "uninterrupted"
-    train(load_config(None, parse_overrides(args_for(reference_dir))))
+    with _one_thread():
+        train(load_config(None, parse_overrides(args_for(reference_dir))))
     expected_weights = load_model_state(list_checkpoints(reference_dir)[-1])
 
     run_dir, rng = tmp_path / "soak", random.Random(SEED)
@@ -93,7 +107,8 @@ def test_random_kills_terminations_and_corruption_end_as_an_uninterrupted_run(da
             assert f"removed {', '.join(leftovers)}" in out, (history, out)
 
     start = _newest_valid_step(run_dir)
-    finished = train(load_config(None, parse_overrides(args)))
+    with _one_thread():
+        finished = train(load_config(None, parse_overrides(args)))
     assert (finished.start_step, finished.final_step) == (start, STEPS), history
     weights = load_model_state(list_checkpoints(run_dir)[-1])
     for name, tensor in expected_weights.items():

@@ -18,6 +18,7 @@ from meshlm.config import load_config
 from meshlm.model.config import PRESETS, ModelConfig
 from meshlm.model.flops import param_counts
 from meshlm.parallel.mesh import Layout
+from meshlm.parallel.schedules import compute_order
 from meshlm.plan import (
     Assumptions,
     Constraints,
@@ -138,6 +139,20 @@ def test_held_layer_activations_replay_the_runtime_schedule():
     assert held_layers("interleaved", 4, 64, 2, 0, (2, 2)) == 22  # the peak does not grow with m
     assert held_layers("interleaved", 4, 8, 2, 0, (0, 2)) == 2 * 4  # an empty chunk holds nothing
     assert held_layers("1f1b", 1, 8, 1, 0, (3,)) == 3
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "v", "chunks"),
+    [("1f1b", 4, 40, 1, (3,)), ("interleaved", 4, 32, 2, (1, 3)), ("interleaved", 3, 24, 3, (0, 2, 1))],
+)
+def test_held_layers_replays_enough_of_the_order(schedule, p, m, v, chunks):
+    """The peak found from 4p micro-batches is the peak of the whole order, on every rank."""
+    for rank in range(p):
+        held = peak = 0
+        for action in compute_order(schedule, p, m, v)[rank]:
+            held += chunks[action.chunk] if action.kind == "F" else -chunks[action.chunk]
+            peak = max(peak, held)
+        assert held_layers(schedule, p, m, v, rank, chunks) == peak
 
 
 def test_split_is_the_runtimes():

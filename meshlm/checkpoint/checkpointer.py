@@ -105,6 +105,8 @@ class Checkpointer:
                 answer = [str(path) if path else None]
             except CheckpointError as e:  # every rank stops with rank 0's reason
                 answer = [e]
+            except OSError as e:
+                answer = [StorageError(f"checkpoints cannot be read: {storage_cause(e, self.store.root)}")]
         dist.broadcast_object_list(answer, src=0, group=self.group)
         if isinstance(answer[0], CheckpointError):
             raise answer[0]
@@ -172,12 +174,14 @@ class Checkpointer:
             self._finish(step, held_s, None if error else future.result(), error)
 
     def _finish(self, step: int, held_s: float, write_s: float | None, error: BaseException | None) -> None:
+        """Record a save's outcome for the metrics; re-raise its failure."""
         if error is None:
-            self.record(step, {"status": "committed", "held_s": held_s, "write_s": write_s,
-                               "staging_bytes": self.staging_bytes})  # fmt: skip
+            outcome = {"status": "committed", "held_s": held_s, "write_s": write_s, "staging_bytes": self.staging_bytes}
+            self.record(step, outcome)
             return
-        with contextlib.suppress(StorageError):  # on a full disk the metrics may not take it: the save's error
-            self.record(step, {"status": "failed", "held_s": held_s, "error": str(error)})  # is the one to show
+        # On a full disk the metrics may refuse this record too: the save's own error is the one to show.
+        with contextlib.suppress(StorageError):
+            self.record(step, {"status": "failed", "held_s": held_s, "error": str(error)})
         raise error
 
     def _rng_entries(self) -> Entries:

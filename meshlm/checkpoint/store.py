@@ -53,7 +53,8 @@ class CheckpointError(ValueError):
 
 
 class StorageError(CheckpointError):
-    """Writing into the run directory failed (disk full, permission, I/O error): one line naming path and cause."""
+    """Reading or writing the run directory failed (disk full, permission, I/O error): one line naming the
+    path and the cause."""
 
 
 def human_size(n: int) -> str:

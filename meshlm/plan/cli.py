@@ -22,7 +22,7 @@ from meshlm.plan.emit import job_name, kubernetes, launch_for, slurm
 from meshlm.plan.hardware import GPUS, Hardware, hardware
 from meshlm.plan.memory import Assumptions, Workload
 from meshlm.plan.search import Constraints, Plan, PlanError, SearchResult, no_fit_message, search
-from meshlm.plan.spot import Estimate
+from meshlm.plan.spot import Estimate, duration_text
 
 SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 DURATIONS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -341,7 +341,7 @@ def _offer(e: Estimate | None, recommended: Estimate) -> str:
         return "—"
     if not e.feasible:
         return "cannot finish"
-    return f"${_si(e.usd)}, {e.wall_s / 86400:.3g} d" + (" *" if e is recommended else "")
+    return f"${_si(e.usd)}, {duration_text(e.wall_s)}" + (" *" if e is recommended else "")
 
 
 def _print_table(r: Request, args: argparse.Namespace, result: SearchResult) -> None:
@@ -367,7 +367,7 @@ def _print_table(r: Request, args: argparse.Namespace, result: SearchResult) -> 
             "yes" if d["sequence_parallel"] else "", f"{d['memory_gb_per_gpu']:.1f}", f"{d['step_time_s']:.2f}",
             f"{d['tokens_per_s']:,.0f}", f"{d['tflops_per_gpu']:.3g}", f"{d['mfu']:.1%}",
             *(_offer(e, o.recommended) for e in (o.on_demand, o.spot, o.mixed)),
-            f"{o.recommended.restarts:,.0f}", f"{o.recommended.interval_s / 60:.0f} min",
+            f"{o.recommended.restarts:,.0f}", duration_text(o.recommended.interval_s),
         )  # fmt: skip
     console = Console(width=max(Console().width, 200))  # 17 columns: never squeeze them into 80
     console.print(table)

@@ -34,7 +34,7 @@ class Launch:
     max_restarts: int
     train_args: tuple[str, ...]  # after `-m meshlm.cli train`
 
-    def torchrun_args(self, endpoint: str, rdzv_id: str) -> list[str]:
+    def torchrun_args(self, endpoint: str, rdzv_id: str, join_timeout: str = str(JOIN_TIMEOUT_S)) -> list[str]:
         """torchrun's arguments for one agent, rendezvous at `endpoint` (host:port)."""
         return [
             f"--nnodes={self.min_nodes}:{self.nodes}",
@@ -43,7 +43,7 @@ class Launch:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={rdzv_id}",
-            f"--rdzv-conf=join_timeout={JOIN_TIMEOUT_S}",
+            f"--rdzv-conf=join_timeout={join_timeout}",
             "-m",
             "meshlm.cli",
             "train",
@@ -96,17 +96,20 @@ def job_name(name: str) -> str:
 
 def slurm(launch: Launch, summary: str) -> str:
     """An sbatch script: one task per node runs a torchrun agent; the first node hosts the rendezvous.
-    HEAD_NODE, RDZV_PORT and RDZV_ID default to the job's own and can be set from outside; extra arguments
-    to the script go to `meshlm train` (e.g. --data.source, --log.run_dir on shared storage)."""
-    command = shlex.join(["torchrun", *launch.torchrun_args("RDZV_ENDPOINT", "RDZV_ID")])
-    command = command.replace("RDZV_ENDPOINT", '"$HEAD_NODE:$RDZV_PORT"').replace(
-        "--rdzv-id=RDZV_ID", '--rdzv-id="$RDZV_ID"'
-    )
-    spares = (
-        f" ({launch.spares} hot spare{'s' if launch.spares > 1 else ''} wait in the rendezvous)"
-        if launch.spares
-        else ""
-    )
+    HEAD_NODE, RDZV_PORT, RDZV_ID and RDZV_JOIN_TIMEOUT default to the job's own and can be set from outside;
+    extra arguments to the script go to `meshlm train` (e.g. --data.source, --log.run_dir on shared storage)."""
+    command = shlex.join(["torchrun", *launch.torchrun_args("RDZV_ENDPOINT", "RDZV_ID", "RDZV_JOIN_TIMEOUT")])
+    shell = {
+        "RDZV_ENDPOINT": '"$HEAD_NODE:$RDZV_PORT"',
+        "--rdzv-id=RDZV_ID": '--rdzv-id="$RDZV_ID"',
+        "join_timeout=RDZV_JOIN_TIMEOUT": 'join_timeout="$RDZV_JOIN_TIMEOUT"',
+    }
+    for placeholder, variable in shell.items():
+        command = command.replace(placeholder, variable)
+    nodes = f"{launch.min_nodes}-{launch.nodes}" if launch.min_nodes < launch.nodes else str(launch.nodes)
+    spares = ""
+    if launch.spares:
+        spares = f" ({launch.spares} hot spare{'s' if launch.spares > 1 else ''} wait in the rendezvous)"
     return f"""#!/bin/bash
 #SBATCH --job-name={job_name(launch.name)}
 #SBATCH --nodes={launch.nodes + launch.spares}
@@ -114,13 +117,14 @@ def slurm(launch: Launch, summary: str) -> str:
 #SBATCH --gpus-per-node={launch.nproc_per_node}
 #SBATCH --exclusive
 # {summary}
-# Trains on {launch.min_nodes}-{launch.nodes} nodes{spares}; written by `meshlm plan --emit slurm`.
+# Trains on {nodes} nodes{spares}; written by `meshlm plan --emit slurm`.
 set -euo pipefail
 # torchrun's shared rendezvous store keeps a previous attempt's addresses (pytorch/pytorch#135712)
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 HEAD_NODE=${{HEAD_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}
 RDZV_PORT=${{RDZV_PORT:-{RDZV_PORT}}}
 RDZV_ID=${{RDZV_ID:-$SLURM_JOB_ID}}
+RDZV_JOIN_TIMEOUT=${{RDZV_JOIN_TIMEOUT:-{JOIN_TIMEOUT_S}}}
 srun --kill-on-bad-exit=0 --ntasks-per-node=1 \\
   {command} "$@"
 """

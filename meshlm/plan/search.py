@@ -289,10 +289,12 @@ def price(plan: Plan, w: Workload, hw: Hardware, a: Assumptions, costs: CostMode
     return dataclasses.replace(plan, offerings=offerings)
 
 
-def _rank_key(objective: Objective) -> Callable[[Plan], tuple]:
+def _rank_key(objective: Objective, deadline_s: float | None) -> Callable[[Plan], tuple]:
+    """Throughput: fastest, then least memory. Cost: those that finish within the deadline first, then the
+    cheapest, then the fastest."""
     if objective == "throughput":
         return lambda p: (-p.step.tokens_per_s, p.memory.total)
-    return lambda p: (p.cost.usd, -p.step.tokens_per_s)
+    return lambda p: (deadline_s is not None and p.cost.wall_s > deadline_s, p.cost.usd, -p.step.tokens_per_s)
 
 
 def search(
@@ -328,7 +330,7 @@ def search(
     if memory_only:
         result.plans.sort(key=lambda p: p.memory.total)
         return result
-    key = _rank_key(objective)
+    key = _rank_key(objective, costs.deadline_s)
     result.plans.sort(key=key)
     head = [price(p, w, hw, a, costs, constraints) for p in result.plans[:priced]]
     result.plans[:priced] = sorted(head, key=key)

@@ -132,7 +132,8 @@ def _live(slots: int, up: float) -> tuple[float, ...]:
     )
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """'2.5 d', '3.59 min', '42 s': the largest unit that fits, 3 significant digits."""
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:
             return f"{seconds / size:.3g} {unit}"
@@ -179,20 +180,20 @@ def estimate(work_s: float, pool: Pool, rates: Rates, speed: Callable[[int], flo
         need = f"{pool.min_nodes} of {nodes}" if pool.elastic else f"all {pool.spot} spot"
         return never(
             f"{need} nodes are up together only {availability:.2%} of the time (each spot node is preempted every "
-            f"{_duration(1 / preempt)} and away {_duration(rates.replace_s)})"
+            f"{duration_text(1 / preempt)} and away {duration_text(rates.replace_s)})"
         )
     if mtbi < restart + rates.checkpoint_s:
         return never(
-            f"one interruption every {_duration(mtbi)} ({pool.spot} spot nodes × {preempt * HOUR:.3g} preemptions"
+            f"one interruption every {duration_text(mtbi)} ({pool.spot} spot nodes × {preempt * HOUR:.3g} preemptions"
             f"/node-hour{' + regrows' if pool.elastic else ''} + failures), shorter than a restart plus one "
-            f"checkpoint ({_duration(restart)} + {_duration(rates.checkpoint_s)}); spares and elastic shrink only "
-            "save the wait for capacity, every preemption of a training node still restarts the job"
+            f"checkpoint ({duration_text(restart)} + {duration_text(rates.checkpoint_s)}); spares and elastic "
+            "shrink only save the wait for capacity, every preemption of a training node still restarts the job"
         )
     work = work_s / relative
     interval = min(young_interval(rates.checkpoint_s, mtbi), work)
     training = expected_wall_time(work, interval, rates.checkpoint_s, restart, mtbi)
     if math.isinf(training):
-        return never(f"restarts every {_duration(mtbi)} outpace checkpoints every {_duration(interval)}")
+        return never(f"restarts every {duration_text(mtbi)} outpace checkpoints every {duration_text(interval)}")
     wall = training / availability
     return Estimate(pool, wall, wall * billed, training / mtbi, interval, mtbi, availability, relative)
 
@@ -236,18 +237,19 @@ def _why_not(choice: Estimate, on_demand: Estimate) -> str:
     dearer, slower = choice.usd > on_demand.usd, choice.wall_s > on_demand.wall_s * 1.0005
     if not (dearer or slower):
         return ""
-    causes = [f"{choice.restarts:,.0f} restarts (one every {_duration(choice.mtbi_s)}, against "
+    causes = [f"{choice.restarts:,.0f} restarts (one every {duration_text(choice.mtbi_s)}, against "
               f"{on_demand.restarts:,.0f} on demand)"]  # fmt: skip
     if choice.availability < 0.995:
         causes.append(f"{1 - choice.availability:.0%} of the time waiting for spot capacity")
     if choice.speed < 0.995:
         causes.append(f"training shrunk to {choice.speed:.0%} of full speed on average")
+    longer = duration_text(choice.wall_s - on_demand.wall_s)
     verdict = (
         f"costs ${choice.usd:,.0f} against ${on_demand.usd:,.0f} on demand"
         if dearer
-        else f"saves ${on_demand.usd - choice.usd:,.0f} but takes {_duration(choice.wall_s - on_demand.wall_s)} longer"
+        else f"saves ${on_demand.usd - choice.usd:,.0f} but takes {longer} longer"
     )
-    return f"{choice.pool.describe()} {verdict} ({_duration(choice.wall_s)}): " + ", ".join(causes)
+    return f"{choice.pool.describe()} {verdict} ({duration_text(choice.wall_s)}): " + ", ".join(causes)
 
 
 def compare(
@@ -283,7 +285,7 @@ def compare(
     spot_note, mixed_note = _why_not(spot, on_demand), _why_not(mixed, on_demand) if mixed else ""
     note = ""
     if not meets:
-        note = f"nothing finishes within {_duration(deadline_s)}; on demand takes {_duration(on_demand.wall_s)}"
+        note = f"nothing finishes within {duration_text(deadline_s)}; on demand takes {duration_text(on_demand.wall_s)}"
     elif recommended is on_demand:
         note = "on demand is cheapest: " + "; ".join(n for n in (spot_note, mixed_note) if n)
     else:

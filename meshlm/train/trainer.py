@@ -28,6 +28,7 @@ from meshlm.checkpoint import (
     set_optimizer_steps,
     training_entries,
 )
+from meshlm.checkpoint.store import StorageError, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data_shared
 from meshlm.model import Transformer, flops_per_token
@@ -233,7 +234,10 @@ class Trainer:
         self.logger = None
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+            try:
+                (self.run_dir / "config.toml").write_text(to_toml(cfg))
+            except OSError as e:  # a full disk or a read-only run directory: one line naming the file
+                raise StorageError(f"run directory cannot be written: {storage_cause(e, self.run_dir)}") from None
             self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, start_step=self.sampler.step)
         tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         dist.barrier()  # ranks sharing a CPU measure its matmul peak together

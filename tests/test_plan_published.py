@@ -1,0 +1,87 @@
+"""The planner against published large-scale runs, as docs/planner.md records them ("Published runs").
+
+Every row of the throughput and memory tables there has a `meshlm plan` command in the page's command block.
+Each is run with `--json --top 1`; the planner's figure must be the page's "predicted" column (3 significant
+digits) and its ratio to the published figure the "ratio" column, and a row marked "yes" must hold (throughput
+within 15 %, memory within 10 %) while one marked "no" must stay outside, so the page cannot go stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from meshlm.plan.cli import add_plan_parser, run_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "planner.md"
+TOLERANCE = {"Throughput per GPU": 0.15, "Memory per GPU": 0.10}
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    table: str
+    published: float
+    predicted: str
+    ratio: str
+    holds: bool
+    field: str
+    args: tuple[str, ...]
+
+
+def rows() -> list[Row]:
+    """The validation rows: the tables' columns joined with the command block by id."""
+    text = DOC.read_text()
+    section = text[text.index("## Published runs") :]
+    block = re.search(r"```text\n(.*?)```", section, re.S)
+    commands = {}
+    for line in block[1].splitlines():
+        rid, field, args = line.split(" ", 2)
+        commands[rid] = (field, tuple(shlex.split(args)))
+    found, table = [], None
+    for line in section.splitlines():
+        if line.startswith("### "):
+            table = line[4:].strip()
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if table in TOLERANCE and re.fullmatch(r"[A-Z]\d+", cells[0]):
+            published, predicted, ratio, holds = cells[-4:]
+            field, args = commands[cells[0]]
+            found.append(Row(cells[0], table, float(published), predicted, ratio, holds == "yes", field, args))
+    assert len(found) == len(commands), "every table row needs a command and every command a row"
+    return found
+
+
+ROWS = rows()
+
+
+def planner_figure(row: Row, capsys: pytest.CaptureFixture) -> float:
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers())
+    assert run_plan(parser.parse_args(["plan", *row.args, "--json", "--top", "1"])) == 0, capsys.readouterr().err
+    value = json.loads(capsys.readouterr().out)["plans"][0]
+    for key in row.field.split("."):
+        value = value[key]
+    return value
+
+
+def test_the_page_has_every_kind_of_row() -> None:
+    assert {r.table for r in ROWS} == set(TOLERANCE)
+    assert {r.field for r in ROWS} >= {"hardware_tflops_per_gpu", "tflops_per_gpu", "memory_gb_per_gpu"}
+    assert sum(r.holds for r in ROWS) >= 18
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
+def test_published_row(row: Row, capsys: pytest.CaptureFixture) -> None:
+    figure = planner_figure(row, capsys)
+    ratio = figure / row.published
+    assert f"{figure:.3g}" == row.predicted, f"{row.id}: planner says {figure:.4g}, docs/planner.md {row.predicted}"
+    assert f"{ratio:.2f}" == row.ratio, f"{row.id}: ratio {ratio:.3f}, docs/planner.md {row.ratio}"
+    within = abs(ratio - 1) <= TOLERANCE[row.table]
+    assert within == row.holds, f"{row.id}: ratio {ratio:.3f}; docs/planner.md says holds={row.holds}"
