@@ -2,7 +2,9 @@
 with the single-process model (tp = 2, 4; ± sequence parallel; tied embeddings; accumulation; with dp and
 ZeRO), generation, activation memory and the one-line layout errors.
 
-Each distributed test spawns one gloo group and runs many checks inside it.
+Each distributed test runs many checks as one call on a gloo group shared with the other tests of its world
+size. Training equivalence follows tests/equivalence.py: AdamW loss curves, SGD final weights, and a
+mutation per world size (a real bug injected) that every criterion must catch.
 """
 
 from __future__ import annotations
@@ -11,8 +13,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distributed import run_distributed
-from equivalence import TEST_MODEL, assert_close_runs, global_batch, train_layout
+from distributed import run_shared
+from equivalence import (
+    TEST_MODEL,
+    assert_close_runs,
+    assert_mutations_caught,
+    global_batch,
+    reference,
+    train_layout,
+    train_mutated,
+)
 from torch import nn
 
 from meshlm.model import ModelConfig, Transformer, cross_entropy_loss, generate
@@ -198,6 +208,11 @@ def _train_runs(runs: list[tuple[str, dict, dict]]) -> list[dict]:
     return [train_layout(layout, parallel, **kwargs) for layout, parallel, kwargs in runs]
 
 
+def with_sgd_twins(runs: list[tuple[str, dict, dict]]) -> list[tuple[str, dict, dict]]:
+    """Each AdamW run (its loss curve is the criterion) and its SGD twin (loss curve and final weights)."""
+    return [*runs, *[(layout, par, {**kwargs, "optimizer": "sgd"}) for layout, par, kwargs in runs]]
+
+
 def _ops_checks() -> dict:
     _check_primitives()
     _check_cross_entropy()
@@ -207,39 +222,58 @@ def _ops_checks() -> dict:
     return _activation_bytes()
 
 
-def _tp2_checks(runs: list[tuple[str, dict, dict]], prompt: torch.Tensor) -> dict:
+def _tp2_checks(runs: list[tuple[str, dict, dict]], prompt: torch.Tensor, mutated: list) -> dict:
     results = _train_runs(runs)
-    # Generation from the tp=2 + SP trained model (runs[1]).
-    return {"runs": results, "generated": _generate_both_ways(results[1]["state"], TEST_MODEL, prompt)}
+    # Generation from the tp=2 + SP model trained with SGD (weights equal to the reference's to an ulp).
+    sgd_sp = next(r for (_, par, kw), r in zip(runs, results, strict=True) if par == SP and kw == {"optimizer": "sgd"})
+    return {
+        "runs": results,
+        "generated": _generate_both_ways(sgd_sp["state"], TEST_MODEL, prompt),
+        "mutated": train_mutated("tp input gradient not all-reduced", mutated),
+    }
 
 
-def _tp4_checks(runs: list[tuple[str, dict, dict]]) -> dict:
+def _tp4_checks(runs: list[tuple[str, dict, dict]], mutated: list) -> dict:
     _check_gradients(TEST_MODEL, sp=True, checkpointing=False)  # n_kv_heads 2 < tp 4: replicated KV
-    return {"runs": _train_runs(runs), "activations": _activation_bytes()}
+    return {
+        "runs": _train_runs(runs),
+        "activations": _activation_bytes(),
+        "mutated": train_mutated("kv head summed on one rank only", mutated),
+    }
 
 
-# ---- the single-process references -----------------------------------------------------------------
+# ---- the single-process references (shared with other modules, computed once per session) ----------
 REFERENCE_CASES = {"plain": {}, "tied": {"model_cfg": TIED}, "accum": {"micro_batch": 2}}
 
 
+def _reference_for(kwargs: dict) -> dict:
+    """The single-process run a layout's run is compared with: same model, accumulation and optimizer."""
+    return reference(**{k: v for k, v in kwargs.items() if k in ("model_cfg", "micro_batch", "optimizer")})
+
+
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    refs = {name: train_layout("", **kwargs) for name, kwargs in REFERENCE_CASES.items()}
+def prompt() -> torch.Tensor:
+    return global_batch(100, 2, PROMPT_LEN, TEST_MODEL.vocab_size)[0]
+
+
+@pytest.fixture(scope="module")
+def reference_generated(prompt: torch.Tensor) -> torch.Tensor:
     model = Transformer(TEST_MODEL)
-    model.load_state_dict(refs["plain"]["state"])
-    prompt = global_batch(100, 2, PROMPT_LEN, TEST_MODEL.vocab_size)[0]
-    refs["prompt"] = prompt
-    refs["generated"] = generate(model, prompt, NEW_TOKENS, temperature=0)
-    return refs
+    model.load_state_dict(reference(optimizer="sgd")["state"])
+    return generate(model, prompt, NEW_TOKENS, temperature=0)
 
 
 def _assert_matches(ref: dict, got: dict, label: str) -> None:
     try:
         assert_close_runs(ref, got)
-        for step, (a, b) in enumerate(zip(ref["grad_norms"], got["grad_norms"], strict=True)):
-            assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: grad norm {b} vs reference {a}"
     except AssertionError as e:
         raise AssertionError(f"{label}: {e}") from None
+
+
+def _assert_runs_match(runs: list[tuple[str, dict, dict]], per_rank: list[list[dict]]) -> None:
+    for rank, results in enumerate(per_rank):
+        for (layout, par, kwargs), got in zip(runs, results, strict=True):
+            _assert_matches(_reference_for(kwargs), got, f"rank {rank} {layout} {par} {kwargs}")
 
 
 # ---- tests -----------------------------------------------------------------------------------------
@@ -269,47 +303,52 @@ def test_sequence_length_only_matters_under_sequence_parallel() -> None:
 def test_ops_gradients_and_activation_memory() -> None:
     """Collectives, vocab-parallel CE and embedding, whole-model gradients (± SP, checkpointing, tied),
     and the per-rank activation bytes of one block against the documented formula (tp=2)."""
-    act = run_distributed(_ops_checks, 2)[0]
+    act = run_shared(_ops_checks, 2)[0]
     for name, tp, sp in (("single", 1, False), ("tp", 2, False), ("tp_sp", 2, True)):
         assert act[name] == block_activation_bytes(TEST_MODEL, 2, 32, tp, sp), (name, act)
     assert act["single"] / act["tp_sp"] == pytest.approx(2.0)  # SP: everything in the block falls by tp
     assert act["single"] / act["tp"] < 1.6  # without SP the norms and region inputs stay replicated
 
 
-def test_tp2_matches_single_process(reference: dict) -> None:
-    runs = [
-        ("tp=2", {}, {}),
-        ("tp=2", SP, {}),
-        ("tp=2", SP, {"model_cfg": TIED}),
-        ("tp=2", SP, {"micro_batch": 2}),
-    ]
-    cases = ["plain", "plain", "tied", "accum"]
-    out = run_distributed(_tp2_checks, 2, runs, reference["prompt"])
+MUTATED_TP2 = [("tp=2", SP, {}), ("tp=2", SP, {"optimizer": "sgd"})]
+
+
+def test_tp2_matches_single_process(prompt: torch.Tensor, reference_generated: torch.Tensor) -> None:
+    """Plain, SP, tied, accumulation: AdamW loss curves and SGD final weights; the greedy tokens of the
+    SGD-trained tp=2 + SP model, from its gathered weights and from its shards. A missing all-reduce in
+    Megatron's f operator fails every criterion."""
+    runs = with_sgd_twins(
+        [("tp=2", {}, {}), ("tp=2", SP, {}), ("tp=2", SP, {"model_cfg": TIED}), ("tp=2", SP, {"micro_batch": 2})]
+    )
+    out = run_shared(_tp2_checks, 2, runs, prompt, MUTATED_TP2)
+    _assert_runs_match(runs, [result["runs"] for result in out])
     for rank, result in enumerate(out):
-        for (layout, par, _), case, got in zip(runs, cases, result["runs"], strict=True):
-            _assert_matches(reference[case], got, f"rank {rank} {layout} {par} {case}")
         for how, tokens in result["generated"].items():
-            assert torch.equal(tokens, reference["generated"]), (rank, how, tokens, reference["generated"])
+            assert torch.equal(tokens, reference_generated), (rank, how, tokens, reference_generated)
+    refs = [_reference_for(kwargs) for _, _, kwargs in MUTATED_TP2]
+    assert_mutations_caught(refs, [result["mutated"] for result in out], [str(run) for run in MUTATED_TP2])
 
 
-def test_tp4_replicated_kv_matches_single_process(reference: dict) -> None:
-    """n_kv_heads 2 < tp 4: each KV head lives on two ranks and its gradient is summed over them."""
-    runs = [("tp=4", {}, {}), ("tp=4", SP, {})]
-    out = run_distributed(_tp4_checks, 4, runs)
-    for rank, result in enumerate(out):
-        for (layout, par, _), got in zip(runs, result["runs"], strict=True):
-            _assert_matches(reference["plain"], got, f"rank {rank} {layout} {par}")
+MUTATED_TP4 = [("tp=4", {}, {}), ("tp=4", {}, {"optimizer": "sgd"})]
+
+
+def test_tp4_replicated_kv_matches_single_process() -> None:
+    """n_kv_heads 2 < tp 4: each KV head lives on two ranks and its gradient is summed over them; summing it
+    on one of them only fails every criterion."""
+    runs = with_sgd_twins([("tp=4", {}, {}), ("tp=4", SP, {})])
+    out = run_shared(_tp4_checks, 4, runs, MUTATED_TP4)
+    _assert_runs_match(runs, [result["runs"] for result in out])
+    for result in out:
         act = result["activations"]
         for name, tp, sp in (("single", 1, False), ("tp", 4, False), ("tp_sp", 4, True)):
             assert act[name] == block_activation_bytes(TEST_MODEL, 2, 32, tp, sp), (name, act)
         # Not quite 4: each rank still holds a whole KV head (2 heads over 4 ranks).
         assert 3.6 < act["single"] / act["tp_sp"] < 4
+    refs = [_reference_for(kwargs) for _, _, kwargs in MUTATED_TP4]
+    assert_mutations_caught(refs, [result["mutated"] for result in out], [str(run) for run in MUTATED_TP4])
 
 
-def test_dp2_tp2_with_zero_matches_single_process(reference: dict) -> None:
+def test_dp2_tp2_with_zero_matches_single_process() -> None:
     pytest.importorskip("meshlm.parallel.data_parallel")
-    runs = [("dp=2,tp=2", {"zero": zero, **(SP if zero % 2 else {})}, {}) for zero in range(4)]
-    out = run_distributed(_train_runs, 4, runs)
-    for rank, results in enumerate(out):
-        for (layout, par, _), got in zip(runs, results, strict=True):
-            _assert_matches(reference["plain"], got, f"rank {rank} {layout} {par}")
+    runs = with_sgd_twins([("dp=2,tp=2", {"zero": zero, **(SP if zero % 2 else {})}, {}) for zero in range(4)])
+    _assert_runs_match(runs, run_shared(_train_runs, 4, runs))
