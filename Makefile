@@ -1,10 +1,17 @@
 # The two quick-start commands: `make demo` trains the tiny model on the standard-library corpus,
 # `make test` runs lint and the whole test suite. Both create the virtual environment on first use.
+# `make test-portability` reruns the layout-equivalence tests under other CPU kernels (another machine's
+# rounding, tests/equivalence.py): CAPABILITY=default|avx2|avx512 (not above what this CPU has), THREADS=1|2.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-portability lint bench clean
+
+CAPABILITY ?= default
+THREADS ?= 1
+PARALLEL_TESTS := tests/test_tensor_parallel.py tests/test_data_parallel.py tests/test_pipeline.py \
+	tests/test_checkpoint_reshard.py tests/test_trainer_distributed.py tests/test_api.py
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +28,9 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(PY) -m pytest
+
+test-portability: $(VENV)/.installed
+	ATEN_CPU_CAPABILITY=$(CAPABILITY) MESHLM_TEST_THREADS=$(THREADS) $(PY) -m pytest $(PARALLEL_TESTS)
 
 clean:
 	rm -rf $(VENV) .cache runs

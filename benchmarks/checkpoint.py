@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,15 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from distributed import run_distributed
-
 from meshlm.checkpoint import Checkpointer, training_entries
 from meshlm.config import ParallelSection, TrainSection
 from meshlm.model import Transformer, cross_entropy_loss, preset
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.testing import run_distributed
 from meshlm.train.optim import build_optimizer
 
 MESHLM = {  # name -> (layout, zero)

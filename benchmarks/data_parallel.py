@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,15 +22,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from distributed import run_distributed
-
 from meshlm.config import ParallelSection, TrainSection
 from meshlm.model import Transformer, cross_entropy_loss, preset
 from meshlm.parallel.data_parallel import unique_storage_bytes
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.testing import run_distributed
 from meshlm.train.optim import build_optimizer
 
 SYSTEMS = ["meshlm zero0", "torch DDP", "meshlm zero1", "meshlm zero2", "meshlm zero3", "torch FSDP2"]

@@ -16,22 +16,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from distributed import run_distributed
-
 from meshlm.model import Transformer, cross_entropy_loss, preset
 from meshlm.parallel.pipeline import PipelineSchedule, split_model
 from meshlm.parallel.schedules import theoretical_bubble
+from meshlm.testing import run_distributed
 
 Step = Callable[[torch.Tensor, torch.Tensor], float]
 

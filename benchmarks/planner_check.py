@@ -34,11 +34,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from distributed import run_distributed
-from equivalence import global_batch
-
 from meshlm.config import ParallelSection, TrainSection
 from meshlm.model import ModelConfig, Transformer, preset
 from meshlm.observe.calibration import calibration
@@ -48,6 +43,7 @@ from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, parse_layout, validate_layout
 from meshlm.plan import Strategy, Workload, evaluate, hardware
 from meshlm.plan.memory import model_state_bytes, rank_layers, stage_params
+from meshlm.testing import global_batch, run_distributed
 from meshlm.train.optim import build_optimizer, train_step
 
 MEMORY_TOLERANCE = 0.10

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,14 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from distributed import run_distributed
-
 from meshlm.config import ParallelSection, TrainSection
 from meshlm.model import Transformer, preset
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.testing import run_distributed
 from meshlm.train.optim import build_optimizer, train_step
 
 SYSTEMS = ["meshlm tp", "torch tp", "meshlm tp+sp", "torch tp+sp"]

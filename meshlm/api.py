@@ -35,6 +35,7 @@ from meshlm.checkpoint import (
 )
 from meshlm.config import ConfigError, ParallelSection
 from meshlm.parallel.engine import LossFn, ParallelModel
+from meshlm.parallel.materialize import is_meta_model
 from meshlm.parallel.mesh import Mesh, build_mesh, check_batch_and_schedule, parse_layout
 from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
 from meshlm.train.distributed import init_distributed, resolve_device
@@ -74,8 +75,11 @@ def parallelize(
     """Apply the mesh's layout to `model` in place, as `plan` (default: the plan registered for the model's
     class, else DP/ZeRO only) says: tensor parallel, then pipeline stages, then data parallel / ZeRO.
 
-    Every rank must build `model` with the same weights (same seed) before calling this. The plan is checked
-    first; a mismatch raises a one-line PlanError naming the module, with the model untouched.
+    Every rank must build `model` with the same weights (same seed) before calling this, or build it on the
+    `meta` device (`with torch.device("meta"): model = MyModel()`): then each rank allocates and initialises
+    only its own shard, from the model's `init_rule` (meshlm's Llama: the weights of a one-process build,
+    bit for bit) or else each module's `reset_parameters()` (see meshlm.parallel.materialize). The plan is
+    checked first; a mismatch raises a one-line PlanError naming the module, with the model untouched.
     `micro_batches` is how many micro-batches `forward_backward` cuts this replica's batch into (gradient
     accumulation; under pp the pipeline's micro-batches). `loss_fn(output, targets)` is what
     `forward_backward` minimises (default: token cross-entropy); `gather_logits` gives a tp model full
@@ -100,7 +104,7 @@ def parallelize(
     n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
     check_batch_and_schedule(layout, n_layers, micro_batches * layout.dp, 1, virtual_stages, schedule)
     device = torch.device(mesh.device_mesh.device_type)
-    if device.type == "cuda":
+    if device.type == "cuda" and not is_meta_model(model):
         model.to(torch.device("cuda", torch.cuda.current_device()))
     return ParallelModel(model, mesh, parallel, micro_batches, autocast_dtype, plan, loss_fn, gather_logits)
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from meshlm.model.config import PRESETS, ModelConfig
+from meshlm.model.config import FAMILY_FIELDS, PRESETS, ModelConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -55,6 +55,25 @@ class ModelSection(Section):
     norm_eps: float | None = Field(None, gt=0)
     tie_embeddings: bool | None = None
     init_std: float | None = Field(None, gt=0)
+    head_dim_override: int | None = Field(None, ge=0, description="width of one attention head; 0 = dim / n_heads")
+    qkv_bias: bool | None = Field(
+        None, description="biases on the q/k/v projections (Qwen2; needs hf_model_type qwen2)"
+    )
+    rope_type: Literal["default", "llama3"] | None = Field(
+        None, description="'default', or 'llama3': Llama 3.1+ RoPE frequency scaling by the four rope_* fields"
+    )
+    rope_factor: float | None = Field(None, ge=0, description="llama3 RoPE: factor (the rope_* fields are 0 otherwise)")
+    rope_low_freq_factor: float | None = Field(None, ge=0, description="llama3 RoPE: low_freq_factor")
+    rope_high_freq_factor: float | None = Field(None, ge=0, description="llama3 RoPE: high_freq_factor")
+    rope_original_max_seq_len: int | None = Field(
+        None, ge=0, description="llama3 RoPE: original_max_position_embeddings"
+    )
+    sliding_window: int | None = Field(
+        None, ge=0, description="Mistral attention window, 0 = none; data.seq_len may not exceed it"
+    )
+    hf_model_type: Literal["llama", "qwen2", "mistral"] | None = Field(
+        None, description="Hugging Face family that export writes: llama (default), qwen2 or mistral"
+    )
 
     @field_validator("preset")
     @classmethod
@@ -181,6 +200,11 @@ class Config(Section):
             raise ValueError(str(e)) from None
         if self.data.seq_len > model.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})")
+        if model.sliding_window and self.data.seq_len > model.sliding_window:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.sliding_window ({model.sliding_window}): "
+                "meshlm's full causal attention equals sliding-window attention only within the window"
+            )
         if self.parallel.zero == 0 and (self.parallel.zero_shard_size or self.parallel.zero_param_dtype != "fp32"):
             raise ValueError("parallel.zero_shard_size and parallel.zero_param_dtype need parallel.zero >= 1")
         if self.train.micro_batch and self.train.global_batch % self.train.micro_batch:
@@ -299,7 +323,7 @@ def model_config_from_dict(values: object, where: str) -> ModelConfig:
     a ConfigError names `where` and the field."""
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: the model config should be an object of fields, got {type(values).__name__}")
-    missing = [name for name in ModelConfig.__dataclass_fields__ if name not in values]
+    missing = [name for name in ModelConfig.__dataclass_fields__ if name not in values and name not in FAMILY_FIELDS]
     if missing:
         raise ConfigError(f"{where}: model.{missing[0]}: missing")
     try:

@@ -56,7 +56,7 @@ from meshlm.config import ParallelSection, TrainSection
 from meshlm.model import ModelConfig, Transformer, preset
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout, validate_layout
-from meshlm.testing import global_batch
+from meshlm.testing import global_batch, rank_threads
 from meshlm.train.optim import build_optimizer, lr_at, train_step
 
 __all__ = ["TEST_MODEL", "assert_close_runs", "global_batch", "reference", "train_layout"]
@@ -65,7 +65,7 @@ TEST_MODEL = preset("test")
 LOSS_RTOL = 1e-5  # criterion 1
 WEIGHT_RTOL = 1e-5  # criterion 2
 ADAMW_LR = 3e-3
-SGD_LR = 0.5  # with the gradient clipped to norm 1: weights move ~0.03 in 10 steps and the loss falls 6.25 → 5.95
+SGD_LR = 0.2  # stable for every test model (see criterion 2); the loss falls ~0.15-0.2 in 10 steps
 
 
 def train_layout(
@@ -151,7 +151,7 @@ def train_layout(
 @functools.cache
 def _reference(key: tuple) -> dict:
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: extra threads only contend with the spawned ranks
+    torch.set_num_threads(rank_threads())  # 1 by default: tiny matmuls, extra threads only contend with the ranks
     try:
         return train_layout("", **dict(key))
     finally:
@@ -373,10 +373,10 @@ def train_mutated(mutation: str, runs: list[tuple[str, dict, dict]]) -> list[dic
 
 
 def assert_mutations_caught(refs: list[dict], per_rank: list[list[dict]], labels: list[str]) -> None:
-    """Every mutated run fired its bug on some rank and fails every criterion that applies to it."""
+    """Every mutated run fired its bug on some rank and fails the criterion its optimizer is checked by:
+    the loss curve (criterion 1) for AdamW runs, the final weights (criterion 2) for SGD runs."""
     for i, (ref, label) in enumerate(zip(refs, labels, strict=True)):
         assert sum(rank[i]["fired"] for rank in per_rank) > 0, f"{label}: the mutation never fired (code moved?)"
-        got = per_rank[0][i]
-        failures = criterion_failures(ref, got)
-        expected = {"losses", "weights"} if ref.get("optimizer") == "sgd" else {"losses"}
-        assert set(failures) == expected, f"{label}: only {sorted(failures)} of {sorted(expected)} caught it"
+        failures = criterion_failures(ref, per_rank[0][i])
+        expected = "weights" if ref.get("optimizer") == "sgd" else "losses"
+        assert expected in failures, f"{label}: the {expected} criterion passed a run with the bug ({failures})"

@@ -1,6 +1,8 @@
 """Sharded checkpoints: resume equals an uninterrupted run under every layout, and a checkpoint saved under
-one layout resumes under others, at other world sizes, continuing the same loss curve (1e-5 relative) to the
-same final weights, Adam moments included."""
+one layout resumes under others, at other world sizes: the resumed run starts from exactly the saved weights
+(bit for bit: loading reshards bytes, it does no arithmetic) and continues the uninterrupted run's AdamW loss
+curve and gradient norms (1e-5 relative, tests/equivalence.py), which needs Adam's moments restored too: a
+resume that loses them fails that criterion."""
 
 from __future__ import annotations
 
@@ -10,8 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
-from equivalence import TEST_MODEL, assert_close_runs, train_layout
+from distributed import run_shared
+from equivalence import (
+    TEST_MODEL,
+    assert_close_runs,
+    assert_identical_weights,
+    criterion_failures,
+    reference,
+    tail,
+    train_layout,
+    train_mutated,
+)
 
 from meshlm.checkpoint import init_optimizer_state, training_entries
 from meshlm.config import ParallelSection, TrainSection
@@ -48,55 +59,70 @@ def segment(layout: str, parallel: dict, run: str, first_half: bool) -> dict:
     return train_layout(layout, parallel, steps=STEPS, start=SAVE_AT, micro_batch=MICRO, resume_from=run)
 
 
-def same_layout_job(root: str, cases: list) -> list[dict]:
+def same_layout_job(root: str, cases: list) -> list[tuple[dict, dict]]:
+    """(the first half's final weights, the resumed second half) per layout."""
     out = []
     for i, (layout, parallel) in enumerate(cases):
         run = f"{root}/same{i}"
-        segment(layout, parallel, run, first_half=True)
-        out.append(segment(layout, parallel, run, first_half=False))
+        saved = segment(layout, parallel, run, first_half=True)["state"]
+        out.append((saved, segment(layout, parallel, run, first_half=False)))
     return out
 
 
 def save_job(run: str) -> dict:
-    return segment(*SAVED_AT_8, run, first_half=True)
+    return segment(*SAVED_AT_8, run, first_half=True)["state"]
 
 
-def resume_job(run: str, cases: list) -> list[dict]:
-    return [segment(layout, parallel, run, first_half=False) for layout, parallel in cases]
+def resume_job(run: str, cases: list, mutated: list | None = None) -> dict:
+    """Each case resumed from `run`; and the `mutated` ones resumed with Adam's moments lost."""
+    resume = {"steps": STEPS, "start": SAVE_AT, "micro_batch": MICRO, "resume_from": run}
+    return {
+        "runs": [segment(layout, parallel, run, first_half=False) for layout, parallel in cases],
+        "mutated": train_mutated("adam moments lost on resume", [(*case, resume) for case in mutated or []]),
+    }
+
+
+def _resume_reference() -> dict:
+    """The uninterrupted run's curve from SAVE_AT on: what every resumed run must continue."""
+    return tail(reference(micro_batch=MICRO), SAVE_AT)
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    full = train_layout(steps=STEPS)
-    return {"losses": full["losses"][SAVE_AT:], "state": full["state"]}
-
-
-@pytest.fixture(scope="module")
-def saved_at_world_8() -> str:
+def saved_at_world_8() -> tuple[str, dict]:
     root = tempfile.mkdtemp(prefix="meshlm-reshard-")
-    run_distributed(save_job, 8, root, timeout=300)
-    return root
+    return root, run_shared(save_job, 8, root, timeout=300)[0]
 
 
-def test_resume_equals_uninterrupted_for_every_layout(reference: dict, tmp_path: Path) -> None:
-    results = run_distributed(same_layout_job, 4, str(tmp_path), SAME_LAYOUT_4, timeout=400)
-    for (layout, parallel), got in zip(SAME_LAYOUT_4, results[0], strict=True):
-        try:
-            assert_close_runs(reference, got)
-        except AssertionError as e:
-            raise AssertionError(f"{layout} {parallel}: {e}") from None
+def _assert_resumed(saved: dict, got: dict, label: str) -> None:
+    try:
+        assert_identical_weights(saved, got["resumed_state"])
+        assert_close_runs(_resume_reference(), got)
+    except AssertionError as e:
+        raise AssertionError(f"{label}: {e}") from None
+
+
+def test_resume_equals_uninterrupted_for_every_layout(tmp_path: Path) -> None:
+    results = run_shared(same_layout_job, 4, str(tmp_path), SAME_LAYOUT_4, timeout=400)
+    for (layout, parallel), (saved, got) in zip(SAME_LAYOUT_4, results[0], strict=True):
+        _assert_resumed(saved, got, f"{layout} {parallel}")
+
+
+MUTATED_4 = [("dp=4", {"zero": 1}), ("pp=2,tp=2", {})]
 
 
 @pytest.mark.parametrize("world, cases", [(8, [SAVED_AT_8]), (4, RESHARD_4), (2, RESHARD_2), (1, RESHARD_1)])
 def test_resume_under_another_layout_and_world_size(
-    reference: dict, saved_at_world_8: str, world: int, cases: list
+    saved_at_world_8: tuple[str, dict], world: int, cases: list
 ) -> None:
-    results = run_distributed(resume_job, world, saved_at_world_8, cases, timeout=300)
-    for (layout, parallel), got in zip(cases, results[0], strict=True):
-        try:
-            assert_close_runs(reference, got)
-        except AssertionError as e:
-            raise AssertionError(f"{SAVED_AT_8} -> world {world} {layout} {parallel}: {e}") from None
+    run, saved = saved_at_world_8
+    mutated = MUTATED_4 if world == 4 else []
+    results = run_shared(resume_job, world, run, cases, mutated, timeout=300)[0]
+    for (layout, parallel), got in zip(cases, results["runs"], strict=True):
+        _assert_resumed(saved, got, f"{SAVED_AT_8} -> world {world} {layout} {parallel}")
+    for case, got in zip(mutated, results["mutated"], strict=True):  # losing the moments is caught
+        assert got["fired"], case
+        assert_identical_weights(saved, got["resumed_state"])  # the weights alone cannot tell
+        assert "losses" in criterion_failures(_resume_reference(), got), case
 
 
 def writer_share_job(cases: list) -> list[tuple[int, int]]:
@@ -118,7 +144,7 @@ def test_replicas_share_the_writing_and_write_every_element_once() -> None:
     """Under ZeRO-0 every rank holds the whole state; as writers, each takes about a quarter (DCP would
     otherwise stage and deduplicate everything), and over the ranks every element is written exactly once."""
     cases = [("dp=4", {"zero": 0}), ("dp=4", {"zero": 2, "zero_shard_size": 2}), ("dp=2,tp=2", {"zero": 0})]
-    ranks = run_distributed(writer_share_job, 4, cases)
+    ranks = run_shared(writer_share_job, 4, cases)
     for i, case in enumerate(cases):
         written = [r[i][0] for r in ranks]
         total = ranks[0][i][1]

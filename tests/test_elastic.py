@@ -26,6 +26,8 @@ from distributed import free_port
 
 from meshlm.checkpoint import list_checkpoints, load_model_state
 
+pytestmark = pytest.mark.slow  # real torchrun agents, restarts and rendezvous: ~10 s each
+
 STEPS = 8
 
 

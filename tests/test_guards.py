@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_distributed
+from distributed import run_shared
 
 from meshlm.checkpoint import list_checkpoints, load_model_state
 from meshlm.config import ParallelSection, load_config, parse_overrides
@@ -106,7 +106,7 @@ def _desync_worker() -> str:
 
 
 def test_desync_names_rank_and_tensor() -> None:
-    messages = run_distributed(_desync_worker, 2)
+    messages = run_shared(_desync_worker, 2)
     for message in messages:
         assert "model.layers.2.mlp.up_proj.weight on dp rank 1 (global rank 1)" in message
 

@@ -162,14 +162,14 @@ def test_config_round_trip_and_transformers_versions() -> None:
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling.rope_type"),
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters.rope_type"),
         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"head_dim": 32}, "head_dim"),
-        ({"model_type": "mistral"}, "model_type"),
+        ({"head_dim": 15}, "head_dim"),
+        ({"model_type": "gemma"}, "model_type"),
         ({"hidden_size": None}, "hidden_size"),
     ],
 )

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from distributed import run_shared
 from torch import nn
 
 from meshlm.observe import (
@@ -185,7 +185,7 @@ def _both_loops() -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    return run_distributed(_both_loops, 4)
+    return run_shared(_both_loops, 4)
 
 
 def test_parts_sum_to_step_time_and_match_independent_timing(four_ranks: list[dict]) -> None:

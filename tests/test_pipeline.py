@@ -1,5 +1,8 @@
 """Pipeline parallelism: pure schedules and splitting in-process, then the executor on gloo ranks against the
-single-process model (losses, weights, gradients), its composition with dp / tp, and its failure behaviour."""
+single-process model (losses, weights, gradients), its composition with dp / tp, and its failure behaviour.
+
+Every layout trains twice, as tests/equivalence.py says: AdamW (loss curve) and SGD (loss curve and final
+weights). The equivalence checks share the session's gloo groups; the failure checks spawn their own."""
 
 from __future__ import annotations
 
@@ -12,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
-from equivalence import TEST_MODEL, assert_close_runs, global_batch, train_layout
+from distributed import run_distributed, run_shared
+from equivalence import TEST_MODEL, assert_close_runs, global_batch, reference, train_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -286,11 +289,26 @@ def _one_step(layout: str, par: dict, n_micro: int, model_cfg, seq_len: int = 16
     }
 
 
-def _grid_and_equivalence(grid: list, runs: list) -> dict:
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def _train_both(layout: str, par: dict, micro_batch: int, cfg=TEST_MODEL) -> dict[str, dict]:
     return {
-        "grid": [_one_step(*case) for case in grid],
-        "runs": [train_layout(layout, par, micro_batch=mb, model_cfg=cfg, seq_len=16) for layout, par, mb, cfg in runs],
+        opt: train_layout(layout, par, micro_batch=micro_batch, model_cfg=cfg, seq_len=16, optimizer=opt)
+        for opt in OPTIMIZERS
     }
+
+
+def _assert_matches_reference(got: dict[str, dict], cfg=TEST_MODEL, label: object = "") -> None:
+    for opt in OPTIMIZERS:
+        try:
+            assert_close_runs(reference(model_cfg=cfg, seq_len=16, optimizer=opt), got[opt])
+        except AssertionError as e:
+            raise AssertionError(f"{label} {opt}: {e}") from None
+
+
+def _grid_and_equivalence(grid: list, runs: list) -> dict:
+    return {"grid": [_one_step(*case) for case in grid], "runs": [_train_both(*run) for run in runs]}
 
 
 def _check_grid(grid: list, results: list[list[dict]]) -> None:
@@ -309,18 +327,7 @@ def _check_grid(grid: list, results: list[list[dict]]) -> None:
                 assert [e for c, e in got["grad_sync"] if c == chunk] == [False] * (n_micro - 1) + [True], case
 
 
-@pytest.fixture(scope="module")
-def references() -> dict:
-    """Single-process runs (no accumulation) of the two test models, the ground truth for every layout."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: extra threads only contend with the spawned ranks
-    try:
-        return {n: train_layout("", model_cfg=TEST_MODEL.replace(n_layers=n), seq_len=16) for n in (4, 8)}
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_pp2_every_schedule_matches_single_process(references):
+def test_pp2_every_schedule_matches_single_process():
     """10 steps of each schedule with 4 micro-batches (and 8 for 1F1B), plus one checked step for a grid of
     micro-batch counts (no deadlock, exact loss, gradients, eval loss and in-flight peak)."""
     grid = [("pp=2", {"schedule": "gpipe"}, m, TEST_MODEL) for m in (1, 2, 3)]
@@ -332,14 +339,14 @@ def test_pp2_every_schedule_matches_single_process(references):
         ("pp=2", {"schedule": "1f1b"}, 1, TEST_MODEL),
         ("pp=2", {"schedule": "interleaved", "virtual_stages": 2}, 2, TEST_MODEL),
     ]
-    results = run_distributed(_grid_and_equivalence, 2, grid, runs)
+    results = run_shared(_grid_and_equivalence, 2, grid, runs)
     _check_grid(grid, results)
-    for i in range(len(runs)):
-        for per_rank in results:
-            assert_close_runs(references[4], per_rank["runs"][i])
+    for i, run in enumerate(runs):
+        for rank, per_rank in enumerate(results):
+            _assert_matches_reference(per_rank["runs"][i], TEST_MODEL, (rank, *run[:3]))
 
 
-def test_pp4_every_schedule_matches_single_process(references):
+def test_pp4_every_schedule_matches_single_process():
     grid = [("pp=4", {"schedule": "gpipe"}, m, EIGHT_LAYERS) for m in (2, 4)]
     grid += [("pp=4", {"schedule": "1f1b"}, m, EIGHT_LAYERS) for m in (4, 5)]
     grid += [("pp=4", {"schedule": "interleaved", "virtual_stages": 2}, m, EIGHT_LAYERS) for m in (4, 8)]
@@ -348,38 +355,39 @@ def test_pp4_every_schedule_matches_single_process(references):
         ("pp=4", {"schedule": "1f1b"}, 1, EIGHT_LAYERS),
         ("pp=4", {"schedule": "interleaved", "virtual_stages": 2}, 2, EIGHT_LAYERS),
     ]
-    results = run_distributed(_grid_and_equivalence, 4, grid, runs)
+    results = run_shared(_grid_and_equivalence, 4, grid, runs)
     _check_grid(grid, results)
-    for i in range(len(runs)):
-        assert_close_runs(references[8], results[0]["runs"][i])
+    for i, run in enumerate(runs):
+        _assert_matches_reference(results[0]["runs"][i], EIGHT_LAYERS, run[:3])
 
 
 def _compositions(runs: list) -> list[dict]:
-    return [train_layout(layout, par, micro_batch=mb, seq_len=16) for layout, par, mb in runs]
+    return [_train_both(*run) for run in runs]
 
 
-def test_pp_with_dp_and_zero(references):
+def test_pp_with_dp_and_zero():
     pytest.importorskip("meshlm.parallel.data_parallel")
     runs = [("pp=2,dp=2", {"schedule": "1f1b"}, 2), ("pp=2,dp=2", {"schedule": "gpipe", "zero": 1}, 1)]
-    for got in run_distributed(_compositions, 4, runs)[0]:
-        assert_close_runs(references[4], got)
+    for run, got in zip(runs, run_shared(_compositions, 4, runs)[0], strict=True):
+        _assert_matches_reference(got, TEST_MODEL, run)
 
 
-def test_pp_with_tp_and_sequence_parallel(references):
+def test_pp_with_tp_and_sequence_parallel():
     pytest.importorskip("meshlm.parallel.tensor_parallel")
     runs = [
         ("pp=2,tp=2", {"schedule": "1f1b"}, 2),
         ("pp=2,tp=2", {"schedule": "interleaved", "virtual_stages": 2, "sequence_parallel": True}, 2),
     ]
-    for got in run_distributed(_compositions, 4, runs)[0]:
-        assert_close_runs(references[4], got)
+    for run, got in zip(runs, run_shared(_compositions, 4, runs)[0], strict=True):
+        _assert_matches_reference(got, TEST_MODEL, run)
 
 
-def test_pp_dp_tp_world_8(references):
+@pytest.mark.slow  # eight ranks on two cores
+def test_pp_dp_tp_world_8():
     pytest.importorskip("meshlm.parallel.data_parallel")
     pytest.importorskip("meshlm.parallel.tensor_parallel")
     runs = [("pp=2,dp=2,tp=2", {"schedule": "1f1b"}, 2)]
-    assert_close_runs(references[4], run_distributed(_compositions, 8, runs)[0][0])
+    _assert_matches_reference(run_shared(_compositions, 8, runs)[0][0], TEST_MODEL, runs[0])
 
 
 # ---- failures end every rank with a clear error ---------------------------------------------------------

@@ -310,7 +310,7 @@ def test_ops_gradients_and_activation_memory() -> None:
     assert act["single"] / act["tp"] < 1.6  # without SP the norms and region inputs stay replicated
 
 
-MUTATED_TP2 = [("tp=2", SP, {}), ("tp=2", SP, {"optimizer": "sgd"})]
+MUTATED_TP2 = [("tp=2", {}, {}), ("tp=2", {}, {"optimizer": "sgd"})]  # f is the op SP replaces
 
 
 def test_tp2_matches_single_process(prompt: torch.Tensor, reference_generated: torch.Tensor) -> None:

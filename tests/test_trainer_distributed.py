@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from distributed import run_distributed
+from distributed import run_shared
 
 from meshlm.config import load_config, parse_overrides
 from meshlm.data import prepare_data
@@ -39,7 +39,7 @@ def test_layouts_match_single_process_and_log_rank_metrics(small_run: list[str],
         # resume the dp=2 zero=1 run's final weights for two more steps under tp=2 (weights reshard on load)
         "resume tp=2": _overrides(small_run, tmp_path / "dp", "tp=2", "--train.steps", str(STEPS + 2)),
     }
-    results = dict(zip(runs, run_distributed(_train_worker, 2, list(runs.values()), timeout=400)[0], strict=True))
+    results = dict(zip(runs, run_shared(_train_worker, 2, list(runs.values()), timeout=400)[0], strict=True))
     for name in ("dp=2 zero=1", "tp=2 sp", "pp=2"):
         assert results[name]["losses"] == pytest.approx(reference.losses, rel=1e-5), name
         assert results[name]["eval"][-1][1] == pytest.approx(reference.eval_losses[-1][1], rel=1e-5), name

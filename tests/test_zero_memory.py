@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from distributed import run_shared
 from dp_helpers import build
 from equivalence import global_batch
 
@@ -79,7 +79,7 @@ def job() -> dict:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_distributed(job, WORLD, timeout=300)
+    return run_shared(job, WORLD, timeout=300)
 
 
 def padded(n: int, shards: int) -> int:

@@ -1,10 +1,12 @@
-"""Hugging Face `LlamaForCausalLM` checkpoints in and out of meshlm.
+"""Hugging Face Llama, Qwen2 and Mistral checkpoints in and out of meshlm.
 
-meshlm parameter names and the rotary layout already match HF Llama, so conversion is a matter of
-translating `config.json`, checking every tensor's name and shape, and reading/writing safetensors
-(never pickle). Only the features meshlm implements are accepted: anything else in `config.json`
-(RoPE scaling, biases, another activation, a custom head_dim) is refused rather than silently
-producing a different model. transformers is not needed here; it is only used by the tests.
+The three families share Llama's parameter names and rotary layout, which meshlm's model uses too, so
+conversion is a matter of translating `config.json`, checking every tensor's name and shape, and
+reading/writing safetensors (never pickle). Only the features meshlm implements are accepted (Qwen2's q/k/v
+biases, an explicit head_dim, Llama 3.1's `llama3` RoPE scaling, Mistral's window as a recorded limit):
+anything else in `config.json` (other RoPE scalings, MLP or output-projection biases, another activation,
+attention that differs from full causal attention within max_position_embeddings) is refused rather than
+silently producing a different model. transformers is not needed here; it is only used by the tests.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ INDEX_NAME = "model.safetensors.index.json"
 MESHLM_CONFIG_KEY = "meshlm_model_config"
 
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# model_type -> the transformers class, and the defaults of its config class for fields a config.json may omit
+# (absent and null differ for two of them: a null num_key_value_heads is num_attention_heads, a null
+# sliding_window is no window).
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}
+_KV_HEADS = {"llama": None, "qwen2": 32, "mistral": 8}
+_SLIDING_WINDOW = 4096  # Qwen2Config and MistralConfig
+_QWEN2_MAX_WINDOW_LAYERS = 28
 
 
 def _short(value: object) -> str:
@@ -45,9 +55,108 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def _positive_int(field: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**63:
+        raise ValueError(f"config.json: {field}={_short(value)} should be a positive integer below 2**63")
+    return value
+
+
+def _number(field: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= sys.float_info.max:
+        raise ValueError(f"config.json: {field}={_short(value)} should be a positive finite number")
+    return float(value)
+
+
+def _unsupported(field: str, value: object, wanted: str) -> ValueError:
+    return ValueError(f"config.json: {field}={_short(value)} is not supported by meshlm (needs {wanted})")
+
+
+def _rope_fields(hf_config: dict, max_seq_len: int) -> dict[str, object]:
+    """rope_theta, rope_type and the llama3 scaling of a config.json, as ModelConfig fields. Like transformers,
+    a non-empty rope_scaling (transformers 4's field) is read in preference to rope_parameters (transformers 5),
+    and a rope_theta inside it in preference to the top-level one."""
+    top_theta = hf_config.get("rope_theta")
+    rope_theta = _number("rope_theta", 10000.0 if top_theta is None else top_theta)
+    for field in ("rope_scaling", "rope_parameters"):
+        if hf_config.get(field) is not None and not isinstance(hf_config[field], dict):
+            raise ValueError(f"config.json: {field}={_short(hf_config[field])} should be an object or null")
+    field = "rope_scaling" if hf_config.get("rope_scaling") else "rope_parameters"
+    rope = hf_config.get(field) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise _unsupported(f"{field}.rope_type", rope_type, "'default' or 'llama3'")
+    for where, value in (
+        (f"{field}.partial_rotary_factor", rope.get("partial_rotary_factor")),
+        ("partial_rotary_factor", hf_config.get("partial_rotary_factor")),
+    ):
+        if value is not None and value != 1.0:
+            raise _unsupported(where, value, "1.0")
+    if rope.get("rope_theta") is not None:
+        rope_theta = _number(f"{field}.rope_theta", rope["rope_theta"])
+    if rope_type == "default":
+        return {"rope_theta": rope_theta, "rope_type": rope_type}
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        if rope.get(key) is None:
+            raise ValueError(f"config.json: {field}.{key} is missing (rope_type 'llama3' needs it)")
+    factor = _number(f"{field}.factor", rope["factor"])
+    low = _number(f"{field}.low_freq_factor", rope["low_freq_factor"])
+    high = _number(f"{field}.high_freq_factor", rope["high_freq_factor"])
+    if high <= low:
+        raise ValueError(f"config.json: {field}.high_freq_factor ({high}) must exceed {field}.low_freq_factor ({low})")
+    original = rope.get("original_max_position_embeddings")  # transformers' default: max_position_embeddings
+    return {
+        "rope_theta": rope_theta,
+        "rope_type": rope_type,
+        "rope_factor": factor,
+        "rope_low_freq_factor": low,
+        "rope_high_freq_factor": high,
+        "rope_original_max_seq_len": (
+            max_seq_len if original is None else _positive_int(f"{field}.original_max_position_embeddings", original)
+        ),
+    }
+
+
+def _check_qwen2_window(hf_config: dict, n_layers: int, max_seq_len: int) -> None:
+    """Refuse a Qwen2 with layers that attend a window shorter than max_position_embeddings: with
+    use_sliding_window set, the layers from max_window_layers on (or those layer_types names) slide, and
+    meshlm runs full attention in every layer."""
+    use = hf_config.get("use_sliding_window")
+    if use is not None and not isinstance(use, bool):
+        raise ValueError(f"config.json: use_sliding_window={_short(use)} should be true or false")
+    window = hf_config.get("sliding_window", _SLIDING_WINDOW)
+    if not use or window is None:
+        return
+    window = _positive_int("sliding_window", window)
+    layer_types = hf_config.get("layer_types")
+    if layer_types is None:
+        first = hf_config.get("max_window_layers")
+        first = _QWEN2_MAX_WINDOW_LAYERS if first is None else first
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"config.json: max_window_layers={_short(first)} should be a non-negative integer")
+        sliding = max(n_layers - first, 0)
+    else:
+        kinds = ("full_attention", "sliding_attention")
+        if not (
+            isinstance(layer_types, list) and len(layer_types) == n_layers and all(t in kinds for t in layer_types)
+        ):
+            raise ValueError(
+                f"config.json: layer_types={_short(layer_types)} should list num_hidden_layers ({n_layers}) "
+                f"of {' / '.join(kinds)}"
+            )
+        sliding = layer_types.count("sliding_attention")
+    if sliding and window < max_seq_len:
+        raise _unsupported(
+            "use_sliding_window",
+            use,
+            f"false, or sliding_window ({window}) >= max_position_embeddings ({max_seq_len}); {sliding} of "
+            f"{n_layers} layers would attend a window, meshlm runs full attention",
+        )
+
+
 def model_config_from_hf(hf_config: object) -> ModelConfig:
-    """Translate a Llama `config.json` object, refusing features meshlm's model does not implement and
-    values of the wrong type or range, each with one line naming the field. A null counts as absent."""
+    """Translate a Llama, Qwen2 or Mistral `config.json` object, refusing features meshlm's model does not
+    implement and values of the wrong type or range, each with one line naming the field. A null counts as
+    absent, except where transformers reads it differently (num_key_value_heads, sliding_window)."""
     if not isinstance(hf_config, dict):
         raise ValueError(f"config.json: should be a JSON object of fields, got {type(hf_config).__name__}")
 
@@ -55,70 +164,51 @@ def model_config_from_hf(hf_config: object) -> ModelConfig:
         value = hf_config.get(field)
         return default if value is None else value
 
-    def unsupported(field: str, value: object, wanted: str) -> ValueError:
-        return ValueError(f"config.json: {field}={_short(value)} is not supported by meshlm (needs {wanted})")
-
     def integer(field: str, default: int | None = None) -> int:
-        value = get(field, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**63:
-            raise ValueError(f"config.json: {field}={_short(value)} should be a positive integer below 2**63")
-        return value
-
-    def number(field: str, value: object) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= sys.float_info.max:
-            raise ValueError(f"config.json: {field}={_short(value)} should be a positive finite number")
-        return float(value)
+        return _positive_int(field, get(field, default))
 
     for field in _REQUIRED_FIELDS:
         if get(field) is None:
             raise ValueError(f"config.json: missing required field {field}")
-    if get("model_type", "llama") != "llama":
-        raise unsupported("model_type", hf_config["model_type"], "'llama'")
+    model_type = get("model_type", "llama")
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise _unsupported("model_type", model_type, " or ".join(repr(f) for f in FAMILIES))
     if get("hidden_act", "silu") != "silu":
-        raise unsupported("hidden_act", hf_config["hidden_act"], "'silu'")
+        raise _unsupported("hidden_act", hf_config["hidden_act"], "'silu'")
     for field in ("attention_bias", "mlp_bias"):
         if get(field, False) is not False:
-            raise unsupported(field, hf_config[field], "false")
+            raise _unsupported(field, hf_config[field], "false; q/k/v-only biases are model_type 'qwen2'")
     dim, n_heads = integer("hidden_size"), integer("num_attention_heads")
-    n_kv_heads = integer("num_key_value_heads", n_heads)
+    kv_heads = hf_config.get("num_key_value_heads", _KV_HEADS[model_type])
+    n_kv_heads = n_heads if kv_heads is None else _positive_int("num_key_value_heads", kv_heads)
     if dim % n_heads:
         raise ValueError(f"config.json: hidden_size ({dim}) must be divisible by num_attention_heads ({n_heads})")
     if n_heads % n_kv_heads:
         raise ValueError(
             f"config.json: num_attention_heads ({n_heads}) must be divisible by num_key_value_heads ({n_kv_heads})"
         )
-    head_dim = get("head_dim")
-    if head_dim is not None and head_dim != dim // n_heads:
-        raise unsupported("head_dim", head_dim, "hidden_size / num_attention_heads")
-    if (dim // n_heads) % 2:
-        raise ValueError(
-            f"config.json: hidden_size / num_attention_heads = {dim // n_heads} must be even (rotary embeddings)"
-        )
-    # transformers 4 writes rope_theta + rope_scaling; transformers 5 writes rope_parameters.
-    rope_theta = number("rope_theta", get("rope_theta", 10000.0))
-    for field in ("rope_scaling", "rope_parameters"):
-        rope = get(field, {})
-        if not isinstance(rope, dict):
-            raise ValueError(f"config.json: {field}={_short(rope)} should be an object or null")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise unsupported(f"{field}.rope_type", rope_type, "'default'")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise unsupported(f"{field}.partial_rotary_factor", rope["partial_rotary_factor"], "1.0")
-        if rope.get("rope_theta") is not None:
-            rope_theta = number(f"{field}.rope_theta", rope["rope_theta"])
-    if get("partial_rotary_factor", 1.0) != 1.0:
-        raise unsupported("partial_rotary_factor", hf_config["partial_rotary_factor"], "1.0")
+    head_dim = integer("head_dim", dim // n_heads)
+    if head_dim % 2:
+        field = "head_dim" if get("head_dim") is not None else "hidden_size / num_attention_heads"
+        raise ValueError(f"config.json: {field} = {head_dim} must be even (rotary embeddings)")
     tie = get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise ValueError(f"config.json: tie_word_embeddings={_short(tie)} should be true or false")
     vocab_size, intermediate_size = integer("vocab_size"), integer("intermediate_size")
-    max_seq_len = integer("max_position_embeddings", 2048)
+    n_layers = integer("num_hidden_layers")
+    max_seq_len = integer("max_position_embeddings", _MAX_POSITIONS[model_type])
+    rope = _rope_fields(hf_config, max_seq_len)
+    sliding_window = 0
+    if model_type == "mistral":
+        window = hf_config.get("sliding_window", _SLIDING_WINDOW)
+        sliding_window = 0 if window is None else _positive_int("sliding_window", window)
+    if model_type == "qwen2":
+        _check_qwen2_window(hf_config, n_layers, max_seq_len)
     largest = {  # every weight and rotary table of llama.py is at most one of these
         "vocab_size × hidden_size": vocab_size * dim,
         "intermediate_size × hidden_size": intermediate_size * dim,
-        "hidden_size²": dim * dim,
-        "max_position_embeddings × hidden_size / num_attention_heads": max_seq_len * (dim // n_heads),
+        "num_attention_heads × head_dim × hidden_size": n_heads * head_dim * dim,
+        "max_position_embeddings × head_dim": max_seq_len * head_dim,
     }
     for product, numel in largest.items():
         if numel * 4 >= 2**63:
@@ -126,24 +216,43 @@ def model_config_from_hf(hf_config: object) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab_size,
         dim=dim,
-        n_layers=integer("num_hidden_layers"),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         intermediate_size=intermediate_size,
         max_seq_len=max_seq_len,
-        rope_theta=rope_theta,
-        norm_eps=number("rms_norm_eps", get("rms_norm_eps", 1e-6)),
+        norm_eps=_number("rms_norm_eps", get("rms_norm_eps", 1e-6)),
         tie_embeddings=tie,
-        init_std=number("initializer_range", get("initializer_range", 0.02)),
+        init_std=_number("initializer_range", get("initializer_range", 0.02)),
+        head_dim_override=0 if head_dim == dim // n_heads else head_dim,
+        qkv_bias=model_type == "qwen2",
+        sliding_window=sliding_window,
+        hf_model_type=model_type,
+        **rope,
     )
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """A `config.json` dict that both transformers 4 (`rope_theta`, `torch_dtype`) and 5
-    (`rope_parameters`; reads `torch_dtype` too) turn into the same `LlamaConfig`."""
+    """A `config.json` dict that both transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`) and 5
+    (`rope_parameters`; reads `torch_dtype` too) turn into the same config of the model's family."""
+    scaling: dict[str, object] = {}
+    if cfg.llama3_rope is not None:
+        factor, low, high, original = cfg.llama3_rope
+        scaling = {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": original,
+        }
+    family: dict[str, object] = {
+        "llama": {"attention_bias": False, "mlp_bias": False},
+        "qwen2": {"use_sliding_window": False, "sliding_window": None},
+        "mistral": {"sliding_window": cfg.sliding_window or None},  # written even when null: absent means 4096
+    }[cfg.hf_model_type]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [FAMILIES[cfg.hf_model_type]],
+        "model_type": cfg.hf_model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.intermediate_size,
@@ -153,12 +262,12 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
         "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_seq_len,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta} | scaling,
+        **({"rope_scaling": scaling} if scaling else {}),
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        **family,
         "initializer_range": cfg.init_std,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
@@ -220,7 +329,7 @@ def _tensor_files(directory: Path) -> tuple[dict[str, Path], Path]:
 
 
 def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read an HF Llama checkpoint directory into a meshlm config and a state dict with the keys of
+    """Read an HF Llama / Qwen2 / Mistral checkpoint directory into a meshlm config and a state dict with the keys of
     `Transformer(cfg).state_dict()` (tensors keep their stored dtype). Checks names and shapes from
     the safetensors headers before loading any data."""
     directory = Path(directory)
@@ -265,7 +374,7 @@ def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
 
 
 def load_hf_into_model(directory: str | Path) -> Transformer:
-    """Build a (float32) meshlm model holding an HF Llama checkpoint's weights."""
+    """Build a (float32) meshlm model holding an HF checkpoint's weights."""
     cfg, state = import_hf(directory)
     model = Transformer(cfg)
     model.load_state_dict(state)
@@ -278,7 +387,8 @@ def export_hf(
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int | None = None,
 ) -> None:
-    """Write `model` as an HF Llama checkpoint directory that `LlamaForCausalLM.from_pretrained` loads.
+    """Write `model` as an HF checkpoint directory that its family's class (`LlamaForCausalLM`,
+    `Qwen2ForCausalLM` or `MistralForCausalLM`, by `model.cfg.hf_model_type`) or `AutoModelForCausalLM` loads.
 
     Tensors go to `model.safetensors`, or to `model-0000i-of-0000n.safetensors` plus an index when
     they exceed `max_shard_bytes`; weights files from an earlier export to `directory` are removed
@@ -381,13 +491,15 @@ def _load_meshlm_file(path: Path) -> Transformer:
 
 def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `meshlm convert {hf-to-meshlm,meshlm-to-hf}`; dispatch the parsed args to `run_convert`."""
-    parser = subparsers.add_parser("convert", help="convert checkpoints between meshlm and Hugging Face Llama")
+    parser = subparsers.add_parser(
+        "convert", help="convert checkpoints between meshlm and Hugging Face Llama / Qwen2 / Mistral"
+    )
     modes = parser.add_subparsers(dest="convert_mode", required=True)
-    to_meshlm = modes.add_parser("hf-to-meshlm", help="HF Llama directory -> meshlm safetensors file")
+    to_meshlm = modes.add_parser("hf-to-meshlm", help="HF directory -> meshlm safetensors file")
     to_meshlm.add_argument("src", type=Path, metavar="SRC_HF_DIR")
     to_meshlm.add_argument("out", type=Path, metavar="OUT_FILE")
     to_hf = modes.add_parser(
-        "meshlm-to-hf", help="meshlm safetensors file, checkpoint folder or run directory -> HF Llama directory"
+        "meshlm-to-hf", help="meshlm safetensors file, checkpoint folder or run directory -> HF directory"
     )
     to_hf.add_argument("src", type=Path, metavar="SRC")
     to_hf.add_argument("out", type=Path, metavar="OUT_HF_DIR")

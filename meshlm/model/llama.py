@@ -9,12 +9,15 @@ and optional embedding / norm / head), and data parallelism only touches paramet
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshlm.model.config import ModelConfig
+from meshlm.model.init import Constant, InitRule, Normal, fill_
 
 
 class RMSNorm(nn.Module):
@@ -30,10 +33,31 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (max_seq_len, head_dim) in the rotate-half layout used by HF Llama."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.int64).float(), inv_freq)
+def llama3_scaled(inv_freq: torch.Tensor, factor: float, low: float, high: float, original: int) -> torch.Tensor:
+    """Llama 3.1's RoPE frequency rule, as transformers' `_compute_llama3_parameters` computes it: wavelengths
+    under original/high kept, over original/low divided by `factor`, and smoothly interpolated between."""
+    low_freq_wavelen, high_freq_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotary_tables(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    device: torch.device | str | None = None,
+    llama3: tuple[float, float, float, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_seq_len, head_dim) in the rotate-half layout used by HF Llama;
+    `llama3` = (factor, low_freq_factor, high_freq_factor, original_max_seq_len) scales the frequencies."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    if llama3 is not None:
+        inv_freq = llama3_scaled(inv_freq, *llama3)
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.int64, device=device).float(), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -47,14 +71,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class Attention(nn.Module):
     """Causal grouped-query attention. Head counts are read from the projection widths at run time,
-    so a tensor-parallel rank holding a slice of the heads runs the same code."""
+    so a tensor-parallel rank holding a slice of the heads runs the same code. With `sliding_window` set
+    (Mistral) longer sequences are refused: full causal attention equals it only within the window."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.sliding_window = cfg.sliding_window
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -64,6 +90,8 @@ class Attention(nn.Module):
         b, s, _ = q.shape
         if s > cos.shape[0]:
             raise ValueError(f"sequence length {s} exceeds model.max_seq_len {cos.shape[0]}")
+        if self.sliding_window and s > self.sliding_window:
+            raise ValueError(f"sequence length {s} exceeds model.sliding_window {self.sliding_window}")
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -113,32 +141,46 @@ class Decoder(nn.Module):
 
 class Transformer(nn.Module):
     """The whole causal LM. `forward(tokens)` returns logits; on a pipeline stage it maps the stage's
-    input (tokens or hidden states) to its output (hidden states or logits)."""
+    input (tokens or hidden states) to its output (hidden states or logits).
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    Weights are a function of `init_seed` (default: `torch.initial_seed()`, i.e. the last
+    `torch.manual_seed`) and of each element's name and index (meshlm.model.init), not of the global RNG
+    stream: built on the `meta` device, the parallel engine initialises only each rank's shard of them, and
+    every layout gets the weights `Transformer(cfg)` has in one process."""
+
+    def __init__(self, cfg: ModelConfig, init_seed: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.init_seed = torch.initial_seed() if init_seed is None else init_seed
         self.model = Decoder(cfg)
         self.lm_head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        # Constants of the shape, not state: real (on the CPU) even in a meta build, moved with the model.
+        tables_device = "cpu" if self.lm_head.weight.is_meta else None
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, tables_device, cfg.llama3_rope)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.activation_checkpointing = False
         self.reset_parameters()
 
+    def init_rule(self, name: str, param: torch.Tensor) -> InitRule:
+        """Normal(0, init_std) for matrices, zeros for biases, ones for norms; output projections scaled by
+        1/sqrt(2·L)."""
+        if name.endswith(".bias"):
+            return Constant(0.0)
+        if param.ndim == 1:
+            return Constant(1.0)
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return Normal(self.cfg.init_std / (2 * self.cfg.n_layers) ** 0.5)
+        return Normal(self.cfg.init_std)
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) for matrices, ones for norms; output projections scaled by 1/sqrt(2·L)."""
-        std = self.cfg.init_std
+        """Every (non-meta) parameter from `init_rule`, element by element (meshlm.model.init.fill_)."""
         for name, p in self.named_parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.normal_(0.0, std / (2 * self.cfg.n_layers) ** 0.5)
-            else:
-                p.normal_(0.0, std)
+            if not p.is_meta:
+                fill_(p.view(-1), self.init_rule(name, p), self.init_seed, name, p.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x

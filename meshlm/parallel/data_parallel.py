@@ -26,6 +26,7 @@ from meshlm.observe.timers import comm, timed_wait
 from meshlm.parallel.plan import ParallelPlan, plan_for, zero3_unit_groups
 from meshlm.parallel.zero import (
     FlatBuffer,
+    ParamSource,
     Unit,
     Zero3Hooks,
     all_gather_flat,
@@ -95,7 +96,8 @@ class DataParallel:
     ZeRO-3 units are the plan's `zero3_units` (default: the model's registered plan). shard_group_size enables
     hybrid sharding (HSDP): shard within consecutive blocks of that many dp ranks and
     replicate across blocks. param_dtype is the working (gathered) weight dtype, e.g. bf16, over fp32 master
-    shards (zero >= 1); reduce_dtype is the dtype gradients are summed in.
+    shards (zero >= 1); reduce_dtype is the dtype gradients are summed in. `source` initialises the
+    placeholders of a meta-built model (meshlm.parallel.materialize): each rank fills only what it holds.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class DataParallel:
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
         plan: ParallelPlan | None = None,
+        source: ParamSource | None = None,
     ) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero}")
@@ -115,6 +118,7 @@ class DataParallel:
             raise ValueError("hybrid sharding and param_dtype need zero >= 1 (zero 0 steps the fp32 params)")
         self.chunks = chunks
         self.plan = plan
+        self.source = source
         self.stage = zero
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
@@ -161,7 +165,9 @@ class DataParallel:
 
     # ---- construction ---------------------------------------------------------------------------------------
     def _make_buffer(self, params: list[nn.Parameter]) -> FlatBuffer:
-        return FlatBuffer(params, self.shard_size, self.shard_rank, self.param_dtype)
+        return FlatBuffer(
+            params, self.shard_size, self.shard_rank, self.param_dtype, self.source, shard_only=self.stage == 3
+        )
 
     def _build_units(self, chunk: nn.Module, params: list[nn.Parameter]) -> list[Unit]:
         """ZeRO-3 units in forward order; a parameter shared by two units (tied embeddings) joins the first."""
@@ -185,16 +191,21 @@ class DataParallel:
 
     @torch.no_grad()
     def _setup_stage(self, group: dist.ProcessGroup) -> None:
-        """Start every replica from dp rank 0's weights, then create the masters and gradient buffers."""
+        """Start every replica from dp rank 0's weights (buffers filled from the source agree already), then
+        create the masters and gradient buffers."""
         for buf in self.buffers:
-            dist.broadcast(buf.data, src=dist.get_global_rank(group, 0), group=group)
+            if not buf.from_source:
+                dist.broadcast(buf.data, src=dist.get_global_rank(group, 0), group=group)
             if self.stage == 0:
                 buf.alloc_grad()
                 buf.grad_shard = buf.full_grad
                 continue
             share = self.stage < 3 and self.param_dtype == torch.float32
-            shard = buf.data[buf.shard]
-            buf.master = nn.Parameter(shard if share else shard.to(torch.float32, copy=True))
+            if buf.initial_shard is not None:  # ZeRO-3 from the source: the shard is all there is
+                buf.master, buf.initial_shard = nn.Parameter(buf.initial_shard), None
+            else:
+                shard = buf.data[buf.shard]
+                buf.master = nn.Parameter(shard if share else shard.to(torch.float32, copy=True))
             if self.stage == 1:
                 buf.alloc_grad()
             if self.stage == 1 and share:

@@ -7,6 +7,10 @@ driven by the model's ParallelPlan (meshlm.parallel.plan), never by its attribut
   3. data parallel    / ZeRO owns gradient reduction and parameter / optimizer sharding on `dp`.
 Every gradient is correct after `forward_backward` (or `backward`) returns, so clipping and the optimizer
 are layout-agnostic, and any torch.optim optimizer steps what `parameters()` returns.
+
+A model built on the `meta` device goes through steps 1 and 2 as meta tensors; then each rank allocates
+only what it keeps (its tp slice of its stage, under ZeRO-3 only its flat shard), directly in the working
+dtype, and initialises it element by element (meshlm.parallel.materialize): set-up memory is the shard.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from meshlm.config import ParallelSection
 from meshlm.model.llama import cross_entropy_loss
 from meshlm.observe.timers import comm
 from meshlm.parallel.data_parallel import ShardedTensor
+from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
 
@@ -46,6 +51,13 @@ def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
     return []
 
 
+def mesh_device(mesh: Mesh) -> torch.device:
+    """The device this rank computes on: its current GPU under a CUDA mesh, else the CPU."""
+    if mesh.device_mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_mesh.device_type)
+
+
 def causal_lm_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy of logits, or of an output object's `.logits` (Hugging Face models)."""
     return cross_entropy_loss(getattr(output, "logits", output), targets)
@@ -57,7 +69,8 @@ class ParallelModel:
     `plan` defaults to the registered plan of the model's class (meshlm.parallel.plan.plan_for). `loss_fn`
     maps (model output, targets) to a mean loss; by default token cross-entropy, vocabulary-parallel under
     tp (the logits stay sharded). `gather_logits` makes a tp model return full logits instead, for a loss
-    of one's own that needs them (at the cost of gathering them)."""
+    of one's own that needs them (at the cost of gathering them). `model` may be built on the `meta`
+    device: each rank then materialises only its shard (see the module docstring), on the mesh's device."""
 
     def __init__(
         self,
@@ -73,11 +86,12 @@ class ParallelModel:
         self.mesh = mesh
         self.n_micro = n_micro
         self.autocast_dtype = autocast_dtype
-        self.device_type = next(model.parameters()).device.type
         self.plan = plan = plan or plan_for(model)
         layout = mesh.layout
         check_plan(model, plan, layout.tp, layout.pp, parallel.zero, parallel.sequence_parallel)
         self.global_shapes = {name: p.shape for name, p in model.named_parameters()}
+        meta_init = MetaInit(model, mesh_device(mesh)) if is_meta_model(model) else None
+        self.device_type = meta_init.device.type if meta_init else next(model.parameters()).device.type
         if layout.pp > 1:
             from meshlm.parallel.pipeline import hidden_size
 
@@ -100,11 +114,20 @@ class ParallelModel:
 
         self.pipeline = None
         if layout.pp > 1:
-            from meshlm.parallel.pipeline import PipelineSchedule, split_model
+            from meshlm.parallel.pipeline import split_model
 
             self.chunks: list[nn.Module] = split_model(
                 model, mesh.rank("pp"), layout.pp, parallel.virtual_stages, plan=plan
             )
+        else:
+            self.chunks = [model]
+        packed = layout.dp > 1 or parallel.zero > 0  # data parallel / ZeRO lays the parameters out
+        if meta_init is not None:
+            meta_init.replace_params(model, self.chunks, packed)
+
+        if layout.pp > 1:
+            from meshlm.parallel.pipeline import PipelineSchedule
+
             self.pipeline = PipelineSchedule(
                 self.chunks,
                 mesh.group("pp"),
@@ -116,11 +139,9 @@ class ParallelModel:
                 seq_shards=layout.tp if parallel.sequence_parallel else 1,
                 hidden_size=width,
             )
-        else:
-            self.chunks = [model]
 
         self.dp = None
-        if layout.dp > 1 or parallel.zero > 0:
+        if packed:
             from meshlm.parallel.data_parallel import DataParallel
 
             self.dp = DataParallel(
@@ -131,7 +152,10 @@ class ParallelModel:
                 shard_group_size=parallel.zero_shard_size,
                 param_dtype=torch.bfloat16 if parallel.zero_param_dtype == "bf16" else torch.float32,
                 plan=plan,
+                source=meta_init,
             )
+        if meta_init is not None:
+            meta_init.check_done()
 
     def _staged_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, targets)

@@ -10,6 +10,7 @@ a whole buffer moves in one collective.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,16 @@ def decays(param: nn.Parameter) -> bool:
     return param.ndim >= 2
 
 
+class ParamSource(Protocol):
+    """Initial values of parameters not materialised yet (meshlm.parallel.materialize.MetaInit)."""
+
+    pending: dict[int, str]
+
+    def fill(self, param: torch.Tensor, out: torch.Tensor, start: int = 0) -> None: ...
+
+    def done(self, param: nn.Parameter) -> None: ...
+
+
 class FlatBuffer:
     """Same-kind parameters in one padded flat tensor, plus the gradient and optimizer views ZeRO needs.
 
@@ -34,9 +45,22 @@ class FlatBuffer:
     grad_shard: this rank's reduced fp32 gradient shard, the master's .grad (all of full_grad for zero 0).
     master:     this rank's fp32 shard the optimizer steps; a view of `data` when the working params are fp32
                 and not sharded (ZeRO-1/2), so fp32 runs hold no second copy.
+
+    Parameters still to be initialised (placeholders of a meta-built model, all of them pending in `source`)
+    are filled from `source` straight into the buffer in its dtype; with `shard_only` (ZeRO-3) only this
+    rank's shard is, into `initial_shard` (fp32, rounded through the working dtype as a copy of the buffer
+    would be), and the full weights are never allocated until the first gather.
     """
 
-    def __init__(self, params: list[nn.Parameter], shard_size: int, shard_rank: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        shard_size: int,
+        shard_rank: int,
+        dtype: torch.dtype,
+        source: ParamSource | None = None,
+        shard_only: bool = False,
+    ) -> None:
         self.params = params
         self.decays = decays(params[0])
         self.offsets = [0]
@@ -46,17 +70,44 @@ class FlatBuffer:
         self.padded_numel = math.ceil(self.numel / shard_size) * shard_size
         self.shard_numel = self.padded_numel // shard_size
         self.shard = slice(shard_rank * self.shard_numel, (shard_rank + 1) * self.shard_numel)
-        self.data = torch.zeros(self.padded_numel, dtype=dtype, device=params[0].device)
+        pending = [source is not None and id(p) in source.pending for p in params]
+        self.from_source = all(pending)  # then every replica computes the same values: no broadcast needed
+        lazy = self.from_source and shard_only
+        # Untouched pages of a fresh allocation cost no resident memory: the lazy buffer only lends its views.
+        self.data = torch.empty(self.padded_numel, dtype=dtype, device=params[0].device)
         with torch.no_grad():
-            for p, view in zip(params, self.views(self.data), strict=True):
-                view.copy_(p.detach())
+            for p, view, from_source in zip(params, self.views(self.data), pending, strict=True):
+                if from_source and not lazy:
+                    source.fill(p, view.view(-1))
+                elif not lazy:
+                    view.copy_(p.detach())
                 p.data = view
+            if not lazy:
+                self.data[self.numel :].zero_()
         self.pieces = self._shard_pieces()
+        self.initial_shard: torch.Tensor | None = None
+        if lazy:
+            self.free_params()
+            self.initial_shard = self._shard_from(source, dtype)
+        for p, from_source in zip(params, pending, strict=True):
+            if from_source:
+                source.done(p)
         self.full_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.master: nn.Parameter | None = None
         self.ready: set[int] = set()  # indices of params whose gradient is complete in this backward
         self.reduce_requested = False
+
+    @torch.no_grad()
+    def _shard_from(self, source: ParamSource, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's fp32 shard of the initial weights, padding zero, each piece from `source`."""
+        shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.data.device)
+        for p, offset, lo, hi in self.pieces:
+            source.fill(p, shard[lo:hi], offset)
+        if dtype != torch.float32:
+            for part in shard.split(1 << 20):  # the rounding a copy into the working buffer would do
+                part.copy_(part.to(dtype))
+        return shard
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's slice of a flat tensor laid out like this buffer, shaped like the parameter."""

@@ -205,7 +205,8 @@ class Trainer:
         if model is None:
             model_cfg = cfg.model.build()
             torch.manual_seed(cfg.train.seed)
-            model = Transformer(model_cfg)
+            with torch.device("meta"):  # ParallelModel materialises only this rank's shard, seeded per element
+                model = Transformer(model_cfg, init_seed=cfg.train.seed)
             model.activation_checkpointing = cfg.train.activation_checkpointing
             self.model_identity = model_cfg.to_dict()
             flops_per_tok = flops_per_token(model_cfg, cfg.data.seq_len)
@@ -213,7 +214,8 @@ class Trainer:
             n_params = sum(p.numel() for p in model.parameters())
             self.model_identity = {"class": type(model).__qualname__, "parameters": n_params}
             flops_per_tok = 6.0 * n_params  # forward + backward matmuls; attention scores not counted
-        model.to(device)
+        if not any(p.is_meta for p in model.parameters()):  # a meta model is materialised on the mesh's device
+            model.to(device)
         self.mesh = build_mesh(layout, device.type)
         autocast = autocast_dtype(cfg.train.dtype, device)
         self.model = ParallelModel(model, self.mesh, cfg.parallel, n_micro, autocast, parts.plan, parts.loss_fn)
