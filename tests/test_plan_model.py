@@ -76,3 +76,15 @@ def test_a_bad_model_file_is_one_line_naming_the_file(tmp_path: Path, content: s
 def test_anything_else_lists_what_model_accepts() -> None:
     with pytest.raises(PlanError, match=r"not a preset \(tiny, test, .*\), a meshlm \.toml run config, or a Hugging"):
         resolve_model("README.md")
+
+
+def test_a_mistral_window_shorter_than_the_sequence_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    mistral = PRESETS["test"].replace(hf_model_type="mistral", sliding_window=32)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_model(mistral)))
+    assert plan_json(capsys, "--model", str(tmp_path), "--gpu", "cpu", "--gpus", "2", "--seq-len", "32")["plans"]
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers())
+    argv = ["plan", "--model", str(tmp_path), "--gpu", "cpu", "--gpus", "2", "--seq-len", "33"]
+    assert run_plan(parser.parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert "--seq-len 33 exceeds" in err and "sliding_window 32" in err and err.count("\n") == 1

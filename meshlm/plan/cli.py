@@ -222,6 +222,11 @@ def _request(args: argparse.Namespace) -> Request:
     seq_len = args.seq_len or source.seq_len or model.max_seq_len
     if seq_len > model.max_seq_len:
         raise PlanError(f"--seq-len {seq_len} exceeds {source.name}'s max_seq_len {model.max_seq_len}")
+    if model.sliding_window and seq_len > model.sliding_window:
+        raise PlanError(
+            f"--seq-len {seq_len} exceeds {source.name}'s sliding_window {model.sliding_window} (meshlm trains "
+            "full causal attention, equal to the window only up to its length)"
+        )
     tokens = args.global_batch_tokens or DEFAULT_BATCH_TOKENS
     global_batch = args.global_batch or (None if args.global_batch_tokens else source.global_batch)
     global_batch = global_batch or max(1, round(tokens / seq_len))

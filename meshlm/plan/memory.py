@@ -158,6 +158,8 @@ def layer_params(model: ModelConfig, tp: int) -> int:
     d, hd = model.dim, model.head_dim
     kv_heads = max(model.n_kv_heads // tp, 1)
     attention = 2 * d * model.n_heads * hd // tp + 2 * d * kv_heads * hd
+    if model.qkv_bias:  # Qwen2: q/k/v biases split with their weights
+        attention += (model.n_heads // tp + 2 * kv_heads) * hd
     mlp = 3 * d * model.intermediate_size // tp
     return attention + mlp + 2 * d
 
