@@ -23,8 +23,8 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/meshlm train --config configs/tiny.toml
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check meshlm tests benchmarks
-	$(VENV)/bin/ruff format --check meshlm tests benchmarks
+	$(VENV)/bin/ruff check meshlm tests benchmarks examples
+	$(VENV)/bin/ruff format --check meshlm tests benchmarks examples
 
 test: lint
 	$(PY) -m pytest

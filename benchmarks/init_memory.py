@@ -36,7 +36,7 @@ from meshlm.config import ParallelSection
 from meshlm.model import ModelConfig, Transformer, param_counts, preset
 from meshlm.observe.memory import tensor_bytes
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.parallel.mesh import Mesh, build_mesh, parse_layout
 from meshlm.testing import run_distributed
 
 MIB = 2**20
@@ -51,17 +51,21 @@ def _status(field: str) -> int:
 
 
 def owned_bytes(pm: ParallelModel) -> tuple[int, int]:
-    """(parameter bytes, gradient bytes) this rank holds: storages counted once, freed ZeRO-3 weights as 0."""
+    """(parameter bytes, gradient bytes) this rank holds: storages counted once, freed ZeRO-3 weights (views
+    of a storage resized to 0) not at all."""
     params = [p for _, p in pm.named_parameters()]
     grads = [p.grad for p in params if p.grad is not None]
     if pm.dp is not None:
         params += [b.master for b in pm.dp.buffers if b.master is not None]
         grads += [t for b in pm.dp.buffers for t in (b.full_grad, b.grad_shard) if t is not None]
-    return tensor_bytes(params), tensor_bytes(grads)
+
+    def held(tensors: list[torch.Tensor]) -> int:
+        return tensor_bytes(t for t in tensors if t.untyped_storage().nbytes())
+
+    return held(params), held(grads)
 
 
-def _set_up(cfg: ModelConfig, layout: str, zero: int, meta: bool) -> dict:
-    mesh = build_mesh(parse_layout(layout, dist.get_world_size()), "cpu")
+def _set_up(cfg: ModelConfig, mesh: Mesh, zero: int, meta: bool) -> dict:
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     base = _status("VmRSS")
@@ -72,7 +76,8 @@ def _set_up(cfg: ModelConfig, layout: str, zero: int, meta: bool) -> dict:
             model = Transformer(cfg)
     else:
         model = Transformer(cfg)
-    pm = ParallelModel(model, mesh, ParallelSection(layout=layout, zero=zero), n_micro=mesh.size("pp"))
+    parallel = ParallelSection(layout=str(mesh.layout), zero=zero)
+    pm = ParallelModel(model, mesh, parallel, n_micro=mesh.size("pp"))
     del model
     seconds = time.perf_counter() - start
     peak = _status("VmHWM") - base
@@ -90,14 +95,15 @@ def _set_up(cfg: ModelConfig, layout: str, zero: int, meta: bool) -> dict:
 def _rank(cfg: ModelConfig, layout: str, zero: int, meta: bool) -> dict:
     """The meta path on every rank at once; the full path one dp group (same pp and tp coordinates) a turn."""
     lay = parse_layout(layout, dist.get_world_size())
+    mesh = build_mesh(lay, "cpu")  # collective over the world: before the turns
     if meta:
-        return _set_up(cfg, layout, zero, meta)
+        return _set_up(cfg, mesh, zero, meta)
     rank = dist.get_rank()
     turn = rank // (lay.dp * lay.tp) * lay.tp + rank % lay.tp  # ranks are laid out (pp, dp, tp)
     result = {}
     for current in range(lay.pp * lay.tp):
         if current == turn:
-            result = _set_up(cfg, layout, zero, meta)
+            result = _set_up(cfg, mesh, zero, meta)
             gc.collect()
         dist.barrier()
     return result
@@ -125,9 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama3-1b", help="model preset")
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument(
-        "--runs", nargs="+", default=["dp=2,tp=2@3", "pp=2,tp=2@0"], help="LAYOUT@ZERO, one run each"
-    )
+    parser.add_argument("--runs", nargs="+", default=["dp=2,tp=2@3", "pp=2,tp=2@0"], help="LAYOUT@ZERO, one run each")
     parser.add_argument("--full", action="store_true", help="also measure the full-then-shard path")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args()

@@ -1,4 +1,5 @@
-"""The real `meshlm` entry point, run as a subprocess the way a user runs it."""
+"""The real `meshlm` entry point, run as a subprocess the way a user runs it (and `main` in this process, for
+the many one-line error cases: the same code without an interpreter start-up each)."""
 
 import shutil
 import subprocess
@@ -36,11 +37,24 @@ def test_config_show_prints_resolved_toml() -> None:
         (["--data.source", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_code_2(args: list[str], message: str, tmp_path: Path) -> None:
-    out = meshlm("train", *args, "--log.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path))
-    assert out.returncode == 2, out.stderr
-    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+def test_bad_input_is_one_line_and_exit_code_2(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In this process (`main`, what the entry point calls): each case costs no interpreter start-up."""
+    code, err = run_main(
+        ["train", *args, "--log.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path)], capsys
+    )
+    assert code == 2, err
+    assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_bad_input_through_the_real_entry_point_is_one_line(tmp_path: Path) -> None:
+    """The same as a user sees it: nothing else (no warning, no traceback) reaches stderr."""
+    out = meshlm("train", "--train.lr", "-1", "--log.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path))
+    assert out.returncode == 2, out.stderr
+    assert "config error: train.lr: Input should be greater than 0" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 @pytest.fixture(scope="module")

@@ -78,8 +78,8 @@ def run_all(runs: dict, model_cfg: ModelConfig = TEST_MODEL, optimizers: tuple[s
         for optimizer in optimizers:
             with dp_options(**options):
                 results[name if optimizer == "adamw" else f"{name} {optimizer}"] = train_layout(
-                    "", parallel, steps=STEPS, batch=BATCH, micro_batch=micro_batch, seq_len=SEQ,
-                    model_cfg=model_cfg, optimizer=optimizer,
+                    "", parallel, batch=BATCH, micro_batch=micro_batch, seq_len=SEQ, model_cfg=model_cfg,
+                    optimizer=optimizer,
                 )  # fmt: skip
     return results
 

@@ -134,7 +134,10 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # Transformer.reset_parameters initialises it: skipping nn.Embedding's own normal_ also keeps a meta
+        # build from loading PyTorch's Python meta kernels for it (sympy and friends, ~70 MiB per process).
+        weight = torch.empty(cfg.vocab_size, cfg.dim)
+        self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=weight)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
 

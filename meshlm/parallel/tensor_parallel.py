@@ -16,8 +16,9 @@ collective. A row-parallel linear closes it (all-reduce, or reduce-scatter under
 conjugates. Every gradient is complete when backward returns — norm weights under SP and replicated KV heads
 are summed inside autograd — so data parallelism / ZeRO compose without knowing.
 
-Initialisation is full-then-shard: the caller builds the whole model from the seed and each rank keeps its
-slices, so any tp gives the single-process initial weights.
+A model built whole keeps only its slices (full-then-shard); a model built on the `meta` device is sliced as
+meta tensors, and the engine then materialises only each rank's slices (meshlm.parallel.materialize), from
+the same per-element init, so any tp gives the single-process initial weights either way.
 """
 
 from __future__ import annotations
@@ -175,8 +176,11 @@ class VocabParallelEmbedding(nn.Module):
 
 # ---- applying it to a model --------------------------------------------------------------------------
 def _shard(w: torch.Tensor, dim: int, index: int, size: int) -> nn.Parameter:
-    """Slice `index` (of width `size`) along `dim`, as a new Parameter tagged with its shard dim."""
-    param = nn.Parameter(w.detach().narrow(dim, index * size, size).clone(), requires_grad=w.requires_grad)
+    """Slice `index` (of width `size`) along `dim`, as a new Parameter tagged with its shard dim. On a meta
+    `w` (a model built on the meta device) the slice is meta too: only its shape and tags exist yet.
+    (An explicit memory format: a strided meta clone would load PyTorch's Python meta kernels, ~35 MiB.)"""
+    piece = w.detach().narrow(dim, index * size, size).clone(memory_format=torch.contiguous_format)
+    param = nn.Parameter(piece, requires_grad=w.requires_grad)
     param._meshlm_tp_shard_dim = dim  # read by engine.is_tp_replicated; None = held whole by every rank
     param._meshlm_tp_slice = (dim, index * size)  # where the slice sits in the full tensor (checkpoints)
     return param
@@ -246,8 +250,9 @@ class _Sharder:
 def apply_tensor_parallel(
     model: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool = False, plan: ParallelPlan | None = None
 ) -> TPState:
-    """Keep this rank's shards of `model` (built whole, from the same seed on every rank) in place, as the
-    model's plan (or `plan`) says. The plan is checked against the model before anything changes."""
+    """Keep this rank's shards of `model` (built whole from the same seed on every rank, or on the meta
+    device) in place, as the model's plan (or `plan`) says. The plan is checked against the model before
+    anything changes."""
     plan = plan or plan_for(model)
     tp = TPState(group, dist.get_rank(group), dist.get_world_size(group), sequence_parallel)
     check_plan(model, plan, tp=tp.size, pp=1, zero=0, sequence_parallel=sequence_parallel)

@@ -46,10 +46,10 @@ class FlatBuffer:
     master:     this rank's fp32 shard the optimizer steps; a view of `data` when the working params are fp32
                 and not sharded (ZeRO-1/2), so fp32 runs hold no second copy.
 
-    Parameters still to be initialised (placeholders of a meta-built model, all of them pending in `source`)
-    are filled from `source` straight into the buffer in its dtype; with `shard_only` (ZeRO-3) only this
-    rank's shard is, into `initial_shard` (fp32, rounded through the working dtype as a copy of the buffer
-    would be), and the full weights are never allocated until the first gather.
+    Parameters pending in `source` (placeholders of a meta-built model) are filled from it straight into the
+    buffer, in its dtype. When all are and `shard_only` (ZeRO-3), only this rank's shard is filled, into
+    `initial_shard` (fp32, rounded through the working dtype as a copy of the buffer would be), and the full
+    weights are not allocated until the first gather.
     """
 
     def __init__(
@@ -73,7 +73,8 @@ class FlatBuffer:
         pending = [source is not None and id(p) in source.pending for p in params]
         self.from_source = all(pending)  # then every replica computes the same values: no broadcast needed
         lazy = self.from_source and shard_only
-        # Untouched pages of a fresh allocation cost no resident memory: the lazy buffer only lends its views.
+        # The lazy buffer only lends its views (freed at once): untouched pages of a fresh host allocation cost
+        # no resident memory, and on CUDA the caching allocator keeps the block for the first gather.
         self.data = torch.empty(self.padded_numel, dtype=dtype, device=params[0].device)
         with torch.no_grad():
             for p, view, from_source in zip(params, self.views(self.data), pending, strict=True):
