@@ -3,7 +3,8 @@
 "built-in" is the trainer's `train_step` (ParallelModel.forward_backward, clip, optimizer, ZeRO gather);
 "API" is the loop a user writes with `meshlm.parallelize` (model(x), loss, backward, clip_grad_norm_, step).
 Both start from the same weights and take turns each step (alternating which goes first), so a slower
-machine or a noisy neighbour hits both alike; the median step time counts. Prints a markdown table and the
+machine or a noisy neighbour hits both alike; the median step time counts, and the median CPU time per step
+(this process's, single-threaded) is insensitive to time slicing on a shared machine. Prints a markdown table and the
 API/built-in ratio.
 
     .venv/bin/python benchmarks/api_overhead.py                    # tiny preset, 40 steps each, ~1 minute
@@ -50,6 +51,7 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {"built-in": [], "API": []}
+    cpu: dict[str, list[float]] = {"built-in": [], "API": []}
     losses: dict[str, list[float]] = {"built-in": [], "API": []}
 
     def builtin_step(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -68,21 +70,24 @@ def main() -> None:
         x, y = tokens[:, :-1], tokens[:, 1:]
         order = list(steps) if step % 2 == 0 else list(reversed(steps))  # neither always runs first
         for name in order:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             losses[name].append(steps[name](x, y))
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
 
     tokens_per_step = args.batch * args.seq_len
     print(f"model {args.model}, zero {args.zero}, batch {args.batch}×{args.seq_len}, {args.steps} steps each\n")
-    print("| path | median step (ms) | tokens/s | final loss |")
-    print("|---|---|---|---|")
-    medians = {}
+    print("| path | median step (ms) | median CPU s / step | tokens/s | final loss |")
+    print("|---|---|---|---|---|")
+    medians, cpus = {}, {}
     for name, ts in times.items():
-        medians[name] = statistics.median(ts)
+        medians[name], cpus[name] = statistics.median(ts), statistics.median(cpu[name])
         print(
-            f"| {name} | {medians[name] * 1e3:.1f} | {tokens_per_step / medians[name]:.0f} | {losses[name][-1]:.6f} |"
+            f"| {name} | {medians[name] * 1e3:.1f} | {cpus[name]:.3f} | {tokens_per_step / medians[name]:.0f} "
+            f"| {losses[name][-1]:.6f} |"
         )
     print(f"\nAPI / built-in step time: {medians['API'] / medians['built-in']:.3f}")
+    print(f"API / built-in CPU time per step (insensitive to time slicing): {cpus['API'] / cpus['built-in']:.3f}")
     print(f"identical losses: {losses['API'] == losses['built-in']}")
     dist.destroy_process_group()
 
