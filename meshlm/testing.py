@@ -128,11 +128,12 @@ def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 180, 
                 p.join()
         if hung:
             raise TimeoutError(f"ranks {hung} still running after {timeout}s")
+        paths = [Path(out_dir) / f"rank{r}.pkl" for r in range(world)]
+        dead = [r for r in range(world) if not paths[r].exists()]
+        if dead:  # the cause: the others' errors are only the closed connections it left behind
+            raise RuntimeError(f"ranks {dead} died without a result (exit codes {[procs[r].exitcode for r in dead]})")
         results = []
-        for r in range(world):
-            path = Path(out_dir) / f"rank{r}.pkl"
-            if not path.exists():
-                raise RuntimeError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+        for path in paths:
             status, value = pickle.loads(path.read_bytes())
             if status == "error":
                 raise RuntimeError(value)
