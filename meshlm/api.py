@@ -68,6 +68,7 @@ def parallelize(
     virtual_stages: int = 1,
     micro_batches: int = 1,
     bucket_mb: float = 25.0,
+    cp_attention: str = "ring",
     loss_fn: LossFn | None = None,
     gather_logits: bool = False,
     autocast_dtype: torch.dtype | None = None,
@@ -83,7 +84,8 @@ def parallelize(
     `micro_batches` is how many micro-batches `forward_backward` cuts this replica's batch into (gradient
     accumulation; under pp the pipeline's micro-batches). `loss_fn(output, targets)` is what
     `forward_backward` minimises (default: token cross-entropy); `gather_logits` gives a tp model full
-    logits for a loss of one's own."""
+    logits for a loss of one's own. Under a `cp` mesh dimension `cp_attention` ("ring" or "ulysses") picks
+    the context-parallel attention; `forward_backward` takes full rows, the model itself `seq_shard` of them."""
     try:
         parallel = ParallelSection(
             layout=str(mesh.layout),
@@ -94,6 +96,7 @@ def parallelize(
             schedule=schedule,
             virtual_stages=virtual_stages,
             bucket_mb=bucket_mb,
+            cp_attention=cp_attention,
         )
     except ValidationError as e:
         error = e.errors()[0]

@@ -1,4 +1,4 @@
-"""The `meshlm` command: train, eval, generate, convert, plan and config show.
+"""The `meshlm` command: train, eval, generate, convert, plan, prepare-data and config show.
 
 Configuration errors, impossible layouts and bad data or checkpoints end with one line on stderr and exit
 code 2, before any work starts.
@@ -31,11 +31,27 @@ def _run_config(run_dir: Path, overrides: Iterable[tuple[str, Any]] = ()) -> Con
     return load_config(path, [("log.run_dir", str(run_dir)), *overrides])
 
 
+def _resume_point(run_dir: Path) -> str:
+    """What a restart resumes from: the newest committed checkpoint (verified when it loads), or none."""
+    from meshlm.checkpoint import list_checkpoints
+
+    found = list_checkpoints(run_dir)
+    return f"the next start resumes from {found[-1]}" if found else f"{run_dir} has no checkpoint yet"
+
+
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from meshlm.train.distributed import env_rank, lost_peer
     from meshlm.train.trainer import train
 
     cfg = _config_from(args, extra)
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except RuntimeError as e:  # a peer died mid-collective: one line, and what stays resumable
+        if (reason := lost_peer(e)) is None:
+            raise
+        print(f"meshlm: rank {env_rank()} lost a peer ({reason}): stopping without a new checkpoint; "
+              f"{_resume_point(Path(cfg.log.run_dir))}", file=sys.stderr)  # fmt: skip
+        return 1
     if result.eval_losses and os.environ.get("RANK", "0") == "0":
         first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
         print(f"validation loss {first:.4f} -> {last:.4f}; run directory {result.run_dir}")
@@ -75,6 +91,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     import torch.distributed as dist
 
     from meshlm.data import prepare_data
+    from meshlm.model.pretrained import init_tokenizer
     from meshlm.parallel.engine import ParallelModel
     from meshlm.parallel.mesh import build_mesh, parse_layout
     from meshlm.train.distributed import autocast_dtype, init_distributed, resolve_device
@@ -84,7 +101,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = _run_config(args.run_dir, [*SINGLE_PROCESS, *batches])
     model, checkpoint = _load_run_model(args.run_dir, cfg)
     device = resolve_device(cfg.train.device)
-    data = prepare_data(cfg.data, model.cfg.vocab_size)
+    data = prepare_data(cfg.data, model.cfg.vocab_size, init_tokenizer(cfg.model.init_from))
     created_group = init_distributed(device, cfg.parallel.timeout_s)
     try:
         mesh = build_mesh(parse_layout(cfg.parallel.layout, 1), device.type)
@@ -102,14 +119,22 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 
     from meshlm.data import decode, encode, prepare_data
     from meshlm.model import generate
+    from meshlm.model.pretrained import init_tokenizer
 
     cfg = _run_config(args.run_dir)
     model, _ = _load_run_model(args.run_dir, cfg)
-    tokenizer = prepare_data(cfg.data, model.cfg.vocab_size).tokenizer
+    tokenizer = prepare_data(cfg.data, model.cfg.vocab_size, init_tokenizer(cfg.model.init_from)).tokenizer
     prompt = torch.tensor([encode(tokenizer, args.prompt)], dtype=torch.long)
     generator = torch.Generator().manual_seed(args.seed)
     out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, generator)
     print(decode(tokenizer, out[0].tolist()))
+    return 0
+
+
+def cmd_prepare_data(args: argparse.Namespace, extra: list[str]) -> int:
+    from meshlm.data.prepare import prepare_corpus
+
+    print(prepare_corpus(_config_from(args, extra), args.workers, args.shard_tokens))
     return 0
 
 
@@ -176,6 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_integer(0), default=0)
     p.set_defaults(func=cmd_generate)
 
+    from meshlm.data.shards import SHARD_TOKENS
+
+    p = sub.add_parser(
+        "prepare-data", help="tokenize the corpus of a config into token shards with many processes, before training"
+    )
+    p.add_argument("--config", help="TOML config file (the [data] and [model] sections matter; overrides too)")
+    p.add_argument("--workers", type=_integer(1, 4096), default=os.cpu_count() or 1, help="tokenizer processes")
+    p.add_argument("--shard-tokens", type=_integer(1), default=SHARD_TOKENS, help="tokens per shard file")
+    p.set_defaults(func=cmd_prepare_data)
+
     p = sub.add_parser("config", help="configuration tools")
     config_sub = p.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved config as TOML")
@@ -211,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.func not in (cmd_train, cmd_config_show):
+    if extra and args.func not in (cmd_train, cmd_config_show, cmd_prepare_data):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args, extra)

@@ -74,6 +74,11 @@ class ModelSection(Section):
     hf_model_type: Literal["llama", "qwen2", "mistral"] | None = Field(
         None, description="Hugging Face family that export writes: llama (default), qwen2 or mistral"
     )
+    init_from: str | None = Field(
+        None,
+        description="fine-tune from: a Hugging Face checkpoint directory (config.json + safetensors) or a meshlm "
+        "run / checkpoint; it defines the model (preset ignored; other model fields must agree) and the tokenizer",
+    )
 
     @field_validator("preset")
     @classmethod
@@ -83,8 +88,22 @@ class ModelSection(Section):
         return name
 
     def build(self) -> ModelConfig:
-        overrides = {k: v for k, v in self.model_dump().items() if k != "preset" and v is not None}
-        return PRESETS[self.preset].replace(**overrides)
+        overrides = {k: v for k, v in self.model_dump().items() if k not in ("preset", "init_from") and v is not None}
+        if self.init_from is None:
+            return PRESETS[self.preset].replace(**overrides)
+        from meshlm.model.pretrained import init_from_config
+
+        try:
+            cfg = init_from_config(self.init_from)
+        except ValueError as e:
+            raise ValueError(f"model.init_from: {e}") from None
+        for name, value in overrides.items():
+            if getattr(cfg, name) != value:
+                raise ValueError(
+                    f"model.{name}: {value!r} conflicts with the model of model.init_from {self.init_from} "
+                    f"({getattr(cfg, name)!r}); leave it unset or equal"
+                )
+        return cfg
 
 
 class DataSection(Section):
@@ -113,7 +132,19 @@ class TrainSection(Section):
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 disables clipping")
     seed: int = Field(1234, description="seeds the initial weights and the batch order")
     dtype: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 autocast on GPU, fp32 on CPU")
-    activation_checkpointing: bool = Field(False, description="recompute each block in backward")
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="activations recomputed in backward: selective = the attention core, full = each block"
+    )
+    compile: bool = Field(False, description="torch.compile each transformer block (after parallelization)")
+    compile_backend: Literal["inductor", "aot_eager"] = Field(
+        "inductor", description="torch.compile backend: inductor generates kernels; aot_eager only traces (tests)"
+    )
+    sync_every: int = Field(
+        1,
+        gt=0,
+        description="read loss and gradient norm on the host, run the guards and check for SIGTERM every N "
+        "steps (and on log, eval and checkpoint steps); 1 = every step, vetoing a bad update before it applies",
+    )
     eval_every: int = Field(50, ge=0, description="validation loss every N steps; 0 = never")
     eval_batches: int = Field(8, gt=0, description="validation batches per evaluation")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: this rank's GPU if CUDA works, else CPU")
@@ -135,6 +166,9 @@ class ParallelSection(Section):
     sequence_parallel: bool = Field(False, description="shard norms/residuals along the sequence over tp")
     schedule: Literal["gpipe", "1f1b", "interleaved"] = Field("1f1b", description="pipeline schedule")
     virtual_stages: int = Field(1, gt=0, description="model chunks per pipeline rank (interleaved)")
+    cp_attention: Literal["ring", "ulysses"] = Field(
+        "ring", description="context parallel (layout cp > 1): KV ring with send/recv, or all-to-all heads"
+    )
     timeout_s: float = Field(300.0, gt=0, le=7 * 24 * 3600, description="collective timeout before a rank gives up")
 
 
@@ -148,9 +182,15 @@ class CheckpointSection(Section):
     async_save: bool = Field(True, description="write checkpoints in the background while training goes on")
 
 
+WEEK_S = 7 * 24 * 3600.0  # longer timers are typos; past ~2**31 s they overflow the OS's timer calls
+
+
 class FaultSection(Section):
     watchdog_s: float = Field(
-        900.0, ge=0, description="a rank that finishes no step for this long dumps stacks and exits 1; 0 = off"
+        900.0,
+        ge=0,
+        le=WEEK_S,
+        description="a rank that finishes no step for this long dumps stacks and exits 1; 0 = off",
     )
     nonfinite: Literal["skip", "rollback", "stop"] = Field(
         "skip",
@@ -160,7 +200,9 @@ class FaultSection(Section):
     max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed in one run before it stops")
     spike_factor: float = Field(0.0, ge=0, description="a loss above this × the recent mean counts as a spike; 0 = off")
     desync_every: int = Field(100, ge=0, description="compare data-parallel replicas' weights every N steps; 0 = off")
-    grace_s: float = Field(120.0, gt=0, description="after SIGTERM: finish the step and save within this, then exit 0")
+    grace_s: float = Field(
+        120.0, gt=0, le=WEEK_S, description="after SIGTERM: finish the step and save within this, then exit 0"
+    )
 
 
 class LogSection(Section):
@@ -207,6 +249,11 @@ class Config(Section):
             )
         if self.parallel.zero == 0 and (self.parallel.zero_shard_size or self.parallel.zero_param_dtype != "fp32"):
             raise ValueError("parallel.zero_shard_size and parallel.zero_param_dtype need parallel.zero >= 1")
+        if self.train.sync_every > 1 and self.fault.nonfinite == "skip":
+            raise ValueError(
+                f"train.sync_every = {self.train.sync_every} needs fault.nonfinite = 'rollback' or 'stop': "
+                "an update is applied before its loss is read, so it cannot be skipped"
+            )
         if self.train.micro_batch and self.train.global_batch % self.train.micro_batch:
             raise ValueError(
                 f"train.global_batch ({self.train.global_batch}) must be divisible by "

@@ -163,8 +163,18 @@ def _pool_worker(rank: int, world: int, port: int, pg_timeout: float, tasks, res
             out = pickle.dumps(_call(rank, fn, args))
         except BaseException as e:  # an unpicklable task or result
             out = pickle.dumps(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        _destroy_task_groups()
         results.put((task, rank, out))
     dist.destroy_process_group()
+
+
+def _destroy_task_groups() -> None:
+    """The groups a task made (its meshes', its checkpointer's) end with it, so a rank that runs hundreds of
+    tasks does not pile up their gloo threads, sockets and buffers; every rank destroys the same ones."""
+    world = dist.GroupMember.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
 
 
 class SharedGroup:

@@ -31,7 +31,7 @@ def test_config_show_prints_resolved_toml() -> None:
     [
         (["--train.lr", "-1"], "config error: train.lr: Input should be greater than 0"),
         (["--model.preset", "gpt5"], "config error: model.preset: unknown preset 'gpt5'"),
-        (["--parallel.layout", "tp=2"], "pp×tp = 2 does not divide the world size 1"),
+        (["--parallel.layout", "tp=2"], "pp×cp×tp = 2 does not divide the world size 1"),
         (["--parallel.layout", "xp=1"], "unknown dimension 'xp'"),
         (["--config", "missing.toml"], "config error: file missing.toml not found"),
         (["--data.source", "/no/such/corpus.txt"], "/no/such/corpus.txt"),

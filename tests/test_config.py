@@ -61,6 +61,8 @@ def test_model_overrides_build_a_model_config() -> None:
         (["--train.global_batch", "10", "--train.micro_batch", "4"], "train.global_batch (10) must be divisible"),
         (["--parallel.zero", "4"], "parallel.zero: Input should be less than or equal to 3"),
         (["--parallel.schedule", "zigzag"], "parallel.schedule"),
+        (["--fault.watchdog_s", "1e300"], "fault.watchdog_s: Input should be less than or equal to 604800"),
+        (["--fault.grace_s", "inf"], "fault.grace_s: Input should be a finite number"),
         (["--train.steps"], "train.steps: missing value"),
         (["train.steps", "3"], "unexpected argument 'train.steps'"),
     ],

@@ -161,11 +161,12 @@ def test_vocab_too_small_for_bytes_is_an_error():
 
 def test_prepared_stdlib_data(stdlib_data):
     d, m = stdlib_data, stdlib_data.manifest
-    assert d.train.dtype == np.uint16 and isinstance(d.train, np.memmap)
+    assert d.train.dtype == np.uint16 and all(isinstance(a, np.memmap) for a in d.train.arrays + d.val.arrays)
     assert len(d.train) == m["tokens"]["train"] > 0 and len(d.val) == m["tokens"]["val"] > 0
-    assert max(d.train.max(), d.val.max()) < VOCAB
+    assert max(np.asarray(d.train).max(), np.asarray(d.val).max()) < VOCAB
     assert d.train[-1] == d.val[-1] == eot_id(d.tokenizer) == m["eot_id"]
-    assert sorted(p.name for p in d.directory.iterdir()) == ["manifest.json", "tokenizer.json", "train.bin", "val.bin"]
+    files = ["manifest.json", "tokenizer.json", "train-00000.bin", "val-00000.bin"]
+    assert sorted(p.name for p in d.directory.iterdir()) == files and m["builder"] == "inline"
     assert m["source"].startswith("stdlib") and m["vocab_size"] == VOCAB and m["dtype"] == "uint16"
     assert [p.name for p in d.directory.parent.iterdir()] == [d.directory.name]  # no temp dirs left behind
 
@@ -185,7 +186,7 @@ def test_splits_are_disjoint_by_document_and_cover_the_corpus(tmp_path):
 def test_second_prepare_reuses_the_cache(tmp_path, monkeypatch):
     cfg = jsonl_cfg(tmp_path)
     first = prepare_data(cfg, 300)
-    stamp = os.stat(first.directory / "train.bin").st_mtime_ns
+    stamp = os.stat(first.directory / "train-00000.bin").st_mtime_ns
 
     def fail(*args, **kwargs):
         raise AssertionError("retokenized a cached corpus")
@@ -193,7 +194,7 @@ def test_second_prepare_reuses_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(dataset_module, "train_tokenizer", fail)
     second = prepare_data(cfg, 300)
     assert second.directory == first.directory and second.manifest == first.manifest
-    assert os.stat(second.directory / "train.bin").st_mtime_ns == stamp
+    assert os.stat(second.directory / "train-00000.bin").st_mtime_ns == stamp
     assert np.array_equal(second.train, first.train)
 
 
@@ -221,8 +222,8 @@ def test_changed_inputs_get_a_new_cache(tmp_path):
     [
         lambda d: (d / "manifest.json").unlink(),
         lambda d: (d / "manifest.json").write_text("{not json"),
-        lambda d: (d / "train.bin").write_bytes((d / "train.bin").read_bytes()[:-2]),
-        lambda d: (d / "val.bin").unlink(),
+        lambda d: (d / "train-00000.bin").write_bytes((d / "train-00000.bin").read_bytes()[:-2]),
+        lambda d: (d / "val-00000.bin").unlink(),
         lambda d: (d / "tokenizer.json").write_text("{}"),
     ],
     ids=["no-manifest", "bad-manifest", "short-train", "no-val", "bad-tokenizer"],

@@ -65,7 +65,7 @@ def test_short_default_run_lowers_validation_loss(small_run: list[str]) -> None:
 
 def test_world_size_layout_mismatch_fails_before_any_work(small_run: list[str]) -> None:
     cfg = _cfg(small_run, "--parallel.layout", "tp=2")
-    with pytest.raises(LayoutError, match="pp×tp = 2 does not divide the world size 1"):
+    with pytest.raises(LayoutError, match="pp×cp×tp = 2 does not divide the world size 1"):
         train(cfg)
     assert not Path(cfg.log.run_dir).exists()
 

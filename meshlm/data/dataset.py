@@ -1,8 +1,11 @@
-"""Tokenize a corpus once into flat token files, cached on disk and shared by every run and rank.
+"""Tokenize a corpus once into token shards, cached on disk and shared by every run and rank.
 
-Cache layout: `<cache_dir>/<key>/{tokenizer.json, train.bin, val.bin, manifest.json}`, where the key hashes
-everything that changes the tokens. A directory is built in a temporary sibling and moved into place with
-one `os.replace`, so readers never see a half-written cache; one that disagrees with its manifest is rebuilt.
+Cache layout: `<cache_dir>/<key>/{tokenizer.json, train-00000.bin, ..., val-00000.bin, ..., manifest.json}`,
+where the key hashes everything that changes the tokens and the manifest lists each shard's tokens and sha256
+(meshlm.data.shards). A directory is built in a temporary sibling and moved into place with one `os.replace`,
+so readers never see a half-written cache. Training builds a missing cache inline on rank 0 (one process);
+`meshlm prepare-data` builds it ahead of time with many. One that disagrees with its manifest is rebuilt if
+it was built inline, and refused with one line naming the file if `meshlm prepare-data` built it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,20 +24,23 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from meshlm.config import DataSection
-from meshlm.data.sources import DataError, describe_source, iter_documents, source_fingerprint
-from meshlm.data.tokenizer import eot_id, train_tokenizer
+from meshlm.data.shards import SHARD_TOKENS, TokenShards, check_shards, open_split, write_shards
+from meshlm.data.sources import DataError, describe_source, iter_documents, source_files, source_fingerprint
+from meshlm.data.tokenizer import EOT, eot_id, train_tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SPLITS = ("train", "val")
+PREPARED = "prepare-data"  # the manifest's `builder` for caches `meshlm prepare-data` made (else "inline")
+INLINE_LIMIT_BYTES = 1 << 26  # above this much text, tokenizing inline behind a barrier deserves a warning
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class TokenData:
-    """The token streams of both splits (memory-mapped, read-only) and the tokenizer that produced them."""
+    """The token streams of both splits (memory-mapped shards, read-only) and the tokenizer that produced them."""
 
-    train: np.ndarray
-    val: np.ndarray
+    train: TokenShards
+    val: TokenShards
     tokenizer: Tokenizer
     directory: Path
     manifest: dict
@@ -45,8 +50,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def cache_key(cfg: DataSection, vocab_size: int) -> str:
-    """Short hash of everything the token files depend on; any change gives a fresh cache directory."""
+def cache_key(cfg: DataSection, vocab_size: int, tokenizer_file: Path | None = None) -> str:
+    """Short hash of everything the token files depend on; any change gives a fresh cache directory (a given
+    tokenizer by its content's sha256)."""
     inputs = {
         "format": FORMAT_VERSION,
         "sources": source_fingerprint(cfg),
@@ -54,25 +60,57 @@ def cache_key(cfg: DataSection, vocab_size: int) -> str:
         "vocab_size": vocab_size,
         "val_fraction": cfg.val_fraction,
     }
+    if tokenizer_file is not None:
+        inputs["tokenizer_sha256"] = _sha256(tokenizer_file)
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def prepare_data(cfg: DataSection, vocab_size: int) -> TokenData:
-    """Load the cached tokens for this config, training the tokenizer and tokenizing first if needed."""
-    key = cache_key(cfg, vocab_size)
+def prepare_data(
+    cfg: DataSection,
+    vocab_size: int,
+    tokenizer_file: Path | None = None,
+    workers: int = 1,
+    builder: str = "inline",
+    shard_tokens: int = SHARD_TOKENS,
+) -> TokenData:
+    """Load the cached tokens for this config, training the tokenizer (or using `tokenizer_file`, an HF
+    tokenizer.json) and tokenizing with `workers` processes first if needed. `builder` is recorded in the
+    manifest; `meshlm prepare-data` passes PREPARED, and rebuilds a damaged cache that training refuses."""
+    if tokenizer_file is not None:
+        check_tokenizer(tokenizer_file, vocab_size)
+    key = cache_key(cfg, vocab_size, tokenizer_file)
     directory = Path(cfg.cache_dir) / key
     manifest = None
     if directory.exists():
         try:
             manifest = _read_manifest(directory, key)
         except (OSError, ValueError, KeyError, TypeError) as e:
+            if builder != PREPARED and built_by(directory) == PREPARED:
+                raise DataError(damaged_message(directory, e)) from None
             log.warning("data cache %s is corrupt (%s); rebuilding it", directory, e)
     if manifest is None:
-        manifest = _build(cfg, vocab_size, directory, key)
-    dtype = np.dtype(manifest["dtype"])
+        manifest = _build(cfg, vocab_size, directory, key, tokenizer_file, workers, builder, shard_tokens)
+    return _open(cfg, directory, manifest)
+
+
+def built_by(directory: Path) -> str | None:
+    """The manifest's `builder`, or None when there is no readable manifest."""
+    try:
+        return json.loads((directory / "manifest.json").read_text()).get("builder")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def damaged_message(directory: Path, error: Exception) -> str:
+    cause = str(error) if isinstance(error, DataError) else f"data: {directory / 'manifest.json'}: {error}"
+    return f"{cause}; rebuild the prepared corpus: meshlm prepare-data with this config"
+
+
+def _open(cfg: DataSection, directory: Path, manifest: dict) -> TokenData:
+    """Memory-map a verified cache's shards; each split must hold at least one training sequence."""
     data = TokenData(
-        train=np.memmap(directory / "train.bin", dtype=dtype, mode="r"),
-        val=np.memmap(directory / "val.bin", dtype=dtype, mode="r"),
+        train=open_split(directory, manifest, "train"),
+        val=open_split(directory, manifest, "val"),
         tokenizer=Tokenizer.from_file(str(directory / "tokenizer.json")),
         directory=directory,
         manifest=manifest,
@@ -88,6 +126,40 @@ def prepare_data(cfg: DataSection, vocab_size: int) -> TokenData:
     return data
 
 
+def check_tokenizer(path: Path, vocab_size: int) -> Tokenizer:
+    """A given tokenizer.json, which must load and whose ids must all be below the model's vocab_size."""
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception subclass for unreadable or invalid files
+        raise DataError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0] if str(e) else e})") from None
+    if tokenizer.get_vocab_size(with_added_tokens=True) > vocab_size:
+        raise DataError(
+            f"{path}: {tokenizer.get_vocab_size(with_added_tokens=True)} tokens do not fit the model's vocab_size "
+            f"{vocab_size}; use the tokenizer the checkpoint was trained with"
+        )
+    return tokenizer
+
+
+def document_separator(path: Path, tokenizer: Tokenizer) -> int:
+    """The token appended after each document with a given tokenizer: the eos_token of the tokenizer_config.json
+    beside it, else meshlm's EOT if the vocabulary has it."""
+    config_path = path.parent / "tokenizer_config.json"
+    name = EOT
+    if config_path.is_file():
+        try:
+            eos = json.loads(config_path.read_bytes()).get("eos_token")
+        except (ValueError, AttributeError):
+            raise DataError(f"{config_path}: invalid JSON object") from None
+        name = eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else EOT
+    token = tokenizer.token_to_id(name) if isinstance(name, str) else None
+    if token is None:
+        raise DataError(
+            f"{path}: no document separator: {name!r} is not in the vocabulary; set eos_token in "
+            f"{config_path.name} to a token it has"
+        )
+    return token
+
+
 def is_val_document(index: int, val_fraction: float) -> bool:
     """Evenly spaced document-level hold-out: exactly floor(n * val_fraction) of the first n documents."""
     return int((index + 1) * val_fraction) > int(index * val_fraction)
@@ -97,26 +169,32 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _read_manifest(directory: Path, key: str) -> dict:
-    """The manifest of a complete cache directory; raises if any file disagrees with it."""
+def _read_manifest(directory: Path, key: str, part: tuple[int, int] = (0, 1)) -> dict:
+    """The manifest of a complete cache directory; raises if any file disagrees with it (of the shards' sha256,
+    only this `part` = (rank, world) share is checked)."""
     manifest = json.loads((directory / "manifest.json").read_text())
     if manifest["key"] != key or manifest["format"] != FORMAT_VERSION:
         raise ValueError(f"manifest.json is for key {manifest['key']} format {manifest['format']}")
-    itemsize = np.dtype(manifest["dtype"]).itemsize
-    for split in SPLITS:
-        size = (directory / f"{split}.bin").stat().st_size
-        if size != manifest["tokens"][split] * itemsize:
-            raise ValueError(f"{split}.bin has {size} bytes, manifest says {manifest['tokens'][split]} tokens")
+    check_shards(directory, manifest, part)
     if _sha256(directory / "tokenizer.json") != manifest["tokenizer_sha256"]:
         raise ValueError("tokenizer.json does not match the manifest's sha256")
     return manifest
 
 
-def _build(cfg: DataSection, vocab_size: int, directory: Path, key: str) -> dict:
+def _build(
+    cfg: DataSection,
+    vocab_size: int,
+    directory: Path,
+    key: str,
+    tokenizer_file: Path | None = None,
+    workers: int = 1,
+    builder: str = "inline",
+    shard_tokens: int = SHARD_TOKENS,
+) -> dict:
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=directory.parent))
     try:
-        _tokenize_into(tmp, cfg, vocab_size, key)
+        _tokenize_into(tmp, cfg, vocab_size, key, tokenizer_file, workers, builder, shard_tokens)
         _install(tmp, directory, key)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -143,31 +221,35 @@ def _install(tmp: Path, directory: Path, key: str) -> None:
         _read_manifest(directory, key)  # a concurrent builder won the race; fine if its cache is valid
 
 
-def _tokenize_into(out: Path, cfg: DataSection, vocab_size: int, key: str) -> None:
+def _tokenize_into(
+    out: Path,
+    cfg: DataSection,
+    vocab_size: int,
+    key: str,
+    tokenizer_file: Path | None = None,
+    workers: int = 1,
+    builder: str = "inline",
+    shard_tokens: int = SHARD_TOKENS,
+) -> None:
     source = describe_source(cfg)
     start = time.perf_counter()
-    log.info("training a %d-token BPE tokenizer on %s", vocab_size, source)
-    train_docs = (doc for i, doc in enumerate(iter_documents(cfg)) if not is_val_document(i, cfg.val_fraction))
-    tokenizer = train_tokenizer(train_docs, vocab_size)
-    tokenizer.save(str(out / "tokenizer.json"))
+    if tokenizer_file is None:
+        log.info("training a %d-token BPE tokenizer on %s", vocab_size, source)
+        train_docs = (doc for i, doc in enumerate(iter_documents(cfg)) if not is_val_document(i, cfg.val_fraction))
+        tokenizer = train_tokenizer(train_docs, vocab_size)
+        tokenizer.save(str(out / "tokenizer.json"))
+        eot = eot_id(tokenizer)
+    else:
+        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+        tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+        eot = document_separator(tokenizer_file, tokenizer)
 
-    dtype, eot = token_dtype(vocab_size), eot_id(tokenizer)
-    encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # tokenizers>=0.20: ~2x faster
-    tokens = dict.fromkeys(SPLITS, 0)
-    documents = dict.fromkeys(SPLITS, 0)
-    with open(out / "train.bin", "wb") as train_file, open(out / "val.bin", "wb") as val_file:
-        files = {"train": train_file, "val": val_file}
-        for chunk in _chunks(enumerate(iter_documents(cfg))):
-            ids: dict[str, list[int]] = {split: [] for split in SPLITS}
-            encodings = encode_batch([doc for _, doc in chunk])
-            for (i, _), encoding in zip(chunk, encodings, strict=True):
-                split = "val" if is_val_document(i, cfg.val_fraction) else "train"
-                ids[split] += encoding.ids
-                ids[split].append(eot)
-                documents[split] += 1
-            for split in SPLITS:
-                files[split].write(np.array(ids[split], dtype=dtype).tobytes())
-                tokens[split] += len(ids[split])
+    dtype = token_dtype(vocab_size)
+    documents = (
+        ("val" if is_val_document(i, cfg.val_fraction) else "train", doc) for i, doc in enumerate(iter_documents(cfg))
+    )
+    written = write_shards(out, documents, tokenizer, eot, dtype, workers, shard_tokens)
+    tokens, documents = written["tokens"], written["documents"]
     if documents["val"] == 0:
         raise DataError(
             f"data: {source} has only {documents['train']} document(s), too few to hold out "
@@ -187,34 +269,64 @@ def _tokenize_into(out: Path, cfg: DataSection, vocab_size: int, key: str) -> No
         "dtype": dtype.name,
         "tokens": tokens,
         "documents": documents,
+        "shard_tokens": shard_tokens,
+        "shards": written["shards"],
+        "builder": builder,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    log.info("tokenized %s in %.1fs: %s tokens", source, time.perf_counter() - start, tokens)
+    log.info(
+        "tokenized %s in %.1fs with %d process(es): %s tokens", source, time.perf_counter() - start, workers, tokens
+    )
 
 
-def _chunks(items: Iterable[tuple[int, str]], max_chars: int = 1 << 22) -> Iterator[list[tuple[int, str]]]:
-    """Groups of documents big enough for encode_batch to keep every core busy, small enough for memory."""
-    chunk: list[tuple[int, str]] = []
-    size = 0
-    for item in items:
-        chunk.append(item)
-        size += len(item[1])
-        if size >= max_chars:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
+def prepare_data_shared(cfg: DataSection, vocab_size: int, tokenizer_file: Path | None = None) -> TokenData:
+    """`prepare_data` on every rank of the default process group (collective).
 
-
-def prepare_data_shared(cfg: DataSection, vocab_size: int) -> TokenData:
-    """`prepare_data` on every rank of the default process group: rank 0 tokenizes (once, cached on disk),
-    then the others read the same cache (collective)."""
+    A ready cache (from `meshlm prepare-data` or an earlier run) is memory-mapped by every rank directly,
+    with the shards' sha256 checks split over the ranks and one exchange of the verdicts: nobody waits on
+    tokenization. Without one, rank 0 tokenizes inline while the others wait at a barrier bounded by
+    `parallel.timeout_s`, which is why real corpora are prepared first.
+    """
     import torch.distributed as dist
 
-    if dist.get_rank() == 0:
-        data = prepare_data(cfg, vocab_size)
+    if tokenizer_file is not None:
+        check_tokenizer(tokenizer_file, vocab_size)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    key = cache_key(cfg, vocab_size, tokenizer_file)
+    directory = Path(cfg.cache_dir) / key
+    manifest, problem = None, None
+    if (directory / "manifest.json").is_file():
+        try:
+            manifest = _read_manifest(directory, key, (rank, world))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problem = damaged_message(directory, e) if built_by(directory) == PREPARED else str(e)
+    verdicts: list = [None] * world
+    dist.all_gather_object(verdicts, (manifest is not None, problem))
+    prepared_problem = next((p for _, p in verdicts if p and built_by(directory) == PREPARED), None)
+    if prepared_problem:
+        raise DataError(prepared_problem)
+    if all(ready for ready, _ in verdicts):
+        return _open(cfg, directory, manifest)
+    if rank == 0:
+        _warn_if_large(cfg)
+        data = prepare_data(cfg, vocab_size, tokenizer_file)
     dist.barrier()
     if dist.get_rank() != 0:
-        data = prepare_data(cfg, vocab_size)
+        data = prepare_data(cfg, vocab_size, tokenizer_file)
     return data
+
+
+def _warn_if_large(cfg: DataSection) -> None:
+    """Say, before tokenizing inline, when the corpus is big enough that the others' barrier may time out."""
+    size = sum(p.stat().st_size for p in source_files(cfg)) if not cfg.source.startswith("hf:") else None
+    if cfg.max_chars is not None:
+        size = cfg.max_chars if size is None else min(size, cfg.max_chars)
+    if size is None or size > INLINE_LIMIT_BYTES:
+        amount = "a corpus of unknown size" if size is None else f"{size / 1e6:.0f} MB of text"
+        log.warning(
+            "data: rank 0 now tokenizes %s (%s) in one process while the other ranks wait at a barrier bounded "
+            "by parallel.timeout_s; for a corpus this size run `meshlm prepare-data` with this config first",
+            amount,
+            describe_source(cfg),
+        )

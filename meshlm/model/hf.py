@@ -328,18 +328,22 @@ def _tensor_files(directory: Path) -> tuple[dict[str, Path], Path]:
     )
 
 
-def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read an HF Llama / Qwen2 / Mistral checkpoint directory into a meshlm config and a state dict with the keys of
-    `Transformer(cfg).state_dict()` (tensors keep their stored dtype). Checks names and shapes from
-    the safetensors headers before loading any data."""
+def read_hf_config(directory: str | Path) -> ModelConfig:
+    """The meshlm config of an HF checkpoint directory's `config.json`; errors name the directory."""
     directory = Path(directory)
-    config_path = directory / CONFIG_NAME
-    hf_config = _read_json(config_path)
+    hf_config = _read_json(directory / CONFIG_NAME)
     try:
-        cfg = model_config_from_hf(hf_config)
+        return model_config_from_hf(hf_config)
     except ValueError as e:
         raise ValueError(f"{directory}: {e}") from None
 
+
+def check_hf_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict[Path, list[str]]]:
+    """An HF checkpoint directory's meshlm config, and each safetensors file with the tensors it holds, after
+    checking every name and shape against the config from the headers alone (no tensor data is read)."""
+    directory = Path(directory)
+    config_path = directory / CONFIG_NAME
+    cfg = read_hf_config(directory)
     files, listing = _tensor_files(directory)
     stored_layers = {int(m[1]) for name in files if (m := re.match(r"model\.layers\.(\d+)\.", name))}
     if len(stored_layers) != cfg.n_layers:  # checked first: a huge claimed depth would take long to build
@@ -363,7 +367,14 @@ def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
                     raise ValueError(f"{path}: missing tensor {name} (listed in {listing})")
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     _check_shapes(shapes, expected, lambda name: str(files.get(name, listing)))
+    return cfg, by_file
 
+
+def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read an HF Llama / Qwen2 / Mistral checkpoint directory into a meshlm config and a state dict with the keys of
+    `Transformer(cfg).state_dict()` (tensors keep their stored dtype). Checks names and shapes from
+    the safetensors headers before loading any data."""
+    cfg, by_file = check_hf_checkpoint(directory)
     state: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
         with _open_safetensors(path) as f:
@@ -515,6 +526,10 @@ def run_convert(args: argparse.Namespace) -> int:
             _save_meshlm_file(load_hf_into_model(args.src), args.out)
         else:
             export_hf(_load_meshlm_file(args.src), args.out, getattr(torch, args.dtype), args.max_shard_bytes)
+            if args.src.is_dir():
+                from meshlm.model.pretrained import copy_run_tokenizer
+
+                copy_run_tokenizer(args.src, args.out)
     except (ValueError, OSError) as e:
         print(f"meshlm convert: error: {e}", file=sys.stderr)
         return 1

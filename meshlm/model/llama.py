@@ -10,6 +10,7 @@ and optional embedding / norm / head), and data parallelism only touches paramet
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -69,10 +70,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The attention core: rotate q/k (batch, heads, seq, head_dim) by positions 0..seq-1 of the whole
+    cos/sin tables, then causal grouped-query attention. Context parallelism replaces it (Attention.core)."""
+    s = q.shape[2]
+    if s > cos.shape[0]:
+        raise ValueError(f"sequence length {s} exceeds model.max_seq_len {cos.shape[0]}")
+    cos, sin = cos[:s], sin[:s]
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention. Head counts are read from the projection widths at run time,
     so a tensor-parallel rank holding a slice of the heads runs the same code. With `sliding_window` set
-    (Mistral) longer sequences are refused: full causal attention equals it only within the window."""
+    (Mistral) longer sequences are refused: full causal attention equals it only within the window.
+    `core` (rotary + attention over the heads) is a plain attribute so a parallel transform can swap it."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -82,22 +97,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core: Callable[..., torch.Tensor] = causal_attention
+        self.recompute_core = False  # selective recompute (set_recompute)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """cos/sin are the model's whole tables; the sequence length is read after the projections, which
         under sequence parallelism see more positions than the block's input holds."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         b, s, _ = q.shape
-        if s > cos.shape[0]:
-            raise ValueError(f"sequence length {s} exceeds model.max_seq_len {cos.shape[0]}")
         if self.sliding_window and s > self.sliding_window:
             raise ValueError(f"sequence length {s} exceeds model.sliding_window {self.sliding_window}")
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
-        cos, sin = cos[:s], sin[:s]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if self.recompute_core and self.training:
+            out = checkpoint(self.core, q, k, v, cos, sin, use_reentrant=False)
+        else:
+            out = self.core(q, k, v, cos, sin)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -201,6 +217,18 @@ class Transformer(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def set_recompute(model: nn.Module, policy: str) -> None:
+    """Activation recompute of meshlm's Llama (`train.recompute`): 'full' keeps only each block's input
+    and reruns the block in backward; 'selective' reruns only the attention core (rotary + attention), so
+    the softmax probabilities are never stored (Korthikanti et al. 2022; a flash kernel stores none anyway,
+    then only its softmax statistics are saved); 'none' keeps everything. Planned by
+    meshlm.plan.memory.layer_activation_bytes, measured by benchmarks/recompute.py."""
+    model.activation_checkpointing = policy == "full"
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.recompute_core = policy == "selective"
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

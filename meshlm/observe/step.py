@@ -93,11 +93,15 @@ class StepObserver:
         self.activation_meter = ActivationMeter(model) if activations and model is not None else None
         self._measure_each_step = optimizer is None
         self._start = 0.0
+        self._steps = 0  # steps in the window now open
 
     def data_wait(self) -> contextlib.AbstractContextManager:
         return self.timers.span("data_wait", device=False)
 
     def start_step(self) -> None:
+        """Open a window at the first step after a closed one (a device sync on CUDA); later steps join it."""
+        if self._steps:
+            return
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -106,14 +110,20 @@ class StepObserver:
             self.activation_meter.__enter__()
         self._start = self.timers.clock()
 
-    def end_step(self) -> dict[str, float]:
-        """The step's metrics: the time breakdown, tokens/s, FLOP/s, MFU and memory (bytes)."""
+    def end_step(self, close: bool = True) -> dict[str, float] | None:
+        """The step's metrics: the time breakdown, tokens/s, FLOP/s, MFU and memory (bytes). `close=False`
+        leaves the window open and returns None: no host sync; the step that closes it reports the mean step
+        of the window (times per step, peaks over it), so syncing every k steps costs one sync per k."""
+        self._steps += 1
+        if not close:
+            return None
+        n, self._steps = self._steps, 0
         if self.activation_meter is not None:
             self.activation_meter.__exit__(None, None, None)
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        elapsed = self.timers.clock() - self._start
-        metrics: dict[str, float] = breakdown(elapsed, self.timers.take())
+        elapsed = (self.timers.clock() - self._start) / n
+        metrics: dict[str, float] = breakdown(elapsed, {k: t / n for k, t in self.timers.take().items()})
         metrics["tokens_per_s"] = self.tokens_per_step / elapsed
         metrics["flops_per_s"] = self.flops_per_step / elapsed
         metrics["mfu"] = mfu(self.flops_per_step, elapsed, self.peak_flops, self.n_devices)

@@ -300,8 +300,10 @@ class DataParallel:
 
     @torch.no_grad()
     def grad_sq_sum(self, skip: Callable[[nn.Parameter], bool]) -> torch.Tensor:
-        """Sum of squared reduced gradients this rank is responsible for: its shard, on one replica only."""
-        total = torch.zeros((), dtype=torch.float64)
+        """Sum of squared reduced gradients this rank is responsible for: its shard, on one replica only (on
+        the gradients' device: no host sync)."""
+        device = self.buffers[0].data.device if self.buffers else None
+        total = torch.zeros((), dtype=torch.float64, device=device)
         if not self.primary_replica:
             return total
         for buf in self.buffers:
@@ -309,7 +311,7 @@ class DataParallel:
             if len(kept) == len(buf.pieces):
                 kept = [buf.grad_shard]  # one kernel for the whole shard: its padding gradient is zero
             for grad in kept:
-                total += torch.linalg.vector_norm(grad, dtype=torch.float64).square().cpu()
+                total += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
         return total
 
     @torch.no_grad()

@@ -16,7 +16,6 @@ dtype, and initialises it element by element (meshlm.parallel.materialize): set-
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -56,6 +55,12 @@ def mesh_device(mesh: Mesh) -> torch.device:
     if mesh.device_mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_mesh.device_type)
+
+
+def replica_group(mesh: Mesh) -> dist.ProcessGroup:
+    """The ranks that hold the same weights and reduce gradients together: dp, and under context parallel
+    dp × cp (each cp rank's gradient covers only its tokens of the sequences)."""
+    return mesh.group("dp_cp")
 
 
 def causal_lm_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
@@ -112,6 +117,11 @@ class ParallelModel:
 
                 self.loss_fn = tp_loss
 
+        if layout.cp > 1:
+            from meshlm.parallel.context_parallel import apply_context_parallel
+
+            apply_context_parallel(model, plan, mesh.group("cp"), parallel.cp_attention)
+
         self.pipeline = None
         if layout.pp > 1:
             from meshlm.parallel.pipeline import split_model
@@ -121,7 +131,7 @@ class ParallelModel:
             )
         else:
             self.chunks = [model]
-        packed = layout.dp > 1 or parallel.zero > 0  # data parallel / ZeRO lays the parameters out
+        packed = layout.dp * layout.cp > 1 or parallel.zero > 0  # data parallel / ZeRO lays the parameters out
         if meta_init is not None:
             meta_init.replace_params(model, self.chunks, packed)
 
@@ -146,7 +156,7 @@ class ParallelModel:
 
             self.dp = DataParallel(
                 self.chunks,
-                mesh.group("dp"),
+                replica_group(mesh),
                 zero=parallel.zero,
                 bucket_mb=parallel.bucket_mb,
                 shard_group_size=parallel.zero_shard_size,
@@ -188,6 +198,7 @@ class ParallelModel:
             finally:
                 self.loss_fn = previous
         self.train(True)
+        inputs, targets = self.seq_shard(inputs), self.seq_shard(targets)
         micro_inputs, micro_targets = inputs.chunk(self.n_micro), targets.chunk(self.n_micro)
         if self.pipeline is not None:
             loss = self.pipeline.train_step(micro_inputs, micro_targets)
@@ -208,6 +219,7 @@ class ParallelModel:
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward-only loss of this replica's batch, averaged over replicas."""
         self.train(False)
+        inputs, targets = self.seq_shard(inputs), self.seq_shard(targets)
         if self.pipeline is not None:
             loss = self.pipeline.eval_step(inputs.chunk(self.n_micro), targets.chunk(self.n_micro))
         else:
@@ -216,14 +228,16 @@ class ParallelModel:
         return self.replica_mean(loss)
 
     def replica_mean(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean of a per-replica scalar over data-parallel replicas (from the last stage under pp)."""
+        """The mean of a per-replica scalar over data-parallel replicas (from the last stage under pp), and
+        over cp ranks: each holds the mean over as many tokens, so their mean is the global-token mean."""
         loss = loss.detach().float().clone()
         if self.pipeline is not None:
             self.pipeline.broadcast_from_last_stage(loss)
-        if self.mesh.size("dp") > 1:
+        replicas = self.mesh.size("dp") * self.mesh.size("cp")
+        if replicas > 1:
             with comm("all_reduce"):
-                dist.all_reduce(loss, group=self.mesh.group("dp"))
-            loss /= self.mesh.size("dp")
+                dist.all_reduce(loss, group=self.mesh.group("dp_cp"))
+            loss /= replicas
         return loss
 
     # ---- a loop of one's own: forward, backward, no_sync, step ------------------------------------------
@@ -259,8 +273,18 @@ class ParallelModel:
         self.after_optimizer_step()
         self.zero_grad()
 
+    def seq_shard(self, batch: torch.Tensor) -> torch.Tensor:
+        """This cp rank's load-balanced chunks of every row (meshlm.parallel.context_parallel), which
+        `forward_backward` and `eval_loss` take themselves; without context parallel the rows unchanged."""
+        if self.mesh.size("cp") == 1:
+            return batch
+        from meshlm.parallel.context_parallel import shard_sequence
+
+        return shard_sequence(batch, self.mesh.size("cp"), self.mesh.rank("cp"))
+
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
-        """This data-parallel replica's rows of a global batch (the same on every tp / pp rank)."""
+        """This data-parallel replica's rows of a global batch (the same on every tp / pp / cp rank: a loop
+        of one's own calling the model directly under cp passes it `seq_shard` of them)."""
         dp, rank = self.mesh.size("dp"), self.mesh.rank("dp")
         if batch.shape[0] % dp:
             raise ValueError(f"global batch of {batch.shape[0]} rows does not split over dp={dp}")
@@ -289,22 +313,23 @@ class ParallelModel:
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the true global norm: every gradient element counted once over the whole world."""
+        """Clip by the true global norm: every gradient element counted once over the whole world.
+        Stays on the device, no host sync: a non-finite norm leaves the gradients unscaled (coefficient 1)."""
         skip_tp_copy = self.mesh.rank("tp") > 0
+        device = next(self.chunks[0].parameters()).device
         if self.dp is not None:
-            sq = self.dp.grad_sq_sum(skip=lambda p: skip_tp_copy and is_tp_replicated(p))
+            sq = self.dp.grad_sq_sum(skip=lambda p: skip_tp_copy and is_tp_replicated(p)).to(device)
         else:
-            sq = torch.zeros((), dtype=torch.float64)
+            sq = torch.zeros((), dtype=torch.float64, device=device)
             for _, p in self.named_parameters():
                 if p.grad is not None and not (skip_tp_copy and is_tp_replicated(p)):
-                    sq += p.grad.detach().double().pow(2).sum().cpu()
-        sq = sq.to(next(self.chunks[0].parameters()).device)
+                    sq += p.grad.detach().double().pow(2).sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
             with comm("all_reduce"):
                 dist.all_reduce(sq)
         norm = sq.sqrt().float()
-        if max_norm > 0 and math.isfinite(norm.item()):
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        if max_norm > 0:
+            coef = torch.where(norm.isfinite(), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
             if self.dp is not None:
                 self.dp.scale_grads_(coef)
             else:

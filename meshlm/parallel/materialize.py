@@ -7,7 +7,9 @@ storage-less placeholder when data parallelism / ZeRO will pack it, whose FlatBu
 the rank holds (ZeRO-3: its flat shard, nothing else ever allocated). Peak set-up memory is the rank's shard,
 not the model.
 
-Values come from one of two sources:
+Values come from one of three sources:
+  * the model's `init_source` when it has one (meshlm.model.pretrained.HFWeights, set by `model.init_from`):
+    each rank's region read from a checkpoint's files, nothing else read;
   * the model's own `init_rule(name, param)` and `init_seed` (meshlm's Transformer): every element from
     meshlm.model.init, so each layout, and the one-process model, starts from bit-identical weights;
   * otherwise each module's `reset_parameters()`, run on a private copy of that one module (materialised
@@ -52,11 +54,13 @@ class MetaInit:
         self.device = device
         self.seed = agreed_seed(getattr(model, "init_seed", None))
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
+        self.source = getattr(model, "init_source", None)
         rule: Callable[[str, torch.Tensor], InitRule] | None = getattr(model, "init_rule", None)
         self.rules = {name: rule(name, p) for name, p in model.named_parameters()} if callable(rule) else None
         self.modules = dict(model.named_modules())
         for path, module in self.modules.items():
-            meta_params = self.rules is None and any(p.is_meta for p in module.parameters(recurse=False))
+            own = self.rules is None and self.source is None  # parameters only module code can initialise
+            meta_params = own and any(p.is_meta for p in module.parameters(recurse=False))
             meta_buffers = any(b.is_meta for b in module.buffers(recurse=False))
             if (meta_params or meta_buffers) and not callable(getattr(module, "reset_parameters", None)):
                 what = "parameters" if meta_params else "buffers"
@@ -74,6 +78,9 @@ class MetaInit:
         slice) into `out`; `name` defaults to the placeholder's."""
         name = self.pending[id(param)] if name is None else name
         tp_slice = getattr(param, "_meshlm_tp_slice", None)
+        if self.source is not None:
+            self.source.fill(name, self.shapes[name], param.shape, tp_slice, start, out)
+            return
         if self.rules is not None:
             fill_(out, self.rules[name], self.seed, name, self.shapes[name], param.shape, tp_slice, start)
             return
@@ -149,5 +156,7 @@ class MetaInit:
         self.pending.pop(id(param), None)
 
     def check_done(self) -> None:
+        if self.source is not None:
+            self.source.close()
         if self.pending:
             raise RuntimeError(f"meta parameters left uninitialised: {sorted(self.pending.values())[:5]}")

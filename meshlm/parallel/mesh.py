@@ -1,7 +1,8 @@
-"""The device mesh: named dimensions (pp outermost, dp, tp innermost) over all ranks.
+"""The device mesh: named dimensions (pp outermost, dp, cp, tp innermost) over all ranks.
 
 tp is innermost so a tensor-parallel group stays inside a node (fast links), pp outermost so pipeline
-neighbours may sit on different nodes (only point-to-point traffic), dp in between for scale.
+neighbours may sit on different nodes (only point-to-point traffic), dp in between for scale. cp (context
+parallel: each rank holds part of every sequence) sits next to tp: its ring traffic is per layer, like tp's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshlm.model.config import ModelConfig
 
-DIMS = ("pp", "dp", "tp")
+DIMS = ("pp", "dp", "cp", "tp")
 
 
 class LayoutError(ValueError):
@@ -25,13 +26,15 @@ class Layout:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def __str__(self) -> str:
-        return ",".join(f"{d}={getattr(self, d)}" for d in DIMS)
+        """cp is named only when used, so layouts without it read as before."""
+        return ",".join(f"{d}={getattr(self, d)}" for d in DIMS if d != "cp" or self.cp > 1)
 
 
 def parse_layout(text: str, world_size: int) -> Layout:
@@ -48,14 +51,16 @@ def parse_layout(text: str, world_size: int) -> Layout:
             raise LayoutError(f"parallel.layout: {name}={value!r} must be a positive integer")
         sizes[name] = int(value)
     if "dp" not in sizes:
-        rest = sizes.get("pp", 1) * sizes.get("tp", 1)
+        rest = sizes.get("pp", 1) * sizes.get("cp", 1) * sizes.get("tp", 1)
         if world_size % rest:
-            raise LayoutError(f"parallel.layout {text!r}: pp×tp = {rest} does not divide the world size {world_size}")
+            raise LayoutError(
+                f"parallel.layout {text!r}: pp×cp×tp = {rest} does not divide the world size {world_size}"
+            )
         sizes["dp"] = world_size // rest
     layout = Layout(**sizes)
     if layout.world_size != world_size:
         raise LayoutError(
-            f"parallel.layout {text!r}: pp×dp×tp = {layout.world_size} but the world size is {world_size}"
+            f"parallel.layout {text!r}: pp×dp×cp×tp = {layout.world_size} but the world size is {world_size}"
         )
     return layout
 
@@ -69,9 +74,11 @@ def validate_layout(
     schedule: str = "1f1b",
     seq_len: int = 0,
     sequence_parallel: bool = False,
+    cp_attention: str = "ring",
 ) -> int:
     """Check that the model and batch split evenly over the layout; return micro-batches per replica."""
     check_tensor_parallel(model, layout.tp, seq_len, sequence_parallel)
+    check_context_parallel(model, layout.cp, layout.tp, seq_len, cp_attention, sequence_parallel)
     return check_batch_and_schedule(layout, model.n_layers, global_batch, micro_batch, virtual_stages, schedule)
 
 
@@ -124,14 +131,43 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int, sequence_para
         raise LayoutError(f"data.seq_len ({seq_len}) is not divisible by tp={tp}, needed by parallel.sequence_parallel")
 
 
+def check_context_parallel(
+    cfg: ModelConfig, cp: int, tp: int, seq_len: int, attention: str, sequence_parallel: bool = False
+) -> None:
+    """Raise a one-line LayoutError if the sequence (ring) or the heads (Ulysses) do not split over cp.
+    The ring's causal load balancing cuts each sequence into 2·cp chunks; Ulysses trades the sequence
+    shard for cp-th of each rank's (tp-local) heads, query and key/value alike."""
+    if cp == 1:
+        return
+    if attention not in ("ring", "ulysses"):
+        raise LayoutError(f"parallel.cp_attention = {attention!r}; valid: 'ring', 'ulysses'")
+    if cfg.sliding_window:
+        raise LayoutError(f"context parallel (cp={cp}) needs full causal attention, not model.sliding_window")
+    if seq_len and seq_len % (2 * cp):
+        raise LayoutError(f"data.seq_len ({seq_len}) is not divisible by 2·cp = {2 * cp} (load-balanced chunks)")
+    if sequence_parallel and seq_len and seq_len % (cp * tp):
+        raise LayoutError(f"data.seq_len ({seq_len}) is not divisible by cp×tp = {cp * tp} under sequence_parallel")
+    if attention == "ulysses":
+        for field in ("n_heads", "n_kv_heads"):
+            if getattr(cfg, field) % (cp * tp):
+                raise LayoutError(
+                    f"model.{field} ({getattr(cfg, field)}) is not divisible by cp×tp = {cp * tp}, "
+                    f"needed by parallel.cp_attention = 'ulysses' (use 'ring')"
+                )
+
+
 @dataclass
 class Mesh:
     """The layout plus this rank's process groups, one per named dimension."""
 
     layout: Layout
     device_mesh: DeviceMesh
+    dp_cp: DeviceMesh | None = None  # dp and cp flattened, under context parallel (see build_mesh)
 
     def group(self, dim: str) -> dist.ProcessGroup:
+        """A named dimension's group, or "dp_cp": the ranks that hold the same weights (dp without cp)."""
+        if dim == "dp_cp":
+            return self.dp_cp.get_group() if self.dp_cp is not None else self.device_mesh["dp"].get_group()
         return self.device_mesh[dim].get_group()
 
     def rank(self, dim: str) -> int:
@@ -142,8 +178,12 @@ class Mesh:
 
 
 def build_mesh(layout: Layout, device_type: str) -> Mesh:
-    """Create the (pp, dp, tp) DeviceMesh over the already-initialised default process group."""
+    """Create the (pp, dp, cp, tp) DeviceMesh over the already-initialised default process group. Under
+    cp the dp and cp dimensions are also flattened into "dp_cp": cp ranks hold the same weights and their
+    gradients are partial sums over their tokens, so they reduce gradients (and shard ZeRO state) with dp."""
     if dist.get_world_size() != layout.world_size:
         raise LayoutError(f"layout {layout} needs {layout.world_size} ranks, the world has {dist.get_world_size()}")
-    device_mesh = init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=DIMS)
-    return Mesh(layout, device_mesh)
+    shape = tuple(getattr(layout, d) for d in DIMS)
+    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
+    dp_cp = device_mesh["dp", "cp"]._flatten("dp_cp") if layout.cp > 1 else None
+    return Mesh(layout, device_mesh, dp_cp)

@@ -69,6 +69,7 @@ class ParallelPlan:
     pipeline: PipelineSplit | None = None
     sequence_parallel: bool = False  # whether the family's forward runs on sequence shards (rotary, no abs. pos.)
     head_dim: Callable[[nn.Module], int] | None = None  # width of one attention head, for COLWISE_HEADS
+    context_parallel: str = ""  # pattern of the attention modules whose replaceable `core` cp swaps (cp > 1)
     stage_costs: Callable[[nn.Module], tuple[float, float, float]] | None = None  # (first, per layer, last)
     check: Callable[[nn.Module, int], None] | None = None  # family-specific tp checks (one-line LayoutError)
 

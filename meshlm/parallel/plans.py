@@ -47,6 +47,7 @@ def _llama_stage_costs(model: nn.Module) -> tuple[float, float, float]:
 
 LLAMA = ParallelPlan(
     name="llama",
+    context_parallel="model.layers.*.self_attn",
     tensor_parallel=DECODER_TP,
     zero3_units=DECODER_UNITS,
     pipeline=PipelineSplit(layers="model.layers", first=("model.embed_tokens",), last=("model.norm", "lm_head")),

@@ -1,5 +1,6 @@
 """`meshlm plan`: rank the strategies that fit a model on a cluster, as a table or as JSON, price them on
-demand, on spot and mixed, and write a Slurm or Kubernetes launch file for the best one."""
+demand, on spot and mixed (and replayed against a spot trace), and write a Slurm, Kubernetes or SkyPilot launch
+file for the best one."""
 
 from __future__ import annotations
 
@@ -17,19 +18,21 @@ from meshlm.config import load_config
 from meshlm.model.config import PRESETS, ModelConfig, preset
 from meshlm.model.flops import param_counts
 from meshlm.observe.peak import DATASHEET_PEAK, MEASURED_MATMUL
-from meshlm.plan.cost import CostModel
-from meshlm.plan.emit import job_name, kubernetes, launch_for, slurm
+from meshlm.plan.cost import CostModel, rates
+from meshlm.plan.emit import job_name, kubernetes, launch_for, skypilot, slurm
 from meshlm.plan.hardware import GPUS, Hardware, hardware
 from meshlm.plan.memory import Assumptions, Workload
-from meshlm.plan.search import Constraints, Plan, PlanError, SearchResult, no_fit_message, search
+from meshlm.plan.replay import RUNS, Replay, Replays, check_deadline, replay_offerings
+from meshlm.plan.search import Constraints, Plan, PlanError, SearchResult, elastic_shrink, no_fit_message, search
 from meshlm.plan.spot import Estimate, duration_text
+from meshlm.plan.traces import FORMATS, Trace, load_trace
 
 SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 DURATIONS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 DEFAULT_BATCH_TOKENS = 2**22  # when no batch is given: ~4M tokens per step
 TOKENS_PER_PARAM = 20  # when no training length is given: compute-optimal (Hoffmann et al. 2022)
 ASSUMED_MATMUL = "assumed matmul"  # cpu without a calibration: the hardware table's placeholder rate
-EMIT_SUFFIX = {"slurm": ".sbatch", "kubernetes": ".pytorchjob.json"}
+EMIT_SUFFIX = {"slurm": ".sbatch", "kubernetes": ".pytorchjob.json", "skypilot": ".sky.yaml"}
 
 
 def count(text: str) -> float:
@@ -185,13 +188,20 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     money.add_argument("--restart-s", type=float, default=600.0, help="restart overhead besides reading the checkpoint")
     money.add_argument("--storage-gbps", type=float, default=20.0, help="checkpoint storage bandwidth, GB/s")
     money.add_argument("--deadline", type=duration, help="wall-time limit, e.g. 30d: pools that miss it are not used")
+    trace = p.add_argument_group("spot trace replay (docs/planner.md)")
+    trace.add_argument("--spot-trace", type=Path, help="replay #1's pools against this trace (spot-traces .json, .csv)")
+    trace.add_argument("--trace-format", choices=FORMATS, default="auto", help="default: by the file's suffix")
+    trace.add_argument("--replay-runs", type=positive, default=RUNS, help="Monte-Carlo runs (random start offsets)")
+    trace.add_argument("--replay-seed", type=int, default=0, help="seed of the start offsets and draws")
     out = p.add_argument_group("output")
     out.add_argument("--objective", choices=["throughput", "cost"], default="throughput")
     out.add_argument("--top", type=positive, default=10, help="layouts to show")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    out.add_argument("--emit", choices=["slurm", "kubernetes"], help="write a launch file for the best plan")
-    out.add_argument("--emit-to", type=Path, help="where to write it (default: meshlm-NAME.sbatch / .pytorchjob.json)")
+    out.add_argument("--emit", choices=list(EMIT_SUFFIX), help="write a launch file for the best plan")
+    out.add_argument("--emit-to", type=Path, help="where to write it (default: meshlm-NAME.sbatch / .pytorchjob.json"
+                     " / .sky.yaml)")  # fmt: skip
     out.add_argument("--image", help="container image with meshlm installed (--emit kubernetes)")
+    out.add_argument("--bucket", help="bucket for the run directory, e.g. s3://my-bucket/runs (--emit skypilot)")
     p.set_defaults(func=run_plan)
     return p
 
@@ -206,6 +216,7 @@ class Request:
     constraints: Constraints
     assumptions: Assumptions
     costs: CostModel
+    trace: Trace | None = None
 
 
 def _request(args: argparse.Namespace) -> Request:
@@ -235,6 +246,9 @@ def _request(args: argparse.Namespace) -> Request:
     w = Workload(model, seq_len, global_batch, train_tokens, precision, source.name)
     if args.emit == "kubernetes" and not args.image:
         raise PlanError("--emit kubernetes needs --image (the container image with meshlm installed)")
+    if args.emit == "skypilot" and not args.bucket:
+        raise PlanError("--emit skypilot needs --bucket (where the run directory lives, e.g. s3://my-bucket/runs)")
+    trace = load_trace(args.spot_trace, args.trace_format) if args.spot_trace is not None else None
     c = Constraints(
         **parse_layout(args.layout),
         zero=args.zero,
@@ -265,7 +279,7 @@ def _request(args: argparse.Namespace) -> Request:
         deadline_s=args.deadline,
         **({} if args.failure_rate is None else {"failure_rate": args.failure_rate}),
     )
-    return Request(source, w, hw, c, a, costs)
+    return Request(source, w, hw, c, a, costs, trace)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -277,16 +291,64 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         if not result.plans:
             raise PlanError(no_fit_message(r.workload, args.gpus, r.hw, r.constraints, r.assumptions, result))
+        if r.costs.deadline_s is not None:  # not even the fastest plan on demand meets it: one line, no table
+            fastest = min(result.plans, key=lambda p: p.on_demand.wall_s)
+            check_deadline(r.costs.deadline_s, fastest.on_demand, f" of the fastest plan ({fastest.strategy.layout})")
+        replays = _replay(args, r, result.plans[0]) if r.trace is not None else None
         if args.emit:
             _emit(args, r, result.plans[0])
     except (ValueError, OSError) as e:  # PlanError, ConfigError, unknown gpu / preset, bad calibration, unwritable
         print(f"meshlm plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(_summary(r, args, result), indent=2, ensure_ascii=False))
+        summary = _summary(r, args, result)
+        if replays is not None:
+            summary["replay"] = {"trace": r.trace.source, "runs": args.replay_runs, **replays.to_dict()}
+        print(json.dumps(summary, indent=2, ensure_ascii=False))
     else:
         _print_table(r, args, result)
+        if replays is not None:
+            _print_replay(r, args, replays)
     return 0
+
+
+def _replay(args: argparse.Namespace, r: Request, plan: Plan) -> Replays:
+    """The best plan's on-demand, spot and mixed pools replayed against the trace (with the deadline policy)."""
+    s = plan.strategy
+    offers = plan.offerings
+    speed, _ = elastic_shrink(r.workload, s, r.hw, r.assumptions, r.constraints)
+    work = plan.step.train_days * 86400
+    job = rates(s.gpus, plan.checkpoint_bytes, r.hw, r.costs)
+    return replay_offerings(work, offers, job, r.trace, speed, args.replay_runs, args.replay_seed,
+                            r.costs.deadline_s, r.workload.train_tokens)  # fmt: skip
+
+
+def _print_replay(r: Request, args: argparse.Namespace, replays: Replays) -> None:
+    """One line per pool: replayed p50/p90 beside the closed form (and the deadline share, $/token)."""
+    console = Console(width=max(Console().width, 200))
+    console.print(f"#1 replayed on {r.trace.source} ({args.replay_runs} runs from random start offsets):")
+    (rate, away), (assumed_rate, assumed_away) = replays.fitted, replays.assumed
+    console.print(f"  the trace: {rate:.3g} preemptions/node-hour, a lost node away {duration_text(away)} on "
+                  f"average; the closed form: {assumed_rate:.3g}/node-hour, {duration_text(assumed_away)}",
+                  soft_wrap=True)  # fmt: skip
+    base = replays.on_demand.usd_per_token
+    for rp in (replays.on_demand, replays.spot, replays.mixed):
+        if rp is not None:
+            console.print(f"  {_replay_text(rp, base)}", soft_wrap=True)
+
+
+def _replay_text(rp: Replay, on_demand_per_token: float | None) -> str:
+    closed = rp.closed
+    form = f"closed form {_offer(closed, None)}" if closed.feasible else "closed form cannot finish"
+    if not rp.feasible:
+        return f"{rp.pool.describe()}: {rp.reason} ({form})"
+    text = (f"{rp.pool.describe()}: p50 ${_si(rp.usd_p50)}, {duration_text(rp.wall_p50)}, {rp.restarts_p50:,.0f} "
+            f"restarts; p90 ${_si(rp.usd_p90)}, {duration_text(rp.wall_p90)} ({form})")  # fmt: skip
+    if rp.met is not None:
+        text += f"; meets the deadline in {rp.met:.0%} of runs"
+    if rp.usd_per_token is not None and on_demand_per_token:
+        text += f", ${rp.usd_per_token * 1e6:.3g}/M tokens ({rp.usd_per_token / on_demand_per_token:.0%} of on demand)"
+    return text
 
 
 def _emit(args: argparse.Namespace, r: Request, plan: Plan) -> None:
@@ -294,7 +356,12 @@ def _emit(args: argparse.Namespace, r: Request, plan: Plan) -> None:
     w = r.workload
     launch = launch_for(plan, list(r.source.train_args), w.seq_len, w.global_batch, w.train_tokens, w.name)
     summary = f"{w.name} on {plan.strategy.gpus}× {r.hw.name}: {plan.strategy}, {plan.cost.pool.describe()}"
-    text = slurm(launch, summary) if args.emit == "slurm" else kubernetes(launch, summary, args.image)
+    if args.emit == "slurm":
+        text = slurm(launch, summary)
+    elif args.emit == "kubernetes":
+        text = kubernetes(launch, summary, args.image)
+    else:
+        text = skypilot(launch, summary, plan.cost.pool, r.hw, args.bucket)
     path = args.emit_to or Path(job_name(w.name) + EMIT_SUFFIX[args.emit])
     path.write_text(text)
     if args.emit == "slurm":
@@ -339,7 +406,7 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _offer(e: Estimate | None, recommended: Estimate) -> str:
+def _offer(e: Estimate | None, recommended: Estimate | None) -> str:
     """'$137M, 116 d' for a table cell ('cannot finish' for a pool that never does, '—' for none); '*' marks
     the pick."""
     if e is None:

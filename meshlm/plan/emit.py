@@ -1,5 +1,6 @@
 """Launch files for a plan: a Slurm sbatch script and a Kubeflow PyTorchJob manifest that run `meshlm train`
-under torchrun's elastic agent, with the plan's layout, checkpoint interval, restarts and node range.
+under torchrun's elastic agent, with the plan's layout, checkpoint interval, restarts and node range, and a
+SkyPilot managed-job task (`skypilot`) whose run command starts torchrun from SkyPilot's node variables.
 
 Both start one torchrun agent per node with a c10d rendezvous (Slurm: hosted on the job's first node;
 Kubernetes: the training operator's), `--nnodes MIN:MAX` (MIN < MAX when the recommended pool shrinks
@@ -15,8 +16,10 @@ import math
 import shlex
 from dataclasses import dataclass
 
+from meshlm.plan.hardware import Hardware
 from meshlm.plan.memory import Strategy
 from meshlm.plan.search import Plan
+from meshlm.plan.spot import Pool
 
 RDZV_PORT = 29500
 JOIN_TIMEOUT_S = 900  # how long the first agents wait for the others (nodes can be slow to boot)
@@ -169,3 +172,60 @@ def kubernetes(launch: Launch, summary: str, image: str) -> str:
         },
     }
     return json.dumps(job, indent=2) + "\n"
+
+
+SKYPILOT_ACCELERATORS = {"A100-40GB": "A100", "A100-80GB": "A100-80GB", "H100-SXM": "H100", "H200": "H200"}
+RUN_MOUNT = "/meshlm-run"
+
+
+def skypilot(launch: Launch, summary: str, pool: Pool, hw: Hardware, bucket: str) -> str:
+    """A SkyPilot task YAML for `sky jobs launch`: the whole cluster on spot with on demand as the fallback
+    (`any_of`; one SkyPilot cluster cannot mix the two, so a mixed plan runs all spot or all on demand),
+    `job_recovery` relaunching it after a preemption, the run directory on `bucket`, and a `run` command
+    that starts one torchrun agent per node from SkyPilot's node variables (static rendezvous on the first
+    IP) and lets `meshlm train` resume from the newest valid checkpoint there. SkyPilot replaces the whole
+    cluster when a node goes, so the job is rigid: spares and elastic shrink do not apply. Written by hand
+    as a plain subset of YAML (no anchors, flow collections or tags)."""
+    name = job_name(launch.name)
+    accelerator = SKYPILOT_ACCELERATORS.get(hw.name, hw.name)
+    resources = [f"  accelerators: {accelerator}:{launch.nproc_per_node}"] if hw.name != "cpu" else []
+    if pool.spot:
+        resources += ["  any_of:", "    - use_spot: true", "    - use_spot: false"]
+    else:
+        resources += ["  use_spot: false"]
+    resources += ["  job_recovery:", "    strategy: EAGER_NEXT_REGION",
+                  f"    max_restarts_on_errors: {launch.max_restarts}"]  # fmt: skip
+    train = shlex.join(["-m", "meshlm.cli", "train", *launch.train_args])
+    run = f"""set -euo pipefail
+# torchrun's shared rendezvous store keeps a previous attempt's addresses (pytorch/pytorch#135712)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+HEAD_IP=$(echo "$SKYPILOT_NODE_IPS" | head -n 1)
+NPROC=${{SKYPILOT_NUM_GPUS_PER_NODE:-0}}
+if [ "$NPROC" -lt 1 ]; then NPROC={launch.nproc_per_node}; fi
+mkdir -p "$MESHLM_RUN_DIR"
+# meshlm train resumes from the newest valid checkpoint in MESHLM_RUN_DIR by itself
+torchrun --nnodes="$SKYPILOT_NUM_NODES" --node-rank="$SKYPILOT_NODE_RANK" --nproc-per-node="$NPROC" \\
+  --master-addr="$HEAD_IP" --master-port="$MESHLM_PORT" --max-restarts=0 \\
+  {train} --log.run_dir "$MESHLM_RUN_DIR" ${{MESHLM_TRAIN_ARGS:-}}"""
+    lines = [
+        f"# {summary}",
+        f"# Written by `meshlm plan --emit skypilot`; launch with `sky jobs launch {name}.sky.yaml`.",
+        f"name: {name}",
+        f"num_nodes: {launch.nodes}",
+        "resources:",
+        *resources,
+        "envs:",
+        "  MESHLM_PACKAGE: meshlm",
+        f"  MESHLM_RUN_DIR: {RUN_MOUNT}/{name}",
+        f'  MESHLM_PORT: "{RDZV_PORT}"',
+        '  MESHLM_TRAIN_ARGS: ""',
+        "file_mounts:",
+        f"  {RUN_MOUNT}:",
+        f"    source: {bucket}",
+        "    mode: MOUNT",
+        "setup: |",
+        '  pip install "$MESHLM_PACKAGE"',
+        "run: |",
+        *(f"  {line}" for line in run.splitlines()),
+    ]
+    return "\n".join(lines) + "\n"

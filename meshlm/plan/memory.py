@@ -56,6 +56,7 @@ class Strategy:
     virtual_stages: int = 1
     recompute: Recompute = "none"
     sequence_parallel: bool = False
+    cp_attention: str = "ring"  # under mesh.cp > 1: "ring" or "ulysses" (meshlm.parallel.context_parallel)
 
     @property
     def pp(self) -> int:
@@ -68,6 +69,15 @@ class Strategy:
     @property
     def tp(self) -> int:
         return self.mesh.tp
+
+    @property
+    def cp(self) -> int:
+        return self.mesh.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, which reduce gradients and shard ZeRO state together: dp × cp."""
+        return self.mesh.dp * self.mesh.cp
 
     @property
     def gpus(self) -> int:
@@ -90,8 +100,8 @@ class Strategy:
             "parallel.virtual_stages": self.virtual_stages,
             "parallel.sequence_parallel": self.sequence_parallel,
             "train.micro_batch": self.micro_batch,
-            "train.activation_checkpointing": self.recompute == "full",
-        }
+            "train.recompute": self.recompute,
+        } | ({"parallel.cp_attention": self.cp_attention} if self.cp > 1 else {})
 
     def __str__(self) -> str:
         sched = f"{self.schedule}×{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
@@ -208,14 +218,18 @@ def layer_activation_bytes(
     precision: Precision,
     flash: bool = True,
     runtime: Runtime = "meshlm",
+    cp: int = 1,
 ) -> float:
     """Bytes one layer stores for backward for one micro-batch (Korthikanti et al. 2022, adapted to
     Llama: RMSNorm, GQA, SwiGLU, no dropout), per token in activation elements (`STORED`), plus the softmax
     probabilities a·s/tp, only without flash attention and without selective recompute.
-    Full recompute keeps only the layer input: h (/tp with sequence parallel)."""
+    Full recompute keeps only the layer input: h (/tp with sequence parallel).
+    Under context parallel a rank holds seq_len/cp tokens of each sequence and stores the same per token
+    (ring attention saves q, k, v, output and log-sum-exp, like flash attention; Ulysses runs SDPA on
+    seq_len tokens of heads/cp), so every term falls as 1/cp."""
     h = model.dim
     shard = tp if sp else 1
-    tokens = seq_len * micro_batch
+    tokens = seq_len * micro_batch / cp
     act = BYTES[precision][3]
     if recompute == "full":
         return tokens * h / shard * act
@@ -256,7 +270,7 @@ def logits_bytes(w: Workload, strategy: Strategy) -> float:
     act = BYTES[w.precision][3]
     saved = strategy.micro_batches(w.global_batch) if strategy.schedule == "gpipe" and strategy.pp > 1 else 1
     per_element = act + (4 if act < 4 else 0) + 4 * saved
-    return w.seq_len * strategy.micro_batch * w.model.vocab_size / strategy.tp * per_element
+    return w.seq_len / strategy.cp * strategy.micro_batch * w.model.vocab_size / strategy.tp * per_element
 
 
 @dataclass(frozen=True)
@@ -287,17 +301,17 @@ def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAU
     chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
     m = s.micro_batches(w.global_batch)
     act_args = (model, w.seq_len, s.micro_batch, s.tp, s.sequence_parallel)
-    per_layer = layer_activation_bytes(*act_args, s.recompute, w.precision, a.flash_attention, a.runtime)
+    per_layer = layer_activation_bytes(*act_args, s.recompute, w.precision, a.flash_attention, a.runtime, s.cp)
     buffers = 0.0
     if s.recompute == "full":  # backward re-runs one layer at a time: its full activations are live
-        buffers += layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention, a.runtime)
+        buffers += layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention, a.runtime, s.cp)
     if s.zero == 3:
         buffers += 2 * layer_params(model, s.tp) * BYTES[w.precision][0]  # current and prefetched layer
     fixed = hw.framework_bytes if a.overhead_gb is None else a.overhead_gb * GB
     worst = None
     for i in representative_stages(chunks):
         psi = stage_params(model, s.tp, sum(chunks[i]), i == 0, i == s.pp - 1)
-        params, grads, optimizer = model_state_bytes(psi, s.dp, s.zero, w.precision)
+        params, grads, optimizer = model_state_bytes(psi, s.replicas, s.zero, w.precision)
         activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks[i]) * per_layer
         logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
         rest = params + grads + optimizer + activations + logits + buffers

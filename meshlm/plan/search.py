@@ -400,7 +400,7 @@ def plan_for_config(cfg: Config, world_size: int, calibration: dict | None = Non
     )
     c = Constraints(
         micro_batch=cfg.train.micro_batch or None,
-        recompute_options=("none", "full"),
+        recompute_options=("none", "selective", "full"),
     )
     return best(w, world_size, hw, constraints=c).strategy
 

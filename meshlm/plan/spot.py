@@ -147,9 +147,10 @@ def estimate(work_s: float, pool: Pool, rates: Rates, speed: Callable[[int], flo
     μ = 1/replace_s), so L live nodes of the spot + spares slots are binomial. A rigid job trains while
     L ≥ spot; an elastic one while the nodes left (on demand + min(L, spot)) are at least `min_nodes`, at
     `speed(nodes)` of the full layout's throughput. Interruptions while training: hardware failures on every
-    node, preemptions of training spot nodes, and for an elastic job one regrow per preemption that found no
-    spare. The training time follows Daly with the Young interval; the wall time divides it by the fraction
-    of time the pool can train. Live spot nodes and all on-demand nodes are billed for the whole wall time."""
+    node, preemptions of training spot nodes, and for an elastic job a regrow each time a node comes back
+    while it runs shrunk (the flow (slots − k)·μ out of each running state k < spot). The training time
+    follows Daly with the Young interval; the wall time divides it by the fraction of time the pool can
+    train. Live spot nodes and all on-demand nodes are billed for the whole wall time."""
     g, nodes = pool.gpus_per_node, pool.nodes
     on_demand = nodes - pool.spot
     preempt = rates.preemption_per_node_hour / HOUR
@@ -162,8 +163,11 @@ def estimate(work_s: float, pool: Pool, rates: Rates, speed: Callable[[int], flo
         norm = availability or 1.0
         relative = sum(live[k] * speed(on_demand + min(k, pool.spot)) for k in running) / norm
         active = sum(live[k] * min(k, pool.spot) for k in running) / norm
-        short = sum(live[k] for k in running if k <= pool.spot) / norm  # a preemption now finds no spare
-        preemptions = preempt * active * (1 + short)
+        # a node back while the job runs shrunk regrows it: (slots − k)·μ per running state k < spot (a
+        # return that lifts a stopped job to min_nodes is its restart, already counted by the preemption)
+        back = 1 / rates.replace_s if rates.replace_s > 0 else 0.0
+        regrows = sum(live[k] * (len(live) - 1 - k) * back for k in running if k < pool.spot) / norm
+        preemptions = preempt * active + regrows
     else:
         availability = sum(live[pool.spot :])
         relative, preemptions = 1.0, preempt * pool.spot

@@ -47,7 +47,7 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
         return 0.0
     if op == "all_reduce":
         return 2 * (n - 1) / n * nbytes / link.beta + 2 * (n - 1) * link.alpha
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n * nbytes / link.beta + (n - 1) * link.alpha
     if op == "send_recv":
         return nbytes / link.beta + link.alpha
@@ -55,10 +55,11 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
 
 
 def crosses_nodes(mesh: Layout, dim: str, gpus_per_node: int) -> bool:
-    """Whether some group of mesh dim `dim` spans two nodes. Ranks are numbered pp outermost, then dp,
-    tp innermost (rank = (i_pp·dp + i_dp)·tp + i_tp) and fill nodes in order."""
-    size = getattr(mesh, dim)
-    stride = {"tp": 1, "dp": mesh.tp, "pp": mesh.tp * mesh.dp}[dim]
+    """Whether some group of mesh dim `dim` spans two nodes. Ranks are numbered pp outermost, then dp, cp,
+    tp innermost (rank = ((i_pp·dp + i_dp)·cp + i_cp)·tp + i_tp) and fill nodes in order; "dp_cp" is the
+    flattened dp × cp group that reduces gradients under context parallel."""
+    size = mesh.dp * mesh.cp if dim == "dp_cp" else getattr(mesh, dim)
+    stride = {"tp": 1, "cp": mesh.tp, "dp_cp": mesh.tp, "dp": mesh.tp * mesh.cp, "pp": mesh.tp * mesh.cp * mesh.dp}[dim]
     span = (size - 1) * stride
     for block in range(0, mesh.world_size, stride * size)[:gpus_per_node]:
         for first in range(block, block + min(stride, gpus_per_node)):
@@ -99,8 +100,8 @@ def layer_work(
     model: ModelConfig, seq_len: int, tp: int, sp: bool, recompute: str, flash: bool, runtime: Runtime, act: int
 ) -> LayerWork:
     """Per-token work of one layer: FLOPs from `flops_per_token` (model FLOPs, 3× the forward), plus the
-    recomputed forward (full: the whole layer; selective: the attention core, only without flash), and the
-    bytes its elementwise kernels move (`TRAFFIC`; backward twice the forward)."""
+    recomputed forward (full: the whole layer; selective: the attention core), and the bytes its elementwise
+    kernels move (`TRAFFIC`; backward twice the forward)."""
     layer_f, _, attention_f = _flops_split(model, seq_len)
     gemm, attention = (layer_f - 3 * attention_f) / tp, 3 * attention_f / tp
     kv = max(model.n_kv_heads // tp, 1) * model.head_dim
@@ -112,7 +113,7 @@ def layer_work(
     extra_gemm = extra_attention = extra_bytes = 0.0
     if recompute == "full":
         extra_gemm, extra_attention, extra_bytes = gemm / 3, attention / 3, forward_bytes
-    elif recompute == "selective" and not flash:
+    elif recompute == "selective":  # the runtime reruns the core under flash too (it only saves the statistics)
         extra_attention, extra_bytes = attention / 3, softmax * act
     return LayerWork(
         gemm + extra_gemm,
@@ -137,14 +138,16 @@ class StepTime:
     hardware_tflops_per_gpu: float  # FLOPs executed, recomputation included (the HFU numerator)
     mfu: float
     train_days: float
+    cp_comm: float = 0.0  # context-parallel ring send/recv or Ulysses all-to-alls, not overlapped
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm + self.dp_comm + self.bubble + self.optimizer
+        parts = (self.compute, self.tp_comm, self.pp_comm, self.cp_comm, self.dp_comm, self.bubble, self.optimizer)
+        return sum(parts)
 
     def parts(self) -> dict[str, float]:
-        names = ("compute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "total")
-        return {name: getattr(self, name) for name in names}
+        names = ("compute", "tp_comm", "pp_comm", *(("cp_comm",) if self.cp_comm else ()), "dp_comm")
+        return {name: getattr(self, name) for name in (*names, "bubble", "optimizer", "total")}
 
 
 def compute_rate(hw: Hardware, a: Assumptions) -> float:
@@ -191,15 +194,15 @@ def _dp_exposed(
     step; ZeRO-2 reduce-scatters every micro-batch (sharded gradients cannot accumulate); ZeRO-3 gathers
     and reduces layer by layer, in forward, backward (and the recompute forward), prefetched except the
     first and last. Every bucket or layer is its own collective and pays the latency term again."""
-    if s.dp == 1:
+    if s.replicas == 1:
         return 0.0
     w_bytes, g_bytes, _, _ = BYTES[w.precision]
-    cross = crosses_nodes(s.mesh, "dp", hw.gpus_per_node)
+    cross = crosses_nodes(s.mesh, "dp_cp", hw.gpus_per_node)
     bucket = a.bucket_mb * 1e6
 
     def t(op: str, nbytes: float, calls: int | None = None) -> float:
         calls = calls or max(1, math.ceil(nbytes / bucket))  # default: one call per bucket
-        return calls * collective_time(op, nbytes / calls, s.dp, hw.link("dp", cross, op))
+        return calls * collective_time(op, nbytes / calls, s.replicas, hw.link("dp", cross, op))
 
     m = s.micro_batches(w.global_batch)
     grads, weights = psi * g_bytes, psi * w_bytes
@@ -221,6 +224,36 @@ def _dp_exposed(
     return after + min(overlapped, max(tail, overlapped - overlap * window))
 
 
+def cp_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int) -> float:
+    """Context-parallel communication of one layer for one micro-batch of `tokens` local tokens, as
+    meshlm.parallel.context_parallel runs it (blocking, not overlapped). Ring: forward passes the K/V
+    block cp − 1 hops; backward passes it cp − 1 hops again and its fp32 (or wider) gradient cp hops (the
+    last one home). Ulysses: q, k, v and the output all-to-all'd forward, their gradients backward.
+    Full recompute repeats the forward's."""
+    if s.cp == 1:
+        return 0.0
+    link = hw.link("cp", crosses_nodes(s.mesh, "cp", hw.gpus_per_node), "send_recv")
+    kv = max(model.n_kv_heads // s.tp, 1) * model.head_dim
+    forwards = 2 if s.recompute == "full" else 1
+    if s.cp_attention == "ring":
+        block = 2 * tokens * kv
+        hop, grad_hop = (
+            collective_time("send_recv", block * act, 2, link),
+            collective_time("send_recv", block * max(act, 4), 2, link),
+        )
+        return (forwards + 1) * (s.cp - 1) * hop + s.cp * grad_hop
+    link = hw.link("cp", crosses_nodes(s.mesh, "cp", hw.gpus_per_node), "all_to_all")
+    nbytes = 2 * tokens * (model.dim / s.tp + kv) * act  # q and output, k and v
+    return (forwards + 1) * collective_time("all_to_all", nbytes, s.cp, link)
+
+
+def cp_attention_factor(s: Strategy) -> float:
+    """Attention FLOPs the context-parallel core computes over the causal ones. The ring computes each
+    rank's own block whole under its mask (4c² for chunks of c) and the visible half of every other block
+    (2c² each): 2c²(cp + 1) against the 2c²·cp a causal kernel does. Ulysses runs causal SDPA: 1."""
+    return (s.cp + 1) / s.cp if s.cp > 1 and s.cp_attention == "ring" else 1.0
+
+
 def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS) -> StepTime:
     """Predicted step time. The pipeline runs at its slowest stage: m slots of (compute + TP + p2p) plus
     the bubble; data-parallel tails and the optimizer step follow (the worst stage's). On a shared node every
@@ -231,7 +264,7 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
     bubble_speedup = time_share(hw, s.gpus) / time_share(hw, busy_bubble)
     act = BYTES[w.precision][3]
     m = s.micro_batches(w.global_batch)
-    tokens = w.seq_len * s.micro_batch
+    tokens = w.seq_len * s.micro_batch / s.cp  # this rank's tokens of a micro-batch (all of them without cp)
     rank = hw.per_rank(s.gpus)
     flash = a.flash_attention
     work = layer_work(model, w.seq_len, s.tp, s.sequence_parallel, s.recompute, flash, a.runtime, act)
@@ -257,28 +290,31 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         p2p = 2 * s.virtual_stages * collective_time("send_recv", activation / s.tp, 2, pp_link)
 
     chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
-    slot_compute = slot_tp = dp_comm = optimizer = 0.0
+    cp_layer = cp_layer_time(model, tokens, s, hw, act)
+    slot_compute = slot_tp = slot_cp = dp_comm = optimizer = 0.0
     for i in representative_stages(chunks):
         layers, last = sum(chunks[i]), i == s.pp - 1
         gemm = tokens * (layers * work.gemm_flops + (head_f if last else 0.0))
         nbytes = tokens * (layers * work.memory_bytes + (loss_bytes if last else 0.0))
-        device = work_time(gemm, tokens * layers * work.attention_flops, nbytes, hw, a, flash)
+        attention = tokens * layers * work.attention_flops * cp_attention_factor(s)
+        device = work_time(gemm, attention, nbytes, hw, a, flash)
         compute_mb = micro_batch_time(device, layers, hw, s.gpus)
         tp_mb = layers * tp_layer + (tp_edge if i == 0 else 0.0) + (tp_edge + tp_loss if last else 0.0)
-        if compute_mb + tp_mb > slot_compute + slot_tp:
-            slot_compute, slot_tp = compute_mb, tp_mb
+        cp_mb = layers * cp_layer
+        if compute_mb + tp_mb + cp_mb > slot_compute + slot_tp + slot_cp:
+            slot_compute, slot_tp, slot_cp = compute_mb, tp_mb, cp_mb
         psi = stage_params(model, s.tp, layers, i == 0, last)
         stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb)
-        stage_optimizer = 2 * sum(model_state_bytes(psi, s.dp, s.zero, w.precision)) / rank.memory_bw
+        stage_optimizer = 2 * sum(model_state_bytes(psi, s.replicas, s.zero, w.precision)) / rank.memory_bw
         if stage_dp + stage_optimizer > dp_comm + optimizer:
             dp_comm, optimizer = stage_dp, stage_optimizer
 
-    slot = slot_compute + slot_tp + p2p
+    slot = slot_compute + slot_tp + slot_cp + p2p
     v = s.virtual_stages if s.schedule == "interleaved" else 1
     # Critical path: m slots plus (p − 1)/v in fill and drain, each at the speed of a rank while the ranks of
     # half the stages compute; work: m slots at the speed while all compute. Both are lower bounds, and where
     # every rank owns its device the first is the larger: bubble = bubble_fraction × (m·slot + bubble).
-    critical = (m + (s.pp - 1) / v) * (slot_compute / bubble_speedup + slot_tp + p2p)
+    critical = (m + (s.pp - 1) / v) * (slot_compute / bubble_speedup + slot_tp + slot_cp + p2p)
     bubble = max(0.0, critical - m * slot)
     total = m * slot + bubble + dp_comm + optimizer
     tokens_per_s = w.global_batch * w.seq_len / total
@@ -289,6 +325,7 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         compute=m * slot_compute,
         tp_comm=m * slot_tp,
         pp_comm=m * p2p,
+        cp_comm=m * slot_cp,
         dp_comm=dp_comm,
         bubble=bubble,
         optimizer=optimizer,

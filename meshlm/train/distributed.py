@@ -64,3 +64,24 @@ def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
     if choice == "bf16" or (choice == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
+
+
+# What gloo and NCCL say when a peer process is gone or unreachable (its sockets closed, a timeout)
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "remote process exited",
+    "Timed out waiting",
+)
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The first line of a collective's error when it means a peer rank is gone, else None: a rank whose
+    peers died cannot save (every save is collective), so it stops with this line instead of a traceback."""
+    text = str(error).strip()
+    if not isinstance(error, RuntimeError) or not any(mark in text for mark in PEER_LOST):
+        return None
+    line = text.splitlines()[0] if text else type(error).__name__
+    return line.split("] ", 1)[-1].split(" This is typically caused", 1)[0].strip()

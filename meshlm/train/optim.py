@@ -53,9 +53,29 @@ def train_step(
     loss, grad_norm = loss_t.item(), grad_norm_t.item()
     applied = allow_update is None or allow_update(loss, grad_norm)
     if applied:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        model.step(optimizer)
+        _apply(model, optimizer, lr)
     else:
         model.zero_grad()
     return loss, grad_norm, applied
+
+
+def device_train_step(
+    model: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    lr: float,
+    grad_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`train_step` without a host sync: the update is always applied and the (loss, grad norm) come back as
+    device tensors, for the caller to read (and guard) later, many steps at once."""
+    loss = model.forward_backward(inputs, targets).detach()
+    grad_norm = model.clip_grad_norm_(grad_clip)
+    _apply(model, optimizer, lr)
+    return loss, grad_norm
+
+
+def _apply(model: ParallelModel, optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    model.step(optimizer)

@@ -27,11 +27,14 @@ from meshlm.checkpoint import (
     read_trainer_state,
     set_optimizer_steps,
     training_entries,
+    verify_checkpoint,
 )
 from meshlm.checkpoint.store import StorageError, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data_shared
 from meshlm.model import Transformer, flops_per_token
+from meshlm.model.llama import set_recompute
+from meshlm.model.pretrained import init_tokenizer, keep_tokenizer, meshlm_checkpoint, open_init_from
 from meshlm.observe import StepObserver, aggregate
 from meshlm.observe.env import environment
 from meshlm.observe.metrics import MetricsLogger, TrainProgress
@@ -39,11 +42,13 @@ from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout, validate_layout
 from meshlm.parallel.plan import check_plan, plan_for
+from meshlm.train.compile import compile_blocks
 from meshlm.train.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.train.faults import fault_point
 from meshlm.train.guards import Preemption, StepGuard, TrainingFault, Watchdog, check_replicas_in_sync
-from meshlm.train.optim import build_optimizer, lr_at, train_step
+from meshlm.train.optim import build_optimizer, device_train_step, lr_at, train_step
 from meshlm.train.parts import Batch, BatchSource, Callback, TrainParts
+from meshlm.train.prefetch import Prefetcher
 
 __all__ = ["BatchSource", "Callback", "TrainParts", "TrainResult", "Trainer", "fit", "train"]
 
@@ -72,6 +77,7 @@ def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
         cfg.parallel.schedule,
         cfg.data.seq_len,
         cfg.parallel.sequence_parallel,
+        cfg.parallel.cp_attention,
     )
     return layout, n_micro
 
@@ -193,21 +199,25 @@ class Trainer:
         self.run_dir = Path(cfg.log.run_dir)
         self.say = print if self.rank == 0 else (lambda *_: None)
 
+        init_from = cfg.model.init_from if model is None else None  # fine-tuning meshlm's own model
+        init_source = open_init_from(init_from, cfg.model.build().vocab_size) if init_from else None
         self.data = None
         source = parts.batch_source()
         if source is None:
             watchdog.disarm()  # tokenizing the corpus is bounded by the barrier's own timeout
-            self.data = prepare_data_shared(cfg.data, cfg.model.build().vocab_size)
+            tokenizer = init_tokenizer(cfg.model.init_from)
+            self.data = prepare_data_shared(cfg.data, cfg.model.build().vocab_size, tokenizer)
             watchdog.arm()
             source = GlobalBatchSampler(self.data.train, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
-        self.sampler: BatchSource = source
+        self.sampler: BatchSource = Prefetcher(source, cfg.train.steps, pin=device.type == "cuda")
 
         if model is None:
             model_cfg = cfg.model.build()
             torch.manual_seed(cfg.train.seed)
             with torch.device("meta"):  # ParallelModel materialises only this rank's shard, seeded per element
                 model = Transformer(model_cfg, init_seed=cfg.train.seed)
-            model.activation_checkpointing = cfg.train.activation_checkpointing
+            model.init_source = init_source  # model.init_from: each rank reads its shard from the checkpoint
+            set_recompute(model, cfg.train.recompute)
             self.model_identity = model_cfg.to_dict()
             flops_per_tok = flops_per_token(model_cfg, cfg.data.seq_len)
         else:
@@ -219,6 +229,8 @@ class Trainer:
         self.mesh = build_mesh(layout, device.type)
         autocast = autocast_dtype(cfg.train.dtype, device)
         self.model = ParallelModel(model, self.mesh, cfg.parallel, n_micro, autocast, parts.plan, parts.loss_fn)
+        if cfg.train.compile:
+            compile_blocks(self.model, cfg.train.compile_backend)
         if parts.optimizer is None:
             self.optimizer = build_optimizer(self.model, cfg.train)
         else:
@@ -232,12 +244,19 @@ class Trainer:
         self.dp_rank, self.dp = self.mesh.rank("dp"), layout.dp
 
         self.result = TrainResult(run_dir=self.run_dir)
+        if init_from and init_source is None:
+            self.load_weights(init_from)
         self.resume()
         self.logger = None
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             try:
                 (self.run_dir / "config.toml").write_text(to_toml(cfg))
+                tokenizer = init_tokenizer(cfg.model.init_from)
+                if tokenizer is None and self.data is not None:
+                    tokenizer = self.data.directory / "tokenizer.json"
+                if tokenizer is not None:
+                    keep_tokenizer(self.run_dir, tokenizer)  # exported with the weights by meshlm convert
             except OSError as e:  # a full disk or a read-only run directory: one line naming the file
                 raise StorageError(f"run directory cannot be written: {storage_cause(e, self.run_dir)}") from None
             self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, start_step=self.sampler.step)
@@ -256,6 +275,9 @@ class Trainer:
         self.preemption = Preemption()
         self.guard = StepGuard(cfg.fault.nonfinite, cfg.fault.spike_factor)
         self.check_desync = cfg.fault.desync_every and layout.dp > 1 and cfg.parallel.zero < 3
+        # Steps since the last host sync: (step, loss, grad norm, lr, applied); loss and norm are device
+        # tensors and `applied` None until read, under train.sync_every > 1.
+        self.pending: list[tuple[int, object, object, float, bool | None]] = []
 
     def log(self, step: int, kind: str, **values: object) -> None:
         if self.logger is not None:
@@ -273,6 +295,23 @@ class Trainer:
             saved = self.load(path, restore_data_position=True)
             self.say(f"resuming from {path} at step {self.sampler.step} (saved under {saved.get('layout')})")
         self.result.start_step = self.result.final_step = self.sampler.step
+
+    def load_weights(self, init_from: str) -> None:
+        """`model.init_from` a meshlm run or checkpoint: its weights only (rank 0 verifies it), resharded to this
+        layout; the optimizer and the data position start afresh."""
+        path = meshlm_checkpoint(init_from)
+        problem = [None]
+        if self.rank == 0:
+            try:
+                verify_checkpoint(path)
+            except CheckpointError as e:
+                problem = [f"model.init_from: {e}"]
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise CheckpointError(problem[0])
+        self.checkpointer.load(path, training_entries(self.model))
+        self.model.after_load()
+        self.say(f"fine-tuning from {path}")
 
     def load(self, path: Path, restore_data_position: bool) -> dict:
         """Weights and Adam state from `path`, resharded to this layout; the data position too if asked."""
@@ -312,6 +351,8 @@ class Trainer:
                 self.evaluate(0)
             while self.sampler.step < cfg.train.steps:
                 done = self.step()
+                if not self.syncs_at(done):
+                    continue
                 self.checkpointer.poll(self.device)  # a failed background save stops the run here
                 if self.preemption.requested(self.device):
                     self.watchdog.arm(cfg.fault.grace_s)
@@ -326,43 +367,81 @@ class Trainer:
         self.result.final_step = self.sampler.step
         return self.result
 
+    def syncs_at(self, done: int) -> bool:
+        """Whether step `done` reads its numbers on the host: every `train.sync_every` steps, the first and
+        last, and wherever a log, evaluation, checkpoint or replica check is due (they need settled steps).
+        Only there are the guards run, SIGTERM and background saves checked."""
+        c = self.cfg
+        every = (c.train.sync_every, c.log.every, c.log.aggregate_every, c.train.eval_every, c.checkpoint.every)
+        every += (c.fault.desync_every,) if self.check_desync else ()
+        return done in (1, c.train.steps) or any(k and done % k == 0 for k in every)
+
     def step(self) -> int:
-        """One optimizer step and everything that follows it; returns the number of steps done."""
+        """One optimizer step and, at a sync step, everything that follows it; returns the steps done."""
         step = self.sampler.step
-        self.profiler.before_step(step + 1)
+        done = step + 1
+        sync = self.syncs_at(done)
+        self.profiler.before_step(done)
         self.observer.start_step()
         with self.observer.data_wait():
             inputs, targets = self.sampler.next_batch(self.dp_rank, self.dp)
+        inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         lr = lr_at(step, self.cfg.train)
-        loss, grad_norm, applied = train_step(
-            self.model, self.optimizer, inputs.to(self.device), targets.to(self.device), lr,
-            self.cfg.train.grad_clip, self.guard.allow,
-        )  # fmt: skip
-        metrics = self.observer.end_step()
+        args = (self.model, self.optimizer, inputs, targets, lr, self.cfg.train.grad_clip)
+        if self.cfg.train.sync_every == 1:  # read at once, so a bad update is vetoed before it is applied
+            loss, grad_norm, applied = train_step(*args, self.guard.allow)
+            self.pending.append((done, loss, grad_norm, lr, applied))
+        else:
+            self.pending.append((done, *device_train_step(*args), lr, None))
+        metrics = self.observer.end_step(close=sync)
         self.watchdog.arm()
-        done = step + 1
         fault_point("step", self.rank, done)
-        self.result.losses.append(loss)
         if trace := self.profiler.after_step(done):
             self.progress.print(f"profiler trace: {trace}")
-        self.progress.update(done, loss, metrics["tokens_per_s"], extra=self.observer.mfu_label(metrics["mfu"]))
-        if not applied:
-            self.rejected(done, loss, grad_norm)
-        if done % self.cfg.log.every == 0 or done == self.cfg.train.steps or done == 1:
-            self.log(done, "train", loss=loss, grad_norm=grad_norm, lr=lr, **metrics)
-        self.periodic_checks(done, metrics)
-        for callback in self.callbacks:
-            callback.on_step_end(self, done, loss, metrics)
+        if sync:
+            settled = self.settle(metrics)
+            self.periodic_checks(done, metrics)
+            for settled_step, loss in settled:
+                for callback in self.callbacks:
+                    callback.on_step_end(self, settled_step, loss, metrics)
         return done
 
-    def rejected(self, done: int, loss: float, grad_norm: float) -> None:
+    def settle(self, metrics: dict) -> list[tuple[int, float]]:
+        """The steps since the last sync, in order: their losses and norms read (one host sync for all of
+        them), guarded (under sync_every > 1 a rejected step is already applied: it is rolled back or the
+        run stops), recorded and logged with this window's metrics. Returns (step, loss) of each."""
+        pending, self.pending = self.pending, []
+        unread = [torch.stack((loss.float(), norm.float())) for _, loss, norm, _, ok in pending if ok is None]
+        read = iter(torch.stack(unread).tolist() if unread else [])
+        settled, rolled_back = [], False
+        for done, loss, grad_norm, lr, applied in pending:
+            if applied is None:
+                loss, grad_norm = next(read)
+                applied = rolled_back or self.guard.allow(loss, grad_norm)
+            self.result.losses.append(loss)
+            if not applied:
+                rolled_back = self.rejected(done, loss, grad_norm, already_applied=self.cfg.train.sync_every > 1)
+            if done % self.cfg.log.every == 0 or done == self.cfg.train.steps or done == 1:
+                self.log(done, "train", loss=loss, grad_norm=grad_norm, lr=lr, **metrics)
+            settled.append((done, loss))
+        self.progress.update(done, loss, metrics["tokens_per_s"], extra=self.observer.mfu_label(metrics["mfu"]))
+        return settled
+
+    def rejected(self, done: int, loss: float, grad_norm: float, already_applied: bool = False) -> bool:
         """A vetoed update: skipped, or (policy 'rollback') weights and Adam state back to the newest
-        checkpoint while the data position stays, so the batches since are not seen again."""
+        checkpoint while the data position stays, so the batches since are not seen again. An update
+        `already_applied` (train.sync_every > 1) cannot be skipped: without a checkpoint the run stops.
+        Returns whether it rolled back."""
         self.result.skipped_steps.append(done)
         action = "skipped"
         if self.cfg.fault.nonfinite == "rollback":
             self.checkpointer.wait()
             path = self.newest_checkpoint()
+            if path is None and already_applied:
+                raise TrainingFault(
+                    f"stopping: {self.guard.last_reason} at step {done}, applied before it was read "
+                    f"(train.sync_every = {self.cfg.train.sync_every}) and no checkpoint to roll back to yet"
+                )
             if path is None:
                 action = "skipped (no checkpoint to roll back to yet)"
             elif len(self.result.rollbacks) >= self.cfg.fault.max_rollbacks:
@@ -376,6 +455,7 @@ class Trainer:
                 action = f"rolled back to {path.name}"
         self.progress.print(f"step {done}: update {action}: {self.guard.last_reason}")
         self.log(done, "fault", skipped=1, action=action, loss=loss, grad_norm=grad_norm, reason=self.guard.last_reason)
+        return action.startswith("rolled back")
 
     def periodic_checks(self, done: int, metrics: dict) -> None:
         """Straggler summary, replica desync check and evaluation, each on its own interval."""
@@ -412,6 +492,6 @@ class Trainer:
         """Release signal handlers, observers and logs. A save still in flight here means the run failed:
         it is abandoned (its staging folder is never committed), the previous checkpoint stays valid."""
         self.result.final_step = self.sampler.step
-        for part in ("preemption", "observer", "logger"):
+        for part in ("preemption", "observer", "logger", "sampler"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()

@@ -1,0 +1,170 @@
+"""Initial weights from a Hugging Face checkpoint (`model.init_from`), read slice by slice.
+
+The model is built on `meta` and the parallel engine asks its init source for exactly the elements each rank
+keeps (meshlm.parallel.materialize): a tensor-parallel row or column slice, a ZeRO-3 flat range, or a whole
+parameter of this rank's pipeline stage. `HFWeights.fill` reads that region with safetensors' lazy
+`get_slice` (for a flat range, the fewest whole rows of the rank's tp slice that cover it), so no rank reads
+a tensor, or part of one, it does not keep beyond the rows around its range. Stored dtypes (bf16 checkpoints)
+are cast on the copy into the working buffer.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from meshlm.model.config import ModelConfig
+from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint
+
+TOKENIZER_NAME = "tokenizer.json"
+# What an HF directory's tokenizer consists of; a run keeps a copy so that its export carries it.
+TOKENIZER_FILES = (TOKENIZER_NAME, "tokenizer_config.json", "special_tokens_map.json")
+_TIED = {"lm_head.weight": "model.embed_tokens.weight"}  # HF stores a tied head once, as the embedding
+
+
+def is_hf_directory(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_NAME).is_file()
+
+
+class HFWeights:
+    """Where each meshlm parameter of an HF checkpoint directory lies (file and tensor name), checked against
+    the config from the headers when opened; `fill` reads only the requested region."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.cfg, by_file = check_hf_checkpoint(self.directory)
+        self.files = {name: path for path, names in by_file.items() for name in names}
+        self._open: dict[Path, Any] = {}
+
+    def tensor_name(self, name: str) -> str:
+        return _TIED[name] if self.cfg.tie_embeddings and name in _TIED else name
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """The region `index` (one slice per leading dimension) of stored tensor `name`; every read of the
+        checkpoint's data goes through here."""
+        path = self.files[name]
+        try:
+            if path not in self._open:
+                self._open[path] = safe_open(path, framework="pt")
+            return self._open[path].get_slice(name)[index]
+        except SafetensorError as e:
+            raise ValueError(f"{path}: not a valid safetensors file ({str(e).splitlines()[0]})") from None
+
+    @torch.no_grad()
+    def fill(
+        self,
+        name: str,
+        shape: Sequence[int],
+        local_shape: Sequence[int],
+        tp_slice: tuple[int, int] | None,
+        start: int,
+        out: torch.Tensor,
+    ) -> None:
+        """Write elements [start, start + out.numel()) of the flattened `local_shape` slice of parameter `name`
+        (full shape `shape`, tensor-parallel slice at `tp_slice = (dim, offset)` or whole) into `out`."""
+        if out.numel() == 0:
+            return
+        stored = self.tensor_name(name)
+        dim, offset = tp_slice if tp_slice is not None else (0, 0)
+        cols = math.prod(local_shape[1:]) if len(local_shape) > 1 else 1
+        end = start + out.numel()
+        first, last = start // cols, (end - 1) // cols  # local rows the range touches
+        if dim == 0:
+            index = (slice(offset + first, offset + last + 1),)
+        elif dim == 1 and len(shape) == 2:
+            index = (slice(first, last + 1), slice(offset, offset + local_shape[1]))
+        else:
+            raise ValueError(f"{name}: a tensor-parallel slice of dim {dim} of {tuple(shape)} cannot be read")
+        rows = self.read(stored, index).reshape(-1)
+        out.copy_(rows[start - first * cols : end - first * cols])
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def meshlm_checkpoint(init_from: str | Path) -> Path | None:
+    """The checkpoint folder `init_from` names: itself (it holds trainer.json), or a meshlm run directory's
+    newest committed one (verified when loaded); None if it is neither."""
+    from meshlm.checkpoint import list_checkpoints
+
+    path = Path(init_from)
+    if (path / "trainer.json").is_file():
+        return path
+    found = list_checkpoints(path)
+    return found[-1] if found else None
+
+
+def init_from_config(init_from: str) -> ModelConfig:
+    """The model `init_from` defines: an HF directory's config.json, or the model config a meshlm checkpoint
+    records. One-line ValueError naming the file otherwise."""
+    from meshlm.checkpoint import read_trainer_state
+    from meshlm.config import model_config_from_dict
+    from meshlm.model.hf import read_hf_config
+
+    checkpoint = None if is_hf_directory(init_from) else meshlm_checkpoint(init_from)
+    if checkpoint is not None:
+        state = read_trainer_state(checkpoint)
+        return model_config_from_dict(state.get("model") if isinstance(state, dict) else None, str(checkpoint))
+    try:
+        return read_hf_config(init_from)
+    except OSError as e:
+        raise ValueError(
+            f"{e.filename or init_from}: {e.strerror or e}; valid: a Hugging Face checkpoint directory with "
+            "config.json and *.safetensors, a meshlm run directory or one of its checkpoints"
+        ) from None
+
+
+def init_tokenizer(init_from: str | None) -> Path | None:
+    """The tokenizer.json of an `init_from` directory (of a meshlm run: the copy it keeps), which the data
+    pipeline then uses instead of training one; None without init_from or when there is none."""
+    if init_from is None:
+        return None
+    path = Path(init_from)
+    if not is_hf_directory(path) and (path / "trainer.json").is_file():
+        path = path.parent.parent  # a checkpoint folder: its run keeps the tokenizer
+    return path / TOKENIZER_NAME if (path / TOKENIZER_NAME).is_file() else None
+
+
+def open_init_from(init_from: str, vocab_size: int) -> HFWeights | None:
+    """`model.init_from`'s HF weights (None for a meshlm checkpoint, which the trainer loads through its
+    checkpointer) and tokenizer, checked (names, shapes, every listed shard present; the tokenizer loads, fits
+    the vocabulary and has a document separator) on every rank before any work starts; a problem is one
+    ConfigError or DataError line naming the file."""
+    from meshlm.config import ConfigError
+    from meshlm.data.dataset import check_tokenizer, document_separator
+
+    weights = None
+    if is_hf_directory(init_from):
+        try:
+            weights = HFWeights(init_from)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.init_from: {e}") from None
+    tokenizer_file = init_tokenizer(init_from)
+    if tokenizer_file is not None:
+        document_separator(tokenizer_file, check_tokenizer(tokenizer_file, vocab_size))
+    return weights
+
+
+def keep_tokenizer(run_dir: Path, tokenizer_file: Path) -> None:
+    """Copy the run's tokenizer (and, beside a given one, its tokenizer_config.json and special_tokens_map.json)
+    into the run directory, where `meshlm convert meshlm-to-hf` finds it."""
+    for name in TOKENIZER_FILES:
+        src = tokenizer_file.parent / name
+        if src.is_file():
+            shutil.copyfile(src, run_dir / name)
+
+
+def copy_run_tokenizer(src: Path, out: Path) -> list[str]:
+    """The tokenizer files of a run directory, or of the run a checkpoint folder belongs to, copied into
+    `out`; the names copied."""
+    run_dir = src.parent.parent if (src / "trainer.json").is_file() else src
+    copied = [name for name in TOKENIZER_FILES if (run_dir / name).is_file()]
+    for name in copied:
+        shutil.copyfile(run_dir / name, out / name)
+    return copied

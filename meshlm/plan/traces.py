@@ -1,0 +1,185 @@
+"""Spot capacity traces: how many spot nodes a pool can hold over time, read from a file or drawn from a
+Poisson process, for `meshlm.plan.replay`.
+
+Two file formats:
+
+- **spot-traces** (github.com/skypilot-org/spot-traces, Wu et al., NSDI 2024): JSON
+  `{"metadata": {"gap_seconds": 300}, "data": [4, 4, 3, ...]}`, the number of spot nodes up at each tick.
+  The counts are absolute: a pool that needs more spot nodes than the trace ever has cannot train on it.
+- **CSV** of events that hit the pool: a header `time_s,lost,regained`, then one row per change (seconds
+  since the start, nodes preempted, nodes back). The pool starts with every spot slot up; the last row's
+  time is the trace's length (a `T,0,0` row ends a quiet tail). Relative: it fits a pool of any size.
+
+A trace is replayed cyclically (a run longer than the trace wraps around to its start).
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMATS = ("auto", "spot-traces", "csv")
+CSV_HEADER = ("time_s", "lost", "regained")
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read, in one line naming the file and what is valid."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Piecewise-constant spot capacity: `values[i]` holds from `times[i]` until `times[i + 1]` (the last
+    until `duration_s`). Absolute traces count nodes up; relative ones count nodes down from a full pool."""
+
+    times: tuple[float, ...]
+    values: tuple[int, ...]
+    duration_s: float
+    relative: bool
+    source: str = "trace"
+
+    def live(self, value: int, slots: int) -> int:
+        """Spot nodes up, of a pool's `slots`, while the trace reads `value`."""
+        return max(0, slots - value) if self.relative else min(value, slots)
+
+    def most(self, slots: int) -> int:
+        """The most spot nodes of `slots` that are ever up together."""
+        return max(self.live(v, slots) for v in self.values)
+
+    def fitted(self, slots: int) -> tuple[float, float]:
+        """The closed form's inputs as this trace shows them for `slots` spot slots: preemptions per node-hour
+        up (nodes lost / node-hours up) and the mean time a lost node stays away (node-seconds down / nodes
+        back), over the slots the trace can fill (an absolute trace never fills more than its most nodes up);
+        (0, 0) where nothing is ever lost, inf where nothing comes back."""
+        if not self.relative:
+            slots = min(slots, max(self.values))
+        lost = back = 0
+        up_s = down_s = 0.0
+        for i, v in enumerate(self.values):
+            end = self.times[i + 1] if i + 1 < len(self.times) else self.duration_s
+            live = self.live(v, slots)
+            up_s += live * (end - self.times[i])
+            down_s += (slots - live) * (end - self.times[i])
+            if i:
+                change = live - self.live(self.values[i - 1], slots)
+                lost, back = lost + max(0, -change), back + max(0, change)
+        rate = lost / (up_s / 3600) if up_s else math.inf
+        return rate, (down_s / back if back else (math.inf if lost else 0.0))
+
+    def index(self, t: float) -> int:
+        """The piece holding time `t` (0 ≤ t < duration_s)."""
+        return bisect.bisect_right(self.times, t) - 1
+
+
+def _fail(path: Path, what: str) -> TraceError:
+    return TraceError(f"spot trace {path}: {what}")
+
+
+def _spot_traces(path: Path, text: str) -> Trace:
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _fail(path, f"not JSON ({e.msg}, line {e.lineno}); a spot-traces file is "
+                          '{"metadata": {"gap_seconds": N}, "data": [counts]}') from None  # fmt: skip
+    gap = doc.get("metadata", {}).get("gap_seconds") if isinstance(doc, dict) else None
+    if not isinstance(gap, int | float) or isinstance(gap, bool) or gap <= 0:
+        raise _fail(path, "metadata.gap_seconds must be a number > 0 (seconds between two ticks)")
+    data = doc.get("data")
+    if not isinstance(data, list) or not data:
+        raise _fail(path, "data must be a non-empty list of node counts, one per tick")
+    for i, v in enumerate(data):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise _fail(path, f"data[{i}] is {v!r}: every tick must be a count of nodes up (an integer ≥ 0)")
+    return Trace(tuple(i * float(gap) for i in range(len(data))), tuple(data), len(data) * float(gap), False,
+                 path.name)  # fmt: skip
+
+
+def _csv(path: Path, text: str) -> Trace:
+    rows = [r for r in csv.reader(text.splitlines()) if r and not r[0].startswith("#")]
+    if not rows or tuple(c.strip() for c in rows[0]) != CSV_HEADER:
+        raise _fail(path, f"the first row must be the header {','.join(CSV_HEADER)}")
+    times, values, down, last = [0.0], [0], 0, 0.0
+    for n, row in enumerate(rows[1:], 2):
+        try:
+            t, lost, back = float(row[0]), int(row[1]), int(row[2])
+        except (ValueError, IndexError):
+            raise _fail(path, f"row {n} {','.join(row)!r}: expected time_s (seconds), lost and regained "
+                              "(integers)") from None  # fmt: skip
+        if t < last or lost < 0 or back < 0:
+            raise _fail(path, f"row {n}: times must not decrease and lost/regained must be ≥ 0")
+        down = down + lost - back
+        if down < 0:
+            raise _fail(path, f"row {n}: more nodes regained than were lost (the pool starts with all up)")
+        if t == times[-1]:
+            values[-1] = down
+        else:
+            times.append(t)
+            values.append(down)
+        last = t
+    if last <= 0:
+        raise _fail(path, "needs at least one row with time_s > 0 (the last row's time is the trace's length)")
+    times.pop(), values.pop()  # the last row only marks the end
+    return Trace(tuple(times), tuple(values), last, True, path.name)
+
+
+def load_trace(path: Path, fmt: str = "auto") -> Trace:
+    """Read a spot-traces JSON or an events CSV (`fmt` 'auto' goes by the suffix: .json or .csv)."""
+    path = Path(path)
+    if fmt not in FORMATS:
+        raise TraceError(f"spot trace format {fmt!r} is unknown; valid: {', '.join(FORMATS)}")
+    if fmt == "auto":
+        fmt = {".json": "spot-traces", ".csv": "csv"}.get(path.suffix.lower(), "")
+        if not fmt:
+            raise _fail(path, "unknown trace format (by its suffix); valid: a spot-traces .json "
+                              "(skypilot-org/spot-traces) or a .csv with time_s,lost,regained")  # fmt: skip
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise _fail(path, f"cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    return _spot_traces(path, text) if fmt == "spot-traces" else _csv(path, text)
+
+
+def poisson_trace(
+    slots: int, preemption_per_node_hour: float, replace_s: float, duration_s: float, seed: int = 0
+) -> Trace:
+    """`slots` spot nodes, each preempted at the given rate and back after an exponential time of mean
+    `replace_s` (the closed form's model, Poisson preemptions), starting all up; a relative trace."""
+    rng = random.Random(seed)
+    rate = preemption_per_node_hour / 3600
+    events: list[tuple[float, int]] = []
+    for _ in range(slots):
+        t = rng.expovariate(rate) if rate > 0 else duration_s
+        while t < duration_s:
+            events.append((t, 1))
+            t += rng.expovariate(1 / replace_s)
+            if t < duration_s:
+                events.append((t, -1))
+            t += rng.expovariate(rate)
+    times, values, down = [0.0], [0], 0
+    for t, change in sorted(events):
+        down += change
+        times.append(t)
+        values.append(down)
+    return Trace(tuple(times), tuple(values), duration_s, True, f"poisson({slots}, {preemption_per_node_hour}/h)")
+
+
+def write_csv(trace: Trace, path: Path) -> None:
+    """A relative trace as an events CSV (the format `load_trace` reads back)."""
+    if not trace.relative:
+        raise ValueError("write_csv writes relative traces (nodes down); this one counts nodes up")
+    lines = [",".join(CSV_HEADER)]
+    for t, before, after in zip(trace.times[1:], trace.values, trace.values[1:], strict=False):
+        lines.append(f"{t:.1f},{max(0, after - before)},{max(0, before - after)}")
+    lines.append(f"{trace.duration_s:.1f},0,0")
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def write_spot_traces(trace: Trace, slots: int, gap_s: float, path: Path) -> None:
+    """A trace sampled every `gap_s` as a spot-traces JSON of `slots` nodes (nodes up at each tick)."""
+    ticks = int(trace.duration_s // gap_s)
+    data = [trace.live(trace.values[trace.index(i * gap_s)], slots) for i in range(ticks)]
+    Path(path).write_text(json.dumps({"metadata": {"gap_seconds": gap_s}, "data": data}) + "\n")

@@ -1,0 +1,138 @@
+"""`meshlm plan --emit skypilot` (meshlm/plan/emit.py, docs/clusters.md): the task YAML carries the layout,
+node count, spot with an on-demand fallback, job recovery and the bucket mount, and its `run` command really
+trains: run as two "nodes" on localhost with SkyPilot's node variables set, one node killed mid-run
+(MESHLM_INJECT_FAULT: rank 1, the second node's only worker, SIGKILLs itself after step 5), then both rerun
+the way SkyPilot's job recovery would, resuming from the newest valid checkpoint at the same data position."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from distributed import free_port
+from test_plan_emit import RUN_TOML, plan_args
+
+from meshlm.checkpoint import list_checkpoints
+from meshlm.checkpoint.store import read_trainer_state
+from meshlm.plan import hardware
+from meshlm.plan.cli import run_plan
+from meshlm.plan.emit import Launch, skypilot
+from meshlm.plan.spot import Pool
+
+LAUNCH = Launch("my model", 8, 4, 2, 8, 12, ("--model.preset", "llama3-8b", "--parallel.layout", "pp=1,tp=8"))
+
+
+def block(text: str, key: str) -> str:
+    """The literal block `key: |` of the emitted YAML, dedented (what SkyPilot runs)."""
+    lines = text.splitlines()
+    start = lines.index(f"{key}: |") + 1
+    body = []
+    for line in lines[start:]:
+        if line and not line.startswith("  "):
+            break
+        body.append(line[2:])
+    return "\n".join(body) + "\n"
+
+
+def parse(text: str) -> dict:
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load(text)
+
+
+def test_task_yaml_has_spot_with_on_demand_fallback_recovery_and_the_bucket() -> None:
+    task = parse(skypilot(LAUNCH, "summary", Pool(8, 8, spot=8, spares=2, min_nodes=4), hardware("H100-SXM"),
+                          "s3://bucket/runs"))  # fmt: skip
+    assert task["name"] == "meshlm-my-model" and task["num_nodes"] == 8  # rigid: no spares, no shrink
+    res = task["resources"]
+    assert res["accelerators"] == "H100:8" and res["any_of"] == [{"use_spot": True}, {"use_spot": False}]
+    assert res["job_recovery"] == {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 12}
+    assert task["file_mounts"] == {"/meshlm-run": {"source": "s3://bucket/runs", "mode": "MOUNT"}}
+    assert task["envs"]["MESHLM_RUN_DIR"] == "/meshlm-run/meshlm-my-model" and task["envs"]["MESHLM_PORT"] == "29500"
+    assert 'pip install "$MESHLM_PACKAGE"' in task["setup"] and task["envs"]["MESHLM_PACKAGE"] == "meshlm"
+    run = task["run"]
+    assert run == block(skypilot(LAUNCH, "summary", Pool(8, 8, spot=8), hardware("H100-SXM"), "s3://b"), "run")
+    for variable in ("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE"):
+        assert f"${variable}" in run or f"${{{variable}" in run
+    assert "-m meshlm.cli train --model.preset llama3-8b --parallel.layout pp=1,tp=8" in run
+    on_demand = parse(skypilot(LAUNCH, "s", Pool(8, 8), hardware("A100-80GB"), "gs://b"))["resources"]
+    assert on_demand["use_spot"] is False and "any_of" not in on_demand and on_demand["accelerators"] == "A100-80GB:8"
+
+
+def test_emit_skypilot_needs_a_bucket(capsys: pytest.CaptureFixture) -> None:
+    assert run_plan(plan_args("--model", "test", "--gpu", "cpu", "--gpus", "2", "--emit", "skypilot")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--emit skypilot needs --bucket" in err
+
+
+def run_nodes(run: Path, env: dict[str, str], fault: str = "") -> list[tuple[int, str]]:
+    """The task's run script as two local nodes, SkyPilot's variables set; (exit code, output) per node."""
+    nodes = []
+    for rank in range(2):
+        node_env = {**env, "SKYPILOT_NODE_RANK": str(rank), "MESHLM_PORT": env["MESHLM_PORT"]}
+        if fault:
+            node_env["MESHLM_INJECT_FAULT"] = fault
+        nodes.append(subprocess.Popen(["bash", str(run)], env=node_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))  # fmt: skip
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=120)[0])
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            os.killpg(node.pid, signal.SIGKILL)
+        raise AssertionError("the two nodes did not finish within 120 s") from None
+    return [(node.returncode, out) for node, out in zip(nodes, outputs, strict=True)]
+
+
+def train_losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def test_run_command_trains_as_two_nodes_and_resumes_after_one_is_killed(data_cache: str, tmp_path: Path) -> None:
+    config, calibration = tmp_path / "run.toml", tmp_path / "cal.json"
+    config.write_text(RUN_TOML)
+    calibration.write_text(json.dumps({"device": "cpu", "gpus_per_node": 1}))
+    target = tmp_path / "job.sky.yaml"
+    argv = ("--model", str(config), "--gpu", "cpu", "--gpus", "2", "--calibration", str(calibration), "--top", "1")
+    assert run_plan(plan_args(*argv, "--emit", "skypilot", "--emit-to", str(target), "--bucket", "s3://b/r")) == 0
+    text = target.read_text()
+    assert "num_nodes: 2\n" in text and "accelerators" not in text  # cpu: no accelerators
+    run = tmp_path / "run.sh"
+    run.write_text(block(text, "run"))
+    run_dir = tmp_path / "run"
+    train = ["--train.steps", "8", "--checkpoint.every", "2", "--data.max_chars", "1500000", "--data.cache_dir",
+             data_cache, "--log.progress", "false", "--log.tensorboard", "false", "--train.eval_every", "0",
+             "--log.every", "1", "--fault.watchdog_s", "30", "--parallel.timeout_s", "30"]  # fmt: skip
+    env = {
+        **os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+        "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1", "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NUM_GPUS_PER_NODE": "1",
+        "MESHLM_RUN_DIR": str(run_dir), "MESHLM_PORT": str(free_port()), "MESHLM_TRAIN_ARGS": " ".join(train),
+    }  # fmt: skip
+    killed = run_nodes(run, env, fault="1:5:kill")
+    assert all(code != 0 for code, _ in killed), [out[-2000:] for _, out in killed]
+    newest = list_checkpoints(run_dir)[-1]
+    step = read_trainer_state(newest)["step"]
+    assert step in (2, 4)  # step 4's async save may not have committed before the kill
+    first = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    before = train_losses(first)
+    assert max(before) == 5  # the killed node finished step 5 first
+
+    env["MESHLM_PORT"] = str(free_port())
+    rerun = run_nodes(run, env)
+    for code, out in rerun:
+        assert code == 0, out[-3000:]
+    assert f"resuming from {newest} at step {step}" in rerun[0][1]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    resumed = records[len(first) :]
+    assert resumed[0]["kind"] == "resume" and resumed[0]["step"] == step
+    after = train_losses(resumed)
+    assert sorted(after) == list(range(step + 1, 9))
+    for s in range(step + 1, 6):  # same weights and same batches: the redone steps' losses are identical
+        assert after[s] == before[s], (s, after[s], before[s])
+    final = list_checkpoints(run_dir)[-1]
+    assert final.name == "step_00000008" and read_trainer_state(final)["sampler"]["step"] == 8
