@@ -1,6 +1,7 @@
 """meshlm pipeline schedules side by side with torch.distributed.pipelining on the same model, split and batch.
 
-For each schedule (GPipe, 1F1B, interleaved 1F1B with v=2) and number of micro-batches m, both systems run
+For each schedule (GPipe, 1F1B, interleaved 1F1B with v=2, zero-bubble ZB-H1 "zb1") and number of micro-batches
+m, both systems run
 forward+backward steps over the same chunks (`split_model`, wrapped in `PipelineStage` for torch); systems
 take turns over `--rounds` rounds and the best round counts, which keeps other load on a shared machine from
 favouring whoever ran at a quiet moment. Prints a markdown table: tokens/s of each system and their ratio,
@@ -8,6 +9,9 @@ meshlm's measured bubble (share of the step a rank waits for messages, mean over
 theoretical one, CPU time per step (max over ranks: on a shared machine it separates a system's own cost from
 waiting for a core), and activation memory: the peak bytes autograd holds saved for backward (max over ranks,
 both systems) and meshlm's peak count of in-flight micro-batches (forward done, backward not yet).
+torch has no one-stage-per-rank zero-bubble schedule, so zb1 runs beside torch's 1F1B, the schedule it improves.
+meshlm's W pass is autograd over the stage's weights only, which walks the graph again (the B pass skipped the
+weight-gradient products but not the activation gradients): on top of the bubble it removes, it adds work.
 
     .venv/bin/python benchmarks/pipeline.py            # tiny preset, pp=2, ~2-3 minutes on 2 CPU cores
 """
@@ -91,7 +95,9 @@ def torch_step(chunks: list[nn.Module], group: dist.ProcessGroup, schedule: str,
     if schedule == "interleaved":
         sched = ScheduleInterleaved1F1B(stages, m, loss_fn=cross_entropy_loss)
     else:
-        sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stages[0], m, loss_fn=cross_entropy_loss)
+        sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb1": Schedule1F1B}[schedule](
+            stages[0], m, loss_fn=cross_entropy_loss
+        )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         losses: list[torch.Tensor] = []
@@ -174,7 +180,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--micros", default="2,4,8", help="numbers of micro-batches per step")
-    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb1")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()

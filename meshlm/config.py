@@ -164,7 +164,9 @@ class ParallelSection(Section):
     )
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size of the overlapped reduction")
     sequence_parallel: bool = Field(False, description="shard norms/residuals along the sequence over tp")
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = Field("1f1b", description="pipeline schedule")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = Field(
+        "1f1b", description="pipeline schedule (zb1: zero-bubble ZB-H1, weight gradients fill the bubble)"
+    )
     virtual_stages: int = Field(1, gt=0, description="model chunks per pipeline rank (interleaved)")
     cp_attention: Literal["ring", "ulysses"] = Field(
         "ring", description="context parallel (layout cp > 1): KV ring with send/recv, or all-to-all heads"

@@ -63,13 +63,25 @@ def test_every_allowed_schedule_is_valid_deadlock_free_and_has_the_formula_bubbl
             validate(schedule, p, m, v, forward_only)
             timeline = simulate(schedule, p, v)  # raises on deadlock
             if not forward_only:
-                for costs in (None, {"F": 1.0, "B": 2.0}):  # the formulas hold for any backward/forward ratio
+                # The 1F1B family's formulas hold for any backward/forward ratio; ZB-H1's at equal F, B, W.
+                for costs in (None,) if name == "zb1" else (None, {"F": 1.0, "B": 2.0}):
                     bubble = simulate(schedule, p, v, costs).bubble_fraction
                     assert bubble == pytest.approx(theoretical_bubble(name, p, m, v), abs=1e-12), (name, p, m, v)
             assert sum(a.kind in ("F", "B") for a in schedule[0]) == (1 if forward_only else 2) * m * v
             assert len(timeline.spans) == p
         count += 1
     assert count > 150
+
+
+def test_zero_bubble_keeps_1f1b_peak_memory_and_thirds_its_bubble():
+    for p, m in ((2, 4), (4, 8), (4, 5), (6, 13)):
+        zb, one_f_one_b = (simulate(build_schedule(name, p, m), p, 1) for name in ("zb1", "1f1b"))
+        assert max(zb.peak_in_flight) == max(one_f_one_b.peak_in_flight) == p  # W-pending activations count
+        f_b_w = simulate(build_schedule("1f1b", p, m), p, 1, {"F": 1.0, "B": 2.0})  # B = input + weight grads
+        assert zb.total == f_b_w.total - 2 * (p - 1)  # idle (p-1)(F+B+W) -> (p-1)(F+B-W), unit costs
+        for ops in build_schedule("zb1", p, m):  # the input gradient goes out before its weight gradient runs
+            kinds = [a.kind for a in ops]
+            assert kinds.index("SEND_B") < kinds.index("W") if "SEND_B" in kinds else True
 
 
 def test_bubble_formulas():
@@ -333,11 +345,13 @@ def test_pp2_every_schedule_matches_single_process():
     grid = [("pp=2", {"schedule": "gpipe"}, m, TEST_MODEL) for m in (1, 2, 3)]
     grid += [("pp=2", {"schedule": "1f1b"}, m, TEST_MODEL) for m in (2, 3, 5, 8)]
     grid += [("pp=2", {"schedule": "interleaved", "virtual_stages": 2}, m, TEST_MODEL) for m in (2, 4, 8)]
+    grid += [("pp=2", {"schedule": "zb1"}, m, TEST_MODEL) for m in (2, 3, 5)]
     runs = [
         ("pp=2", {"schedule": "gpipe"}, 2, TEST_MODEL),
         ("pp=2", {"schedule": "1f1b"}, 2, TEST_MODEL),
         ("pp=2", {"schedule": "1f1b"}, 1, TEST_MODEL),
         ("pp=2", {"schedule": "interleaved", "virtual_stages": 2}, 2, TEST_MODEL),
+        ("pp=2", {"schedule": "zb1"}, 2, TEST_MODEL),
     ]
     results = run_shared(_grid_and_equivalence, 2, grid, runs)
     _check_grid(grid, results)
@@ -350,10 +364,12 @@ def test_pp4_every_schedule_matches_single_process():
     grid = [("pp=4", {"schedule": "gpipe"}, m, EIGHT_LAYERS) for m in (2, 4)]
     grid += [("pp=4", {"schedule": "1f1b"}, m, EIGHT_LAYERS) for m in (4, 5)]
     grid += [("pp=4", {"schedule": "interleaved", "virtual_stages": 2}, m, EIGHT_LAYERS) for m in (4, 8)]
+    grid += [("pp=4", {"schedule": "zb1"}, m, EIGHT_LAYERS) for m in (4, 5)]
     runs = [
         ("pp=4", {"schedule": "gpipe"}, 2, EIGHT_LAYERS),
         ("pp=4", {"schedule": "1f1b"}, 1, EIGHT_LAYERS),
         ("pp=4", {"schedule": "interleaved", "virtual_stages": 2}, 2, EIGHT_LAYERS),
+        ("pp=4", {"schedule": "zb1"}, 1, EIGHT_LAYERS),
     ]
     results = run_shared(_grid_and_equivalence, 4, grid, runs)
     _check_grid(grid, results)
@@ -367,7 +383,12 @@ def _compositions(runs: list) -> list[dict]:
 
 def test_pp_with_dp_and_zero():
     pytest.importorskip("meshlm.parallel.data_parallel")
-    runs = [("pp=2,dp=2", {"schedule": "1f1b"}, 2), ("pp=2,dp=2", {"schedule": "gpipe", "zero": 1}, 1)]
+    runs = [
+        ("pp=2,dp=2", {"schedule": "1f1b"}, 2),
+        ("pp=2,dp=2", {"schedule": "gpipe", "zero": 1}, 1),
+        ("pp=2,dp=2", {"schedule": "zb1", "zero": 2}, 1),  # dp's reduce hooks fire in the W pass
+        ("pp=2,dp=2", {"schedule": "zb1", "zero": 3}, 1),  # and ZeRO-3's re-gathers run in both passes
+    ]
     for run, got in zip(runs, run_shared(_compositions, 4, runs)[0], strict=True):
         _assert_matches_reference(got, TEST_MODEL, run)
 
@@ -377,6 +398,7 @@ def test_pp_with_tp_and_sequence_parallel():
     runs = [
         ("pp=2,tp=2", {"schedule": "1f1b"}, 2),
         ("pp=2,tp=2", {"schedule": "interleaved", "virtual_stages": 2, "sequence_parallel": True}, 2),
+        ("pp=2,tp=2", {"schedule": "zb1", "sequence_parallel": True}, 1),
     ]
     for run, got in zip(runs, run_shared(_compositions, 4, runs)[0], strict=True):
         _assert_matches_reference(got, TEST_MODEL, run)

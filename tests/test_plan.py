@@ -18,7 +18,7 @@ from meshlm.config import load_config
 from meshlm.model.config import PRESETS, ModelConfig
 from meshlm.model.flops import param_counts
 from meshlm.parallel.mesh import Layout
-from meshlm.parallel.schedules import compute_order
+from meshlm.parallel.schedules import compute_order, theoretical_bubble
 from meshlm.plan import (
     Assumptions,
     Constraints,
@@ -134,6 +134,7 @@ def test_held_layer_activations_replay_the_runtime_schedule():
     assert held_layers("gpipe", 4, 8, 1, 0, (3,)) == 8 * 3
     assert [held_layers("1f1b", 4, 8, 1, s, (3,)) for s in range(4)] == [12, 9, 6, 3]
     assert held_layers("1f1b", 4, 2, 1, 0, (3,)) == 6
+    assert [held_layers("zb1", 4, 8, 1, s, (3,)) for s in range(4)] == [12] * 4  # until each W: 1F1B's peak
     # Megatron's warm-up, 2(p − 1) + (v − 1)p + 1 = 11 chunks: Korthikanti et al.'s 1 + (p−1)/(p·v) on 1F1B's p
     assert held_layers("interleaved", 4, 8, 2, 0, (2, 2)) == 11 * 2 == pytest.approx(4 * 4 * (1 + 3 / (4 * 2)))
     assert held_layers("interleaved", 4, 64, 2, 0, (2, 2)) == 22  # the peak does not grow with m
@@ -183,11 +184,13 @@ def test_bubble_fractions():
     assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
     assert bubble_fraction("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
     assert bubble_fraction("1f1b", 1, 8) == 0
+    assert bubble_fraction("zb1", 4, 8) == pytest.approx(3 / 27) == theoretical_bubble("zb1", 4, 8)
 
 
 def test_step_time_bubble_matches_fraction():
     w = Workload(PRESETS["llama3-8b"], 4096, 64, 1e9)
-    for lay in (strategy(4, 2, schedule="1f1b"), strategy(4, 2, schedule="interleaved", virtual_stages=2)):
+    layouts = [strategy(4, 2, schedule=name) for name in ("1f1b", "zb1")]
+    for lay in (*layouts, strategy(4, 2, schedule="interleaved", virtual_stages=2)):
         t = step_time(w, lay, hardware("H100-SXM"))
         pipeline = t.compute + t.tp_comm + t.pp_comm + t.bubble
         assert t.bubble / pipeline == pytest.approx(bubble_fraction(lay.schedule, 4, 32, lay.virtual_stages))

@@ -105,7 +105,7 @@ def check_batch_and_schedule(
     if local % micro:
         raise LayoutError(f"train.micro_batch ({micro}) must divide the per-replica batch global_batch/dp = {local}")
     n_micro = local // micro
-    if pp > 1 and schedule in ("1f1b", "interleaved") and n_micro < pp:
+    if pp > 1 and schedule in ("1f1b", "interleaved", "zb1") and n_micro < pp:
         raise LayoutError(
             f"schedule {schedule} needs at least pp={pp} micro-batches per replica, got {n_micro} "
             f"(lower train.micro_batch)"

@@ -203,7 +203,7 @@ class StepStats:
 
     step_s: float = 0.0
     wait_s: float = 0.0
-    peak_in_flight: int = 0  # most micro-batches whose forward has run and backward has not
+    peak_in_flight: int = 0  # most micro-batches whose forward has run and backward (zb1: W) has not
 
 
 class PipelineSchedule:
@@ -273,12 +273,15 @@ class PipelineSchedule:
             raise ValueError(f"pipeline built for {self.n_micro} micro-batches, got {len(inputs)}")
         start = time.perf_counter()
         self.stats = StepStats()
-        last_backward = {a.chunk: a.micro for a in actions if a.kind == "B"}  # the one that triggers dp sync
+        split = any(a.kind == "W" for a in actions)  # zero-bubble: weight gradients are a pass of their own
+        weights = "W" if split else "B"
+        last_backward = {a.chunk: a.micro for a in actions if a.kind == weights}  # the one that triggers dp sync
         total = torch.zeros((), device=self.device)
         self._outbox: dict[Key, torch.Tensor] = {}  # computed, waiting for its send action
         self._inbox: dict[Key, tuple[dist.Work, torch.Tensor, Action]] = {}  # posted receives
         self._sends: dict[Key, tuple[dist.Work, Action]] = {}  # posted sends, until their WAIT
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, micro) -> in, out
+        deferred: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}  # -> out, its gradient
         i = 0
         while i < len(actions):
             a = actions[i]
@@ -309,14 +312,22 @@ class PipelineSchedule:
                     self._outbox[("F", a.chunk, a.micro)] = out.detach()
                 if train:
                     saved[(a.chunk, a.micro)] = (x if stage > 0 else None, out)
-                    self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(saved))
+                    self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(saved) + len(deferred))
+            elif a.kind == "W":
+                out, grad = deferred.pop((a.chunk, a.micro))
+                self.set_grad_sync(a.chunk, a.micro == last_backward[a.chunk])
+                params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
+                torch.autograd.backward(out, grad, inputs=params)
             else:
                 x, out = saved.pop((a.chunk, a.micro))
-                self.set_grad_sync(a.chunk, a.micro == last_backward[a.chunk])
-                if stage == self.n_stages - 1:
-                    out.backward()
+                grad = None if stage == self.n_stages - 1 else self._receive(("B", a.chunk, a.micro))
+                if split:  # the input gradient only, now; the graph stays for W
+                    if x is not None:
+                        (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+                    deferred[(a.chunk, a.micro)] = (out, grad)
                 else:
-                    torch.autograd.backward(out, self._receive(("B", a.chunk, a.micro)))
+                    self.set_grad_sync(a.chunk, a.micro == last_backward[a.chunk])
+                    torch.autograd.backward(out, grad)
                 if x is not None:
                     self._outbox[("B", a.chunk, a.micro)] = x.grad
             i += 1

@@ -4,7 +4,9 @@ A schedule is `list[list[Action]]`; entry r is everything pp rank r does in one 
 Rank r holds v chunks; chunk c is model stage c·p + r (Megatron's interleaved assignment), so activations
 flow r → r+1 and wrap from rank p-1 back to rank 0 between chunks.
 
-Compute actions are F (forward) and B (backward) of one micro-batch on one chunk. Communication actions
+Compute actions are F (forward) and B (backward) of one micro-batch on one chunk; the zero-bubble schedule
+splits B into B (the input gradient, which the previous stage waits for) and W (the weight gradient, which
+nobody waits for, so it can fill the bubble). Communication actions
 name the neighbour and the message; consecutive sends and receives are issued together as one
 `batch_isend_irecv`. The executor's semantics, which `simulate` replays, are:
   * a send is asynchronous; it completes once the receiver has posted the matching receive;
@@ -22,8 +24,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-COMPUTE = ("F", "B")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+COMPUTE = ("F", "B", "W")
 SENDS = ("SEND_F", "SEND_B")
 RECVS = ("RECV_F", "RECV_B")
 WAITS = ("WAIT_F", "WAIT_B")
@@ -113,6 +115,47 @@ def interleaved_order(p: int, m: int, v: int) -> list[list[Action]]:
     return orders
 
 
+def zero_bubble_h1_order(p: int, m: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): 1F1B's F/B order with each backward split
+    into B (input gradient, sent on at once) and W (weight gradient), the W's deferred into the time a rank
+    would otherwise wait.
+
+    Built by list scheduling at unit costs: a rank free at time t runs its next F/B if that one's input has
+    arrived, else the oldest deferred W. A micro-batch's activations live until its W, so a rank runs no
+    new F while it already holds p of them (1F1B's peak, on its first rank) and a W is waiting: the same peak
+    memory as 1F1B. The bubble falls from 1F1B's (p-1)(F+B+W) to (p-1)(F+B-W) per rank, a third of it when
+    the three cost the same (tests/test_pipeline.py checks (p-1)/(3m+p-1) for every allowed p and m).
+    """
+    fb = one_f_one_b_order(p, m)
+    nxt, busy = [0] * p, [0] * p
+    deferred: list[list[int]] = [[] for _ in range(p)]
+    finished: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro) -> time its result exists
+    held = [0] * p  # micro-batches whose F ran and W did not
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    t = 0
+    while any(nxt[r] < len(fb[r]) or deferred[r] for r in range(p)):
+        for r in range(p):
+            if busy[r] > t:
+                continue
+            a = fb[r][nxt[r]] if nxt[r] < len(fb[r]) else None
+            source = None if a is None else ("F", r - 1, a.micro) if a.kind == "F" else ("B", r + 1, a.micro)
+            ready = a is not None and (source[1] in (-1, p) or finished.get(source, t + 1) <= t)
+            if ready and not (a.kind == "F" and held[r] >= p and deferred[r]):
+                nxt[r] += 1
+                held[r] += a.kind == "F"
+                if a.kind == "B":
+                    deferred[r].append(a.micro)
+            elif deferred[r]:
+                a = Action("W", 0, deferred[r].pop(0))
+                held[r] -= 1
+            else:
+                continue
+            orders[r].append(a)
+            finished[(a.kind, r, a.micro)] = busy[r] = t + 1
+        t += 1
+    return orders
+
+
 def compute_order(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     if name == "gpipe":
         orders = gpipe_order(p, m)
@@ -120,6 +163,8 @@ def compute_order(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
         orders = one_f_one_b_order(p, m)
     elif name == "interleaved":
         orders = interleaved_order(p, m, v)
+    elif name == "zb1":
+        orders = zero_bubble_h1_order(p, m)
     else:
         raise ScheduleError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
     if v > 1 and name != "interleaved":
@@ -218,6 +263,8 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, forward_only: bool = F
     orders = compute_order(name, p, m, v)
     if forward_only:
         orders = [[a for a in ops if a.kind == "F"] for ops in orders]
+    if name == "zb1" and v > 1:
+        raise ScheduleError(f"virtual stages (v={v}) need the interleaved schedule, not 'zb1'")
     schedule = add_send_waits(add_communication(orders, p, v), p, v)
     validate(schedule, p, m, v, forward_only)
     return schedule
@@ -246,6 +293,8 @@ def validate(schedule: Schedule, p: int, m: int, v: int, forward_only: bool = Fa
                     raise ScheduleError(f"rank {r}: {a.label(v)} on chunk {a.chunk} runs twice")
                 if a.kind == "B" and ("F", a.chunk, a.micro) not in done:
                     raise ScheduleError(f"rank {r}: B{a.micro} on chunk {a.chunk} runs before its forward")
+                if a.kind == "W" and ("B", a.chunk, a.micro) not in done:
+                    raise ScheduleError(f"rank {r}: W{a.micro} on chunk {a.chunk} runs before its backward")
                 needs = (a.kind == "F" and stage > 0) or (a.kind == "B" and stage < n_stages - 1)
                 if needs and ("RECV_" + a.kind, a.chunk, a.micro) not in received:
                     raise ScheduleError(f"rank {r}: {a.label(v)} on chunk {a.chunk} runs before its input is received")
@@ -273,7 +322,7 @@ def validate(schedule: Schedule, p: int, m: int, v: int, forward_only: bool = Fa
                 raise ScheduleError(f"rank {r}: unknown action kind {a.kind!r}")
         if unwaited:
             raise ScheduleError(f"rank {r}: {sorted(w.label(v) for w in unwaited)} are never waited for")
-        kinds = ("F",) if forward_only else ("F", "B")
+        kinds = ("F",) if forward_only else ("F", "B", "W") if _splits_backward(ops) else ("F", "B")
         missing = [(k, c, i) for k in kinds for c in range(v) for i in range(m) if (k, c, i) not in done]
         if missing:
             k, c, i = missing[0]
@@ -286,6 +335,11 @@ def validate(schedule: Schedule, p: int, m: int, v: int, forward_only: bool = Fa
                     f"rank {src} → rank {dst}: sends {sent} do not match receives {got} in order "
                     "(each message is (direction, receiving stage, micro-batch))"
                 )
+
+
+def _splits_backward(ops: list[Action]) -> bool:
+    """Whether this rank's weight gradients are a pass of their own (W), so activations live until it."""
+    return any(a.kind == "W" for a in ops)
 
 
 @dataclass
@@ -313,7 +367,7 @@ class Timeline:
         return 1.0 - busy / (self.p * self.total) if self.total else 0.0
 
 
-UNIT_COSTS = {"F": 1.0, "B": 1.0}
+UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}
 
 
 def simulate(schedule: Schedule, p: int, v: int, costs: dict[str, float] | None = None) -> Timeline:
@@ -325,6 +379,7 @@ def simulate(schedule: Schedule, p: int, v: int, costs: dict[str, float] | None 
     """
     costs = costs or UNIT_COSTS
     n_stages = p * v
+    frees = ["W" if _splits_backward(ops) else "B" for ops in schedule]  # the pass after which activations go
     idx, clock = [0] * p, [0.0] * p
     known_now = [[0] * p for _ in range(p)]
     known: list[list[list[int]]] = [[] for _ in range(p)]
@@ -365,7 +420,7 @@ def simulate(schedule: Schedule, p: int, v: int, costs: dict[str, float] | None 
                         known_now[r] = [max(a, b) for a, b in zip(known_now[r], sender_knows, strict=True)]
                     clock[r] = start + costs[a.kind]
                     spans[r].append((start, clock[r], a))
-                    in_flight[r] += 1 if a.kind == "F" else -1
+                    in_flight[r] += 1 if a.kind == "F" else -1 if a.kind == frees[r] else 0
                     peak[r] = max(peak[r], in_flight[r])
                 known[r].append(list(known_now[r]))
                 idx[r] += 1
@@ -378,7 +433,10 @@ def simulate(schedule: Schedule, p: int, v: int, costs: dict[str, float] | None 
 
 
 def theoretical_bubble(name: str, p: int, m: int, v: int = 1) -> float:
-    """(p-1)/(m+p-1) for GPipe and 1F1B; interleaving shrinks fill and drain v-fold: (p-1)/(v·m+p-1)."""
+    """(p-1)/(m+p-1) for GPipe and 1F1B; interleaving shrinks fill and drain v-fold: (p-1)/(v·m+p-1).
+    ZB-H1 at equal F, B and W costs idles (p-1) units per rank beside 3m of work: (p-1)/(3m+p-1)."""
+    if name == "zb1":
+        return (p - 1) / (3 * m + p - 1)
     return (p - 1) / ((v if name == "interleaved" else 1) * m + p - 1)
 
 

@@ -178,9 +178,12 @@ class _LinearSavingShard(Function):
     @staticmethod
     def backward(ctx, grad):
         x_shard, weight = ctx.saved_tensors
-        if ctx.cache.full is None:
-            ctx.cache.full = _all_gather(x_shard, SEQ_DIM, ctx.group)
-        x_full = ctx.cache.full.to(grad.dtype)
+        # A second backward through this node (the zero-bubble schedule's W pass) finds the cache dropped and
+        # gathers again; every tp rank runs the same passes, so the collectives still match.
+        cache = ctx.cache or _RegatherCache()
+        if cache.full is None:
+            cache.full = _all_gather(x_shard, SEQ_DIM, ctx.group)
+        x_full = cache.full.to(grad.dtype)
         ctx.cache = None  # the last reader to finish frees the gathered input
         grad_x = (grad @ weight.to(grad.dtype)).to(x_shard.dtype)
         grad_w = grad.flatten(0, -2).t() @ x_full.flatten(0, -2)

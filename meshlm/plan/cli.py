@@ -163,7 +163,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     fixed.add_argument("--layout", default="", help="e.g. tp=8,pp=16,dp=8")
     fixed.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     fixed.add_argument("--micro-batch", type=positive, help="sequences per micro-batch per replica")
-    fixed.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"])
+    fixed.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb1"])
     fixed.add_argument("--virtual-stages", type=positive)
     fixed.add_argument("--recompute", choices=["none", "selective", "full"])
     fixed.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)

@@ -19,7 +19,7 @@ from meshlm.parallel.schedules import compute_order
 from meshlm.plan.hardware import GB, Hardware
 
 Precision = Literal["bf16", "fp32"]
-Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1"]
 Recompute = Literal["none", "selective", "full"]
 # Whose kernels and pipeline split run the step: meshlm's eager PyTorch layer (unfused RMSNorm and SwiGLU,
 # at least one layer per pipeline chunk), or a Megatron-style production stack with fused norm and SwiGLU
@@ -250,16 +250,18 @@ def _order(schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int)
 def held_layers(schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int, stage: int, chunks: tuple) -> int:
     """Peak layer-activations (one micro-batch through one layer = 1) that pipeline rank `stage` holds, with
     `chunks` the layers of each of its chunks, replaying the runtime's own order of forwards and backwards
-    (1F1B keeps pp − stage, interleaved Megatron's 2(pp − stage − 1) + (v − 1)·pp + 1 chunks). GPipe keeps
+    (1F1B keeps pp − stage, interleaved Megatron's 2(pp − stage − 1) + (v − 1)·pp + 1 chunks, ZB-H1 pp on
+    every stage until each W). GPipe keeps
     all m. A 1F1B or interleaved order does not depend on m up to its drain, and after the warm-up (under
     2·pp micro-batches) what is held repeats every pp micro-batches, so replaying 4·pp of them finds the peak."""
     if pp == 1:
         return sum(chunks)  # gradient accumulation: one micro-batch at a time
     if schedule == "gpipe":
         return micro_batches * sum(chunks)
+    frees = "W" if schedule == "zb1" else "B"  # zero-bubble: activations stay until the weight-gradient pass
     held = peak = 0
     for action in _order(schedule, pp, min(micro_batches, 4 * pp), virtual_stages)[stage]:
-        held += chunks[action.chunk] if action.kind == "F" else -chunks[action.chunk]
+        held += chunks[action.chunk] if action.kind == "F" else -chunks[action.chunk] if action.kind == frees else 0
         peak = max(peak, held)
     return peak
 

@@ -164,8 +164,8 @@ def _mesh_problem(
 
 
 def _schedule_problem(w: Workload, lay: Strategy, m: int, uneven: bool, chunks: int) -> tuple[str, str] | None:
-    if lay.schedule == "1f1b" and lay.pp > 1 and m < lay.pp:
-        return "1f1b needs micro-batches ≥ pp", f"m={m} < pp={lay.pp}"
+    if lay.schedule in ("1f1b", "zb1") and lay.pp > 1 and m < lay.pp:
+        return f"{lay.schedule} needs micro-batches ≥ pp", f"m={m} < pp={lay.pp}"
     if lay.schedule != "interleaved":
         return None
     n, layers = lay.pp * lay.virtual_stages, w.model.n_layers

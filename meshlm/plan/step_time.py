@@ -68,11 +68,19 @@ def crosses_nodes(mesh: Layout, dim: str, gpus_per_node: int) -> bool:
     return False
 
 
+def fill_slots(schedule: str, pp: int, virtual_stages: int = 1) -> float:
+    """Fill and drain of a pipeline step in micro-batch slots (F+B+W): p−1 for GPipe and 1F1B, (p−1)/v
+    interleaved (Narayanan et al. 2021), (p−1)/3 for ZB-H1, whose idle time per rank is (p−1)(F+B−W) with
+    the input- and weight-gradient passes each as costly as the forward (Qi et al. 2023)."""
+    if schedule == "zb1":
+        return (pp - 1) / 3
+    return (pp - 1) / (virtual_stages if schedule == "interleaved" else 1)
+
+
 def bubble_fraction(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a pipeline step: (p−1)/(m+p−1) for GPipe and 1F1B, (p−1)/(v·m+p−1) interleaved
-    (Narayanan et al. 2021)."""
-    v = virtual_stages if schedule == "interleaved" else 1
-    return (pp - 1) / (v * micro_batches + pp - 1)
+    """Idle fraction of a pipeline step: fill and drain over the whole step (schedules.theoretical_bubble)."""
+    fill = fill_slots(schedule, pp, virtual_stages)
+    return fill / (micro_batches + fill)
 
 
 @lru_cache(maxsize=1024)
@@ -310,11 +318,11 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
             dp_comm, optimizer = stage_dp, stage_optimizer
 
     slot = slot_compute + slot_tp + slot_cp + p2p
-    v = s.virtual_stages if s.schedule == "interleaved" else 1
-    # Critical path: m slots plus (p − 1)/v in fill and drain, each at the speed of a rank while the ranks of
-    # half the stages compute; work: m slots at the speed while all compute. Both are lower bounds, and where
-    # every rank owns its device the first is the larger: bubble = bubble_fraction × (m·slot + bubble).
-    critical = (m + (s.pp - 1) / v) * (slot_compute / bubble_speedup + slot_tp + slot_cp + p2p)
+    # Critical path: m slots plus the fill and drain (fill_slots), each at the speed of a rank while the ranks
+    # of half the stages compute; work: m slots at the speed while all compute. Both are lower bounds, and
+    # where every rank owns its device the first is the larger: bubble = bubble_fraction × (m·slot + bubble).
+    fill = fill_slots(s.schedule, s.pp, s.virtual_stages)
+    critical = (m + fill) * (slot_compute / bubble_speedup + slot_tp + slot_cp + p2p)
     bubble = max(0.0, critical - m * slot)
     total = m * slot + bubble + dp_comm + optimizer
     tokens_per_s = w.global_batch * w.seq_len / total
