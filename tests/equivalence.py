@@ -52,12 +52,13 @@ from meshlm.checkpoint import (
     set_optimizer_steps,
     training_entries,
 )
-from meshlm.config import ParallelSection, TrainSection
+from meshlm.config import ParallelSection, TrainSection, load_config, parse_overrides
 from meshlm.model import ModelConfig, Transformer, preset
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout, validate_layout
 from meshlm.testing import global_batch, rank_threads
 from meshlm.train.optim import build_optimizer, lr_at, train_step
+from meshlm.train.trainer import train
 
 TEST_MODEL = preset("test")
 LOSS_RTOL = 1e-5  # criterion 1
@@ -174,6 +175,15 @@ def tail(run: dict, start: int) -> dict:
 
 
 # ---- the criteria ------------------------------------------------------------------------------------
+def trainer_runs(runs: list[list[str]]) -> list[dict]:
+    """`meshlm train` once per list of overrides, in turn on these ranks: losses, eval losses, start step."""
+    out = []
+    for overrides in runs:
+        result = train(load_config(None, parse_overrides(overrides)))
+        out.append({"losses": result.losses, "eval": result.eval_losses, "start": result.start_step})
+    return out
+
+
 def assert_same_losses(ref: dict, got: dict, rtol: float = LOSS_RTOL) -> None:
     """Criterion 1: per-step losses, and gradient norms where both runs report them, within rtol."""
     assert len(ref["losses"]) == len(got["losses"]), (len(ref["losses"]), len(got["losses"]))

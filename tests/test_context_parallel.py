@@ -19,7 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed, run_shared
-from equivalence import TEST_MODEL, _patched, assert_close_runs, criterion_failures, reference, train_layout
+from equivalence import (
+    TEST_MODEL,
+    _patched,
+    assert_close_runs,
+    criterion_failures,
+    reference,
+    train_layout,
+    trainer_runs,
+)
 
 from meshlm.config import ParallelSection, load_config, parse_overrides
 from meshlm.data import prepare_data
@@ -349,14 +357,6 @@ def test_planner_cp_communication_counts_the_runtimes_hops() -> None:
 
 
 # ---- `meshlm train` -----------------------------------------------------------------------------------------
-def _train_worker(runs: list[list[str]]) -> list[dict]:
-    out = []
-    for overrides in runs:
-        result = train(load_config(None, parse_overrides(overrides)))
-        out.append({"losses": result.losses, "eval": result.eval_losses, "start": result.start_step})
-    return out
-
-
 def test_trainer_under_cp_matches_single_process_and_resumes_under_dp(small_run: list[str], tmp_path: Path) -> None:
     steps = 4
 
@@ -373,7 +373,7 @@ def test_trainer_under_cp_matches_single_process_and_resumes_under_dp(small_run:
         # the ring run's checkpoint (ZeRO-1 shards over dp × cp) resumes under dp=2 for two more steps
         "resume dp=2": args("ring", "dp=2", "--train.steps", str(steps + 2)),
     }
-    results = dict(zip(runs, run_shared(_train_worker, 2, list(runs.values()), timeout=400)[0], strict=True))
+    results = dict(zip(runs, run_shared(trainer_runs, 2, list(runs.values()), timeout=400)[0], strict=True))
     for name in ("cp=2 ring zero=1", "cp=2 ulysses"):
         assert results[name]["losses"] == pytest.approx(reference.losses, rel=1e-5), name
         assert results[name]["eval"][-1][1] == pytest.approx(reference.eval_losses[-1][1], rel=1e-5), name

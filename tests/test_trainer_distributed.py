@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from distributed import run_shared
+from equivalence import trainer_runs
 
 from meshlm.config import load_config, parse_overrides
 from meshlm.data import prepare_data
@@ -17,14 +18,6 @@ STEPS = 4
 def _overrides(small_run: list[str], run_dir: Path, layout: str, *extra: str) -> list[str]:
     return [*small_run, "--log.run_dir", str(run_dir), "--parallel.layout", layout, "--train.steps", str(STEPS),
             "--train.eval_every", str(STEPS), "--log.aggregate_every", "2", *extra]  # fmt: skip
-
-
-def _train_worker(runs: list[list[str]]) -> list[dict]:
-    out = []
-    for overrides in runs:
-        result = train(load_config(None, parse_overrides(overrides)))
-        out.append({"losses": result.losses, "eval": result.eval_losses, "start": result.start_step})
-    return out
 
 
 def test_layouts_match_single_process_and_log_rank_metrics(small_run: list[str], tmp_path: Path) -> None:
@@ -39,7 +32,7 @@ def test_layouts_match_single_process_and_log_rank_metrics(small_run: list[str],
         # resume the dp=2 zero=1 run's final weights for two more steps under tp=2 (weights reshard on load)
         "resume tp=2": _overrides(small_run, tmp_path / "dp", "tp=2", "--train.steps", str(STEPS + 2)),
     }
-    results = dict(zip(runs, run_shared(_train_worker, 2, list(runs.values()), timeout=400)[0], strict=True))
+    results = dict(zip(runs, run_shared(trainer_runs, 2, list(runs.values()), timeout=400)[0], strict=True))
     for name in ("dp=2 zero=1", "tp=2 sp", "pp=2"):
         assert results[name]["losses"] == pytest.approx(reference.losses, rel=1e-5), name
         assert results[name]["eval"][-1][1] == pytest.approx(reference.eval_losses[-1][1], rel=1e-5), name

@@ -201,12 +201,12 @@ class Trainer:
 
         init_from = cfg.model.init_from if model is None else None  # fine-tuning meshlm's own model
         init_source = open_init_from(init_from, cfg.model.build().vocab_size) if init_from else None
+        given_tokenizer = init_tokenizer(cfg.model.init_from)  # None: trained from the corpus
         self.data = None
         source = parts.batch_source()
         if source is None:
             watchdog.disarm()  # tokenizing the corpus is bounded by the barrier's own timeout
-            tokenizer = init_tokenizer(cfg.model.init_from)
-            self.data = prepare_data_shared(cfg.data, cfg.model.build().vocab_size, tokenizer)
+            self.data = prepare_data_shared(cfg.data, cfg.model.build().vocab_size, given_tokenizer)
             watchdog.arm()
             source = GlobalBatchSampler(self.data.train, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
         self.sampler: BatchSource = Prefetcher(source, cfg.train.steps, pin=device.type == "cuda")
@@ -252,7 +252,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             try:
                 (self.run_dir / "config.toml").write_text(to_toml(cfg))
-                tokenizer = init_tokenizer(cfg.model.init_from)
+                tokenizer = given_tokenizer
                 if tokenizer is None and self.data is not None:
                     tokenizer = self.data.directory / "tokenizer.json"
                 if tokenizer is not None:
