@@ -8,12 +8,14 @@ benchmarks/compile.py times it (losses within 3e-6 over 20 steps)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from distributed import run_shared
 from equivalence import LOSS_RTOL
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from meshlm.config import ParallelSection, load_config, parse_overrides
 from meshlm.model import Transformer, preset
@@ -59,6 +61,33 @@ def test_inductor_blocks_train_as_eager() -> None:
     eager, compiled = run_shared(_eager_and_compiled, 1, "dp=1", "inductor")[0]
     for a, b in zip(eager, compiled, strict=True):
         assert abs(b / a - 1) <= LOSS_RTOL, (a, b)
+
+
+def _inductor_cache_folder(capability: str | None, folder_before: str | None) -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR after compile_blocks with the given environment (restored after)."""
+    saved = {k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
+    try:
+        for key, value in (("ATEN_CPU_CAPABILITY", capability), ("TORCHINDUCTOR_CACHE_DIR", folder_before)):
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        mesh = build_mesh(parse_layout("dp=1", 1), "cpu")
+        compile_blocks(ParallelModel(Transformer(preset("test")), mesh, ParallelSection(), n_micro=1), "inductor")
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+
+
+def test_a_forced_cpu_capability_compiles_into_a_cache_of_its_own() -> None:
+    """Inductor's FX-graph cache does not key on the vector ISA: AVX2 code cached by a run on the default
+    kernels fails to build under ATEN_CPU_CAPABILITY=default. Each forced capability gets its own folder,
+    whether or not importing dynamo already wrote the default one into the environment; a folder the user
+    chose is kept; without a forced capability nothing changes."""
+    default = default_cache_dir()
+    for before in (None, default):
+        assert run_shared(_inductor_cache_folder, 1, "default", before)[0] == f"{default}-default"
+        assert run_shared(_inductor_cache_folder, 1, "avx2", before)[0] == f"{default}-avx2"
+        assert run_shared(_inductor_cache_folder, 1, None, before)[0] in (before, default)
+    assert run_shared(_inductor_cache_folder, 1, "default", "/tmp/mine")[0] == "/tmp/mine"
 
 
 class _Probe(Callback):

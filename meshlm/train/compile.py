@@ -8,7 +8,10 @@ Compiled after the tensor-parallel and pipeline transforms so the graph is of th
 
 from __future__ import annotations
 
+import os
+
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from meshlm.parallel.engine import ParallelModel
 
@@ -16,6 +19,8 @@ from meshlm.parallel.engine import ParallelModel
 def compile_blocks(model: ParallelModel, backend: str = "inductor") -> int:
     """Compile (in place) every block this rank holds, found through the plan's pipeline layers; returns how
     many. A model whose plan names no layers is compiled whole, chunk by chunk."""
+    if backend == "inductor":
+        use_cache_of_cpu_capability()
     layers = model.plan.pipeline.layers if model.plan.pipeline is not None else None
     count = 0
     for chunk in model.chunks:
@@ -25,3 +30,19 @@ def compile_blocks(model: ParallelModel, backend: str = "inductor") -> int:
             block.compile(backend=backend)
             count += 1
     return count
+
+
+def use_cache_of_cpu_capability() -> str | None:
+    """Give a run that forces ATEN_CPU_CAPABILITY an inductor cache of its own; return that folder (None when
+    the capability is not forced or the user chose another cache folder).
+
+    Inductor's FX-graph cache key (torch 2.13) leaves out the vector ISA that the capability selects, so code
+    generated for AVX2 by an earlier run is reused under `default` and fails to build ("'at::vec' has not been
+    declared"); a folder per capability keeps them apart. Importing torch._dynamo already writes the default
+    folder into TORCHINDUCTOR_CACHE_DIR, so that value counts as not chosen."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if not capability or os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) != default_cache_dir():
+        return None
+    folder = f"{default_cache_dir()}-{capability}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
