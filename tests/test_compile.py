@@ -63,18 +63,25 @@ def test_inductor_blocks_train_as_eager() -> None:
         assert abs(b / a - 1) <= LOSS_RTOL, (a, b)
 
 
+def _set_env(**values: str | None) -> None:
+    """Set each variable, or remove it where the value is None."""
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def _inductor_cache_folder(capability: str | None, folder_before: str | None) -> str | None:
     """TORCHINDUCTOR_CACHE_DIR after compile_blocks with the given environment (restored after)."""
     saved = {k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
     try:
-        for key, value in (("ATEN_CPU_CAPABILITY", capability), ("TORCHINDUCTOR_CACHE_DIR", folder_before)):
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        _set_env(ATEN_CPU_CAPABILITY=capability, TORCHINDUCTOR_CACHE_DIR=folder_before)
         mesh = build_mesh(parse_layout("dp=1", 1), "cpu")
         compile_blocks(ParallelModel(Transformer(preset("test")), mesh, ParallelSection(), n_micro=1), "inductor")
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     finally:
-        for key, value in saved.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        _set_env(**saved)
 
 
 def test_a_forced_cpu_capability_compiles_into_a_cache_of_its_own() -> None:
