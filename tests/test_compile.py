@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -63,25 +64,17 @@ def test_inductor_blocks_train_as_eager() -> None:
         assert abs(b / a - 1) <= LOSS_RTOL, (a, b)
 
 
-def _set_env(**values: str | None) -> None:
-    """Set each variable, or remove it where the value is None."""
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 def _inductor_cache_folder(capability: str | None, folder_before: str | None) -> str | None:
-    """TORCHINDUCTOR_CACHE_DIR after compile_blocks with the given environment (restored after)."""
-    saved = {k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
-    try:
-        _set_env(ATEN_CPU_CAPABILITY=capability, TORCHINDUCTOR_CACHE_DIR=folder_before)
+    """TORCHINDUCTOR_CACHE_DIR after compile_blocks with the given environment (None: unset); the rank's
+    environment is restored after."""
+    with mock.patch.dict(os.environ):
+        for key in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR"):
+            os.environ.pop(key, None)
+        given = {"ATEN_CPU_CAPABILITY": capability, "TORCHINDUCTOR_CACHE_DIR": folder_before}
+        os.environ.update({key: value for key, value in given.items() if value is not None})
         mesh = build_mesh(parse_layout("dp=1", 1), "cpu")
         compile_blocks(ParallelModel(Transformer(preset("test")), mesh, ParallelSection(), n_micro=1), "inductor")
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    finally:
-        _set_env(**saved)
 
 
 def test_a_forced_cpu_capability_compiles_into_a_cache_of_its_own() -> None:

@@ -32,17 +32,14 @@ def compile_blocks(model: ParallelModel, backend: str = "inductor") -> int:
     return count
 
 
-def use_cache_of_cpu_capability() -> str | None:
-    """Give a run that forces ATEN_CPU_CAPABILITY an inductor cache of its own; return that folder (None when
-    the capability is not forced or the user chose another cache folder).
+def use_cache_of_cpu_capability() -> None:
+    """Give a run that forces ATEN_CPU_CAPABILITY an inductor cache of its own, unless the user chose a folder.
 
     Inductor's FX-graph cache key (torch 2.13) leaves out the vector ISA that the capability selects, so code
     generated for AVX2 by an earlier run is reused under `default` and fails to build ("'at::vec' has not been
     declared"); a folder per capability keeps them apart. Importing torch._dynamo already writes the default
     folder into TORCHINDUCTOR_CACHE_DIR, so that value counts as not chosen."""
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
-    if not capability or os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) != default_cache_dir():
-        return None
-    folder = f"{default_cache_dir()}-{capability}"
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
-    return folder
+    default = default_cache_dir()
+    if capability and os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-{capability}"
