@@ -354,22 +354,25 @@ def test_no_strategy_names_a_model_attribute() -> None:
 
 
 # ---- the examples, as a user runs them -------------------------------------------------------------------
-def _torchrun(script: str, n: int, *args: str, tmp: Path) -> str:
+def _example(script: str, n: int, *args: str, tmp: Path) -> str:
+    """The example's last line of output on n ranks under torchrun; n = 1 runs it as a plain script (init_mesh
+    makes a one-process group without torchrun's environment)."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), str(ROOT / "examples" / script)]
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(n)] if n > 1 else []
+    cmd = [sys.executable, *launcher, str(ROOT / "examples" / script)]
     done = subprocess.run([*cmd, *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
 
 
 def test_custom_loop_example_prints_the_same_final_loss_at_world_1_and_2(tmp_path: Path) -> None:
-    one = _torchrun("custom_loop.py", 1, tmp=tmp_path)
-    two = _torchrun("custom_loop.py", 2, "--layout", "dp=2", "--zero", "3", tmp=tmp_path)
+    one = _example("custom_loop.py", 1, tmp=tmp_path)
+    two = _example("custom_loop.py", 2, "--layout", "dp=2", "--zero", "3", tmp=tmp_path)
     assert re.fullmatch(r"final loss \d\.\d{5}", one), one
     assert one == two
 
 
 def test_hf_model_example_runs_under_dp_tp(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    last = _torchrun("hf_model.py", 4, "--layout", "dp=2,tp=2", tmp=tmp_path)
+    last = _example("hf_model.py", 4, "--layout", "dp=2,tp=2", tmp=tmp_path)
     assert re.fullmatch(r"final loss \d+\.\d+", last), last

@@ -31,7 +31,9 @@ from meshlm.parallel.data_parallel import DataParallel
 from meshlm.train.optim import lr_at
 
 STEPS, BATCH, SEQ = 10, 8, 32
-SMALL_BUCKETS_MB = 0.02  # ~5k fp32 elements: the test model spreads over a dozen buckets
+# ~52k fp32 elements: the test model's matrices fill four buckets and its norm weights a fifth, so every run
+# crosses bucket boundaries inside and between blocks; 0.02 MB (23 buckets) tested nothing more at 2.5x the time.
+SMALL_BUCKETS_MB = 0.2
 
 # name -> (parallel section, DataParallel options, micro_batch: sequences per micro-batch, 0 = no accumulation);
 # each replica gets BATCH / world sequences, so micro_batch 1 at world 4 and 2 at world 2 mean 2 micro-batches.

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import small_run_args
-from distributed import free_port
+from distributed import free_port, run_shared
+from equivalence import trainer_runs
 
 from meshlm.checkpoint import list_checkpoints, load_model_state
 
@@ -77,8 +78,10 @@ LAYOUT = ("--parallel.layout", "dp=2", "--parallel.zero", "1")
 
 @pytest.fixture(scope="module")
 def uninterrupted(data_cache: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same training on the session's shared two-rank group: `meshlm train`'s trainer, one thread per rank
+    as under torchrun, without the agent's start-up (the comparison is bit for bit, so any difference shows)."""
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    _finish(_torchrun(STANDALONE, _args(small_run_args(data_cache, run_dir), run_dir, *LAYOUT)))
+    run_shared(trainer_runs, 2, [_args(small_run_args(data_cache, run_dir), run_dir, *LAYOUT)], timeout=400)
     return _final_weights(run_dir)
 
 
