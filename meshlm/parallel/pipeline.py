@@ -67,20 +67,27 @@ def split_layers(
         return [range(a, b) for a, b in itertools.pairwise(cuts)]
 
     embed, layer, head = costs
-
-    def stage_cost(stage: int, start: int, end: int) -> float:
-        return (end - start) * layer + (embed if stage == 0 else 0.0) + (head if stage == n_stages - 1 else 0.0)
-
-    # best[k][j] = (cost of the worst stage, Σ stage cost², first layer of stage k) for layers [0, j) in k+1 stages
-    best = [{j: (stage_cost(0, 0, j), stage_cost(0, 0, j) ** 2, 0) for j in range(1, n + 1)}]
-
-    def extend(k: int, i: int, j: int) -> tuple[float, float, int]:
-        worst, squares, _ = best[k - 1][i]
-        c = stage_cost(k, i, j)
-        return max(worst, c), squares + c * c, i
-
+    # best[k][j] = (cost of the worst stage, Σ stage cost², first layer of stage k) for layers [0, j) in k+1
+    # stages; only the j that leave a layer for each later stage. Ties go to the earliest first layer.
+    # (The loops are spelled out: the planner runs this for up to 126 layers in as many chunks.)
+    last = n_stages - 1
+    first = {}
+    for j in range(1, n - last + 1):
+        c = j * layer + embed + (head if last == 0 else 0.0)
+        first[j] = (c, c**2, 0)
+    best = [first]
     for k in range(1, n_stages):
-        best.append({j: min(extend(k, i, j) for i in range(k, j)) for j in range(k + 1, n + 1)})
+        prev, extra, row = best[k - 1], head if k == last else 0.0, {}
+        for j in range(k + 1, n - last + k + 1):
+            choice = None
+            for i in range(k, j):
+                worst, squares, _ = prev[i]
+                c = (j - i) * layer + extra
+                candidate = (worst if worst >= c else c, squares + c * c, i)
+                if choice is None or candidate < choice:
+                    choice = candidate
+            row[j] = choice
+        best.append(row)
     cuts, j = [n], n
     for k in range(n_stages - 1, 0, -1):
         j = best[k][j][2]

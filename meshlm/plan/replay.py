@@ -132,11 +132,15 @@ class _Job:
         return self.deadline is not None and committed < self.work * t / self.deadline
 
     def play(self, start: float, horizon_s: float) -> Run:
-        trace, r, g = self.trace, self.r, self.pool.gpus_per_node
+        """The run from `start` into the trace. Runs step through millions of trace ticks, so the loop reads
+        locals and skips `_capacity` where a tick cannot change anything (the same nodes up, not waiting)."""
+        trace, r, g, pool = self.trace, self.r, self.pool.gpus_per_node, self.pool
+        times, ends, lives = trace.times, trace.ends, trace.lives(self.slots)
+        ticks, expovariate, elastic = len(times), self.rng.expovariate, pool.elastic
         k = trace.index(start)
-        seg_end = (trace.times[k + 1] if k + 1 < len(trace.times) else trace.duration_s) - start
-        live = trace.live(trace.values[k], self.slots)
-        if self.deadline is not None and self.pool.spot and self.must_lock(0.0, 0.0):
+        seg_end = ends[k] - start
+        live = lives[k]
+        if self.deadline is not None and pool.spot and self.must_lock(0.0, 0.0):
             self.od_mode = self.locked = True  # only on demand can make it: start there
         n = self.nodes(live)
         phase = "work" if n else "wait"  # the first start costs no restart (as in Daly's model)
@@ -145,21 +149,22 @@ class _Job:
         while committed < self.work and t < horizon_s:
             if phase == "work":
                 target = min(self.od_tau if self.locked else self.tau, self.work - committed)
-                end = t + (target - chunk) / self.rate(n)
+                rate = self.rate(n)
+                end = t + (target - chunk) / rate
             elif phase == "wait":  # with a deadline the policy looks again every interval while waiting
                 end = t + self.tau if self.deadline is not None else math.inf
             else:
                 end = t + left
             fail_rate = self.failure * n if phase != "wait" else 0.0
-            fail = t + self.rng.expovariate(fail_rate) if fail_rate > 0 else math.inf
-            tn = min(seg_end, end, fail)
+            fail = t + expovariate(fail_rate) if fail_rate > 0 else math.inf
+            tn = seg_end if seg_end <= end and seg_end <= fail else (end if end <= fail else fail)
             dt = tn - t
             billed_spot = 0 if self.od_mode else live
             self.usd += dt * g * (self.on_demand_billed() * r.price_on_demand + billed_spot * r.price_spot) / HOUR
             if phase != "wait":
                 self.training += dt
             if phase == "work":
-                chunk += dt * self.rate(n)
+                chunk += dt * rate
             elif phase != "wait":
                 left -= dt
             t = tn
@@ -177,10 +182,11 @@ class _Job:
                     phase, chunk = "work", 0.0
                     phase, left, n = self._policy(t, committed, live, n, phase)
             else:
-                k = (k + 1) % len(trace.times)
-                seg_end = t + (trace.times[k + 1] if k + 1 < len(trace.times) else trace.duration_s) - trace.times[k]
-                before, live = live, trace.live(trace.values[k], self.slots)
-                phase, left, chunk, n = self._capacity(before, live, phase, left, chunk, n)
+                k = (k + 1) % ticks
+                seg_end = t + ends[k] - times[k]
+                before, live = live, lives[k]
+                if live != before or phase == "wait" or elastic:
+                    phase, left, chunk, n = self._capacity(before, live, phase, left, chunk, n)
                 if phase == "wait" and self.deadline is not None:
                     phase, left, n = self._policy(t, committed, live, n, phase)
         wall = t if committed >= self.work else math.inf

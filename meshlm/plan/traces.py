@@ -20,7 +20,8 @@ import csv
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 FORMATS = ("auto", "spot-traces", "csv")
@@ -41,10 +42,22 @@ class Trace:
     duration_s: float
     relative: bool
     source: str = "trace"
+    _lives: dict[int, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def live(self, value: int, slots: int) -> int:
         """Spot nodes up, of a pool's `slots`, while the trace reads `value`."""
         return max(0, slots - value) if self.relative else min(value, slots)
+
+    def lives(self, slots: int) -> tuple[int, ...]:
+        """`live` of every piece for `slots`, computed once per pool size (each replayed run reads it)."""
+        if slots not in self._lives:
+            self._lives[slots] = tuple(self.live(v, slots) for v in self.values)
+        return self._lives[slots]
+
+    @cached_property
+    def ends(self) -> tuple[float, ...]:
+        """When each piece ends: the next piece's start, and `duration_s` for the last."""
+        return (*self.times[1:], self.duration_s)
 
     def most(self, slots: int) -> int:
         """The most spot nodes of `slots` that are ever up together."""
