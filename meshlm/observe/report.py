@@ -17,11 +17,13 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
-
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING
 
 from meshlm.observe.metrics import latest_timeline, load_metrics
 from meshlm.observe.peak import mfu_basis
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 try:
     import tomllib
@@ -38,6 +40,8 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def _figure(title: str, ylabel: str) -> tuple[Figure, object]:
+    from matplotlib.figure import Figure  # here: every `meshlm` command builds this module's parser
+
     fig = Figure(figsize=(8, 3.2), dpi=90, layout="constrained")
     ax = fig.add_subplot()
     ax.set_title(title, fontsize=11)

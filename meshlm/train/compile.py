@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 from torch import nn
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from meshlm.parallel.engine import ParallelModel
 
@@ -38,7 +37,10 @@ def use_cache_of_cpu_capability() -> None:
     Inductor's FX-graph cache key (torch 2.13) leaves out the vector ISA that the capability selects, so code
     generated for AVX2 by an earlier run is reused under `default` and fails to build ("'at::vec' has not been
     declared"); a folder per capability keeps them apart. Importing torch._dynamo already writes the default
-    folder into TORCHINDUCTOR_CACHE_DIR, so that value counts as not chosen."""
+    folder into TORCHINDUCTOR_CACHE_DIR, so that value counts as not chosen. (Inductor is imported here, not
+    at the top: it costs every trainer process ~0.7 s of start-up, and only compiled runs need it.)"""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
     default = default_cache_dir()
     if capability and os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
