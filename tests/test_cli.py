@@ -14,16 +14,20 @@ from meshlm.cli import main
 from meshlm.observe.metrics import read_metrics
 
 
-def meshlm(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def meshlm(*args: str, cwd: Path | None = None, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "meshlm.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+        [sys.executable, *flags, "-m", "meshlm.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
     )
 
 
 def test_config_show_prints_resolved_toml() -> None:
-    out = meshlm("config", "show", "--train.steps", "7", "--parallel.layout", "dp=2")
+    """Also: every command builds the whole parser, so what the parser's modules import at their top is paid
+    by every `meshlm` process (each rank of a run): matplotlib and inductor (~1.2 s) wait until used."""
+    out = meshlm("config", "show", "--train.steps", "7", "--parallel.layout", "dp=2", flags=("-X", "importtime"))
     assert out.returncode == 0, out.stderr
     assert "[train]\nsteps = 7\n" in out.stdout and 'layout = "dp=2"' in out.stdout
+    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "meshlm.observe.report" in imported and not {"matplotlib", "torch._inductor"} & imported
 
 
 @pytest.mark.parametrize(
