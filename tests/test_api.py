@@ -365,6 +365,7 @@ def _example(script: str, n: int, *args: str, tmp: Path) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # the example run twice, once under torchrun: ~11 s
 def test_custom_loop_example_prints_the_same_final_loss_at_world_1_and_2(tmp_path: Path) -> None:
     one = _example("custom_loop.py", 1, tmp=tmp_path)
     two = _example("custom_loop.py", 2, "--layout", "dp=2", "--zero", "3", tmp=tmp_path)
@@ -372,6 +373,7 @@ def test_custom_loop_example_prints_the_same_final_loss_at_world_1_and_2(tmp_pat
     assert one == two
 
 
+@pytest.mark.slow  # four torchrun ranks importing transformers: ~13 s
 def test_hf_model_example_runs_under_dp_tp(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     last = _example("hf_model.py", 4, "--layout", "dp=2,tp=2", tmp=tmp_path)

@@ -115,6 +115,7 @@ def _assert_resumed(saved: dict, got: dict, layout: str, label: str) -> None:
         raise AssertionError(f"{label}: {e}") from None
 
 
+@pytest.mark.slow  # ten layouts saved and resumed on four ranks: ~18 s
 def test_resume_equals_uninterrupted_for_every_layout(tmp_path: Path) -> None:
     results = run_shared(same_layout_job, 4, str(tmp_path), SAME_LAYOUT_4, timeout=400)
     for (layout, parallel), (saved, got) in zip(SAME_LAYOUT_4, results[0], strict=True):

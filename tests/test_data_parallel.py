@@ -183,6 +183,7 @@ def assert_same_training(ref: dict, got: dict) -> None:
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("name", list(WORLD4_RUNS))
+@pytest.mark.slow  # its module fixture trains 30 runs on four ranks: ~20 s
 def test_world4_trains_like_one_process(world4: dict, name: str, optimizer: str) -> None:
     assert_same_training(reference(optimizer=optimizer), world4[name if optimizer == "adamw" else f"{name} sgd"])
 

@@ -94,6 +94,7 @@ sys.exit(run_doctor(parser.parse_args(["doctor", *sys.argv[1:]])))
 """
 
 
+@pytest.mark.slow  # four torchrun ranks measuring links: ~10 s
 def test_doctor_on_four_ranks_flags_the_slowed_rank(tmp_path: Path) -> None:
     launcher = tmp_path / "launch_doctor.py"
     launcher.write_text(textwrap.dedent(LAUNCHER))

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import small_run_args
 
@@ -69,6 +70,7 @@ def _sigterm_after_a_step(proc: subprocess.Popen, metrics: Path, offset: int) ->
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # a run killed and restarted many times: ~18 s
 def test_random_kills_terminations_and_corruption_end_as_an_uninterrupted_run(data_cache: str, tmp_path: Path) -> None:
     def args_for(run_dir: Path) -> list[str]:
         return [*small_run_args(data_cache, run_dir), "--train.steps", str(STEPS), "--checkpoint.every", str(EVERY),

@@ -268,6 +268,7 @@ def _budget_cases() -> list[dict]:
 
 
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallopt"), reason="needs glibc's mallopt to meter memory")
+@pytest.mark.slow  # a 117M-parameter model on four ranks: ~25 s
 def test_model_larger_than_the_rank_budget_trains_only_when_sharded() -> None:
     assert 4 * sum(p.numel() for p in Transformer(BIG).parameters()) > BUDGET
     # Fresh ranks (run_distributed): the limit and the malloc settings die with them.

@@ -360,6 +360,7 @@ def test_pp2_every_schedule_matches_single_process():
             _assert_matches_reference(per_rank["runs"][i], TEST_MODEL, (rank, *run[:3]))
 
 
+@pytest.mark.slow  # every schedule's grid on four ranks: ~13 s
 def test_pp4_every_schedule_matches_single_process():
     grid = [("pp=4", {"schedule": "gpipe"}, m, EIGHT_LAYERS) for m in (2, 4)]
     grid += [("pp=4", {"schedule": "1f1b"}, m, EIGHT_LAYERS) for m in (4, 5)]
@@ -393,6 +394,7 @@ def test_pp_with_dp_and_zero():
         _assert_matches_reference(got, TEST_MODEL, run)
 
 
+@pytest.mark.slow  # ~6,000 collectives on four ranks: ~19 s
 def test_pp_with_tp_and_sequence_parallel():
     pytest.importorskip("meshlm.parallel.tensor_parallel")
     runs = [

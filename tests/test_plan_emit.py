@@ -104,6 +104,7 @@ def test_emit_needs_an_image_for_kubernetes_and_says_where_it_wrote(
     assert f"wrote {target}" in capsys.readouterr().err and os.access(target, os.X_OK)
 
 
+@pytest.mark.slow  # two torchrun nodes: ~12 s
 def test_generated_sbatch_trains_as_two_nodes_on_localhost(data_cache: str, tmp_path: Path) -> None:
     script = two_node_cpu_plan(tmp_path)
     text = script.read_text()

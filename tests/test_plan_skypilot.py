@@ -93,6 +93,7 @@ def train_losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
+@pytest.mark.slow  # two torchrun launches of two nodes: ~19 s
 def test_run_command_trains_as_two_nodes_and_resumes_after_one_is_killed(data_cache: str, tmp_path: Path) -> None:
     config, calibration = tmp_path / "run.toml", tmp_path / "cal.json"
     config.write_text(RUN_TOML)

@@ -313,6 +313,7 @@ def test_ops_gradients_and_activation_memory() -> None:
 MUTATED_TP2 = [("tp=2", {}, {}), ("tp=2", {}, {"optimizer": "sgd"})]  # f is the op SP replaces
 
 
+@pytest.mark.slow  # ~5,600 two-rank collectives: ~12 s
 def test_tp2_matches_single_process(prompt: torch.Tensor, reference_generated: torch.Tensor) -> None:
     """Plain, SP, tied, accumulation: AdamW loss curves and SGD final weights; the greedy tokens of the
     SGD-trained tp=2 + SP model, from its gathered weights and from its shards. A missing all-reduce in
@@ -332,6 +333,7 @@ def test_tp2_matches_single_process(prompt: torch.Tensor, reference_generated: t
 MUTATED_TP4 = [("tp=4", {}, {}), ("tp=4", {}, {"optimizer": "sgd"})]
 
 
+@pytest.mark.slow  # ~2,000 four-rank collectives (~6 ms each here): ~15 s
 def test_tp4_replicated_kv_matches_single_process() -> None:
     """n_kv_heads 2 < tp 4: each KV head lives on two ranks and its gradient is summed over them; summing it
     on one of them only fails every criterion."""

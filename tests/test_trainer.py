@@ -50,6 +50,7 @@ def test_gradient_accumulation_matches_full_batch(small_run: list[str], tmp_path
     assert b.losses == pytest.approx(a.losses, rel=1e-5)
 
 
+@pytest.mark.slow  # 40 steps and evaluations on real text: ~19 s
 def test_short_default_run_lowers_validation_loss(small_run: list[str]) -> None:
     """The demo's model (tiny preset, 512-token vocabulary) on real Python source: 40 steps take the
     validation loss from ln(vocab) down by more than a nat."""
