@@ -2,7 +2,7 @@
 
 The public API (docs/api.md), importable from `meshlm` directly:
 
-    init_mesh, parallelize, ParallelModel, Checkpoints          your model and your loop
+    init_mesh, parallelize, ParallelModel, Checkpoints, shutdown your model and your loop
     ParallelPlan, PipelineSplit, register_plan, plan_for,        per-family plan tables
     COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, SEQUENCE_PARALLEL
     fit, Callback, BatchSource                                   meshlm's loop with your model, loss and data
@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "init_mesh": "meshlm.api",
     "parallelize": "meshlm.api",
+    "shutdown": "meshlm.api",
     "Checkpoints": "meshlm.api",
     "ParallelModel": "meshlm.parallel.engine",
     "ParallelPlan": "meshlm.parallel.plan",

@@ -365,6 +365,18 @@ def _example(script: str, n: int, *args: str, tmp: Path) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def _shutdown_twice() -> tuple[bool, bool]:
+    meshlm.shutdown()
+    ended = not dist.is_initialized()
+    meshlm.shutdown()  # without a group: nothing to do
+    return ended, not dist.is_initialized()
+
+
+def test_shutdown_ends_the_process_group_once() -> None:
+    """The examples end with it (a barrier before destroy_process_group: see its docstring)."""
+    assert run_distributed(_shutdown_twice, 2) == [(True, True)] * 2
+
+
 @pytest.mark.slow  # the example run twice, once under torchrun: ~11 s
 def test_custom_loop_example_prints_the_same_final_loss_at_world_1_and_2(tmp_path: Path) -> None:
     one = _example("custom_loop.py", 1, tmp=tmp_path)
