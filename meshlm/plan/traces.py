@@ -61,7 +61,7 @@ class Trace:
 
     def most(self, slots: int) -> int:
         """The most spot nodes of `slots` that are ever up together."""
-        return max(self.live(v, slots) for v in self.values)
+        return max(self.lives(slots))
 
     def fitted(self, slots: int) -> tuple[float, float]:
         """The closed form's inputs as this trace shows them for `slots` spot slots: preemptions per node-hour
@@ -72,13 +72,12 @@ class Trace:
             slots = min(slots, max(self.values))
         lost = back = 0
         up_s = down_s = 0.0
-        for i, v in enumerate(self.values):
-            end = self.times[i + 1] if i + 1 < len(self.times) else self.duration_s
-            live = self.live(v, slots)
-            up_s += live * (end - self.times[i])
-            down_s += (slots - live) * (end - self.times[i])
+        lives = self.lives(slots)
+        for i, (live, start, end) in enumerate(zip(lives, self.times, self.ends, strict=True)):
+            up_s += live * (end - start)
+            down_s += (slots - live) * (end - start)
             if i:
-                change = live - self.live(self.values[i - 1], slots)
+                change = live - lives[i - 1]
                 lost, back = lost + max(0, -change), back + max(0, change)
         rate = lost / (up_s / 3600) if up_s else math.inf
         return rate, (down_s / back if back else (math.inf if lost else 0.0))
