@@ -1,5 +1,6 @@
 # The two quick-start commands: `make demo` trains the tiny model on the standard-library corpus,
-# `make test` runs lint and the whole test suite. Both create the virtual environment on first use.
+# `make test` runs lint and the whole test suite, slow checks included (a plain `pytest` skips them). Both
+# create the virtual environment on first use.
 # `make test-portability` reruns the layout-equivalence tests under other CPU kernels (another machine's
 # rounding, tests/equivalence.py): CAPABILITY=default|avx2|avx512 (not above what this CPU has), THREADS=1|2.
 PYTHON ?= python3
@@ -27,10 +28,10 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check meshlm tests benchmarks examples
 
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest --run-slow
 
 test-portability: $(VENV)/.installed
-	ATEN_CPU_CAPABILITY=$(CAPABILITY) MESHLM_TEST_THREADS=$(THREADS) $(PY) -m pytest $(PARALLEL_TESTS)
+	ATEN_CPU_CAPABILITY=$(CAPABILITY) MESHLM_TEST_THREADS=$(THREADS) $(PY) -m pytest --run-slow $(PARALLEL_TESTS)
 
 clean:
 	rm -rf $(VENV) .cache runs

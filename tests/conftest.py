@@ -7,6 +7,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest
 from distributed import close_shared_groups
 
+pytest_plugins = ["pytester", "slow_tier"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_process_groups() -> Iterator[None]:
