@@ -8,6 +8,7 @@ The public API (docs/api.md), importable from `meshlm` directly:
     fit, Callback, BatchSource                                   meshlm's loop with your model, loss and data
     StepObserver, StepGuard, Preemption, Watchdog                metrics and guards as calls
     Transformer, ModelConfig, preset                             the built-in Llama
+    InputError                                                   the base of every one-line bad-input error
 
 Names load on first use, so `import meshlm` (and the CLI) stays fast.
 """
@@ -30,6 +31,7 @@ _EXPORTS = {
     "register_plan": "meshlm.parallel.plan",
     "plan_for": "meshlm.parallel.plan",
     "PlanError": "meshlm.parallel.plan",
+    "InputError": "meshlm.errors",
     "COLWISE": "meshlm.parallel.plan",
     "COLWISE_HEADS": "meshlm.parallel.plan",
     "ROWWISE": "meshlm.parallel.plan",

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshlm.config import Config, ConfigError, load_config, parse_overrides, reference_markdown, to_toml
+from meshlm.errors import InputError
 
 if TYPE_CHECKING:
     from meshlm.model import Transformer
@@ -40,10 +41,11 @@ def _resume_point(run_dir: Path) -> str:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    cfg = _config_from(args, extra)  # before torch is imported: a bad config fails in well under a second
+
     from meshlm.train.distributed import env_rank, lost_peer
     from meshlm.train.trainer import train
 
-    cfg = _config_from(args, extra)
     try:
         result = train(cfg)
     except RuntimeError as e:  # a peer died mid-collective: one line, and what stays resumable
@@ -179,6 +181,65 @@ def _prompt(text: str) -> str:
     return text
 
 
+def cmd_convert(args: argparse.Namespace, _extra: list[str]) -> int:
+    from meshlm.model.hf import run_convert
+
+    return run_convert(args)
+
+
+def cmd_doctor(args: argparse.Namespace, _extra: list[str]) -> int:
+    from meshlm.observe.doctor import run_doctor
+
+    return run_doctor(args)
+
+
+def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `meshlm convert {hf-to-meshlm,meshlm-to-hf}`; `meshlm.model.hf.run_convert` runs it."""
+    parser = subparsers.add_parser(
+        "convert", help="convert checkpoints between meshlm and Hugging Face Llama / Qwen2 / Mistral"
+    )
+    modes = parser.add_subparsers(dest="convert_mode", required=True)
+    to_meshlm = modes.add_parser("hf-to-meshlm", help="HF directory -> meshlm safetensors file")
+    to_meshlm.add_argument("src", type=Path, metavar="SRC_HF_DIR")
+    to_meshlm.add_argument("out", type=Path, metavar="OUT_FILE")
+    to_hf = modes.add_parser(
+        "meshlm-to-hf", help="meshlm safetensors file, checkpoint folder or run directory -> HF directory"
+    )
+    to_hf.add_argument("src", type=Path, metavar="SRC")
+    to_hf.add_argument("out", type=Path, metavar="OUT_HF_DIR")
+    to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    to_hf.add_argument("--max-shard-bytes", type=int, default=None, help="split weights into shards this size")
+    return parser
+
+
+def parse_bytes(text: str) -> int:
+    """'4K' -> 4096, '16M' -> 16 MiB, '1G' -> 1 GiB, '512' -> 512 (binary units, as nccl-tests)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4K, 16M, 1G)") from None
+
+
+def add_doctor_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `doctor` on a subparsers object; `meshlm.observe.doctor.run_doctor` runs it."""
+    p = subparsers.add_parser("doctor", help="measure collective bandwidth and matmul speed; flag slow ranks")
+    p.add_argument("--layout", default="", help="mesh to measure, e.g. pp=2,dp=2,tp=2 (default: the world as dp)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--out", type=Path, default=Path("doctor.json"), help="calibration JSON for `meshlm plan`")
+    p.add_argument("--min-bytes", type=parse_bytes, default=4096, help="smallest message (default 4K)")
+    p.add_argument("--max-bytes", type=parse_bytes, help="largest message (default 16M on CPU, 1G on GPU)")
+    p.add_argument("--iters", type=int, default=20, help="most timed calls per size")
+    p.add_argument("--budget-s", type=float, default=0.5, help="time to spend per size and op, roughly")
+    p.add_argument("--matmul-size", type=int, help="n of the n×n matmul (default 512 CPU, 8192 GPU)")
+    p.add_argument("--outlier", type=float, default=0.8, help="flag below this fraction of the median")
+    p.add_argument("--slow-rank", type=int, help="testing: make this rank's matmul slower (or $MESHLM_SLOW_RANK)")
+    p.add_argument("--slow-factor", type=float, default=3.0, help="testing: how much slower")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="meshlm", description="Train Llama-style models on a device mesh.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -219,17 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
     reference = config_sub.add_parser("reference", help="print the table of every config field (as in the README)")
     reference.set_defaults(func=lambda _args, _extra: print(reference_markdown()) or 0)
 
-    from meshlm.model.hf import add_convert_parser, run_convert
-
     add_convert_parser(sub)
-    sub.choices["convert"].set_defaults(func=lambda a, _extra: run_convert(a))
+    sub.choices["convert"].set_defaults(func=cmd_convert)
+    add_doctor_parser(sub)
+    sub.choices["doctor"].set_defaults(func=cmd_doctor)
 
-    from meshlm.observe.doctor import add_doctor_parser, run_doctor
     from meshlm.observe.report import add_report_parser, run_report
     from meshlm.plan.cli import add_plan_parser, run_plan
 
-    add_doctor_parser(sub)
-    sub.choices["doctor"].set_defaults(func=lambda a, _extra: run_doctor(a))
     add_report_parser(sub)
     sub.choices["report"].set_defaults(func=lambda a, _extra: run_report(a))
 
@@ -239,18 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from meshlm.checkpoint import CheckpointError
-    from meshlm.data import DataError
-    from meshlm.parallel.mesh import LayoutError
-    from meshlm.plan import PlanError
-
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.func not in (cmd_train, cmd_config_show, cmd_prepare_data):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args, extra)
-    except (ConfigError, LayoutError, DataError, CheckpointError, PlanError) as e:
+    except InputError as e:  # a config field, layout, data, checkpoint or plan request: one line
         print(f"meshlm: {e}", file=sys.stderr)
         return 2
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from meshlm.errors import InputError
 from meshlm.model.config import FAMILY_FIELDS, PRESETS, ModelConfig
 
 if sys.version_info >= (3, 11):
@@ -21,7 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A configuration problem, already phrased as one line naming the field."""
 
 

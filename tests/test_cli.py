@@ -9,9 +9,15 @@ from pathlib import Path
 import pytest
 from conftest import small_run_args
 
-from meshlm.checkpoint import list_checkpoints
+from meshlm import InputError
+from meshlm.checkpoint import CheckpointError, StorageError, list_checkpoints
 from meshlm.cli import main
+from meshlm.config import ConfigError
+from meshlm.data import DataError
 from meshlm.observe.metrics import read_metrics
+from meshlm.parallel.mesh import LayoutError
+from meshlm.parallel.plan import PlanError as ModelPlanError
+from meshlm.plan import PlanError
 
 
 def meshlm(*args: str, cwd: Path | None = None, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -20,14 +26,27 @@ def meshlm(*args: str, cwd: Path | None = None, flags: tuple[str, ...] = ()) -> 
     )
 
 
+def _imported(stderr: str) -> set[str]:
+    """The modules a `python -X importtime` run imported."""
+    return {line.split("|")[-1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
 def test_config_show_prints_resolved_toml() -> None:
     """Also: every command builds the whole parser, so what the parser's modules import at their top is paid
-    by every `meshlm` process (each rank of a run): matplotlib and inductor (~1.2 s) wait until used."""
+    by every `meshlm` process (each rank of a run). Commands that need no tensors (config, plan, report, and
+    a config error of any command) start without torch (~2 s), matplotlib or inductor."""
     out = meshlm("config", "show", "--train.steps", "7", "--parallel.layout", "dp=2", flags=("-X", "importtime"))
     assert out.returncode == 0, out.stderr
     assert "[train]\nsteps = 7\n" in out.stdout and 'layout = "dp=2"' in out.stdout
-    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
-    assert "meshlm.observe.report" in imported and not {"matplotlib", "torch._inductor"} & imported
+    imported = _imported(out.stderr)
+    assert {"meshlm.observe.report", "meshlm.plan.cli"} <= imported
+    assert not {"torch", "matplotlib"} & imported
+
+
+def test_plan_starts_without_torch() -> None:
+    plan = meshlm("plan", "--model", "test", "--gpus", "2", "--gpu", "cpu", "--top", "1", flags=("-X", "importtime"))
+    assert plan.returncode == 0 and "dp=" in plan.stdout, plan.stderr[-2000:]
+    assert "torch" not in _imported(plan.stderr)
 
 
 @pytest.mark.parametrize(
@@ -53,12 +72,29 @@ def test_bad_input_is_one_line_and_exit_code_2(
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize(
+    "error", [ConfigError, LayoutError, ModelPlanError, PlanError, DataError, CheckpointError, StorageError]
+)
+def test_every_bad_input_error_is_an_input_error_the_cli_prints_as_one_line(
+    error: type[Exception], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(_args: object, _extra: object) -> int:
+        raise error("what was wrong, and what would be valid")
+
+    monkeypatch.setattr("meshlm.cli.cmd_config_show", fail)
+    assert issubclass(error, InputError) and issubclass(error, ValueError)
+    assert main(["config", "show"]) == 2
+    assert capsys.readouterr().err == "meshlm: what was wrong, and what would be valid\n"
+
+
 def test_bad_input_through_the_real_entry_point_is_one_line(tmp_path: Path) -> None:
-    """The same as a user sees it: nothing else (no warning, no traceback) reaches stderr."""
-    out = meshlm("train", "--train.lr", "-1", "--log.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path))
-    assert out.returncode == 2, out.stderr
-    assert "config error: train.lr: Input should be greater than 0" in out.stderr, out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    """The same as a user sees it: nothing else (no warning, no traceback) reaches stderr, and the config is
+    checked before torch is imported."""
+    args = ("--train.lr", "-1", "--log.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path))
+    out = meshlm("train", *args, flags=("-X", "importtime"))
+    errors = [line for line in out.stderr.splitlines() if not line.startswith("import time:")]
+    assert out.returncode == 2 and errors == ["meshlm: config error: train.lr: Input should be greater than 0"], errors
+    assert "torch" not in _imported(out.stderr)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from distributed import free_port
 
+from meshlm.cli import add_doctor_parser, parse_bytes
 from meshlm.observe.bandwidth import bus_factor, busbw, fit_link, ring_steps
 from meshlm.observe.calibration import calibration
-from meshlm.observe.doctor import add_doctor_parser, default_sizes, parse_bytes, run_doctor
+from meshlm.observe.doctor import default_sizes, run_doctor
 from meshlm.plan.hardware import Calibration, Link, hardware
 from meshlm.plan.step_time import collective_time
 
@@ -86,11 +87,9 @@ def test_calibration_of_a_two_node_gpu_report() -> None:
 
 
 LAUNCHER = """
-import argparse, sys
-from meshlm.observe.doctor import add_doctor_parser, run_doctor
-parser = argparse.ArgumentParser(prog="meshlm")
-add_doctor_parser(parser.add_subparsers(dest="command", required=True))
-sys.exit(run_doctor(parser.parse_args(["doctor", *sys.argv[1:]])))
+import sys
+from meshlm.cli import main
+sys.exit(main(["doctor", *sys.argv[1:]]))
 """
 
 

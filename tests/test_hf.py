@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
+from meshlm.cli import add_convert_parser  # noqa: E402
 from meshlm.model.config import ModelConfig  # noqa: E402
 from meshlm.model.hf import (  # noqa: E402
-    add_convert_parser,
     export_hf,
     hf_config_from_model,
     import_hf,

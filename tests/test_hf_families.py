@@ -15,12 +15,12 @@ import torch
 from distributed import run_shared
 from equivalence import TEST_MODEL, assert_close_runs, reference, train_layout
 
+from meshlm.cli import add_convert_parser
 from meshlm.config import ConfigError, load_config
 from meshlm.model import ModelConfig, Transformer, flops_per_token, param_counts
 from meshlm.model.config import LLAMA3_ROPE_FIELDS
 from meshlm.model.flops import matmul_params
 from meshlm.model.hf import (
-    add_convert_parser,
     hf_config_from_model,
     load_hf_into_model,
     model_config_from_hf,

@@ -22,10 +22,11 @@ from hypothesis import strategies as st
 
 from meshlm.config import ParallelSection
 from meshlm.model import Transformer
+from meshlm.model.flops import part_costs
 from meshlm.model.llama import cross_entropy_loss
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout, validate_layout
-from meshlm.parallel.pipeline import PipelineError, part_costs, split_model, stage_layers
+from meshlm.parallel.pipeline import PipelineError, split_model
 from meshlm.parallel.schedules import (
     SCHEDULES,
     SENDS,
@@ -40,6 +41,7 @@ from meshlm.parallel.schedules import (
     theoretical_bubble,
     validate,
 )
+from meshlm.parallel.stages import stage_layers
 
 EIGHT_LAYERS = TEST_MODEL.replace(n_layers=8)
 

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from meshlm.checkpoint.shards import ChunkLoadPlanner, SafeReader
+from meshlm.errors import InputError
 
 MANIFEST = "manifest.json"
 TRAINER = "trainer.json"
@@ -48,7 +49,7 @@ STORAGE_ERRORS = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A missing, partial, corrupt or incompatible checkpoint, named by file."""
 
 

@@ -1,10 +1,27 @@
-"""meshlm.data: text sources, a byte-level BPE tokenizer, cached token shards and deterministic batches."""
+"""meshlm.data: text sources, a byte-level BPE tokenizer, cached token shards and deterministic batches.
 
-from meshlm.data.dataset import TokenData, prepare_data, prepare_data_shared
-from meshlm.data.sampler import GlobalBatchSampler, eval_batches
-from meshlm.data.shards import TokenShards
-from meshlm.data.sources import DataError, iter_documents
-from meshlm.data.tokenizer import EOT, decode, encode, eot_id, train_tokenizer
+The names below are imported on first use (batches and datasets need torch; the CLI's parser does not).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshlm.data.dataset import TokenData, prepare_data, prepare_data_shared
+    from meshlm.data.sampler import GlobalBatchSampler, eval_batches
+    from meshlm.data.shards import TokenShards
+    from meshlm.data.sources import DataError, iter_documents
+    from meshlm.data.tokenizer import EOT, decode, encode, eot_id, train_tokenizer
+
+_MODULE_OF = {
+    **dict.fromkeys(("TokenData", "prepare_data", "prepare_data_shared"), "dataset"),
+    **dict.fromkeys(("GlobalBatchSampler", "eval_batches"), "sampler"),
+    "TokenShards": "shards",
+    **dict.fromkeys(("DataError", "iter_documents"), "sources"),
+    **dict.fromkeys(("EOT", "decode", "encode", "eot_id", "train_tokenizer"), "tokenizer"),
+}
 
 __all__ = [
     "EOT",
@@ -21,3 +38,9 @@ __all__ = [
     "prepare_data_shared",
     "train_tokenizer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(f"meshlm.data.{_MODULE_OF[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,12 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from meshlm.config import DataSection
+from meshlm.errors import InputError
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".md", ".py")
 VALID_SOURCES = "'stdlib', a .txt/.jsonl file, a folder of .txt/.jsonl/.md/.py files, or 'hf:NAME[:CONFIG]'"
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """A data problem, phrased as one line that names the file and what would be valid."""
 
 

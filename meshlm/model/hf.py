@@ -500,25 +500,6 @@ def _load_meshlm_file(path: Path) -> Transformer:
     return model
 
 
-def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `meshlm convert {hf-to-meshlm,meshlm-to-hf}`; dispatch the parsed args to `run_convert`."""
-    parser = subparsers.add_parser(
-        "convert", help="convert checkpoints between meshlm and Hugging Face Llama / Qwen2 / Mistral"
-    )
-    modes = parser.add_subparsers(dest="convert_mode", required=True)
-    to_meshlm = modes.add_parser("hf-to-meshlm", help="HF directory -> meshlm safetensors file")
-    to_meshlm.add_argument("src", type=Path, metavar="SRC_HF_DIR")
-    to_meshlm.add_argument("out", type=Path, metavar="OUT_FILE")
-    to_hf = modes.add_parser(
-        "meshlm-to-hf", help="meshlm safetensors file, checkpoint folder or run directory -> HF directory"
-    )
-    to_hf.add_argument("src", type=Path, metavar="SRC")
-    to_hf.add_argument("out", type=Path, metavar="OUT_HF_DIR")
-    to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    to_hf.add_argument("--max-shard-bytes", type=int, default=None, help="split weights into shards this size")
-    return parser
-
-
 def run_convert(args: argparse.Namespace) -> int:
     """Run a parsed `meshlm convert` command; bad input gives a one-line error and exit code 1."""
     try:

@@ -7,13 +7,30 @@
 - report: `meshlm report RUN_DIR`, a self-contained HTML page of a run.
 
 Metric definitions: docs/observability.md.
+
+The names below are imported on first use: `meshlm plan` and `meshlm report` read constants from these
+modules and start without loading torch.
 """
 
-from meshlm.observe.aggregate import aggregate, summarize
-from meshlm.observe.memory import ActivationMeter, MemoryProbe, tensor_bytes
-from meshlm.observe.peak import peak_flops
-from meshlm.observe.step import StepObserver, breakdown, mfu
-from meshlm.observe.timers import TIMERS, Timers, bubble, comm, data_wait, timed_wait
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from meshlm.observe.aggregate import aggregate, summarize  # eager: the module has the function's name
+
+if TYPE_CHECKING:
+    from meshlm.observe.memory import ActivationMeter, MemoryProbe, tensor_bytes
+    from meshlm.observe.peak import peak_flops
+    from meshlm.observe.step import StepObserver, breakdown, mfu
+    from meshlm.observe.timers import TIMERS, Timers, bubble, comm, data_wait, timed_wait
+
+_MODULE_OF = {
+    **dict.fromkeys(("ActivationMeter", "MemoryProbe", "tensor_bytes"), "memory"),
+    "peak_flops": "peak",
+    **dict.fromkeys(("StepObserver", "breakdown", "mfu"), "step"),
+    **dict.fromkeys(("TIMERS", "Timers", "bubble", "comm", "data_wait", "timed_wait"), "timers"),
+}
 
 __all__ = [
     "TIMERS",
@@ -32,3 +49,9 @@ __all__ = [
     "tensor_bytes",
     "timed_wait",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(f"meshlm.observe.{_MODULE_OF[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,8 +8,10 @@ communication. That is why stragglers are judged on compute_s when it is there, 
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 STRAGGLER_METRICS = ("compute_s", "step_time_s")
 
@@ -42,6 +44,8 @@ def aggregate(
     """Gather every rank's metrics (a collective: call it on all ranks at the same step) and summarize.
 
     Ranks in the summary are positions in `group` (global ranks for the default group)."""
+    import torch.distributed as dist
+
     per_rank: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(group))]
     dist.all_gather_object(per_rank, metrics, group=group)
     return summarize(per_rank, straggler_threshold)

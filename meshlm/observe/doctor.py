@@ -20,7 +20,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -413,35 +412,6 @@ def print_report(report: dict, console: Console | None = None) -> None:
 
 
 # ---- command line -------------------------------------------------------------------------------------------
-def parse_bytes(text: str) -> int:
-    """'4K' -> 4096, '16M' -> 16 MiB, '1G' -> 1 GiB, '512' -> 512 (binary units, as nccl-tests)."""
-    units = {"K": KiB, "M": MiB, "G": GiB}
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    try:
-        return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4K, 16M, 1G)") from None
-
-
-def add_doctor_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `doctor` on a subparsers object."""
-    p = subparsers.add_parser("doctor", help="measure collective bandwidth and matmul speed; flag slow ranks")
-    p.add_argument("--layout", default="", help="mesh to measure, e.g. pp=2,dp=2,tp=2 (default: the world as dp)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--out", type=Path, default=Path("doctor.json"), help="calibration JSON for `meshlm plan`")
-    p.add_argument("--min-bytes", type=parse_bytes, default=4 * KiB, help="smallest message (default 4K)")
-    p.add_argument("--max-bytes", type=parse_bytes, help="largest message (default 16M on CPU, 1G on GPU)")
-    p.add_argument("--iters", type=int, default=20, help="most timed calls per size")
-    p.add_argument("--budget-s", type=float, default=0.5, help="time to spend per size and op, roughly")
-    p.add_argument("--matmul-size", type=int, help="n of the n×n matmul (default 512 CPU, 8192 GPU)")
-    p.add_argument("--outlier", type=float, default=0.8, help="flag below this fraction of the median")
-    p.add_argument("--slow-rank", type=int, help="testing: make this rank's matmul slower (or $MESHLM_SLOW_RANK)")
-    p.add_argument("--slow-factor", type=float, default=3.0, help="testing: how much slower")
-    p.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
-    p.set_defaults(func=run_doctor)
-    return p
-
-
 def run_doctor(args: argparse.Namespace) -> int:
     """Join (or create) the process group, measure, and on rank 0 print the table and write the JSON files."""
     device = resolve_device(args.device)

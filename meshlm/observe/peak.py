@@ -1,11 +1,15 @@
-"""Peak FLOP/s, the denominator of MFU: a datasheet table for GPUs, a measured matmul rate elsewhere."""
+"""Peak FLOP/s, the denominator of MFU: a datasheet table for GPUs, a measured matmul rate elsewhere.
+
+torch is imported by the functions that measure: the planner reads the table and the labels without it."""
 
 from __future__ import annotations
 
 import functools
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity). Matched in order against the CUDA
 # device name, so the more specific names come first.
@@ -24,7 +28,7 @@ def gpu_peak_flops(name: str) -> float | None:
 
 def matmul_flops(
     n: int = 512,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     seconds: float = 0.2,
     slow_factor: float = 1.0,
@@ -32,8 +36,11 @@ def matmul_flops(
     """Achieved FLOP/s of repeated n×n matmuls for about `seconds`.
 
     `slow_factor` > 1 sleeps inside the timed region so the rank looks that many times slower (to test
-    straggler and outlier detection)."""
+    straggler and outlier detection). dtype defaults to float32."""
+    import torch
+
     device = torch.device(device)
+    dtype = dtype or torch.float32
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
 
@@ -60,6 +67,8 @@ def matmul_flops(
 
 def copy_bandwidth(nbytes: int, device: torch.device | str = "cpu", seconds: float = 0.2) -> float:
     """Memory bandwidth in bytes/s from repeated copies of an `nbytes` buffer (each reads and writes it)."""
+    import torch
+
     device = torch.device(device)
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
@@ -80,6 +89,8 @@ def measured_peak_flops(device_type: str = "cpu") -> float:
     """This process's fp32 matmul rate on CPU (bf16 on an unknown GPU), measured once and cached.
 
     Ranks sharing a machine should measure at the same time (right after a barrier) so each sees its share."""
+    import torch
+
     if device_type == "cuda":
         return matmul_flops(4096, torch.bfloat16, "cuda", seconds=0.5)
     return matmul_flops(512, torch.float32, "cpu", seconds=0.3)
@@ -87,6 +98,8 @@ def measured_peak_flops(device_type: str = "cpu") -> float:
 
 def peak_flops(device: torch.device) -> float:
     """Per-device peak for MFU: the GPU table, else a measured matmul rate."""
+    import torch
+
     if device.type == "cuda":
         table = gpu_peak_flops(torch.cuda.get_device_name(device))
         if table is not None:

@@ -3,21 +3,26 @@
 tp is innermost so a tensor-parallel group stays inside a node (fast links), pp outermost so pipeline
 neighbours may sit on different nodes (only point-to-point traffic), dp in between for scale. cp (context
 parallel: each rank holds part of every sequence) sits next to tp: its ring traffic is per layer, like tp's.
+
+Layouts and their checks need no torch (the planner and the config parser use them); `build_mesh` imports it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
+from meshlm.errors import InputError
 from meshlm.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
 DIMS = ("pp", "dp", "cp", "tp")
 
 
-class LayoutError(ValueError):
+class LayoutError(InputError):
     """An impossible parallel layout, phrased as one line naming what would be valid."""
 
 
@@ -181,6 +186,9 @@ def build_mesh(layout: Layout, device_type: str) -> Mesh:
     """Create the (pp, dp, cp, tp) DeviceMesh over the already-initialised default process group. Under
     cp the dp and cp dimensions are also flattened into "dp_cp": cp ranks hold the same weights and their
     gradients are partial sums over their tokens, so they reduce gradients (and shard ZeRO state) with dp."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
     if dist.get_world_size() != layout.world_size:
         raise LayoutError(f"layout {layout} needs {layout.world_size} ranks, the world has {dist.get_world_size()}")
     shape = tuple(getattr(layout, d) for d in DIMS)

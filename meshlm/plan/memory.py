@@ -1,7 +1,7 @@
 """Memory per device of one strategy: model states by ZeRO stage, activations by recompute policy and
 pipeline schedule, the loss's logits, transient buffers, and framework overhead.
 
-The pipeline split and the schedule are the runtime's own (`meshlm.parallel.pipeline.stage_layers`,
+The pipeline split and the schedule are the runtime's own (`meshlm.parallel.stages.stage_layers`,
 `meshlm.parallel.schedules.compute_order`), so the planner predicts memory for the split and the order of
 micro-batches that actually run. Every formula and its source is in docs/planner.md.
 """
@@ -14,8 +14,8 @@ from typing import Literal
 
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.mesh import Layout
-from meshlm.parallel.pipeline import stage_layers
 from meshlm.parallel.schedules import compute_order
+from meshlm.parallel.stages import stage_layers
 from meshlm.plan.hardware import GB, Hardware
 
 Precision = Literal["bf16", "fp32"]

@@ -13,6 +13,7 @@ from functools import cache
 from typing import Literal
 
 from meshlm.config import Config
+from meshlm.errors import InputError
 from meshlm.model.flops import param_counts
 from meshlm.parallel.mesh import Layout
 from meshlm.plan.cost import DEFAULT_COSTS, CostModel, nodes_of, rates, run_cost
@@ -36,7 +37,7 @@ Objective = Literal["throughput", "cost"]
 MAX_GPUS = 2**17  # how far `does not fit` looks for a device count that would
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """A request the planner cannot satisfy, phrased as one line that says what would work."""
 
 
