@@ -8,8 +8,9 @@
 
 Metric definitions: docs/observability.md.
 
-The names below are imported on first use: `meshlm plan` and `meshlm report` read constants from these
-modules and start without loading torch.
+The names below are imported on first use (all but `aggregate` and `summarize`, whose module needs no torch
+and shares the function's name): `meshlm plan` and `meshlm report` read constants from these modules and
+start without loading torch.
 """
 
 from __future__ import annotations
