@@ -15,8 +15,7 @@ Names load on first use, so `import meshlm` (and the CLI) stays fast.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from meshlm.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -51,8 +50,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'meshlm' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -5,8 +5,9 @@ The names below are imported on first use (batches and datasets need torch; the 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from meshlm.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from meshlm.data.dataset import TokenData, prepare_data, prepare_data_shared
@@ -16,11 +17,11 @@ if TYPE_CHECKING:
     from meshlm.data.tokenizer import EOT, decode, encode, eot_id, train_tokenizer
 
 _MODULE_OF = {
-    **dict.fromkeys(("TokenData", "prepare_data", "prepare_data_shared"), "dataset"),
-    **dict.fromkeys(("GlobalBatchSampler", "eval_batches"), "sampler"),
-    "TokenShards": "shards",
-    **dict.fromkeys(("DataError", "iter_documents"), "sources"),
-    **dict.fromkeys(("EOT", "decode", "encode", "eot_id", "train_tokenizer"), "tokenizer"),
+    **dict.fromkeys(("TokenData", "prepare_data", "prepare_data_shared"), "meshlm.data.dataset"),
+    **dict.fromkeys(("GlobalBatchSampler", "eval_batches"), "meshlm.data.sampler"),
+    "TokenShards": "meshlm.data.shards",
+    **dict.fromkeys(("DataError", "iter_documents"), "meshlm.data.sources"),
+    **dict.fromkeys(("EOT", "decode", "encode", "eot_id", "train_tokenizer"), "meshlm.data.tokenizer"),
 }
 
 __all__ = [
@@ -39,8 +40,4 @@ __all__ = [
     "train_tokenizer",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _MODULE_OF:
-        return getattr(importlib.import_module(f"meshlm.data.{_MODULE_OF[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _MODULE_OF)

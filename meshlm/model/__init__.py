@@ -5,16 +5,15 @@ config parser (`meshlm plan`, `meshlm config show`) start without loading torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from meshlm.lazy import lazy_attributes
 from meshlm.model.config import PRESETS, ModelConfig, preset
 from meshlm.model.flops import flops_per_token, param_counts
 
 if TYPE_CHECKING:
     from meshlm.model.llama import Transformer, cross_entropy_loss, generate
 
-_TORCH_NAMES = {"Transformer", "cross_entropy_loss", "generate"}  # from meshlm.model.llama
 
 __all__ = [
     "PRESETS",
@@ -27,8 +26,6 @@ __all__ = [
     "preset",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _TORCH_NAMES:
-        return getattr(importlib.import_module("meshlm.model.llama"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(
+    __name__, dict.fromkeys(("Transformer", "cross_entropy_loss", "generate"), "meshlm.model.llama")
+)

@@ -15,9 +15,9 @@ start without loading torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from meshlm.lazy import lazy_attributes
 from meshlm.observe.aggregate import aggregate, summarize  # eager: the module has the function's name
 
 if TYPE_CHECKING:
@@ -27,10 +27,10 @@ if TYPE_CHECKING:
     from meshlm.observe.timers import TIMERS, Timers, bubble, comm, data_wait, timed_wait
 
 _MODULE_OF = {
-    **dict.fromkeys(("ActivationMeter", "MemoryProbe", "tensor_bytes"), "memory"),
-    "peak_flops": "peak",
-    **dict.fromkeys(("StepObserver", "breakdown", "mfu"), "step"),
-    **dict.fromkeys(("TIMERS", "Timers", "bubble", "comm", "data_wait", "timed_wait"), "timers"),
+    **dict.fromkeys(("ActivationMeter", "MemoryProbe", "tensor_bytes"), "meshlm.observe.memory"),
+    "peak_flops": "meshlm.observe.peak",
+    **dict.fromkeys(("StepObserver", "breakdown", "mfu"), "meshlm.observe.step"),
+    **dict.fromkeys(("TIMERS", "Timers", "bubble", "comm", "data_wait", "timed_wait"), "meshlm.observe.timers"),
 }
 
 __all__ = [
@@ -51,8 +51,4 @@ __all__ = [
     "timed_wait",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _MODULE_OF:
-        return getattr(importlib.import_module(f"meshlm.observe.{_MODULE_OF[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _MODULE_OF)
