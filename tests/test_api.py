@@ -170,6 +170,7 @@ def _world4_runs() -> list[dict]:
     ]
 
 
+@pytest.mark.slow  # four fresh ranks importing transformers: ~11 s
 def test_hf_llama_object_and_gpt2_under_dp_tp_match_one_process() -> None:
     pytest.importorskip("transformers")
     hf_ref = api_run("", model_fn=hf_llama, plan=None)

@@ -31,6 +31,7 @@ def _segment(overrides: list[str]) -> dict:
     return {"losses": result.losses, "start": result.start_step}
 
 
+@pytest.mark.slow  # a reference run and three restarted segments on four ranks: ~11 s
 def test_auto_layout_repicks_on_every_restart_and_continues_the_curve(small_run: list[str], tmp_path: Path) -> None:
     cfg = load_config(None, parse_overrides(small_run))
     prepare_data(cfg.data, cfg.model.build().vocab_size)  # tokenize once, before the ranks start

@@ -48,6 +48,7 @@ def _eager_and_compiled(layout: str, backend: str = "aot_eager") -> list[list[fl
     return [_losses(layout, compiled, backend) for compiled in (False, True)]
 
 
+@pytest.mark.slow  # aot_eager compiles of the blocks, on one rank and under tp=2: ~11 s
 def test_compiled_blocks_train_as_eager() -> None:
     """In one process, and with tensor-parallel blocks (the compiled graph holds their collectives)."""
     for layout, world in (("dp=1", 1), ("dp=1,tp=2", 2)):

@@ -283,6 +283,7 @@ def _runs_only(runs: list[tuple[str, dict, dict]]) -> list[dict]:
     return [train_layout(lay, par, **kw) for lay, par, kw in runs]
 
 
+@pytest.mark.slow  # eight fresh ranks on two cores: ~13 s
 def test_4d_pp2_cp2_tp2_matches_one_process() -> None:
     out = run_distributed(_runs_only, 8, RUN_4D, timeout=300)
     assert_close_runs(reference(micro_batch=2), out[0][0])

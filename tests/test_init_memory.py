@@ -148,6 +148,7 @@ def _llama_layouts() -> list[dict]:
     return out
 
 
+@pytest.mark.slow  # every layout's meta start on four ranks: ~9 s
 def test_meta_llama_starts_bit_identical_to_one_process_under_every_layout() -> None:
     results = run_shared(_llama_layouts, WORLD)
     for (layout, par, changes), got in zip(LLAMA_CASES, results[0], strict=True):

@@ -384,6 +384,7 @@ def _compositions(runs: list) -> list[dict]:
     return [_train_both(*run) for run in runs]
 
 
+@pytest.mark.slow  # four compositions on four ranks: ~10 s
 def test_pp_with_dp_and_zero():
     pytest.importorskip("meshlm.parallel.data_parallel")
     runs = [

@@ -41,6 +41,7 @@ def doc_rows() -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow  # every row of the doc table replayed 100 times: ~9-11 s
 def test_closed_form_p50_within_ten_percent_of_replay_as_the_doc_table_says() -> None:
     documented = doc_rows()
     assert len(documented) == len(spot_replay.ROWS)
