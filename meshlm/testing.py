@@ -259,6 +259,12 @@ def run_shared(fn: Callable, world: int, *args: Any, timeout: float = 180, pg_ti
         raise
 
 
+def shared_group_alive(world: int, pg_timeout: float = 60) -> bool:
+    """Whether `run_shared` holds a live group of `world` ranks (with that pg_timeout) for the next call."""
+    group = _SHARED.get((world, pg_timeout))
+    return group is not None and group.alive()
+
+
 @atexit.register
 def close_shared_groups() -> None:
     """End every shared group's ranks (they also exit on their own once the caller is gone)."""

@@ -1,20 +1,11 @@
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest
-from distributed import close_shared_groups
 
-pytest_plugins = ["pytester", "slow_tier"]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def shared_process_groups() -> Iterator[None]:
-    """The gloo groups `run_shared` keeps between tests end with the session."""
-    yield
-    close_shared_groups()
+pytest_plugins = ["pytester", "slow_tier", "shared_groups"]
 
 
 @pytest.fixture(scope="session")

@@ -129,6 +129,16 @@ def _time(
     return total / count
 
 
+def small_all_reduce_seconds(group: dist.ProcessGroup | None = None, budget_s: float = 0.3) -> float:
+    """Seconds per 4 KiB all-reduce on CPU, each after a burst of compute as a training step pays it: the
+    latency that sets a small model's distributed step (and the test suite's wall time). Call it on every
+    rank of `group` (default: the whole world)."""
+    group = group or dist.group.WORLD
+    cpu = torch.device("cpu")
+    call = _operation("all_reduce", 4 * KiB, dist.get_world_size(group), group, cpu)
+    return _time(call, group, cpu, 200, budget_s, _burst(cpu))
+
+
 def _measure_dim(
     dim: str, group: dist.ProcessGroup, sizes: list[int], device: torch.device, iters: int, budget_s: float
 ) -> list[dict]:
