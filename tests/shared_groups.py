@@ -28,9 +28,11 @@ def machine_speed() -> str:
 @pytest.fixture(scope="session", autouse=True)
 def shared_process_groups(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    if shared_group_alive(2):
-        request.config.stash[SPEED] = machine_speed()
-    close_shared_groups()
+    try:
+        if shared_group_alive(2):
+            request.config.stash[SPEED] = machine_speed()
+    finally:
+        close_shared_groups()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
