@@ -138,6 +138,7 @@ def check_plan(model: nn.Module, plan: ParallelPlan, tp: int, pp: int, zero: int
                 )
         for name, module, style in tp_modules(model, plan):
             _check_tp_module(plan, model, name, module, style, tp)
+        _check_tp_ties(model, plan, tp)
         if plan.check is not None:
             plan.check(model, tp)
     if zero == 3:
@@ -175,6 +176,43 @@ def _check_tp_module(plan: ParallelPlan, model: nn.Module, name: str, module: nn
                 f"{where}: {module.out_features} outputs = {heads} heads of {head_dim}; the head count must "
                 f"divide or be divisible by tp={tp}"
             )
+
+
+# The dimension of a module's weight and bias that each style splits (None: every tp rank holds it whole).
+_WEIGHT_SPLIT = {COLWISE: 0, COLWISE_HEADS: 0, VOCAB_HEAD: 0, VOCAB_EMBEDDING: 0, ROWWISE: 1}
+_BIAS_SPLIT = {COLWISE: 0, COLWISE_HEADS: 0, VOCAB_HEAD: 0}
+
+
+def _check_tp_ties(model: nn.Module, plan: ParallelPlan, tp: int) -> None:
+    """A Parameter shared by several modules (a tied embedding and head) must be split alike by all of them,
+    or each would keep a different tensor and the tie would silently come undone."""
+    holders: dict[int, list[tuple[str, nn.Module, str, str | None]]] = {}
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            style = plan.tp_style(name) if name else None
+            holders.setdefault(id(p), []).append((name, module, pname, style))
+    for held in holders.values():
+        if len(held) < 2:
+            continue
+        splits = {(_BIAS_SPLIT if pname == "bias" else _WEIGHT_SPLIT).get(style) for _, _, pname, style in held}
+        embedding = next((h for h in held if isinstance(h[1], nn.Embedding)), None)
+        head = next((h for h in held if isinstance(h[1], nn.Linear)), None)
+        vocab_pair = embedding is not None and head is not None
+        if vocab_pair and embedding[3] is not None and head[3] != VOCAB_HEAD:
+            splits.add("mismatch")
+        if len(splits) == 1:
+            continue
+        a, b = (embedding, head) if vocab_pair else (held[0], next(h for h in held if h[3] != held[0][3]))
+        valid = (
+            f"{a[0]}: {VOCAB_EMBEDDING} and {b[0]}: {VOCAB_HEAD}, or neither in the table"
+            if vocab_pair
+            else "the same style for both, or neither in the table"
+        )
+        raise PlanError(
+            f"plan {plan.name!r}: {a[0]} ({a[3] or 'not in tensor_parallel'}) and {b[0]} "
+            f"({b[3] or 'not in tensor_parallel'}) share one tied weight, which tp={tp} would split differently "
+            f"and so untie; valid: {valid}"
+        )
 
 
 def check_pipeline_split(model: nn.Module, plan: ParallelPlan, n_stages: int) -> None:
