@@ -216,8 +216,8 @@ def _check_tp_ties(model: nn.Module, plan: ParallelPlan, tp: int) -> None:
 
 
 def check_pipeline_split(model: nn.Module, plan: ParallelPlan, n_stages: int) -> None:
-    """Every parameter must belong to a block, a first-stage or a last-stage module; with several stages
-    none may be shared by the first and the last (tied embeddings)."""
+    """Every parameter must belong to a block, a first-stage or a last-stage module; with several stages a
+    tied parameter may be shared by first- and last-stage modules only."""
     cls = type(model).__name__
     split = plan.pipeline
     if split is None:
@@ -235,15 +235,21 @@ def check_pipeline_split(model: nn.Module, plan: ParallelPlan, n_stages: int) ->
                 f"plan {plan.name!r}: parameter {pname} of {cls} is in no pipeline stage; add its module to "
                 f"PipelineSplit.first or .last (now first={list(split.first)}, last={list(split.last)})"
             )
-    if n_stages > 1:
-        first = {id(p): f"{n}.{pn}" for n in split.first for pn, p in names[n].named_parameters()}
-        for n in split.last:
-            for pn, p in names[n].named_parameters():
-                if id(p) in first:
-                    raise PlanError(
-                        f"{cls}: {first[id(p)]} (first stage) and {n}.{pn} (last stage) are one tied parameter, "
-                        "which cannot live on two pipeline stages; untie them (model.tie_embeddings = false)"
-                    )
+    # A parameter shared by the first and the last stage's modules (a tied embedding and head) lives on both
+    # stages, its gradients summed between them (pipeline.TiedStages). Any other sharing across parts (a block
+    # with another block or with an end) would put one weight on stages with no such sum: refused.
+    part_of: dict[int, tuple[str, str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if pname.startswith(split.layers + "."):
+            part = split.layers + "." + pname[len(split.layers) + 1 :].split(".")[0]
+        else:
+            part = "first" if any(pname.startswith(n + ".") for n in split.first) else "last"
+        seen = part_of.setdefault(id(p), (part, pname))
+        if n_stages > 1 and seen[0] != part and {seen[0], part} != {"first", "last"}:
+            raise PlanError(
+                f"plan {plan.name!r}: {seen[1]} and {pname} of {cls} are one tied parameter in two pipeline parts; "
+                "only a tie between PipelineSplit.first and .last modules (embedding and head) can be pipelined"
+            )
 
 
 def _examples(names: dict[str, nn.Module], limit: int = 6) -> str:
