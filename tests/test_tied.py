@@ -80,10 +80,7 @@ def _pp2_and_mutation(runs: list) -> dict:
 
 
 def test_tied_pp2_matches_single_process_and_the_missing_all_reduce_is_caught():
-    runs = [
-        ("pp=2", {"schedule": "1f1b"}, 2),
-        ("pp=2", {"schedule": "interleaved", "virtual_stages": 2}, 2),
-    ]
+    runs = [("pp=2", {"schedule": "1f1b"}, 2)]
     results = run_shared(_pp2_and_mutation, 2, runs)
     for rank in results:
         for run, got in zip(runs, rank["runs"], strict=True):
@@ -91,6 +88,14 @@ def test_tied_pp2_matches_single_process_and_the_missing_all_reduce_is_caught():
     assert sum(rank["fired"] for rank in results) > 0, "the mutation never fired"
     ref = reference(model_cfg=TIED, seq_len=16, optimizer="adamw")
     assert "losses" in criterion_failures(ref, results[0]["mutated"])
+
+
+@pytest.mark.slow  # two more schedules, each trained twice on two ranks: ~15 s on two cores
+def test_tied_pp2_interleaved_and_zero_bubble_schedules():
+    runs = [("pp=2", {"schedule": "interleaved", "virtual_stages": 2}, 2), ("pp=2", {"schedule": "zb1"}, 1)]
+    for rank in run_shared(_runs, 2, runs):
+        for run, got in zip(runs, rank, strict=True):
+            _assert_matches_reference(got, run)
 
 
 def test_tied_tp2_matches_single_process():
@@ -170,6 +175,7 @@ def _train_tied_at_pp2(overrides: list[str]) -> list[dict]:
     return trainer_runs([overrides])
 
 
+@pytest.mark.slow  # trains at pp=2 on real text (tokenized first unless the session has): 15-40 s on two cores
 def test_eval_generate_and_convert_of_a_tied_run(data_cache: str, tmp_path: Path, capsys):
     transformers = pytest.importorskip("transformers")
     from conftest import small_run_args
@@ -178,7 +184,8 @@ def test_eval_generate_and_convert_of_a_tied_run(data_cache: str, tmp_path: Path
 
     run_dir = tmp_path / "run"
     overrides = [*small_run_args(data_cache, run_dir), "--model.tie_embeddings", "true"]
-    overrides += ["--train.steps", "3", "--train.eval_every", "3", "--parallel.layout", "pp=2"]
+    overrides += ["--train.steps", "3", "--train.eval_every", "3"]
+    overrides += ["--parallel.layout", "pp=2", "--train.micro_batch", "4"]
     logged = run_shared(_train_tied_at_pp2, 2, overrides)[0][0]["eval"][-1][1]
 
     assert main(["eval", str(run_dir)]) == 0
@@ -204,3 +211,22 @@ def test_eval_generate_and_convert_of_a_tied_run(data_cache: str, tmp_path: Path
     assert main(["convert", "hf-to-meshlm", str(hf_dir), str(back)]) == 0
     assert main(["convert", "meshlm-to-hf", str(back), str(tmp_path / "hf2")]) == 0
     assert load_file(tmp_path / "hf2" / "model.safetensors").keys() == load_file(hf_dir / "model.safetensors").keys()
+
+
+def _init_from_at_pp2(directory: str) -> dict:
+    from test_init_from import set_up
+
+    return set_up(directory, "pp=2")
+
+
+@pytest.mark.slow  # transformers on two ranks: 15-45 s on two shared cores
+def test_init_from_a_tied_hf_checkpoint_at_pp2(tmp_path: Path):
+    """A Llama-3.2-shaped HF checkpoint (tie_word_embeddings: true), built on meta at pp=2: both ends read the
+    one stored embedding, and the step-0 loss and the weights equal transformers'."""
+    pytest.importorskip("transformers")
+    from test_init_from import assert_equals_transformers, make_hf_model, save_checkpoint
+
+    directory = save_checkpoint(make_hf_model(tie=True), tmp_path / "tied")
+    for run in run_shared(_init_from_at_pp2, 2, str(directory)):
+        assert_equals_transformers(run, directory)
+        assert torch.equal(run["state"][EMBED], run["state"][HEAD])
