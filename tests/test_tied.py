@@ -129,6 +129,33 @@ def test_a_tied_checkpoint_saved_at_pp2_resumes_in_one_process(tmp_path: Path):
     assert_close_runs(tail(reference(model_cfg=TIED, seq_len=16, optimizer="adamw"), 5), resumed)
 
 
+def tied_gpt2() -> torch.nn.Module:
+    """A user's model (tests/test_api.py's GPT-2 style) whose head reuses its token embedding: the tie is the
+    module graph's (one Parameter, two modules), there is no config field saying so."""
+    from test_api import gpt2
+
+    model = gpt2()
+    model.head.weight = model.wte.weight
+    return model
+
+
+def _user_model_runs(layouts: list[tuple[str, dict]]) -> list[dict]:
+    from test_api import api_run
+
+    return [api_run(layout, model_fn=tied_gpt2, **kwargs) for layout, kwargs in layouts]
+
+
+def test_a_users_tied_model_under_pp2_and_tp2_matches_one_process():
+    from test_api import api_run
+
+    layouts = [("pp=2", {"micro_batches": 2}), ("tp=2", {})]
+    ref = api_run("", model_fn=tied_gpt2)
+    for rank in run_shared(_user_model_runs, 2, layouts):
+        for (layout, kwargs), got in zip(layouts, rank, strict=True):
+            assert_close_runs(ref, got)
+            assert torch.equal(got["state"]["wte.weight"], got["state"]["head.weight"]), layout
+
+
 # ---- plans that cannot keep a tie are refused in one line ------------------------------------------------
 def test_a_tp_plan_that_splits_one_side_of_a_tie_is_refused():
     model = Transformer(TIED)
