@@ -151,7 +151,7 @@ def test_a_users_tied_model_under_pp2_and_tp2_matches_one_process():
     layouts = [("pp=2", {"micro_batches": 2}), ("tp=2", {})]
     ref = api_run("", model_fn=tied_gpt2)
     for rank in run_shared(_user_model_runs, 2, layouts):
-        for (layout, kwargs), got in zip(layouts, rank, strict=True):
+        for (layout, _), got in zip(layouts, rank, strict=True):
             assert_close_runs(ref, got)
             assert torch.equal(got["state"]["wte.weight"], got["state"]["head.weight"]), layout
 
