@@ -105,12 +105,13 @@ def test_tied_tp2_matches_single_process():
             _assert_matches_reference(got, run)
 
 
-@pytest.mark.slow  # three compositions on four ranks: ~20 s on two cores
-def test_tied_pp2_with_dp_zero_and_tp():
+@pytest.mark.slow  # four compositions on four ranks: ~25 s on two cores
+def test_tied_pp_with_dp_zero_tp_and_pp4():
     runs = [
         ("pp=2,dp=2", {"schedule": "1f1b", "zero": 1}, 1),
         ("pp=2,dp=2", {"schedule": "zb1", "zero": 3}, 1),  # the tied weight is a ZeRO-3 buffer of its own
         ("pp=2,tp=2", {"schedule": "gpipe", "sequence_parallel": True}, 2),
+        ("pp=4", {"schedule": "1f1b"}, 2),  # the embedding group is a group of its own: ranks 0 and 3
     ]
     for run, got in zip(runs, run_shared(_runs, 4, runs)[0], strict=True):
         _assert_matches_reference(got, run)
