@@ -168,7 +168,8 @@ class TiedStages:
         if not stage_ties(model, split):
             return None
         group = embedding_group(mesh)
-        params = list({id(p): p for chunk in chunks for p in chunk.parameters() if is_pp_tied(p)}.values())
+        held = (p for chunk in chunks for p in chunk.parameters() if is_pp_tied(p) and p.requires_grad)
+        params = list({id(p): p for p in held}.values())
         if group is None or not params:
             return None
         return cls(params, group, replica=mesh.rank("pp") == mesh.size("pp") - 1)
