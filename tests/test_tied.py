@@ -157,6 +157,31 @@ def test_a_users_tied_model_under_pp2_and_tp2_matches_one_process():
             assert torch.equal(got["state"]["wte.weight"], got["state"]["head.weight"]), layout
 
 
+def tied_hf_llama() -> torch.nn.Module:
+    from test_api import hf_llama
+
+    model = hf_llama()
+    model.lm_head.weight = model.model.embed_tokens.weight  # what tie_word_embeddings: true builds
+    return model
+
+
+def _hf_tp2() -> dict:
+    from test_api import api_run
+
+    return api_run("tp=2", model_fn=tied_hf_llama, plan=None)
+
+
+@pytest.mark.slow  # two ranks importing transformers: ~10 s
+def test_a_tied_hf_llama_object_under_tp2_matches_one_process():
+    pytest.importorskip("transformers")
+    from test_api import api_run
+
+    ref = api_run("", model_fn=tied_hf_llama, plan=None)
+    for got in run_shared(_hf_tp2, 2):
+        assert_close_runs(ref, got)
+        assert torch.equal(got["state"]["model.embed_tokens.weight"], got["state"]["lm_head.weight"])
+
+
 # ---- plans that cannot keep a tie are refused in one line ------------------------------------------------
 def test_a_tp_plan_that_splits_one_side_of_a_tie_is_refused():
     model = Transformer(TIED)
