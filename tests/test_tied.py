@@ -34,6 +34,7 @@ from meshlm.parallel.plan import ParallelPlan, PipelineSplit, PlanError, check_p
 
 TIED = TEST_MODEL.replace(tie_embeddings=True)
 OPTIMIZERS = ("adamw", "sgd")
+MUTATED_STEPS = 3  # a wrong gradient shows in the loss after one update; the norm at once
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
@@ -71,23 +72,46 @@ def embedding_group_not_all_reduced() -> Iterator[list]:
         yield fired
 
 
+@contextlib.contextmanager
+def tied_weight_counted_twice_in_the_norm() -> Iterator[list]:
+    """The mutation: the last stage's copy counts in the global gradient norm too."""
+    fired: list = []
+    init = TiedStages.__init__
+
+    def both_count(self: TiedStages, params: list, group: object, replica: bool) -> None:
+        fired.append(replica)
+        init(self, params, group, replica=False)
+
+    with _patched(TiedStages, "__init__", both_count):
+        yield fired
+
+
 def _pp2_and_mutation(runs: list) -> dict:
     out = {"runs": _runs(runs)}
-    with embedding_group_not_all_reduced() as fired:
-        out["mutated"] = train_layout("pp=2", {"schedule": "1f1b"}, micro_batch=2, model_cfg=TIED, seq_len=16)
-    out["fired"] = len(fired)
+    for label, mutation in (
+        ("no all-reduce", embedding_group_not_all_reduced),
+        ("norm", tied_weight_counted_twice_in_the_norm),
+    ):
+        with mutation() as fired:
+            run = train_layout(
+                "pp=2", {"schedule": "1f1b"}, steps=MUTATED_STEPS, micro_batch=2, model_cfg=TIED, seq_len=16
+            )
+        out[label] = {**run, "fired": any(fired)}
     return out
 
 
-def test_tied_pp2_matches_single_process_and_the_missing_all_reduce_is_caught():
+def test_tied_pp2_matches_single_process_and_the_mutations_are_caught():
+    """1F1B against one process; dropping the embedding-group all-reduce, or counting the last stage's copy
+    in the gradient norm, fails the loss criterion (its gradient norms, and the clipped steps)."""
     runs = [("pp=2", {"schedule": "1f1b"}, 2)]
     results = run_shared(_pp2_and_mutation, 2, runs)
     for rank in results:
         for run, got in zip(runs, rank["runs"], strict=True):
             _assert_matches_reference(got, run)
-    assert sum(rank["fired"] for rank in results) > 0, "the mutation never fired"
-    ref = reference(model_cfg=TIED, seq_len=16, optimizer="adamw")
-    assert "losses" in criterion_failures(ref, results[0]["mutated"])
+    ref = reference(model_cfg=TIED, seq_len=16, steps=MUTATED_STEPS)
+    for mutation in ("no all-reduce", "norm"):
+        assert any(rank[mutation]["fired"] for rank in results), f"{mutation}: the mutation never fired"
+        assert "losses" in criterion_failures(ref, results[0][mutation]), mutation
 
 
 @pytest.mark.slow  # two more schedules, each trained twice on two ranks: ~15 s on two cores
