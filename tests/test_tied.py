@@ -114,7 +114,6 @@ def test_tied_pp2_matches_single_process_and_the_mutations_are_caught():
         assert "losses" in criterion_failures(ref, results[0][mutation]), mutation
 
 
-@pytest.mark.slow  # two more schedules, each trained twice on two ranks: ~15 s on two cores
 def test_tied_pp2_interleaved_and_zero_bubble_schedules():
     runs = [("pp=2", {"schedule": "interleaved", "virtual_stages": 2}, 2), ("pp=2", {"schedule": "zb1"}, 1)]
     for rank in run_shared(_runs, 2, runs):
@@ -129,7 +128,7 @@ def test_tied_tp2_matches_single_process():
             _assert_matches_reference(got, run)
 
 
-@pytest.mark.slow  # four compositions on four ranks: ~25 s on two cores
+@pytest.mark.slow  # four compositions on four ranks: ~13 s on two cores
 def test_tied_pp_with_dp_zero_tp_and_pp4():
     runs = [
         ("pp=2,dp=2", {"schedule": "1f1b", "zero": 1}, 1),
@@ -195,7 +194,7 @@ def _hf_tp2() -> dict:
     return api_run("tp=2", model_fn=tied_hf_llama, plan=None)
 
 
-@pytest.mark.slow  # two ranks importing transformers: ~10 s
+@pytest.mark.slow  # two fresh ranks importing transformers: ~10 s
 def test_a_tied_hf_llama_object_under_tp2_matches_one_process():
     pytest.importorskip("transformers")
     from test_api import api_run
@@ -252,7 +251,6 @@ def _train_tied_at_pp2(overrides: list[str]) -> list[dict]:
     return trainer_runs([overrides])
 
 
-@pytest.mark.slow  # trains at pp=2 on real text (tokenized first unless the session has): 15-40 s on two cores
 def test_eval_generate_and_convert_of_a_tied_run(data_cache: str, tmp_path: Path, capsys):
     transformers = pytest.importorskip("transformers")
     from conftest import small_run_args
@@ -296,7 +294,7 @@ def _init_from_at_pp2(directory: str) -> dict:
     return set_up(directory, "pp=2")
 
 
-@pytest.mark.slow  # transformers on two ranks: 15-45 s on two shared cores
+@pytest.mark.slow  # two fresh ranks importing transformers: ~10 s
 def test_init_from_a_tied_hf_checkpoint_at_pp2(tmp_path: Path):
     """A Llama-3.2-shaped HF checkpoint (tie_word_embeddings: true), built on meta at pp=2: both ends read the
     one stored embedding, and the step-0 loss and the weights equal transformers'."""
