@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import re
 import sys
@@ -274,17 +275,24 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
     }
 
 
-def _meta_model(cfg: ModelConfig) -> Transformer:
+@functools.lru_cache(maxsize=8)
+def _model_names(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(name -> shape of every tensor a checkpoint of meshlm's model stores, a tied weight once under its
+    canonical name; tie alias -> canonical name), read off one meta-device model so they follow llama.py."""
     with torch.device("meta"):
-        return Transformer(cfg)
+        model = Transformer(cfg)
+    state = model.state_dict()
+    return {name: tuple(state[name].shape) for name in unique_state_names(model)}, tied_aliases(model)
+
+
+def tied_names(cfg: ModelConfig) -> dict[str, str]:
+    """Each alias of a tied weight of meshlm's model -> the name checkpoints store it under (meshlm.ties):
+    `lm_head.weight` -> `model.embed_tokens.weight` when `tie_embeddings`, as HF stores it too."""
+    return dict(_model_names(cfg)[1])
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor a checkpoint of meshlm's model stores, a tied weight once under its
-    canonical name (meshlm.ties), read off a meta-device model so it follows llama.py."""
-    model = _meta_model(cfg)
-    state = model.state_dict()
-    return {name: tuple(state[name].shape) for name in unique_state_names(model)}
+    return dict(_model_names(cfg)[0])
 
 
 def _check_shapes(
@@ -384,7 +392,7 @@ def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
     for path, names in by_file.items():
         with _open_safetensors(path) as f:
             state.update({name: f.get_tensor(name) for name in names})
-    state.update({alias: state[name] for alias, name in tied_aliases(_meta_model(cfg)).items()})
+    state.update({alias: state[name] for alias, name in tied_names(cfg).items()})
     return cfg, state
 
 
@@ -493,7 +501,7 @@ def _load_meshlm_file(path: Path) -> Transformer:
     except ValueError as e:
         raise ValueError(f"{path}: metadata {MESHLM_CONFIG_KEY} is not JSON ({_first_line(e)})") from None
     cfg = model_config_from_dict(fields, f"{path}: metadata {MESHLM_CONFIG_KEY}")
-    aliases = tied_aliases(_meta_model(cfg))  # save_model stores a tied weight under one of its names
+    aliases = tied_names(cfg)  # save_model stores a tied weight under one of its names
     shapes = {aliases.get(name, name): shape for name, shape in shapes.items()}
     _check_shapes(shapes, _expected_shapes(cfg), lambda _: str(path))
     model = Transformer(cfg)
