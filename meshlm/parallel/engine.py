@@ -220,10 +220,10 @@ class ParallelModel:
                 loss += micro_loss.detach()
         if self.dp is not None:
             self.dp.finish_grad_sync()
-        self.sum_tied_grads()
+        self._sum_tied_grads()
         return self.replica_mean(loss)
 
-    def sum_tied_grads(self) -> None:
+    def _sum_tied_grads(self) -> None:
         """Under pp, sum the gradients of the weights both ends of the pipeline hold (pipeline.TiedStages)."""
         if self.tied is None:
             return
