@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import re
 import sys
@@ -27,6 +28,7 @@ from safetensors.torch import load_model, save_file, save_model
 from meshlm.config import model_config_from_dict
 from meshlm.model.config import ModelConfig
 from meshlm.model.llama import Transformer
+from meshlm.ties import load_state, tied_aliases, unique_state_names
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -273,11 +275,24 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
     }
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every meshlm tensor, read off a meta-device model so it follows llama.py."""
+@functools.lru_cache(maxsize=8)
+def _model_names(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(name -> shape of every tensor a checkpoint of meshlm's model stores, a tied weight once under its
+    canonical name; tie alias -> canonical name), read off one meta-device model so they follow llama.py."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    state = model.state_dict()
+    return {name: tuple(state[name].shape) for name in unique_state_names(model)}, tied_aliases(model)
+
+
+def tied_names(cfg: ModelConfig) -> dict[str, str]:
+    """Each alias of a tied weight of meshlm's model -> the name checkpoints store it under (meshlm.ties):
+    `lm_head.weight` -> `model.embed_tokens.weight` when `tie_embeddings`, as HF stores it too."""
+    return dict(_model_names(cfg)[1])
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return dict(_model_names(cfg)[0])
 
 
 def _check_shapes(
@@ -348,9 +363,7 @@ def check_hf_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict[Path, 
     stored_layers = {int(m[1]) for name in files if (m := re.match(r"model\.layers\.(\d+)\.", name))}
     if len(stored_layers) != cfg.n_layers:  # checked first: a huge claimed depth would take long to build
         raise ValueError(f"{config_path}: num_hidden_layers={cfg.n_layers} but {listing} holds {len(stored_layers)}")
-    expected = _expected_shapes(cfg)
-    if cfg.tie_embeddings:  # HF stores a tied head once, as the embedding
-        del expected["lm_head.weight"]
+    expected = _expected_shapes(cfg)  # HF too stores a tied head once, as the embedding
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         if not name.endswith("rotary_emb.inv_freq"):  # a buffer some old exports saved
@@ -379,8 +392,7 @@ def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
     for path, names in by_file.items():
         with _open_safetensors(path) as f:
             state.update({name: f.get_tensor(name) for name in names})
-    if cfg.tie_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    state.update({alias: state[name] for alias, name in tied_names(cfg).items()})
     return cfg, state
 
 
@@ -388,7 +400,7 @@ def load_hf_into_model(directory: str | Path) -> Transformer:
     """Build a (float32) meshlm model holding an HF checkpoint's weights."""
     cfg, state = import_hf(directory)
     model = Transformer(cfg)
-    model.load_state_dict(state)
+    load_state(model, state, str(directory))
     return model
 
 
@@ -406,14 +418,13 @@ def export_hf(
     so they cannot be mixed with the new ones. `model` must be a whole single-device model, not a
     pipeline stage or tensor-parallel shard."""
     cfg = model.cfg
-    state = model.state_dict()
+    full = model.state_dict()
+    state = {name: full[name] for name in unique_state_names(model)}  # a tied head once, as HF stores it
     _check_shapes(
         {n: tuple(t.shape) for n, t in state.items()},
         _expected_shapes(cfg),
         lambda _: "export_hf (needs the whole, unsharded model)",
     )
-    if cfg.tie_embeddings:
-        del state["lm_head.weight"]
     tensors = {name: state[name].detach().to("cpu", dtype).contiguous() for name in sorted(state)}
 
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -468,7 +479,10 @@ def load_checkpoint_model(path: Path) -> tuple[Transformer, Path]:
     trainer_state = read_trainer_state(checkpoint)
     model_fields = trainer_state.get("model") if isinstance(trainer_state, dict) else None
     model = Transformer(model_config_from_dict(model_fields, str(checkpoint / "trainer.json")))
-    model.load_state_dict(load_model_state(checkpoint))
+    try:
+        load_state(model, load_model_state(checkpoint), str(checkpoint))  # a tied weight is saved once
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     return model, checkpoint
 
 
@@ -487,14 +501,9 @@ def _load_meshlm_file(path: Path) -> Transformer:
     except ValueError as e:
         raise ValueError(f"{path}: metadata {MESHLM_CONFIG_KEY} is not JSON ({_first_line(e)})") from None
     cfg = model_config_from_dict(fields, f"{path}: metadata {MESHLM_CONFIG_KEY}")
-    expected = _expected_shapes(cfg)
-    if cfg.tie_embeddings:  # save_model stores a tied weight under one of its names
-        tied = ("lm_head.weight", "model.embed_tokens.weight")
-        kept = next((name for name in tied if name in shapes), tied[0])
-        for name in tied:
-            if name != kept:
-                del expected[name]
-    _check_shapes(shapes, expected, lambda _: str(path))
+    aliases = tied_names(cfg)  # save_model stores a tied weight under one of its names
+    shapes = {aliases.get(name, name): shape for name, shape in shapes.items()}
+    _check_shapes(shapes, _expected_shapes(cfg), lambda _: str(path))
     model = Transformer(cfg)
     load_model(model, path, strict=True)
     return model

@@ -20,12 +20,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from meshlm.model.config import ModelConfig
-from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint
+from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint, tied_names
 
 TOKENIZER_NAME = "tokenizer.json"
 # What an HF directory's tokenizer consists of; a run keeps a copy so that its export carries it.
 TOKENIZER_FILES = (TOKENIZER_NAME, "tokenizer_config.json", "special_tokens_map.json")
-_TIED = {"lm_head.weight": "model.embed_tokens.weight"}  # HF stores a tied head once, as the embedding
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -40,10 +39,11 @@ class HFWeights:
         self.directory = Path(directory)
         self.cfg, by_file = check_hf_checkpoint(self.directory)
         self.files = {name: path for path, names in by_file.items() for name in names}
+        self.aliases = tied_names(self.cfg)  # HF stores a tied head once, as the embedding
         self._open: dict[Path, Any] = {}
 
     def tensor_name(self, name: str) -> str:
-        return _TIED[name] if self.cfg.tie_embeddings and name in _TIED else name
+        return self.aliases.get(name, name)
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """The region `index` (one slice per leading dimension) of stored tensor `name`; every read of the

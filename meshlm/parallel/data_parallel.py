@@ -35,6 +35,7 @@ from meshlm.parallel.zero import (
     hybrid_shard_groups,
     reduce_scatter_flat,
 )
+from meshlm.ties import is_pp_tied
 
 # ZeRO-2/3 wait for the oldest reduction beyond this many in flight, so freed gradient buffers bound memory.
 MAX_INFLIGHT_SHARDED_REDUCTIONS = 2
@@ -62,11 +63,15 @@ class ShardedTensor:
 
 def bucket_params(params: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:
     """Buckets in reverse order of registration, which is roughly the order gradients become ready in backward,
-    so the first buckets fill (and start reducing) early; one kind (decay or not) per bucket."""
+    so the first buckets fill (and start reducing) early; one kind (decay or not) per bucket. A weight both
+    ends of a pipeline hold (a tied embedding) is a bucket of its own, so both ends shard it alike."""
     buckets: list[list[nn.Parameter]] = []
     filling: dict[bool, list[nn.Parameter]] = {True: [], False: []}
     size = {True: 0, False: 0}
     for p in reversed(params):
+        if is_pp_tied(p):
+            buckets.append([p])
+            continue
         kind = decays(p)
         filling[kind].append(p)
         size[kind] += p.numel() * p.element_size()
@@ -77,7 +82,10 @@ def bucket_params(params: list[nn.Parameter], bucket_bytes: float) -> list[list[
 
 
 def split_by_kind(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    return [group for group in ([p for p in params if decays(p)], [p for p in params if not decays(p)]) if group]
+    """Matrices, vectors, and each weight both ends of a pipeline hold alone (see bucket_params)."""
+    alone = [[p] for p in params if is_pp_tied(p)]
+    rest = [p for p in params if not is_pp_tied(p)]
+    return alone + [group for group in ([p for p in rest if decays(p)], [p for p in rest if not decays(p)]) if group]
 
 
 def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -313,6 +321,11 @@ class DataParallel:
             for grad in kept:
                 total += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
         return total
+
+    def grad_shards_of(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """The reduced gradient (shard) of each of `params` that has a flat buffer of its own (pipeline-tied)."""
+        ids = {id(p) for p in params}
+        return [buf.grad_shard for buf in self.buffers if len(buf.params) == 1 and id(buf.params[0]) in ids]
 
     @torch.no_grad()
     def scale_grads_(self, coef: torch.Tensor) -> None:

@@ -30,6 +30,7 @@ from meshlm.parallel.fused_loss import HeadOutput, apply_fused_loss, fused_cross
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.plan import ParallelPlan, PlanError, check_plan, plan_for
+from meshlm.ties import is_pp_tied, tied_aliases
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 
@@ -112,6 +113,7 @@ class ParallelModel:
                 "for a loss of one's own, or leave loss_fn unset for meshlm's vocabulary-parallel cross-entropy"
             )
         self.global_shapes = {name: p.shape for name, p in model.named_parameters()}
+        self.tied_aliases = tied_aliases(model)  # a tied weight is named by its canonical name (meshlm.ties)
         meta_init = MetaInit(model, mesh_device(mesh)) if is_meta_model(model) else None
         self.device_type = meta_init.device.type if meta_init else next(model.parameters()).device.type
         if layout.pp > 1:
@@ -189,6 +191,11 @@ class ParallelModel:
             )
         if meta_init is not None:
             meta_init.check_done()
+        self.tied = None
+        if layout.pp > 1:
+            from meshlm.parallel.pipeline import TiedStages
+
+            self.tied = TiedStages.build(model, self.chunks, plan.pipeline, mesh)
 
     # ---- the loss: per-token losses over the kept tokens of the global batch ---------------------------
     def count_tokens(self, targets: torch.Tensor) -> torch.Tensor:
@@ -315,7 +322,21 @@ class ParallelModel:
                 loss += micro_loss.detach()
         if self.dp is not None:
             self.dp.finish_grad_sync()
+        self._sum_tied_grads()
         return self.replica_mean(loss)
+
+    def _sum_tied_grads(self) -> None:
+        """Under pp, sum the gradients of the weights both ends of the pipeline hold (pipeline.TiedStages)."""
+        if self.tied is None:
+            return
+        if self.dp is not None:
+            grads = self.dp.grad_shards_of(self.tied.params)
+        else:
+            for p in self.tied.params:
+                if p.grad is None:  # no gradient on this end this step: the other end's still counts
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in self.tied.params]
+        self.tied.all_reduce_grads(grads)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -398,7 +419,8 @@ class ParallelModel:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The model parameters this rank holds (tp shards, its pipeline stages), under the model's names."""
         for chunk in self.chunks:
-            yield from chunk.named_parameters()
+            for name, p in chunk.named_parameters():
+                yield self.tied_aliases.get(name, name), p
 
     def parameters(self) -> list[nn.Parameter]:
         """What an optimizer must step: the parameters, or under ZeRO this rank's fp32 master shards."""
@@ -419,13 +441,18 @@ class ParallelModel:
         """Clip by the true global norm: every gradient element counted once over the whole world.
         Stays on the device, no host sync: a non-finite norm leaves the gradients unscaled (coefficient 1)."""
         skip_tp_copy = self.mesh.rank("tp") > 0
+        skip_pp_copy = self.tied is not None and self.tied.replica  # the tied weight counts on the first stage
+
+        def skip(p: nn.Parameter) -> bool:
+            return (skip_tp_copy and is_tp_replicated(p)) or (skip_pp_copy and is_pp_tied(p))
+
         device = next(self.chunks[0].parameters()).device
         if self.dp is not None:
-            sq = self.dp.grad_sq_sum(skip=lambda p: skip_tp_copy and is_tp_replicated(p)).to(device)
+            sq = self.dp.grad_sq_sum(skip=skip).to(device)
         else:
             sq = torch.zeros((), dtype=torch.float64, device=device)
             for _, p in self.named_parameters():
-                if p.grad is not None and not (skip_tp_copy and is_tp_replicated(p)):
+                if p.grad is not None and not skip(p):
                     sq += p.grad.detach().double().pow(2).sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
             with comm("all_reduce"):
@@ -464,6 +491,11 @@ class ParallelModel:
         copies, tp-replicated norms)."""
         if self.dp is not None:
             out = self.dp.sharded_state_dict(optimizer, replicas="spread" if writer else "all")
+            aliases = self.tied_aliases
+            out = {
+                key: [ShardedTensor(aliases.get(s.name, s.name), s.global_shape, s.offset, s.local) for s in pieces]
+                for key, pieces in out.items()
+            }
         else:
             keys = ["model"] + (optimizer_state_keys(optimizer) if optimizer is not None else [])
             out = {key: [] for key in keys}
@@ -474,6 +506,9 @@ class ParallelModel:
         if writer and self.mesh.rank("tp") > 0:
             params = dict(self.named_parameters())
             out = {key: [s for s in pieces if not is_tp_replicated(params[s.name])] for key, pieces in out.items()}
+        if writer and self.tied is not None and self.tied.replica:  # the first stage writes a tied weight
+            params = dict(self.named_parameters())
+            out = {key: [s for s in pieces if not is_pp_tied(params[s.name])] for key, pieces in out.items()}
         return out
 
     def after_load(self) -> None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.model.init import InitRule, block_seed, fill_
+from meshlm.ties import tied_aliases
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -54,6 +55,9 @@ class MetaInit:
         self.device = device
         self.seed = agreed_seed(getattr(model, "init_seed", None))
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
+        # A tied weight seen under an alias (a pipeline's last stage holds the head, not the embedding) is
+        # drawn under its canonical name, so every copy of it starts equal.
+        self.aliases = tied_aliases(model)
         self.source = getattr(model, "init_source", None)
         rule: Callable[[str, torch.Tensor], InitRule] | None = getattr(model, "init_rule", None)
         self.rules = {name: rule(name, p) for name, p in model.named_parameters()} if callable(rule) else None
@@ -77,6 +81,7 @@ class MetaInit:
         """Write elements [start, start + out.numel()) of `param` (flattened, as this rank holds it: its tp
         slice) into `out`; `name` defaults to the placeholder's."""
         name = self.pending[id(param)] if name is None else name
+        name = self.aliases.get(name, name)
         tp_slice = getattr(param, "_meshlm_tp_slice", None)
         if self.source is not None:
             self.source.fill(name, self.shapes[name], param.shape, tp_slice, start, out)

@@ -138,6 +138,7 @@ def check_plan(model: nn.Module, plan: ParallelPlan, tp: int, pp: int, zero: int
                 )
         for name, module, style in tp_modules(model, plan):
             _check_tp_module(plan, model, name, module, style, tp)
+        _check_tp_ties(model, plan, tp)
         if plan.check is not None:
             plan.check(model, tp)
     if zero == 3:
@@ -177,9 +178,46 @@ def _check_tp_module(plan: ParallelPlan, model: nn.Module, name: str, module: nn
             )
 
 
+# The dimension of a module's weight and bias that each style splits (None: every tp rank holds it whole).
+_WEIGHT_SPLIT = {COLWISE: 0, COLWISE_HEADS: 0, VOCAB_HEAD: 0, VOCAB_EMBEDDING: 0, ROWWISE: 1}
+_BIAS_SPLIT = {COLWISE: 0, COLWISE_HEADS: 0, VOCAB_HEAD: 0}
+
+
+def _check_tp_ties(model: nn.Module, plan: ParallelPlan, tp: int) -> None:
+    """A Parameter shared by several modules (a tied embedding and head) must be split alike by all of them,
+    or each would keep a different tensor and the tie would silently come undone."""
+    holders: dict[int, list[tuple[str, nn.Module, str, str | None]]] = {}
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            style = plan.tp_style(name) if name else None
+            holders.setdefault(id(p), []).append((name, module, pname, style))
+    for held in holders.values():
+        if len(held) < 2:
+            continue
+        splits = {(_BIAS_SPLIT if pname == "bias" else _WEIGHT_SPLIT).get(style) for _, _, pname, style in held}
+        embedding = next((h for h in held if isinstance(h[1], nn.Embedding)), None)
+        head = next((h for h in held if isinstance(h[1], nn.Linear)), None)
+        vocab_pair = embedding is not None and head is not None
+        if vocab_pair and embedding[3] is not None and head[3] != VOCAB_HEAD:
+            splits.add("mismatch")
+        if len(splits) == 1:
+            continue
+        a, b = (embedding, head) if vocab_pair else (held[0], next(h for h in held if h[3] != held[0][3]))
+        valid = (
+            f"{a[0]}: {VOCAB_EMBEDDING} and {b[0]}: {VOCAB_HEAD}, or neither in the table"
+            if vocab_pair
+            else "the same style for both, or neither in the table"
+        )
+        raise PlanError(
+            f"plan {plan.name!r}: {a[0]} ({a[3] or 'not in tensor_parallel'}) and {b[0]} "
+            f"({b[3] or 'not in tensor_parallel'}) share one tied weight, which tp={tp} would split differently "
+            f"and so untie; valid: {valid}"
+        )
+
+
 def check_pipeline_split(model: nn.Module, plan: ParallelPlan, n_stages: int) -> None:
-    """Every parameter must belong to a block, a first-stage or a last-stage module; with several stages
-    none may be shared by the first and the last (tied embeddings)."""
+    """Every parameter must belong to a block, a first-stage or a last-stage module; with several stages a
+    tied parameter may be shared by first- and last-stage modules only."""
     cls = type(model).__name__
     split = plan.pipeline
     if split is None:
@@ -197,15 +235,21 @@ def check_pipeline_split(model: nn.Module, plan: ParallelPlan, n_stages: int) ->
                 f"plan {plan.name!r}: parameter {pname} of {cls} is in no pipeline stage; add its module to "
                 f"PipelineSplit.first or .last (now first={list(split.first)}, last={list(split.last)})"
             )
-    if n_stages > 1:
-        first = {id(p): f"{n}.{pn}" for n in split.first for pn, p in names[n].named_parameters()}
-        for n in split.last:
-            for pn, p in names[n].named_parameters():
-                if id(p) in first:
-                    raise PlanError(
-                        f"{cls}: {first[id(p)]} (first stage) and {n}.{pn} (last stage) are one tied parameter, "
-                        "which cannot live on two pipeline stages; untie them (model.tie_embeddings = false)"
-                    )
+    # A parameter shared by the first and the last stage's modules (a tied embedding and head) lives on both
+    # stages, its gradients summed between them (pipeline.TiedStages). Any other sharing across parts (a block
+    # with another block or with an end) would put one weight on stages with no such sum: refused.
+    part_of: dict[int, tuple[str, str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if pname.startswith(split.layers + "."):
+            part = split.layers + "." + pname[len(split.layers) + 1 :].split(".")[0]
+        else:
+            part = "first" if any(pname.startswith(n + ".") for n in split.first) else "last"
+        seen = part_of.setdefault(id(p), (part, pname))
+        if n_stages > 1 and seen[0] != part and {seen[0], part} != {"first", "last"}:
+            raise PlanError(
+                f"plan {plan.name!r}: {seen[1]} and {pname} of {cls} are one tied parameter in two pipeline parts; "
+                "only a tie between PipelineSplit.first and .last modules (embedding and head) can be pipelined"
+            )
 
 
 def _examples(names: dict[str, nn.Module], limit: int = 6) -> str:
