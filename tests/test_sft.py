@@ -108,9 +108,12 @@ LLAMA3 = (
 )
 
 
-def hf_tokenizer_dir(root: Path, template: str, specials: list[str], eos: str, bos: str | None = None) -> Path:
+def hf_tokenizer_dir(
+    root: Path, template: str, specials: list[str], eos: str, bos: str | None = None, jinja: bool = False
+) -> Path:
     """A Hugging Face tokenizer directory built with `tokenizers` (no download): tokenizer.json and a
-    tokenizer_config.json carrying the chat template."""
+    tokenizer_config.json carrying the chat template (or, `jinja`, chat_template.jinja beside it, as recent
+    transformers save it)."""
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -122,8 +125,12 @@ def hf_tokenizer_dir(root: Path, template: str, specials: list[str], eos: str, b
     texts = [json.dumps(pair(i)) + json.dumps(chat(i)) for i in range(40)] + ["system user assistant"]
     tokenizer.train_from_iterator(texts, trainer)
     tokenizer.save(str(root / "tokenizer.json"))
-    config = {"chat_template": template, "eos_token": eos, "tokenizer_class": "PreTrainedTokenizerFast"}
-    (root / "tokenizer_config.json").write_text(json.dumps(config | ({"bos_token": bos} if bos else {})))
+    config = {"eos_token": eos, "tokenizer_class": "PreTrainedTokenizerFast"} | ({"bos_token": bos} if bos else {})
+    if jinja:
+        (root / "chat_template.jinja").write_text(template)
+    else:
+        config["chat_template"] = template
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
     return root / "tokenizer.json"
 
 
@@ -362,12 +369,12 @@ def test_meshlm_train_eval_generate_on_sft_data(tmp_path: Path, capsys: pytest.C
 def test_sft_from_a_hugging_face_checkpoint_with_its_chat_template_exports_to_transformers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """docs/finetune.md's SFT walk-through: init_from an HF Llama with a ChatML tokenizer, SFT on chats, then
-    eval, generate and convert; transformers loads the export with the chat template and gives the same loss
-    on an SFT batch (-100 labels ignored) as meshlm."""
+    """docs/finetune.md's SFT walk-through: init_from an HF Llama with a ChatML tokenizer (its template in
+    chat_template.jinja), SFT on chats, then eval, generate and convert; transformers loads the export with
+    the chat template and gives the same loss on an SFT batch (-100 labels ignored) as meshlm."""
     transformers = pytest.importorskip("transformers")
     hf_dir = tmp_path / "hf"
-    hf_tokenizer_dir(hf_dir, CHATML, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], "<|im_end|>")
+    hf_tokenizer_dir(hf_dir, CHATML, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], "<|im_end|>", jinja=True)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,

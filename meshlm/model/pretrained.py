@@ -23,8 +23,9 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint
 
 TOKENIZER_NAME = "tokenizer.json"
-# What an HF directory's tokenizer consists of; a run keeps a copy so that its export carries it.
-TOKENIZER_FILES = (TOKENIZER_NAME, "tokenizer_config.json", "special_tokens_map.json")
+# What an HF directory's tokenizer consists of (recent transformers save a chat template as chat_template.jinja);
+# a run keeps a copy so that its export, and an SFT run started from it, carry it.
+TOKENIZER_FILES = (TOKENIZER_NAME, "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 _TIED = {"lm_head.weight": "model.embed_tokens.weight"}  # HF stores a tied head once, as the embedding
 
 
