@@ -153,8 +153,8 @@ def open_init_from(init_from: str, vocab_size: int) -> HFWeights | None:
 
 
 def keep_tokenizer(run_dir: Path, tokenizer_file: Path) -> None:
-    """Copy the run's tokenizer (and, beside a given one, its tokenizer_config.json and special_tokens_map.json)
-    into the run directory, where `meshlm convert meshlm-to-hf` finds it."""
+    """Copy the run's tokenizer (and, beside a given one, its tokenizer_config.json, special_tokens_map.json and
+    chat_template.jinja) into the run directory, where `meshlm convert meshlm-to-hf` finds it."""
     for name in TOKENIZER_FILES:
         src = tokenizer_file.parent / name
         if src.is_file():
