@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from distributed import run_shared
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshlm.cli import main
 from meshlm.config import ConfigError, DataSection, load_config, parse_overrides
-from meshlm.data import IGNORE, DataError, prepare_data
+from meshlm.data import IGNORE, DataError, prepare_data, prepare_data_shared
 from meshlm.data.sft import PackedBatchSampler, PackedRows, PlainTemplate, SFTSplit
 
 VOCAB = 512
@@ -278,6 +279,29 @@ def test_every_layout_sees_its_slice_of_the_same_global_batch_and_resume_continu
         ValueError, match="sampler state mismatch: checkpoint has packing=True, this run has packing=False"
     ):
         unpacked.load_state_dict(state)
+
+
+def _local_rows_of_step_3(cfg: DataSection) -> dict:
+    """On each rank of a group: the shared preparation (rank 0 builds, the others read), then its dp rows."""
+    rank = torch.distributed.get_rank()
+    try:
+        data = prepare_data_shared(cfg, VOCAB)
+    except DataError as e:
+        return {"error": str(e)}
+    x, y = data.sampler(cfg.seq_len, global_batch=8, seed=7).local_batch_at(3, rank, 2)
+    return {"x": x, "y": y}
+
+
+def test_two_ranks_prepare_once_and_each_takes_its_rows_and_a_bad_line_stops_both(tmp_path: Path) -> None:
+    cfg = sft_cfg(tmp_path, seq_len=48)
+    ranks = run_shared(_local_rows_of_step_3, 2, cfg)
+    want_x, want_y = prepare_data(cfg, VOCAB).sampler(48, global_batch=8, seed=7).global_batch_at(3)
+    assert torch.equal(torch.cat([r["x"] for r in ranks]), want_x)
+    assert torch.equal(torch.cat([r["y"] for r in ranks]), want_y)
+    (tmp_path / "bad").mkdir()
+    bad = sft_cfg(tmp_path / "bad", [pair(0), '{"messages": []}'], seq_len=48)
+    errors = [r["error"] for r in run_shared(_local_rows_of_step_3, 2, bad)]
+    assert errors[0] == errors[1] and errors[0].startswith(f"{bad.source}:2: messages: must be a non-empty list")
 
 
 def test_validation_batches_are_fixed_and_split_over_ranks(tmp_path: Path) -> None:

@@ -155,14 +155,15 @@ def _messages(value: object, where: str, name: str) -> list[Message]:
 def _labels_in(encoding: Encoding, spans: list[tuple[int, int]], end_tokens: set[int]) -> list[bool]:
     """Per token: whether it starts inside one of the character `spans`, up to and including the last token of
     `end_tokens` in that span (with none there, the whole span)."""
-    keep = [False] * len(encoding.ids)
+    starts = np.array([start for start, _ in encoding.offsets], dtype=np.int64)
+    is_end = np.isin(np.array(encoding.ids, dtype=np.int64), list(end_tokens))
+    keep = np.zeros(len(starts), dtype=bool)
     for a, b in spans:
-        inside = [i for i, (start, _) in enumerate(encoding.offsets) if a <= start < b]
-        ends = [i for i in inside if encoding.ids[i] in end_tokens]
-        last = ends[-1] if ends else (inside[-1] if inside else -1)
-        for i in inside:
-            keep[i] = i <= last
-    return keep
+        inside = np.flatnonzero((starts >= a) & (starts < b))
+        ends = inside[is_end[inside]]
+        last = ends[-1] if len(ends) else (inside[-1] if len(inside) else -1)
+        keep[inside[inside <= last]] = True
+    return keep.tolist()
 
 
 class PlainTemplate:
