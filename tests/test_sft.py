@@ -304,7 +304,9 @@ def test_two_ranks_prepare_once_and_each_takes_its_rows_and_a_bad_line_stops_bot
     assert errors[0] == errors[1] and errors[0].startswith(f"{bad.source}:2: messages: must be a non-empty list")
 
 
-def test_validation_batches_are_fixed_and_split_over_ranks(tmp_path: Path) -> None:
+def test_validation_batches_are_fixed_and_split_over_ranks_and_prepare_data_reuses_the_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = sft_cfg(tmp_path)
     data = prepare_data(cfg, VOCAB)
     assert data.manifest["examples"] == {"train": 36, "val": 4}
@@ -313,6 +315,10 @@ def test_validation_batches_are_fixed_and_split_over_ranks(tmp_path: Path) -> No
     for b, (x, y) in enumerate(whole):
         assert torch.equal(torch.cat([halves[0][b][0], halves[1][b][0]]), x)
         assert torch.equal(torch.cat([halves[0][b][1], halves[1][b][1]]), y)
+    assert main(["prepare-data", "--data.format", "sft", "--data.source", cfg.source, "--data.cache_dir",
+                 cfg.cache_dir, "--data.val_fraction", "0.1", "--model.vocab_size", str(VOCAB)]) == 0  # fmt: skip
+    summary = capsys.readouterr().out
+    assert summary.startswith(f"{data.directory}: 36 train + 4 val examples (") and "plain), built by" in summary
     again = prepare_data(cfg, VOCAB)  # from the cache: the same
     assert again.directory == data.directory
     assert all(torch.equal(a[1], b[1]) for a, b in zip(whole, again.eval_batches(64, 4, 2), strict=True))
