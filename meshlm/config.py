@@ -272,6 +272,11 @@ class Config(Section):
             )
         if self.data.format == "sft" and self.data.max_chars is not None:
             raise ValueError("data.max_chars caps a text corpus; with data.format = 'sft' leave it unset")
+        if self.data.format == "sft" and self.train.ignore_index != -100:
+            raise ValueError(
+                f"train.ignore_index = {self.train.ignore_index}: data.format = 'sft' labels prompt and padding "
+                "positions -100; leave train.ignore_index at -100"
+            )
         if self.parallel.zero == 0 and (self.parallel.zero_shard_size or self.parallel.zero_param_dtype != "fp32"):
             raise ValueError("parallel.zero_shard_size and parallel.zero_param_dtype need parallel.zero >= 1")
         if self.train.sync_every > 1 and self.fault.nonfinite == "skip":

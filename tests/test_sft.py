@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from distributed import run_shared
+from equivalence import assert_same_losses, trainer_runs
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshlm.cli import main
@@ -304,6 +305,38 @@ def test_two_ranks_prepare_once_and_each_takes_its_rows_and_a_bad_line_stops_bot
     assert errors[0] == errors[1] and errors[0].startswith(f"{bad.source}:2: messages: must be a non-empty list")
 
 
+def sft_train_args(cfg: DataSection, run_dir: Path, *extra: str) -> list[str]:
+    """`meshlm train` on `cfg`'s examples with the `test` model: fp32 on CPU, no evaluation, no checkpoints."""
+    return [
+        "--model.preset", "test", "--data.format", "sft", "--data.source", cfg.source,
+        "--data.cache_dir", cfg.cache_dir, "--data.seq_len", str(cfg.seq_len), "--data.val_fraction", "0.1",
+        "--train.global_batch", "4", "--train.warmup_steps", "2", "--train.eval_every", "0", "--train.device", "cpu",
+        "--checkpoint.every", "0", "--checkpoint.async_save", "false", "--log.run_dir", str(run_dir),
+        "--log.progress", "false", "--log.tensorboard", "false", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow  # ten steps at world 1, then dp=2 ZeRO-1 with accumulation and tp=2 on two ranks: ~40 s
+def test_sft_training_is_the_same_in_every_layout(tmp_path: Path) -> None:
+    """The trainer on SFT rows (prompt and padding -100, a different count of labels on each dp rank) under
+    dp=2 ZeRO-1 with gradient accumulation and tp=2: every step's loss as in one process (criterion 1 of
+    tests/equivalence.py, 1e-5 relative: the same fp32 sums in another order)."""
+    varied = [{"prompt": f"Count to {i % 9}.", "response": " ".join(map(str, range(i % 9 + 1)))} for i in range(40)]
+    cfg = sft_cfg(tmp_path, [*varied, *(chat(i) for i in range(20))], seq_len=48)
+    sampler = prepare_data(cfg, VOCAB).sampler(48, global_batch=4, seed=1234)
+    kept = [[int((sampler.local_batch_at(k, r, 2)[1] != IGNORE).sum()) for r in range(2)] for k in range(10)]
+    assert any(a != b for a, b in kept)  # uneven: a per-rank mean would differ from the global one
+    steps = ("--train.steps", "10")
+    (reference,) = trainer_runs([sft_train_args(cfg, tmp_path / "one", *steps)])
+    runs = [
+        sft_train_args(cfg, tmp_path / "dp", *steps, "--parallel.layout", "dp=2", "--parallel.zero", "1",
+                       "--train.micro_batch", "1"),
+        sft_train_args(cfg, tmp_path / "tp", *steps, "--parallel.layout", "tp=2"),
+    ]  # fmt: skip
+    for got in run_shared(trainer_runs, 2, runs, timeout=400)[0]:
+        assert_same_losses(reference, got)
+
+
 def test_validation_batches_are_fixed_and_split_over_ranks_and_prepare_data_reuses_the_cache(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -366,6 +399,7 @@ def test_bad_sources_and_sets_are_one_line(tmp_path: Path) -> None:
     for overrides, message in (
         ([], "config error: data.source: data.format = 'sft' reads .jsonl files, not 'stdlib'"),
         (["--data.source", "x.jsonl", "--data.max_chars", "10"], "config error: data.max_chars caps a text corpus"),
+        (["--data.source", "x.jsonl", "--train.ignore_index", "-1"], "config error: train.ignore_index = -1: data"),
     ):
         with pytest.raises(ConfigError, match=message):
             load_config(None, parse_overrides(["--data.format", "sft", *overrides]))

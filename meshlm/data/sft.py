@@ -61,11 +61,12 @@ from meshlm.data.sampler import GlobalBatchSampler, eval_windows
 from meshlm.data.sources import DataError, _walk
 from meshlm.data.tokenizer import eot_id, train_tokenizer
 from meshlm.errors import InputError
+from meshlm.model.llama import IGNORE_INDEX
 
 FORMAT = "sft-1"
 SPLITS = ("train", "val")
 ROLES = ("system", "user", "assistant")
-IGNORE = -100  # the label of a position that is not trained on (prompt, padding), as in Hugging Face
+IGNORE = IGNORE_INDEX  # the label of a position that is not trained on (prompt, padding), as in Hugging Face
 KINDS = {"tokens": None, "keep": np.uint8, "lengths": np.int64}  # None: the token dtype of the vocabulary
 log = logging.getLogger(__name__)
 
