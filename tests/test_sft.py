@@ -316,10 +316,10 @@ def sft_train_args(cfg: DataSection, run_dir: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.mark.slow  # ten steps at world 1, then dp=2 ZeRO-1 with accumulation and tp=2 on two ranks: ~40 s
+@pytest.mark.slow  # ten steps at world 1, then dp=2 ZeRO-1 with accumulation, tp=2 and pp=2 on two ranks: ~45 s
 def test_sft_training_is_the_same_in_every_layout(tmp_path: Path) -> None:
     """The trainer on SFT rows (prompt and padding -100, a different count of labels on each dp rank) under
-    dp=2 ZeRO-1 with gradient accumulation and tp=2: every step's loss as in one process (criterion 1 of
+    dp=2 ZeRO-1 with gradient accumulation, tp=2 and pp=2: every step's loss as in one process (criterion 1 of
     tests/equivalence.py, 1e-5 relative: the same fp32 sums in another order)."""
     varied = [{"prompt": f"Count to {i % 9}.", "response": " ".join(map(str, range(i % 9 + 1)))} for i in range(40)]
     cfg = sft_cfg(tmp_path, [*varied, *(chat(i) for i in range(20))], seq_len=48)
@@ -332,6 +332,7 @@ def test_sft_training_is_the_same_in_every_layout(tmp_path: Path) -> None:
         sft_train_args(cfg, tmp_path / "dp", *steps, "--parallel.layout", "dp=2", "--parallel.zero", "1",
                        "--train.micro_batch", "1"),
         sft_train_args(cfg, tmp_path / "tp", *steps, "--parallel.layout", "tp=2"),
+        sft_train_args(cfg, tmp_path / "pp", *steps, "--parallel.layout", "pp=2", "--train.micro_batch", "2"),
     ]  # fmt: skip
     for got in run_shared(trainer_runs, 2, runs, timeout=400)[0]:
         assert_same_losses(reference, got)
