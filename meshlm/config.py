@@ -117,6 +117,17 @@ class DataSection(Section):
     seq_len: int = Field(256, gt=1, description="tokens per training sequence")
     cache_dir: str = Field(".cache/meshlm", description="tokenizer and token files, reused across runs")
     max_chars: int | None = Field(None, gt=0, description="cap on corpus characters (tests, quick runs)")
+    format: Literal["text", "sft"] = Field(
+        "text",
+        description="text: documents cut into windows; sft: .jsonl prompt/response pairs or chat messages, "
+        "prompt tokens masked (docs/finetune.md)",
+    )
+    prompt_field: str = Field("prompt", description="sft: field holding the prompt of a prompt/response pair")
+    response_field: str = Field("response", description="sft: field holding the response of a prompt/response pair")
+    messages_field: str = Field("messages", description="sft: field holding a chat's list of {role, content}")
+    sft_packing: bool = Field(
+        True, description="sft: pack whole examples into each row (never split); false = one example per row"
+    )
 
 
 class TrainSection(Section):
@@ -253,6 +264,18 @@ class Config(Section):
             raise ValueError(
                 f"data.seq_len ({self.data.seq_len}) exceeds model.sliding_window ({model.sliding_window}): "
                 "meshlm's full causal attention equals sliding-window attention only within the window"
+            )
+        if self.data.format == "sft" and (self.data.source == "stdlib" or self.data.source.startswith("hf:")):
+            raise ValueError(
+                f"data.source: data.format = 'sft' reads .jsonl files, not {self.data.source!r}; give a .jsonl "
+                "file or a folder of them"
+            )
+        if self.data.format == "sft" and self.data.max_chars is not None:
+            raise ValueError("data.max_chars caps a text corpus; with data.format = 'sft' leave it unset")
+        if self.data.format == "sft" and self.train.ignore_index != -100:
+            raise ValueError(
+                f"train.ignore_index = {self.train.ignore_index}: data.format = 'sft' labels prompt and padding "
+                "positions -100; leave train.ignore_index at -100"
             )
         if self.parallel.zero == 0 and (self.parallel.zero_shard_size or self.parallel.zero_param_dtype != "fp32"):
             raise ValueError("parallel.zero_shard_size and parallel.zero_param_dtype need parallel.zero >= 1")

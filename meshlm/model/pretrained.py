@@ -23,8 +23,9 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint, tied_names
 
 TOKENIZER_NAME = "tokenizer.json"
-# What an HF directory's tokenizer consists of; a run keeps a copy so that its export carries it.
-TOKENIZER_FILES = (TOKENIZER_NAME, "tokenizer_config.json", "special_tokens_map.json")
+# What an HF directory's tokenizer consists of (recent transformers save a chat template as chat_template.jinja);
+# a run keeps a copy so that its export, and an SFT run started from it, carry it.
+TOKENIZER_FILES = (TOKENIZER_NAME, "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -152,8 +153,8 @@ def open_init_from(init_from: str, vocab_size: int) -> HFWeights | None:
 
 
 def keep_tokenizer(run_dir: Path, tokenizer_file: Path) -> None:
-    """Copy the run's tokenizer (and, beside a given one, its tokenizer_config.json and special_tokens_map.json)
-    into the run directory, where `meshlm convert meshlm-to-hf` finds it."""
+    """Copy the run's tokenizer (and, beside a given one, its tokenizer_config.json, special_tokens_map.json and
+    chat_template.jinja) into the run directory, where `meshlm convert meshlm-to-hf` finds it."""
     for name in TOKENIZER_FILES:
         src = tokenizer_file.parent / name
         if src.is_file():

@@ -31,7 +31,7 @@ from meshlm.checkpoint import (
 )
 from meshlm.checkpoint.store import StorageError, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
-from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data_shared
+from meshlm.data import SFTData, TokenData, prepare_data_shared
 from meshlm.model import Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
 from meshlm.model.pretrained import init_tokenizer, keep_tokenizer, meshlm_checkpoint, open_init_from
@@ -112,14 +112,12 @@ def resolve_auto_layout(cfg: Config, world_size: int) -> Config:
     return Config.model_validate(data)
 
 
-def evaluate(model: ParallelModel, data: TokenData, cfg: Config, dp_rank: int, dp: int) -> float:
+def evaluate(model: ParallelModel, data: TokenData | SFTData, cfg: Config, dp_rank: int, dp: int) -> float:
     """Mean loss over a fixed set of validation batches (the same windows every time)."""
     device = model_device(model)
     losses = [
         model.eval_loss(x.to(device), y.to(device)).item()
-        for x, y in eval_batches(
-            data.val, cfg.data.seq_len, cfg.train.global_batch, cfg.train.eval_batches, dp_rank, dp
-        )
+        for x, y in data.eval_batches(cfg.data.seq_len, cfg.train.global_batch, cfg.train.eval_batches, dp_rank, dp)
     ]
     return sum(losses) / len(losses)
 
@@ -208,7 +206,7 @@ class Trainer:
             watchdog.disarm()  # tokenizing the corpus is bounded by the barrier's own timeout
             self.data = prepare_data_shared(cfg.data, cfg.model.build().vocab_size, given_tokenizer)
             watchdog.arm()
-            source = GlobalBatchSampler(self.data.train, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+            source = self.data.sampler(cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
         self.sampler: BatchSource = Prefetcher(source, cfg.train.steps, pin=device.type == "cuda")
 
         if model is None:
