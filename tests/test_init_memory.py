@@ -92,7 +92,10 @@ class _Scale(nn.Module):
 def test_meta_module_without_an_initialiser_is_named() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), _Scale())
-    with pytest.raises(ValueError, match=r"module 1 \(_Scale\) has meta parameters and no reset_parameters"):
+    with pytest.raises(
+        ValueError,
+        match=r"module 1 \(_Scale\) has meta parameters and nothing initialises them; give the model an init_weights",
+    ):
         MetaInit(model, torch.device("cpu"))
 
 

@@ -29,6 +29,7 @@ from meshlm.parallel.data_parallel import ShardedTensor
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
+from meshlm.parallel.tp_shard import tp_shard
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -36,7 +37,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def is_tp_replicated(param: nn.Parameter) -> bool:
     """True for parameters whose gradient is counted on another tp rank too (norm weights, and every copy
     but the first of a KV head replicated over ranks): the global norm counts them on tp rank 0 only."""
-    return getattr(param, "_meshlm_tp_shard_dim", None) is None
+    shard = tp_shard(param)
+    return shard is None or not shard.counted
 
 
 def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
