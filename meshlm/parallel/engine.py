@@ -96,6 +96,10 @@ class ParallelModel:
         self.plan = plan = plan or plan_for(model)
         layout = mesh.layout
         check_plan(model, plan, layout.tp, layout.pp, parallel.zero, parallel.sequence_parallel)
+        if layout.cp > 1:
+            from meshlm.parallel.context_parallel import check_cp_plan
+
+            check_cp_plan(model, plan)  # before tensor parallelism changes anything
         self.global_shapes = {name: p.shape for name, p in model.named_parameters()}
         meta_init = MetaInit(model, mesh_device(mesh)) if is_meta_model(model) else None
         self.device_type = meta_init.device.type if meta_init else next(model.parameters()).device.type

@@ -106,6 +106,8 @@ class ParallelPlan:
     sequence_parallel: bool = False  # whether the family's forward runs on sequence shards (rotary, no abs. pos.)
     head_dim: Callable[[nn.Module], int] | None = None  # width of one attention head, for COLWISE_HEADS
     context_parallel: str = ""  # pattern of the attention modules whose replaceable `core` cp swaps (cp > 1)
+    attention: str = ""  # pattern of attention-core modules, forward (q, k, v) -> out, that cp replaces (cp > 1)
+    positions: str = ""  # pattern of modules fed local positions 0..n-1; under cp they get the global ones
     stage_costs: Callable[[nn.Module], tuple[float, float, float]] | None = None  # (first, per layer, last)
     check: Callable[[nn.Module, int], None] | None = None  # family-specific tp checks (one-line LayoutError)
 
