@@ -179,6 +179,7 @@ def _gpt2_layouts() -> list[dict[str, torch.Tensor]]:
         torch.manual_seed(dist.get_rank())  # the ranks disagree: rank 0's seed is used by all
         with torch.device("meta"):
             model = GPT2(vocab=128, dim=32, n_layers=4, n_heads=4, max_len=16)
+        model.init_weights = None  # without its init_weights(): each module's reset_parameters()
         mesh = build_mesh(parse_layout(layout, dist.get_world_size()), "cpu")
         pm = meshlm.parallelize(model, mesh, plan=GPT2_PLAN, **par)
         states.append(pm.full_state_dict())
