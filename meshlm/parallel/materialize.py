@@ -15,8 +15,9 @@ each rank gets its slices of exactly the tensors the protocol gives the whole mo
     the rank's shard is ever generated. Set-up memory: the shard;
   * `init_weights()` on the model (torchtitan's protocol; Hugging Face models have it too): run once on a
     private whole copy of the model, materialised on the CPU, under `torch.manual_seed(seed)`, and sliced.
-    The reference is exactly `model.to_empty(device="cpu"); torch.manual_seed(seed); model.init_weights()`.
-    Set-up memory: the whole model in fp32 host memory, per rank, until materialisation ends;
+    The reference is exactly `model.to_empty(device="cpu"); torch.manual_seed(seed); model.init_weights()`
+    (with tied parameters kept tied, which to_empty does not do).
+    Set-up memory: the whole model (in its dtype) in host memory, per rank, until materialisation ends;
   * otherwise each module's `reset_parameters()`, run on a private copy of that one module (materialised
     with `to_empty`) under `torch.manual_seed(block_seed(seed, module name, 0))`, and sliced: one module at
     a time in memory. Every layout equals the one-process (world 1) meta build; a model built whole draws
@@ -118,7 +119,7 @@ class MetaInit:
         """Every parameter and buffer of the model after its init_weights(), on the CPU (computed once)."""
         if self._whole is None:
             whole = self.whole_model
-            whole.to_empty(device="cpu")
+            _empty_on_cpu(whole)
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.manual_seed(self.seed)
                 whole.init_weights()
@@ -224,3 +225,17 @@ def _flat_runs(
         if lo < hi:
             pieces.append(((0, full), (length, *local_shape[1:]), lo - local * row, out[lo - start : hi - start]))
     return pieces
+
+
+def _empty_on_cpu(model: nn.Module) -> None:
+    """`model.to_empty(device="cpu")` that keeps tied parameters tied (to_empty gives each holder its own)."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+                module._parameters[key] = new[id(p)]
+        for key, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[key] = torch.empty_like(b, device="cpu")
