@@ -3,8 +3,9 @@
 Its plan names the attention core (`attention="h.*.attn.core"`, forward (q, k, v) -> out), which cp replaces
 by ring or Ulysses attention, and the learned position embedding (`positions="wpe"`), which under cp gets the
 global positions of the rank's load-balanced chunks. At cp=2, with either core, training equals one process
-(tests/equivalence.py criterion 1: per-step loss and gradient norm within 1e-5 relative over 10 AdamW steps);
-without the positions hook it must not. A plan that names no attention is refused in one line, untouched.
+(tests/equivalence.py criterion 1: per-step loss and gradient norm within 1e-5 relative over 10 AdamW steps),
+also with tp=2 (the fused c_attn) and with dp=2 under ZeRO-1; without the positions hook it must not. A plan
+that names no attention is refused in one line, untouched.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_shared
+from distributed import run_distributed, run_shared
 from equivalence import assert_same_losses, criterion_failures, global_batch
 from torch import nn
 
@@ -69,6 +70,21 @@ def test_user_model_under_cp_matches_one_process() -> None:
         # Sharp: learned positions fed the local 0..n-1 train another model.
         assert "losses" in criterion_failures(ref, got["no_positions"])
     assert ref["losses"][-1] < ref["losses"][0] - 0.3, ref["losses"]
+
+
+def _world4() -> list[dict]:
+    return [run("cp=2,tp=2", cp_attention="ring"), run("dp=2,cp=2", cp_attention="ulysses", zero=1)]
+
+
+@pytest.mark.slow  # two runs on four ranks
+def test_user_model_under_cp_with_tp_or_dp_matches_one_process() -> None:
+    ref = run("")
+    for rank, runs in enumerate(run_distributed(_world4, 4)):
+        for what, got in zip(("cp=2,tp=2 ring", "dp=2,cp=2 ulysses zero=1"), runs, strict=True):
+            try:
+                assert_same_losses(ref, got)
+            except AssertionError as e:
+                raise AssertionError(f"rank {rank} {what}: {e}") from None
 
 
 def _refused() -> tuple[str, bool]:

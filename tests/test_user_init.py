@@ -116,3 +116,29 @@ def test_init_weights_covers_modules_without_reset_parameters() -> None:
 
 def test_init_rule_types_are_public() -> None:
     assert meshlm.Normal(0.02).std == 0.02 and meshlm.Constant(1.0).value == 1.0
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.head.weight, std=0.02)  # the same tensor: this second draw is what both hold
+
+
+def test_init_weights_keeps_tied_parameters_tied() -> None:
+    torch.manual_seed(0)
+    want = _Tied()
+    torch.manual_seed(SEED)
+    want.init_weights()
+    with torch.device("meta"):
+        model = _Tied()
+    model.init_seed = SEED
+    init = MetaInit(model, torch.device("cpu"))
+    for name in ("embed.weight", "head.weight"):
+        got = torch.empty(32)
+        init.fill(model.embed.weight, got, name=name)
+        assert torch.equal(got.view(8, 4), want.embed.weight.detach()), name
