@@ -136,6 +136,10 @@ class TrainSection(Section):
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="activations recomputed in backward: selective = the attention core, full = each block"
     )
+    fused_loss: bool = Field(
+        True, description="output projection + cross-entropy in token chunks, never materialising the logits"
+    )
+    ignore_index: int = Field(-100, description="target id that carries no loss (prompt and padding labels)")
     compile: bool = Field(False, description="torch.compile each transformer block (after parallelization)")
     compile_backend: Literal["inductor", "aot_eager"] = Field(
         "inductor", description="torch.compile backend: inductor generates kernels; aot_eager only traces (tests)"

@@ -231,9 +231,22 @@ def set_recompute(model: nn.Module, policy: str) -> None:
             module.recompute_core = policy == "selective"
 
 
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32 (the loss every parallel layout must reproduce)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+IGNORE_INDEX = -100  # the target id of tokens that carry no loss (Hugging Face's and PyTorch's convention)
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Mean token cross-entropy in fp32 over the targets that are not `ignore_index` (the loss every parallel
+    layout must reproduce: sum over kept tokens / count of kept tokens)."""
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=ignore_index)
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per-token cross-entropy in fp32, shaped like `targets`, 0 where the target is `ignore_index`: the
+    form of loss a ParallelModel takes, so that it can average over the kept tokens of the global batch."""
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    losses = F.cross_entropy(flat, targets.reshape(-1), ignore_index=ignore_index, reduction="none")
+    return losses.view(targets.shape)
 
 
 @torch.no_grad()

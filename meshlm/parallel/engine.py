@@ -23,15 +23,16 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.config import ParallelSection
-from meshlm.model.llama import cross_entropy_loss
+from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
 from meshlm.observe.timers import comm
 from meshlm.parallel.data_parallel import ShardedTensor
+from meshlm.parallel.fused_loss import HeadOutput, apply_fused_loss, fused_cross_entropy_sum
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
-from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
+from meshlm.parallel.plan import ParallelPlan, PlanError, check_plan, plan_for
 from meshlm.parallel.tp_shard import tp_shard
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 
 
 def is_tp_replicated(param: nn.Parameter) -> bool:
@@ -65,19 +66,25 @@ def replica_group(mesh: Mesh) -> dist.ProcessGroup:
     return mesh.group("dp_cp")
 
 
-def causal_lm_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy of logits, or of an output object's `.logits` (Hugging Face models)."""
-    return cross_entropy_loss(getattr(output, "logits", output), targets)
+class LossShapeError(PlanError):
+    """A loss function that does not return one loss per target token."""
 
 
 class ParallelModel:
     """This rank's model chunks plus the collectives that make them behave like the single-process model.
 
-    `plan` defaults to the registered plan of the model's class (meshlm.parallel.plan.plan_for). `loss_fn`
-    maps (model output, targets) to a mean loss; by default token cross-entropy, vocabulary-parallel under
-    tp (the logits stay sharded). `gather_logits` makes a tp model return full logits instead, for a loss
-    of one's own that needs them (at the cost of gathering them). `model` may be built on the `meta`
-    device: each rank then materialises only its shard (see the module docstring), on the mesh's device."""
+    `plan` defaults to the registered plan of the model's class (meshlm.parallel.plan.plan_for).
+
+    The loss contract: `loss_fn(output, targets)` returns per-token losses shaped like `targets` (as
+    `F.cross_entropy(..., reduction="none")` does); meshlm zeroes those whose target is `ignore_index`, sums
+    them and divides by the number of kept tokens in the *global* batch (every replica and micro-batch), so
+    the loss and gradients equal one process's `sum(loss over kept tokens) / count(kept tokens)` under any
+    layout and accumulation. The default is token cross-entropy, vocabulary-parallel under tp (the logits
+    stay sharded). A loss of one's own under tp needs `gather_logits=True` (the model then returns full
+    logits, at the cost of gathering them). `fused_loss` computes meshlm's cross-entropy together with the
+    vocabulary head, chunk by chunk, never materialising the logits (meshlm.parallel.fused_loss; the head
+    returns them again in eval). `model` may be built on the `meta` device: each rank then
+    materialises only its shard (see the module docstring), on the mesh's device."""
 
     def __init__(
         self,
@@ -89,9 +96,14 @@ class ParallelModel:
         plan: ParallelPlan | None = None,
         loss_fn: LossFn | None = None,
         gather_logits: bool = False,
+        ignore_index: int = IGNORE_INDEX,
+        fused_loss: bool = False,
     ) -> None:
         self.mesh = mesh
         self.n_micro = n_micro
+        self.ignore_index = ignore_index
+        self._tokens_scale: torch.Tensor | None = None  # replicas / global kept tokens, set per step
+        self._batch_checked = False
         self.autocast_dtype = autocast_dtype
         self.plan = plan = plan or plan_for(model)
         layout = mesh.layout
@@ -100,6 +112,11 @@ class ParallelModel:
             from meshlm.parallel.context_parallel import check_cp_plan
 
             check_cp_plan(model, plan)  # before tensor parallelism changes anything
+        if layout.tp > 1 and loss_fn is not None and not gather_logits:
+            raise PlanError(
+                "loss_fn: under tp the model's logits are sharded over the vocabulary; pass gather_logits=True "
+                "for a loss of one's own, or leave loss_fn unset for meshlm's vocabulary-parallel cross-entropy"
+            )
         self.global_shapes = {name: p.shape for name, p in model.named_parameters()}
         meta_init = MetaInit(model, mesh_device(mesh)) if is_meta_model(model) else None
         self.device_type = meta_init.device.type if meta_init else next(model.parameters()).device.type
@@ -107,7 +124,7 @@ class ParallelModel:
             from meshlm.parallel.pipeline import hidden_size
 
             width = hidden_size(model, plan.pipeline)  # read before tp swaps the embedding
-        self.loss_fn: LossFn = loss_fn or causal_lm_loss
+        self.token_loss: LossFn = loss_fn or self._cross_entropy
 
         if layout.tp > 1:
             from meshlm.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -119,9 +136,15 @@ class ParallelModel:
             if loss_fn is None and not gather_logits:
 
                 def tp_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
-                    return vocab_parallel_cross_entropy(getattr(output, "logits", output), targets, tp_state.group)
+                    logits = getattr(output, "logits", output)
+                    return vocab_parallel_cross_entropy(logits, targets, tp_state.group, ignore_index)
 
-                self.loss_fn = tp_loss
+                self.token_loss = tp_loss
+
+        # ZeRO-3 frees the head's gathered weight when its unit's forward ends, before the loss runs: there the
+        # head keeps returning logits (docs/zero.md).
+        if fused_loss and loss_fn is None and not gather_logits and parallel.zero < 3:
+            apply_fused_loss(model, plan)
 
         if layout.cp > 1:
             from meshlm.parallel.context_parallel import apply_context_parallel
@@ -149,7 +172,7 @@ class ParallelModel:
                 mesh.group("pp"),
                 schedule=parallel.schedule,
                 n_micro=n_micro,
-                loss_fn=self._staged_loss,
+                loss_fn=self._scaled_loss,
                 autocast=self.autocast,
                 set_grad_sync=self.set_grad_sync,
                 seq_shards=layout.tp if parallel.sequence_parallel else 1,
@@ -173,8 +196,85 @@ class ParallelModel:
         if meta_init is not None:
             meta_init.check_done()
 
-    def _staged_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, targets)
+    # ---- the loss: per-token losses over the kept tokens of the global batch ---------------------------
+    def count_tokens(self, targets: torch.Tensor) -> torch.Tensor:
+        """The number of kept targets (not `ignore_index`) in `targets` summed over every replica (dp, and cp
+        shards of the sequences): the denominator of the global-batch token mean. One all-reduce of a scalar;
+        every replica must call it. A device tensor, no host sync."""
+        count = (targets != self.ignore_index).sum().to(torch.float32)
+        if self.replicas > 1:
+            with comm("all_reduce"):
+                dist.all_reduce(count, group=self.mesh.group("dp_cp"))
+        return count
+
+    @property
+    def replicas(self) -> int:
+        """Ranks whose gradients data parallel averages: dp × cp."""
+        return self.mesh.size("dp") * self.mesh.size("cp")
+
+    def _cross_entropy(self, output: object, targets: torch.Tensor) -> torch.Tensor:
+        return token_cross_entropy(getattr(output, "logits", output), targets, self.ignore_index)
+
+    def token_loss_sum(self, output: object, targets: torch.Tensor) -> torch.Tensor:
+        """Σ of the loss function's per-token losses over the kept targets, in fp32 (fused with the output
+        projection, chunk by chunk, when the head returned a HeadOutput: `fused_loss`)."""
+        head = getattr(output, "logits", output)
+        if isinstance(head, HeadOutput):
+            return fused_cross_entropy_sum(head, targets, self.ignore_index)
+        losses = self.token_loss(output, targets)
+        if not torch.is_tensor(losses) or losses.shape != targets.shape:
+            got = tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__
+            raise LossShapeError(
+                f"loss_fn returned {got}, but meshlm needs one loss per target token, shaped like the targets "
+                f"{tuple(targets.shape)} (e.g. F.cross_entropy(..., reduction='none')): it averages them over "
+                "the kept tokens of the global batch itself"
+            )
+        return torch.where(targets != self.ignore_index, losses.float(), 0.0).sum()
+
+    def loss_fn(
+        self, output: object, targets: torch.Tensor, num_tokens: torch.Tensor | float | None = None
+    ) -> torch.Tensor:
+        """This rank's share of the global-batch token-mean loss, for a loop of one's own: Σ per-token loss
+        over its kept targets × replicas / `num_tokens`, so that data parallel's gradient average gives the
+        gradient of Σ loss / num_tokens over the whole batch. `num_tokens` is the number of kept tokens in the
+        global batch of the optimizer step (`count_tokens` of all the step's targets — pass it when
+        accumulating over micro-batches); by default `count_tokens(targets)`, the step being this one batch.
+        `replica_mean` of the result is the global loss."""
+        if num_tokens is None:
+            num_tokens = self.count_tokens(targets)
+        count = torch.as_tensor(num_tokens, dtype=torch.float32, device=targets.device).clamp(min=1)
+        return self.token_loss_sum(output, targets) * (self.replicas / count)
+
+    def _scaled_loss(self, output: object, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's term of the step's loss (the pipeline's loss function): its kept-token loss sum
+        times replicas / the step's global kept tokens, set by `_start_step`."""
+        return self.token_loss_sum(output, targets) * self._tokens_scale
+
+    def _start_step(self, targets: torch.Tensor) -> None:
+        self._tokens_scale = self.replicas / self.count_tokens(targets).clamp(min=1)
+
+    def _check_batch(self, inputs: torch.Tensor) -> None:
+        """The batch splits into the micro-batches; and, once, that each dp replica got rows of its own (the
+        same rows on every replica is a global batch passed where a local one belongs)."""
+        if inputs.shape[0] % self.n_micro:
+            raise PlanError(
+                f"forward_backward: {inputs.shape[0]} rows do not split into {self.n_micro} micro-batches; "
+                f"pass a multiple of {self.n_micro} rows (this replica's share of the global batch)"
+            )
+        dp = self.mesh.size("dp")
+        if self._batch_checked or dp == 1:
+            return
+        positions = torch.arange(1, inputs.numel() + 1, dtype=torch.float64, device=inputs.device)
+        fingerprint = (inputs.double().flatten() * positions).sum()  # order-sensitive: equal only for equal rows
+        seen = [torch.zeros_like(fingerprint) for _ in range(dp)]
+        with comm("all_gather"):
+            dist.all_gather(seen, fingerprint, group=self.mesh.group("dp"))
+        if all(torch.equal(seen[0], f) for f in seen[1:]):
+            raise PlanError(
+                f"forward_backward: every one of the {dp} dp ranks got the same {inputs.shape[0]} rows; pass each "
+                "rank its own share of the global batch (model.local_batch(batch))"
+            )
+        self._batch_checked = True
 
     # ---- helpers the strategies share -------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -204,7 +304,9 @@ class ParallelModel:
             finally:
                 self.loss_fn = previous
         self.train(True)
+        self._check_batch(inputs)
         inputs, targets = self.seq_shard(inputs), self.seq_shard(targets)
+        self._start_step(targets)
         micro_inputs, micro_targets = inputs.chunk(self.n_micro), targets.chunk(self.n_micro)
         if self.pipeline is not None:
             loss = self.pipeline.train_step(micro_inputs, micro_targets)
@@ -214,7 +316,7 @@ class ParallelModel:
             for i, (x, y) in enumerate(zip(micro_inputs, micro_targets, strict=True)):
                 self.set_grad_sync(0, i == self.n_micro - 1)
                 with self.autocast():
-                    micro_loss = self.loss_fn(model(x), y) / self.n_micro
+                    micro_loss = self._scaled_loss(model(x), y)
                 micro_loss.backward()
                 loss += micro_loss.detach()
         if self.dp is not None:
@@ -226,24 +328,25 @@ class ParallelModel:
         """Forward-only loss of this replica's batch, averaged over replicas."""
         self.train(False)
         inputs, targets = self.seq_shard(inputs), self.seq_shard(targets)
+        self._start_step(targets)
         if self.pipeline is not None:
             loss = self.pipeline.eval_step(inputs.chunk(self.n_micro), targets.chunk(self.n_micro))
         else:
             with self.autocast():
-                loss = self.loss_fn(self.chunks[0](inputs), targets).float()
+                loss = self._scaled_loss(self.chunks[0](inputs), targets)
         return self.replica_mean(loss)
 
     def replica_mean(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean of a per-replica scalar over data-parallel replicas (from the last stage under pp), and
-        over cp ranks: each holds the mean over as many tokens, so their mean is the global-token mean."""
+        """The mean of a per-replica scalar over data-parallel replicas and cp ranks (from the last stage
+        under pp). Each holds its kept-token loss sum × replicas / the global kept tokens (`loss_fn`), so
+        their mean is the global-batch token mean."""
         loss = loss.detach().float().clone()
         if self.pipeline is not None:
             self.pipeline.broadcast_from_last_stage(loss)
-        replicas = self.mesh.size("dp") * self.mesh.size("cp")
-        if replicas > 1:
+        if self.replicas > 1:
             with comm("all_reduce"):
                 dist.all_reduce(loss, group=self.mesh.group("dp_cp"))
-            loss /= replicas
+            loss /= self.replicas
         return loss
 
     # ---- a loop of one's own: forward, backward, no_sync, step ------------------------------------------

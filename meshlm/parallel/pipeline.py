@@ -167,7 +167,7 @@ class PipelineSchedule:
         pp_group: dist.ProcessGroup,
         schedule: str = "1f1b",
         n_micro: int = 1,
-        loss_fn: LossFn = cross_entropy_loss,
+        loss_fn: LossFn | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         set_grad_sync: Callable[[int, bool], None] | None = None,
         seq_shards: int = 1,
@@ -179,7 +179,7 @@ class PipelineSchedule:
         self.peers = [dist.get_global_rank(pp_group, r) for r in range(self.size)]
         self.n_micro = n_micro
         self.n_stages = self.size * len(chunks)
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn or (lambda out, targets: cross_entropy_loss(out, targets) / n_micro)
         self.autocast = autocast
         self.set_grad_sync = set_grad_sync or (lambda chunk, enabled: None)
         self.seq_shards = seq_shards
@@ -196,13 +196,15 @@ class PipelineSchedule:
     def train_step(self, micro_inputs: Sequence[torch.Tensor], micro_targets: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward and backward every micro-batch; gradients accumulate in the chunks' parameters.
 
-        Returns Σ micro_loss / n_micro on the last stage (the global-batch mean) and 0 elsewhere.
+        `loss_fn(output, targets)` gives a micro-batch's term of the step's loss (ParallelModel: its kept-token
+        loss sum over the step's global kept-token count; by default the micro-batch's mean / n_micro).
+        Returns Σ of the terms on the last stage and 0 elsewhere.
         """
         return self._run(self.actions, micro_inputs, micro_targets, train=True)
 
     @torch.no_grad()
     def eval_step(self, micro_inputs: Sequence[torch.Tensor], micro_targets: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Forward only; the mean loss over micro-batches on the last stage, 0 elsewhere."""
+        """Forward only; Σ of the micro-batches' loss terms on the last stage, 0 elsewhere."""
         return self._run(self.eval_actions, micro_inputs, micro_targets, train=False)
 
     def broadcast_from_last_stage(self, loss: torch.Tensor) -> None:
@@ -249,7 +251,7 @@ class PipelineSchedule:
                 with self.autocast():
                     out = self.chunks[a.chunk](x)
                     if stage == self.n_stages - 1:
-                        out = self.loss_fn(out, targets[a.micro]).float() / self.n_micro
+                        out = self.loss_fn(out, targets[a.micro]).float()
                 if stage == self.n_stages - 1:
                     total += out.detach()
                 else:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.parallel.fused_loss import HeadOutput
 from meshlm.parallel.mesh import check_tensor_parallel
 from meshlm.parallel.plan import (
     COLWISE,
@@ -124,6 +125,7 @@ class ColumnParallelLinear(nn.Module):
         self.kv_head, self.n_kv_heads = kv_head, n_kv_heads
         self.vocab_head = vocab_head
         self.gather_output = False
+        self.fused_loss = False  # training returns a HeadOutput for the fused loss (meshlm.parallel.fused_loss)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
@@ -132,6 +134,8 @@ class ColumnParallelLinear(nn.Module):
             if bias is not None:
                 bias = sum_over_head_replicas(bias, self.kv_head, self.n_kv_heads, self.tp.group)
         x = self.tp.open_region(x)
+        if self.fused_loss and self.training:
+            return HeadOutput(x, weight, self.tp.group)
         if getattr(x, "meshlm_seq_shard", None) is None:
             y = F.linear(x, weight, bias)
         else:

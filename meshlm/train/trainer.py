@@ -228,7 +228,10 @@ class Trainer:
             model.to(device)
         self.mesh = build_mesh(layout, device.type)
         autocast = autocast_dtype(cfg.train.dtype, device)
-        self.model = ParallelModel(model, self.mesh, cfg.parallel, n_micro, autocast, parts.plan, parts.loss_fn)
+        self.model = ParallelModel(
+            model, self.mesh, cfg.parallel, n_micro, autocast, parts.plan, parts.loss_fn, parts.gather_logits,
+            cfg.train.ignore_index, cfg.train.fused_loss,
+        )  # fmt: skip
         if cfg.train.compile:
             compile_blocks(self.model, cfg.train.compile_backend)
         if parts.optimizer is None:
@@ -376,6 +379,22 @@ class Trainer:
         every += (c.fault.desync_every,) if self.check_desync else ()
         return done in (1, c.train.steps) or any(k and done % k == 0 for k in every)
 
+    def check_batch_rows(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """The data's rows per replica agree with train.global_batch (which sets tokens/s, MFU and the
+        schedule), and its targets with its inputs: one line before the first step otherwise."""
+        rows, want = inputs.shape[0], self.cfg.train.global_batch // self.dp
+        if rows != want:
+            raise ConfigError(
+                f"train.global_batch = {self.cfg.train.global_batch}, but the data gave this dp rank {rows} rows "
+                f"(× dp={self.dp} = {rows * self.dp}); set train.global_batch = {rows * self.dp} or give global "
+                f"batches of {self.cfg.train.global_batch} rows"
+            )
+        if targets.shape != inputs.shape[:2]:
+            raise ConfigError(
+                f"data: targets of shape {tuple(targets.shape)} do not match inputs {tuple(inputs.shape)}; "
+                "each batch is (inputs, targets) with one target id per input token"
+            )
+
     def step(self) -> int:
         """One optimizer step and, at a sync step, everything that follows it; returns the steps done."""
         step = self.sampler.step
@@ -385,6 +404,8 @@ class Trainer:
         self.observer.start_step()
         with self.observer.data_wait():
             inputs, targets = self.sampler.next_batch(self.dp_rank, self.dp)
+        if done == self.result.start_step + 1:
+            self.check_batch_rows(inputs, targets)
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         lr = lr_at(step, self.cfg.train)
         args = (self.model, self.optimizer, inputs, targets, lr, self.cfg.train.grad_clip)
