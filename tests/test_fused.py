@@ -286,7 +286,6 @@ def test_gpt2_fused_c_attn_under_tp_matches_one_process_and_a_plain_colwise_does
     assert ref["losses"][-1] < ref["losses"][0] - 0.3, ref["losses"]  # runs that learn
 
 
-@pytest.mark.slow  # five runs and their references at two ranks: ~15 s on 2 cores
 def test_fused_projections_under_tp_match_one_process() -> None:
     references = {(m, o): run("", m, o) for _, m, o, _ in WORLD2}
     _check(WORLD2, run_shared(_world2, 2), references)
@@ -295,7 +294,7 @@ def test_fused_projections_under_tp_match_one_process() -> None:
         assert losses[-1] < losses[0] - 0.3, (model, losses)
 
 
-@pytest.mark.slow  # six runs, a checkpoint and a meta start on four ranks: ~15 s on 2 cores
+@pytest.mark.slow  # six runs, a checkpoint and a meta start on four fresh ranks: 18 s on the 2-core VM
 def test_fused_projections_under_dp_tp_zero_match_one_process(tmp_path: Path) -> None:
     references = {(m, o): run("", m, o) for _, m, o, _ in WORLD4}
     results = run_distributed(_world4, 4, str(tmp_path))
