@@ -250,7 +250,7 @@ def fused_widths(
             raise PlanError(f"{where}: the plan gives no head_dim (ParallelPlan.head_dim) to split at head boundaries")
         head_dim = plan.head_dim(model)
     if isinstance(style, InterleavedColwise):
-        group = style.per_head * head_dim
+        group = max(style.per_head, 1) * head_dim
         heads, rest = divmod(out, group)
         if style.per_head < 1 or rest or heads % tp:
             raise PlanError(
