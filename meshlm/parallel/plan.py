@@ -6,8 +6,8 @@ modules only the first or the last stage runs. A new model family is one `Parall
 
     ParallelPlan(
         name="gpt2",
-        tensor_parallel={"h.*.attn.[qkv]": COLWISE, "h.*.attn.out": ROWWISE, "h.*.mlp.fc": COLWISE,
-                         "h.*.mlp.proj": ROWWISE, "wte": VOCAB_EMBEDDING, "head": VOCAB_HEAD},
+        tensor_parallel={"h.*.attn.c_attn": FusedColwise(3), "h.*.attn.c_proj": ROWWISE, "h.*.mlp.c_fc": COLWISE,
+                         "h.*.mlp.c_proj": ROWWISE, "wte": VOCAB_EMBEDDING, "head": VOCAB_HEAD},
         zero3_units=("Block",),
         pipeline=PipelineSplit(layers="h", first=("wte", "wpe"), last=("ln_f", "head")),
     )
