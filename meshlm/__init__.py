@@ -5,6 +5,8 @@ The public API (docs/api.md), importable from `meshlm` directly:
     init_mesh, parallelize, ParallelModel, Checkpoints, shutdown your model and your loop
     ParallelPlan, PipelineSplit, register_plan, plan_for,        per-family plan tables
     COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, SEQUENCE_PARALLEL
+    FusedColwise, InterleavedColwise                             styles for fused projections
+    Normal, Constant                                             what a model's init_rule returns
     fit, Callback, BatchSource                                   meshlm's loop with your model, loss and data
     StepObserver, StepGuard, Preemption, Watchdog                metrics and guards as calls
     Transformer, ModelConfig, preset                             the built-in Llama
@@ -37,6 +39,10 @@ _EXPORTS = {
     "VOCAB_EMBEDDING": "meshlm.parallel.plan",
     "VOCAB_HEAD": "meshlm.parallel.plan",
     "SEQUENCE_PARALLEL": "meshlm.parallel.plan",
+    "FusedColwise": "meshlm.parallel.plan",
+    "InterleavedColwise": "meshlm.parallel.plan",
+    "Normal": "meshlm.model.init",
+    "Constant": "meshlm.model.init",
     "fit": "meshlm.train.trainer",
     "Callback": "meshlm.train.trainer",
     "BatchSource": "meshlm.train.trainer",

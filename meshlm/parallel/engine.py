@@ -30,6 +30,7 @@ from meshlm.parallel.fused_loss import HeadOutput, apply_fused_loss, fused_cross
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.plan import ParallelPlan, PlanError, check_plan, plan_for
+from meshlm.parallel.tp_shard import tp_shard
 from meshlm.ties import is_pp_tied, tied_aliases
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
@@ -38,7 +39,8 @@ LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 def is_tp_replicated(param: nn.Parameter) -> bool:
     """True for parameters whose gradient is counted on another tp rank too (norm weights, and every copy
     but the first of a KV head replicated over ranks): the global norm counts them on tp rank 0 only."""
-    return getattr(param, "_meshlm_tp_shard_dim", None) is None
+    shard = tp_shard(param)
+    return shard is None or not shard.counted
 
 
 def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
@@ -107,6 +109,10 @@ class ParallelModel:
         self.plan = plan = plan or plan_for(model)
         layout = mesh.layout
         check_plan(model, plan, layout.tp, layout.pp, parallel.zero, parallel.sequence_parallel)
+        if layout.cp > 1:
+            from meshlm.parallel.context_parallel import check_cp_plan
+
+            check_cp_plan(model, plan)  # before tensor parallelism changes anything
         if layout.tp > 1 and loss_fn is not None and not gather_logits:
             raise PlanError(
                 "loss_fn: under tp the model's logits are sharded over the vocabulary; pass gather_logits=True "
