@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.lora import LoRAError, LoRALinear, lora_delta
 from meshlm.parallel.mesh import check_tensor_parallel
 from meshlm.parallel.plan import (
     COLWISE,
@@ -117,6 +118,7 @@ class ColumnParallelLinear(nn.Module):
         self.kv_head, self.n_kv_heads = kv_head, n_kv_heads
         self.vocab_head = vocab_head
         self.gather_output = False
+        self.adapted = False  # LoRA: _Sharder.attach_adapter adds lora_A (replicated) and lora_B (row shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
@@ -131,6 +133,11 @@ class ColumnParallelLinear(nn.Module):
             y = linear_saving_shard(x, weight)
             if bias is not None:
                 y = y + bias
+        if self.adapted:
+            lora_B = self.lora_B
+            if self.kv_head is not None:
+                lora_B = sum_over_head_replicas(lora_B, self.kv_head, self.n_kv_heads, self.tp.group)
+            y = y + lora_delta(self, x, lora_B)
         return gather_from_tp(y, self.tp.group) if self.gather_output else y
 
 
@@ -144,9 +151,12 @@ class RowParallelLinear(nn.Module):
         self.weight = weight
         self.bias = bias
         self.tp = tp
+        self.adapted = False  # LoRA: _Sharder.attach_adapter adds lora_A (column shard) and lora_B (replicated)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
+        if self.adapted:  # the adapter's partial output joins the base's: one reduction sums both
+            y = y + lora_delta(self, x)
         y = reduce_scatter_seq(y, self.tp.group) if self.tp.sequence_parallel else reduce_from_tp(y, self.tp.group)
         return y if self.bias is None else y + self.bias
 
@@ -187,8 +197,10 @@ def _shard(w: torch.Tensor, dim: int, index: int, size: int) -> nn.Parameter:
 
 
 def _sum_grad_over_tp(param: nn.Parameter, tp: TPState) -> None:
-    """Under SP a module run on this rank's sequence shard gets a partial gradient: sum it over tp."""
-    param.register_hook(lambda grad: _all_reduce(grad, tp.group))
+    """Under SP a module run on this rank's sequence shard gets a partial gradient: sum it over tp (a frozen
+    parameter has none)."""
+    if param.requires_grad:
+        param.register_hook(lambda grad: _all_reduce(grad, tp.group))
 
 
 class _Sharder:
@@ -209,7 +221,39 @@ class _Sharder:
         bias = getattr(module, "bias", None)
         return self.shard(module.weight, 0, index, rows), None if bias is None else self.shard(bias, 0, index, rows)
 
+    def attach_adapter(self, plain: LoRALinear, parallel: nn.Module, style: str) -> None:
+        """Shard a LoRA adapter with its base: under a column-parallel base A (rank × in) is replicated and
+        B (out × rank) keeps the base's output rows; under a row-parallel base A keeps the base's input
+        columns and B is replicated. The replicated factor's gradient is a partial sum on each rank (its
+        output gradient, or its input, covers this rank's slice only), so it is summed over tp by a hook."""
+        tp = self.tp
+        if style == ROWWISE:
+            lora_A = self.shard(plain.lora_A, 1, tp.rank, plain.in_features // tp.size)
+            lora_B = plain.lora_B
+            _sum_grad_over_tp(lora_B, tp)
+        else:
+            lora_A = plain.lora_A
+            _sum_grad_over_tp(lora_A, tp)
+            if parallel.kv_head is None:
+                lora_B = self.shard(plain.lora_B, 0, tp.rank, plain.out_features // tp.size)
+            else:  # a KV head replicated over tp // n_kv_heads ranks: B's rows of that head, counted once
+                head_dim = plain.out_features // parallel.n_kv_heads
+                lora_B = self.shard(plain.lora_B, 0, parallel.kv_head, head_dim)
+                if tp.rank % (tp.size // parallel.n_kv_heads):
+                    lora_B._meshlm_tp_shard_dim = None
+        parallel.lora_A, parallel.lora_B = lora_A, lora_B
+        parallel.lora_dropout, parallel.lora_scaling = plain.lora_dropout, plain.lora_scaling
+        parallel.adapted = True
+
     def build(self, module: nn.Module, style: str) -> nn.Module:
+        parallel = self._build(module, style)
+        if isinstance(module, LoRALinear) and parallel is not module:
+            if style == VOCAB_HEAD:
+                raise LoRAError("lora.targets: an adapter on the vocabulary head is not supported under tp")
+            self.attach_adapter(module, parallel, style)
+        return parallel
+
+    def _build(self, module: nn.Module, style: str) -> nn.Module:
         tp = self.tp
         if style == VOCAB_EMBEDDING:
             rows = module.num_embeddings // tp.size

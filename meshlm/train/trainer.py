@@ -32,6 +32,7 @@ from meshlm.checkpoint import (
 from meshlm.checkpoint.store import StorageError, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data_shared
+from meshlm.lora import apply_lora, freeze, load_adapter
 from meshlm.model import Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
 from meshlm.model.pretrained import init_tokenizer, keep_tokenizer, meshlm_checkpoint, open_init_from
@@ -41,7 +42,7 @@ from meshlm.observe.metrics import MetricsLogger, TrainProgress
 from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout, validate_layout
-from meshlm.parallel.plan import check_plan, plan_for
+from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
 from meshlm.train.compile import compile_blocks
 from meshlm.train.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.train.faults import fault_point
@@ -139,6 +140,20 @@ def model_device(model: ParallelModel) -> torch.device:
     return next(model.chunks[0].parameters()).device
 
 
+LORA_KEYS = (".lora_A", ".lora_B")
+
+
+def adapt_model(model: nn.Module, cfg: Config, plan: ParallelPlan | None = None) -> None:
+    """train.freeze and the [lora] section, applied to the plain model before it is parallelized."""
+    if cfg.train.freeze:
+        freeze(model, cfg.train.freeze)
+    if cfg.lora.rank:
+        lora = cfg.lora
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, plan, seed=cfg.train.seed)
+        if lora.init_from:
+            load_adapter(model, lora.init_from)
+
+
 def train(cfg: Config) -> TrainResult:
     """Train (or resume) meshlm's own model on `cfg.data` in `cfg.log.run_dir` (what `meshlm train` runs)."""
     return fit(cfg)
@@ -224,6 +239,7 @@ class Trainer:
             n_params = sum(p.numel() for p in model.parameters())
             self.model_identity = {"class": type(model).__qualname__, "parameters": n_params}
             flops_per_tok = 6.0 * n_params  # forward + backward matmuls; attention scores not counted
+        adapt_model(model, cfg, parts.plan)
         if not any(p.is_meta for p in model.parameters()):  # a meta model is materialised on the mesh's device
             model.to(device)
         self.mesh = build_mesh(layout, device.type)
@@ -309,7 +325,9 @@ class Trainer:
         dist.broadcast_object_list(problem, src=0)
         if problem[0]:
             raise CheckpointError(problem[0])
-        self.checkpointer.load(path, training_entries(self.model))
+        entries = training_entries(self.model, frozen=True)
+        entries = {key: chunks for key, chunks in entries.items() if not key.endswith(LORA_KEYS)}  # not in a base
+        self.checkpointer.load(path, entries)
         self.model.after_load()
         self.say(f"fine-tuning from {path}")
 

@@ -1,0 +1,213 @@
+"""LoRA and frozen weights under every strategy, against one process (tests/equivalence.py's criteria).
+
+meshlm's Llama (test preset) and a Hugging Face LlamaForCausalLM (random, from a config) get rank-4 adapters
+on the plan's attention and MLP projections (dropout 0: exact), then train 10 AdamW steps (per-step loss and
+gradient norm within 1e-5 relative) and 4 SGD steps (final adapter weights within criterion 2's float32
+bound) under dp=2 ZeRO-3, tp=2, pp=2 (meshlm's Llama: HF's forward cannot run a pipeline stage) and
+dp=2×tp=2. The frozen base must come out bit-identical, and hold no gradient and no optimizer state. A
+mutation that reduces the row-parallel adapter's partial output on its own and then again with the base's
+(the partial sum applied twice) must fail the loss criterion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import run_shared
+from equivalence import TEST_MODEL, assert_close_runs, criterion_failures, global_batch
+from torch import nn
+
+import meshlm
+from meshlm.lora import LoRAError, LoRALinear, apply_lora, freeze, lora_delta
+from meshlm.model import Transformer
+from meshlm.parallel.mesh import build_mesh, parse_layout
+
+RANK, ALPHA = 4, 8.0
+BATCH, SEQ = 8, 16
+HF_VOCAB = 128
+
+
+def hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, attn_implementation="eager",
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def llama() -> nn.Module:
+    return Transformer(TEST_MODEL)
+
+
+FAMILIES = {"llama": (llama, TEST_MODEL.vocab_size), "hf": (hf_llama, HF_VOCAB)}
+
+
+def lora_run(layout: str, family: str = "llama", optimizer: str = "adamw", **parallel: object) -> dict:
+    """Train `family` with LoRA under `layout` in a plain loop: {'losses', 'grad_norms', 'state' (full fp32
+    weights), 'base_unchanged', 'frozen_state_free', 'optimizer', 'updates', 'moved'} (equivalence.py's run)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    build, vocab = FAMILIES[family]
+    mesh = build_mesh(parse_layout(layout, world), "cpu")
+    torch.manual_seed(0)
+    model = build()
+    apply_lora(model, RANK, ALPHA, seed=1)
+    initial = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    base = {n for n, p in model.named_parameters() if not p.requires_grad}
+    micro = 2 if "pp" in layout else 1
+    pm = meshlm.parallelize(model, mesh, micro_batches=micro, **parallel)
+    steps = 4 if optimizer == "sgd" else 10
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(pm.parameters(), lr=0.2)
+    else:
+        opt = torch.optim.AdamW(pm.parameters(), lr=3e-3, eps=1e-6, weight_decay=0.1)
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = global_batch(step, BATCH, SEQ, vocab)
+        loss = pm.forward_backward(pm.local_batch(x), pm.local_batch(y))
+        frozen_grads = [p for _, p in pm.named_parameters() if not p.requires_grad and p.grad is not None]
+        norms.append(pm.clip_grad_norm_(1.0).item())
+        pm.step(opt)
+        losses.append(loss.item())
+    state = pm.full_state_dict()
+    stepped = {id(p) for group in opt.param_groups for p in group["params"]}
+    frozen_held = [p for _, p in pm.named_parameters() if not p.requires_grad]
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "state": {n: t for n, t in state.items() if n not in base},
+        "base_unchanged": all(torch.equal(state[n], initial[n]) for n in base),
+        "frozen_state_free": not frozen_grads and not any(id(p) in stepped for p in frozen_held),
+        "optimizer": optimizer,
+        "updates": steps,
+        "moved": {n: (t - initial[n]).abs().max().item() for n, t in state.items() if n not in base},
+    }
+
+
+# ---- the mutation: the row-parallel adapter's partial sum reduced twice ----------------------------------
+@contextlib.contextmanager
+def row_adapter_reduced_twice() -> Iterator[list]:
+    """The adapter's partial output all-reduced by itself, then again inside the base's all-reduce: tp× the
+    update on every row-parallel projection (o_proj, down_proj)."""
+    from meshlm.parallel import tensor_parallel
+    from meshlm.parallel.tp_ops import reduce_from_tp
+
+    fired: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.adapted:
+            fired.append(1)
+            y = y + reduce_from_tp(lora_delta(self, x), self.tp.group)
+        y = reduce_from_tp(y, self.tp.group)
+        return y if self.bias is None else y + self.bias
+
+    original = tensor_parallel.RowParallelLinear.forward
+    tensor_parallel.RowParallelLinear.forward = forward
+    try:
+        yield fired
+    finally:
+        tensor_parallel.RowParallelLinear.forward = original
+
+
+def _mutated_tp_run() -> dict:
+    with row_adapter_reduced_twice() as fired:
+        run = lora_run("tp=2")
+    return {**run, "fired": len(fired)}
+
+
+# ---- world 2 -------------------------------------------------------------------------------------------
+WORLD2 = [
+    ("dp=2", "llama", "adamw", {"zero": 3}),
+    ("dp=2", "llama", "sgd", {"zero": 3}),
+    ("tp=2", "llama", "adamw", {}),
+    ("tp=2", "llama", "sgd", {}),
+    ("tp=2", "llama", "adamw", {"sequence_parallel": True}),
+    ("pp=2", "llama", "adamw", {}),
+    ("pp=2", "llama", "sgd", {}),
+    ("dp=2", "llama", "adamw", {"zero": 1}),
+]
+WORLD2_HF = [
+    ("dp=2", "hf", "adamw", {"zero": 3}),
+    ("dp=2", "hf", "sgd", {"zero": 3}),
+    ("tp=2", "hf", "adamw", {}),
+    ("tp=2", "hf", "sgd", {}),
+]
+
+
+def _world2(cases: list[tuple]) -> list[dict]:
+    return [lora_run(layout, family, optimizer, **par) for layout, family, optimizer, par in cases]
+
+
+def _check(cases: list[tuple], results: list[list[dict]]) -> None:
+    refs = {(family, opt): lora_run("", family, opt) for _, family, opt, _ in cases}
+    for ref in refs.values():
+        assert ref["base_unchanged"] and ref["frozen_state_free"]
+    for rank, runs in enumerate(results):
+        for (layout, family, opt, par), got in zip(cases, runs, strict=True):
+            where = f"rank {rank} {family} {layout} {par} {opt}"
+            assert got["base_unchanged"], f"{where}: a frozen base weight changed"
+            assert got["frozen_state_free"], f"{where}: a frozen weight got a gradient or optimizer state"
+            try:
+                assert_close_runs(refs[family, opt], got)
+            except AssertionError as e:
+                raise AssertionError(f"{where}: {e}") from None
+    # The adapters learn: the comparison is not between runs that do nothing.
+    ref = refs[cases[0][1], "adamw"]
+    assert ref["losses"][-1] < ref["losses"][0] - 0.01, ref["losses"]
+
+
+def test_lora_llama_under_dp_zero3_tp_pp_matches_one_process() -> None:
+    _check(WORLD2, run_shared(_world2, 2, WORLD2))
+
+
+def test_row_parallel_adapter_reduced_twice_is_caught() -> None:
+    ref = lora_run("", "llama", "adamw")
+    mutated = run_shared(_mutated_tp_run, 2)
+    assert sum(r["fired"] for r in mutated) > 0, "the mutation never fired (code moved?)"
+    assert "losses" in criterion_failures(ref, mutated[0]), "the loss criterion passed a doubled adapter sum"
+
+
+def test_lora_hf_llama_under_dp_zero3_and_tp_matches_one_process() -> None:
+    pytest.importorskip("transformers")
+    _check(WORLD2_HF, run_shared(_world2, 2, WORLD2_HF))
+
+
+WORLD4 = [("dp=2,tp=2", "llama", "adamw", {"zero": 3}), ("dp=2,tp=2", "hf", "adamw", {"zero": 1})]
+
+
+@pytest.mark.slow  # four ranks, two families, 10 steps each: ~15 s on a 2-vCPU VM
+def test_lora_under_dp_tp_matches_one_process() -> None:
+    pytest.importorskip("transformers")
+    _check(WORLD4, run_shared(_world2, 4, WORLD4))
+
+
+# ---- the library call's bad input: one line each ----------------------------------------------------------
+def test_bad_lora_requests_are_one_line() -> None:
+    with pytest.raises(LoRAError, match=r"lora.targets: 'model.layers.\*.nope' matches no nn.Linear") as e:
+        apply_lora(llama(), 4, targets=["model.layers.*.nope"])
+    assert "\n" not in str(e.value)
+    for rank in (0, -2):
+        with pytest.raises(LoRAError, match=r"lora\.rank must be a positive integer"):
+            apply_lora(llama(), rank)
+    with pytest.raises(LoRAError, match=r"train\.freeze: pattern 'emb' matches no parameter"):
+        freeze(llama(), ["emb"])
+
+
+def test_freeze_and_apply_lora_mark_what_trains() -> None:
+    model = llama()
+    assert freeze(model, ["model.embed_tokens.*"]) == ["model.embed_tokens.weight"]
+    assert not model.model.embed_tokens.weight.requires_grad and model.lm_head.weight.requires_grad
+    names = apply_lora(model, 2, targets=["model.layers.0.self_attn.[qv]_proj"])
+    assert names == ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"]
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable == [f"model.layers.0.self_attn.{m}_proj.lora_{f}" for m in "qv" for f in "AB"]
+    assert isinstance(model.model.layers["0"].self_attn.q_proj, LoRALinear)
