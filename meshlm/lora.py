@@ -260,3 +260,62 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
                 f"{tuple(params[name].shape)}: an adapter for a different base"
             )
         params[name].copy_(value)
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base in place (W + B·A·alpha/rank): LoRALinear modules become plain
+    nn.Linear ones holding the merged weight, for evaluation or export. Returns `model`."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoRALinear):
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            plain.weight = nn.Parameter(module.weight + (module.lora_B @ module.lora_A) * module.lora_scaling)
+            plain.bias = module.bias
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, plain)
+    model.__dict__.pop("lora_spec", None)
+    return model
+
+
+def rebuild_run_model(checkpoint: Path, state: dict[str, torch.Tensor]) -> tuple[nn.Module, LoRASpec | None]:
+    """The model of a checkpoint that holds only what trained (a LoRA or train.freeze run): the base rebuilt
+    as the run built it (its model.init_from, else the seeded init of train.seed), the run's adapters
+    applied, then the checkpoint's tensors loaded. The run's config.toml says how; one-line error without it."""
+    from meshlm.config import load_config
+    from meshlm.model import Transformer
+    from meshlm.model.hf import load_checkpoint_model, load_hf_into_model
+    from meshlm.model.pretrained import is_hf_directory, meshlm_checkpoint
+
+    config_file = checkpoint.parent.parent / "config.toml"
+    if not config_file.is_file():
+        raise LoRAError(
+            f"{checkpoint} holds only the trained weights (LoRA or train.freeze); the run's config.toml, which "
+            f"names its base, is missing ({config_file})"
+        )
+    cfg = load_config(config_file)
+    init_from = cfg.model.init_from
+    if init_from is None:
+        model = Transformer(cfg.model.build(), init_seed=cfg.train.seed)
+    elif is_hf_directory(init_from):
+        model = load_hf_into_model(init_from)
+    else:
+        base = meshlm_checkpoint(init_from)
+        if base is None:
+            raise LoRAError(f"{config_file}: model.init_from {init_from} (the base of {checkpoint}) is gone")
+        model = load_checkpoint_model(base)[0]
+    spec = None
+    if cfg.lora.rank:
+        lora = cfg.lora
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, seed=cfg.train.seed)
+        spec = model.lora_spec
+    params = dict(model.named_parameters())
+    unknown = sorted(set(state) - set(params))
+    if unknown:
+        raise LoRAError(f"{checkpoint}: {unknown[0]} is not a parameter of the model its config.toml builds")
+    with torch.no_grad():
+        for name, value in state.items():
+            if tuple(value.shape) != tuple(params[name].shape):
+                shape = tuple(params[name].shape)
+                raise LoRAError(f"{checkpoint}: {name} has shape {tuple(value.shape)}, its model's is {shape}")
+            params[name].copy_(value)
+    return model, spec
