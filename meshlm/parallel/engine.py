@@ -375,6 +375,9 @@ class ParallelModel:
                     out[key].append(ShardedTensor(name, p.shape, 0, optimizer.state[p][key].view(-1)))
         if frozen:
             seen = set()
+            if self.dp is not None:  # ZeRO-3 shards frozen parameters too: their pieces are the masters'
+                out["model"] += self.dp.frozen_shards()
+                seen = {id(p) for buf in self.dp.frozen_buffers for p in buf.params}
             for name, p in self.named_parameters():
                 if not p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
