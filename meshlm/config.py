@@ -150,7 +150,7 @@ class TrainSection(Section):
     eval_batches: int = Field(8, gt=0, description="validation batches per evaluation")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: this rank's GPU if CUDA works, else CPU")
     freeze: list[str] = Field(
-        default_factory=list,
+        [],
         description="parameter-name patterns kept frozen: no gradient, no optimizer state, not checkpointed",
     )
 
@@ -160,7 +160,7 @@ class LoraSection(Section):
     alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the update is B·A·alpha/rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (0 for exact layouts)")
     targets: list[str] = Field(
-        default_factory=list,
+        [],
         description="module-name patterns of the Linears to adapt; empty = the plan's attention and MLP projections",
     )
     init_from: str | None = Field(None, description="start the adapters from a PEFT adapter directory")
