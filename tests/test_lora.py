@@ -49,9 +49,19 @@ def llama() -> nn.Module:
 FAMILIES = {"llama": (llama, TEST_MODEL.vocab_size), "hf": (hf_llama, HF_VOCAB)}
 
 
-def lora_run(layout: str, family: str = "llama", optimizer: str = "adamw", **parallel: object) -> dict:
+def lora_run(
+    layout: str,
+    family: str = "llama",
+    optimizer: str = "adamw",
+    start: int = 0,
+    stop: int | None = None,
+    checkpoints: str | None = None,
+    **parallel: object,
+) -> dict:
     """Train `family` with LoRA under `layout` in a plain loop: {'losses', 'grad_norms', 'state' (full fp32
-    weights), 'base_unchanged', 'frozen_state_free', 'optimizer', 'updates', 'moved'} (equivalence.py's run)."""
+    weights), 'base_unchanged', 'frozen_state_free', 'optimizer', 'updates', 'moved'} (equivalence.py's run),
+    over steps start..stop-1. With `checkpoints`, the newest checkpoint there is loaded first (if any) and
+    step `stop` saved at the end (meshlm.Checkpoints)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -69,14 +79,21 @@ def lora_run(layout: str, family: str = "llama", optimizer: str = "adamw", **par
         opt = torch.optim.SGD(pm.parameters(), lr=0.2)
     else:
         opt = torch.optim.AdamW(pm.parameters(), lr=3e-3, eps=1e-6, weight_decay=0.1)
+    saves = meshlm.Checkpoints(checkpoints, async_save=False) if checkpoints else None
+    if saves is not None and (saved := saves.load_latest(pm, opt)) is not None:
+        assert saved["step"] == start, (saved["step"], start)
+    stop = steps if stop is None else stop
     losses, norms = [], []
-    for step in range(steps):
+    for step in range(start, stop):
         x, y = global_batch(step, BATCH, SEQ, vocab)
         loss = pm.forward_backward(pm.local_batch(x), pm.local_batch(y))
         frozen_grads = [p for _, p in pm.named_parameters() if not p.requires_grad and p.grad is not None]
         norms.append(pm.clip_grad_norm_(1.0).item())
         pm.step(opt)
         losses.append(loss.item())
+    if saves is not None:
+        saves.save(stop, pm, opt)
+        saves.wait()
     state = pm.full_state_dict()
     stepped = {id(p) for group in opt.param_groups for p in group["params"]}
     frozen_held = [p for _, p in pm.named_parameters() if not p.requires_grad]
@@ -193,6 +210,25 @@ WORLD4 = [("dp=2,tp=2", "llama", "adamw", {"zero": 3}), ("dp=2,tp=2", "hf", "ada
 def test_lora_under_dp_tp_matches_one_process() -> None:
     pytest.importorskip("transformers")
     _check(WORLD4, run_shared(_world2, 4, WORLD4))
+
+
+# ---- checkpoints: only the adapters, resharded on resume --------------------------------------------------
+def _first_half(run_dir: str) -> dict:
+    return lora_run("dp=2", "llama", "adamw", stop=5, checkpoints=run_dir, zero=3)
+
+
+def test_lora_checkpoint_holds_only_adapters_and_resumes_under_another_layout(tmp_path) -> None:
+    """Steps 0-4 under dp=2 ZeRO-3, saved; steps 5-9 resumed in one process (the base rebuilt from the seed):
+    the second half's losses are the one-process run's."""
+    from meshlm.checkpoint import latest_valid_checkpoint, load_model_state
+
+    ref = lora_run("", "llama", "adamw")
+    run_shared(_first_half, 2, str(tmp_path))
+    saved = load_model_state(latest_valid_checkpoint(tmp_path))
+    assert saved and all(".lora_" in name for name in saved), sorted(saved)[:3]
+    resumed = lora_run("", "llama", "adamw", start=5, checkpoints=str(tmp_path))
+    assert resumed["base_unchanged"]
+    assert_close_runs({"losses": ref["losses"][5:], "grad_norms": ref["grad_norms"][5:]}, resumed)
 
 
 # ---- the library call's bad input: one line each ----------------------------------------------------------

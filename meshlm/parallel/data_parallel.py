@@ -193,6 +193,7 @@ class DataParallel:
             if mine:
                 trainable = [p for p in mine if p.requires_grad]
                 buffers = [self._make_buffer(kind) for kind in split_by_kind(trainable)]
+                n_trainable = len(buffers)
                 for dtype in dict.fromkeys(p.dtype for p in mine if not p.requires_grad):
                     buf = FlatBuffer(
                         [p for p in mine if not p.requires_grad and p.dtype == dtype],
@@ -200,14 +201,11 @@ class DataParallel:
                     )  # fmt: skip
                     self.frozen_buffers.append(buf)
                     buffers.append(buf)
-                unit = Unit(modules, buffers, self.shard_group, trainable=len(buffers) - self.frozen_count(buffers))
+                unit = Unit(modules, buffers, self.shard_group, trainable=n_trainable)
                 unit_of_param.update({id(p): unit for p in mine})
                 units.append(unit)
         Zero3Hooks(units, unit_of_param)  # registers itself on the units' modules
         return units
-
-    def frozen_count(self, buffers: list[FlatBuffer]) -> int:
-        return sum(1 for buf in buffers if any(buf is f for f in self.frozen_buffers))
 
     @torch.no_grad()
     def _setup_stage(self, group: dist.ProcessGroup) -> None:
