@@ -153,6 +153,21 @@ def apply_lora(
     return chosen
 
 
+@torch.no_grad()
+def cast_frozen_linears(model: nn.Module, dtype: torch.dtype) -> int:
+    """Keep the frozen weights of Linear modules in `dtype` (e.g. bf16 under bf16 autocast, which casts every
+    Linear weight to bf16 at each use anyway: the same numbers, half the bytes, no fp32 copy). Norms,
+    embeddings and trainable parameters are left as they are. Works on a meta model too. Returns how many
+    weights were cast."""
+    cast = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear) and not weight.requires_grad and weight.dtype != dtype:
+            weight.data = weight.data.to(dtype)
+            cast += 1
+    return cast
+
+
 def adapted_modules(state: dict[str, torch.Tensor]) -> list[str]:
     """Module names that have adapters in a state dict (keys '<module>.lora_A')."""
     return [k[: -len(".lora_A")] for k in state if k.endswith(".lora_A")]

@@ -289,3 +289,37 @@ def test_zero3_lora_rank_holds_a_base_shard_and_adapter_state_as_the_planner_pre
     base_bytes = 4 * sum(p.numel() for p in llama().parameters())
     assert abs(lora["params"] - base_bytes / 2) < 0.1 * base_bytes / 2
     assert lora["optimizer"] < full["optimizer"] / 10 and lora["grads"] < full["grads"] / 10
+
+
+# ---- a bf16 frozen base under bf16 autocast --------------------------------------------------------------
+def _autocast_losses(bf16_base: bool, zero: int) -> tuple[list[float], object]:
+    from meshlm.lora import cast_frozen_linears
+
+    mesh = build_mesh(parse_layout("", 1), "cpu")
+    torch.manual_seed(0)
+    model = llama()
+    apply_lora(model, RANK, ALPHA, seed=1)
+    if bf16_base:
+        assert cast_frozen_linears(model, torch.bfloat16) == 7 * TEST_MODEL.n_layers + 1  # and the head
+    pm = meshlm.parallelize(model, mesh, zero=zero, autocast_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
+    losses = []
+    for step in range(3):
+        x, y = global_batch(step, 4, SEQ, TEST_MODEL.vocab_size)
+        losses.append(pm.forward_backward(x, y).item())
+        pm.step(opt)
+    return losses, pm
+
+
+def test_frozen_linears_in_bf16_change_nothing_under_bf16_autocast() -> None:
+    """Autocast casts every Linear weight to bf16 at each use, so a frozen base stored in bf16 trains
+    bit-identically, and ZeRO-3 keeps its shards in bf16 with no fp32 master."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    want, _ = _autocast_losses(False, 0)
+    got, _ = _autocast_losses(True, 0)
+    assert got == want
+    got, pm = _autocast_losses(True, 3)
+    assert got == want
+    dtypes = {buf.master.dtype for buf in pm.dp.frozen_buffers}
+    assert dtypes == {torch.bfloat16, torch.float32}  # linears in bf16; embeddings and norms as built

@@ -32,7 +32,7 @@ from meshlm.checkpoint import (
 from meshlm.checkpoint.store import StorageError, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data_shared
-from meshlm.lora import apply_lora, freeze, load_adapter
+from meshlm.lora import apply_lora, cast_frozen_linears, freeze, load_adapter
 from meshlm.model import Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
 from meshlm.model.pretrained import init_tokenizer, keep_tokenizer, meshlm_checkpoint, open_init_from
@@ -239,11 +239,13 @@ class Trainer:
             n_params = sum(p.numel() for p in model.parameters())
             self.model_identity = {"class": type(model).__qualname__, "parameters": n_params}
             flops_per_tok = 6.0 * n_params  # forward + backward matmuls; attention scores not counted
+        autocast = autocast_dtype(cfg.train.dtype, device)
         adapt_model(model, cfg, parts.plan)
+        if autocast == torch.bfloat16:  # frozen Linear weights are cast at every use anyway: keep them in bf16
+            cast_frozen_linears(model, torch.bfloat16)
         if not any(p.is_meta for p in model.parameters()):  # a meta model is materialised on the mesh's device
             model.to(device)
         self.mesh = build_mesh(layout, device.type)
-        autocast = autocast_dtype(cfg.train.dtype, device)
         self.model = ParallelModel(model, self.mesh, cfg.parallel, n_micro, autocast, parts.plan, parts.loss_fn)
         if cfg.train.compile:
             compile_blocks(self.model, cfg.train.compile_backend)
