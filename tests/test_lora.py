@@ -150,6 +150,7 @@ WORLD2 = [
     ("pp=2", "llama", "adamw", {}),
     ("pp=2", "llama", "sgd", {}),
     ("dp=2", "llama", "adamw", {"zero": 1}),
+    ("cp=2", "llama", "adamw", {}),
 ]
 WORLD2_HF = [
     ("dp=2", "hf", "adamw", {"zero": 3}),
@@ -185,7 +186,7 @@ def test_lora_llama_under_dp_zero3_and_tp_matches_one_process() -> None:
     _check(WORLD2_FAST, run_shared(_world2, 2, WORLD2_FAST))
 
 
-@pytest.mark.slow  # six more two-rank runs (SGD twins, sequence parallel, pp, ZeRO-1): ~40 s on a 2-vCPU VM
+@pytest.mark.slow  # seven more two-rank runs (SGD twins, sequence parallel, pp, ZeRO-1, cp): ~45 s on a 2-vCPU VM
 def test_lora_llama_under_every_two_rank_layout_matches_one_process() -> None:
     _check(WORLD2, run_shared(_world2, 2, WORLD2))
 
