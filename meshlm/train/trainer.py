@@ -235,6 +235,10 @@ class Trainer:
             set_recompute(model, cfg.train.recompute)
             self.model_identity = model_cfg.to_dict()
             flops_per_tok = flops_per_token(model_cfg, cfg.data.seq_len)
+            if cfg.lora.rank:  # MFU of what a LoRA step computes: no weight gradients of the frozen base
+                from meshlm.plan.step_time import lora_flops_per_token
+
+                flops_per_tok = lora_flops_per_token(model_cfg, cfg.data.seq_len, cfg.lora.rank)
         else:
             n_params = sum(p.numel() for p in model.parameters())
             self.model_identity = {"class": type(model).__qualname__, "parameters": n_params}
