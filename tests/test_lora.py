@@ -46,7 +46,18 @@ def llama() -> nn.Module:
     return Transformer(TEST_MODEL)
 
 
-FAMILIES = {"llama": (llama, TEST_MODEL.vocab_size), "hf": (hf_llama, HF_VOCAB)}
+def llama_on_meta() -> nn.Module:
+    """What `meshlm train` builds: each rank materialises only its shard (ZeRO-3: of the frozen base too),
+    with the weights of `llama()` in one process, element for element."""
+    with torch.device("meta"):
+        return Transformer(TEST_MODEL, init_seed=0)
+
+
+FAMILIES = {
+    "llama": (llama, TEST_MODEL.vocab_size),
+    "llama-meta": (llama_on_meta, TEST_MODEL.vocab_size),
+    "hf": (hf_llama, HF_VOCAB),
+}
 
 
 def lora_run(
@@ -70,8 +81,13 @@ def lora_run(
     torch.manual_seed(0)
     model = build()
     apply_lora(model, RANK, ALPHA, seed=1)
-    initial = {n: t.detach().clone() for n, t in model.state_dict().items()}
     base = {n for n, p in model.named_parameters() if not p.requires_grad}
+    whole = model
+    if family == "llama-meta":  # the weights it must start from: those of the model built whole
+        torch.manual_seed(0)
+        whole = llama()
+        apply_lora(whole, RANK, ALPHA, seed=1)
+    initial = {n: t.detach().clone() for n, t in whole.state_dict().items()}
     micro = 2 if "pp" in layout else 1
     pm = meshlm.parallelize(model, mesh, micro_batches=micro, **parallel)
     steps = 4 if optimizer == "sgd" else 10
@@ -143,6 +159,7 @@ def _mutated_tp_run() -> dict:
 
 # ---- world 2 -------------------------------------------------------------------------------------------
 WORLD2_FAST = [("dp=2", "llama", "adamw", {"zero": 3}), ("tp=2", "llama", "adamw", {})]
+WORLD2_META = [("dp=2", "llama-meta", "adamw", {"zero": 3}), ("tp=2", "llama-meta", "adamw", {"zero": 3})]
 WORLD2 = [
     ("dp=2", "llama", "sgd", {"zero": 3}),
     ("tp=2", "llama", "sgd", {}),
@@ -184,6 +201,12 @@ def _check(cases: list[tuple], results: list[list[dict]]) -> None:
 
 def test_lora_llama_under_dp_zero3_and_tp_matches_one_process() -> None:
     _check(WORLD2_FAST, run_shared(_world2, 2, WORLD2_FAST))
+
+
+@pytest.mark.slow  # two two-rank runs and their reference: ~15 s on a 2-vCPU VM
+def test_lora_on_a_meta_built_llama_under_zero3_matches_one_process() -> None:
+    _check(WORLD2_META, run_shared(_world2, 2, WORLD2_META))
+    assert lora_run("", "llama-meta")["losses"] == lora_run("", "llama")["losses"]
 
 
 @pytest.mark.slow  # seven more two-rank runs (SGD twins, sequence parallel, pp, ZeRO-1, cp): ~45 s on a 2-vCPU VM

@@ -133,7 +133,7 @@ class ParallelModel:
             self.chunks = [model]
         packed = layout.dp * layout.cp > 1 or parallel.zero > 0  # data parallel / ZeRO lays the parameters out
         if meta_init is not None:
-            meta_init.replace_params(model, self.chunks, packed)
+            meta_init.replace_params(model, self.chunks, packed, packs_frozen=parallel.zero == 3)
 
         if layout.pp > 1:
             from meshlm.parallel.pipeline import PipelineSchedule
