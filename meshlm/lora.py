@@ -92,20 +92,26 @@ def default_targets(model: nn.Module, plan: object | None = None) -> list[str]:
     return [pattern for pattern, style in plan.tensor_parallel.items() if style in LORA_STYLES]
 
 
-def freeze(model: nn.Module, patterns: Iterable[str], field: str = "train.freeze") -> list[str]:
-    """requires_grad = False on every parameter whose name matches one of the fnmatch patterns; a pattern
-    matching none is a one-line error. Returns the frozen names."""
+def freeze_patterns_match(model: nn.Module, patterns: Iterable[str], field: str = "train.freeze") -> list[str]:
+    """The parameter names the fnmatch patterns match; a pattern matching none is a one-line LoRAError."""
     names = [n for n, _ in model.named_parameters()]
-    frozen = []
+    matched = []
     for pattern in patterns:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
             raise LoRAError(f"{field}: pattern {pattern!r} matches no parameter (e.g. {', '.join(names[:3])})")
-        frozen += hits
+        matched += hits
+    return sorted(set(matched))
+
+
+def freeze(model: nn.Module, patterns: Iterable[str], field: str = "train.freeze") -> list[str]:
+    """requires_grad = False on every parameter whose name matches one of the fnmatch patterns; a pattern
+    matching none is a one-line error. Returns the frozen names."""
+    frozen = freeze_patterns_match(model, patterns, field)
     params = dict(model.named_parameters())
     for name in frozen:
         params[name].requires_grad_(False)
-    return sorted(set(frozen))
+    return frozen
 
 
 def apply_lora(
@@ -120,6 +126,29 @@ def apply_lora(
     """Adapt the Linear modules matching `targets` (fnmatch patterns of module names; default: the plan's
     attention and MLP projections) in place and freeze the rest of the model. `alpha` defaults to `rank`
     (scaling 1). Returns the adapted module names. Bad input is a one-line LoRAError."""
+    chosen = lora_targets(model, rank, alpha, dropout, targets, plan)
+    spec = LoRASpec(rank, float(rank if alpha is None else alpha), dropout)
+    linears = dict(model.named_modules())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
+    for name in chosen:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, LoRALinear(linears[name], spec, generator))
+    model.lora_spec = spec
+    return chosen
+
+
+def lora_targets(
+    model: nn.Module,
+    rank: int,
+    alpha: float | None = None,
+    dropout: float = 0.0,
+    targets: Iterable[str] | None = None,
+    plan: object | None = None,
+) -> list[str]:
+    """The Linear modules `apply_lora` would adapt, in registration order, after checking every argument
+    (cheap on a meta model: nothing is allocated). One-line LoRAError on bad input."""
     if not isinstance(rank, int) or rank <= 0:
         raise LoRAError(f"lora.rank must be a positive integer, got {rank!r}")
     alpha = float(rank if alpha is None else alpha)
@@ -140,17 +169,10 @@ def apply_lora(
             examples = ", ".join(list(linears)[:3]) or "none"
             raise LoRAError(f"lora.targets: {pattern!r} matches no nn.Linear module (Linears: {examples}, ...)")
         chosen += [n for n in hits if n not in chosen]
-    spec = LoRASpec(rank, alpha, dropout)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    generator = torch.Generator().manual_seed(seed)
-    for name in sorted(chosen, key=list(linears).index):  # registration order: the draws do not depend on targets
+    for name in chosen:
         if rank > min(linears[name].in_features, linears[name].out_features):
             raise LoRAError(f"lora.rank {rank} exceeds {name}'s smaller dimension; use a smaller rank")
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, LoRALinear(linears[name], spec, generator))
-    model.lora_spec = spec
-    return chosen
+    return sorted(chosen, key=list(linears).index)  # registration order: the draws do not depend on targets
 
 
 @torch.no_grad()
@@ -222,10 +244,8 @@ def export_peft(state: dict[str, torch.Tensor], spec: LoRASpec, directory: str |
     return directory
 
 
-def read_peft(directory: str | Path) -> tuple[LoRASpec, dict[str, torch.Tensor]]:
-    """(spec, adapters under meshlm's names) of a PEFT LoRA directory; one-line LoRAError when it is not one."""
-    from safetensors.torch import load_file
-
+def read_peft_config(directory: str | Path) -> LoRASpec:
+    """The rank, alpha and dropout of a PEFT LoRA directory (its config only); one-line LoRAError otherwise."""
     directory = Path(directory)
     config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
     if not config_file.is_file() or not weights_file.is_file():
@@ -239,6 +259,15 @@ def read_peft(directory: str | Path) -> tuple[LoRASpec, dict[str, torch.Tensor]]
         raise LoRAError(f"lora.init_from: {config_file}: not a LoRA adapter config ({e})") from None
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora") or config.get("use_rslora"):
         raise LoRAError(f"lora.init_from: {config_file}: only plain LoRA adapters load (no DoRA or rsLoRA)")
+    return spec
+
+
+def read_peft(directory: str | Path) -> tuple[LoRASpec, dict[str, torch.Tensor]]:
+    """(spec, adapters under meshlm's names) of a PEFT LoRA directory; one-line LoRAError when it is not one."""
+    from safetensors.torch import load_file
+
+    spec = read_peft_config(directory)
+    weights_file = Path(directory) / ADAPTER_WEIGHTS
     adapters = {}
     for key, value in load_file(weights_file).items():
         name = key.removeprefix(PEFT_PREFIX).removesuffix(".weight")

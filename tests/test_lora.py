@@ -347,3 +347,23 @@ def test_frozen_linears_in_bf16_change_nothing_under_bf16_autocast() -> None:
     assert got == want
     dtypes = {buf.master.dtype for buf in pm.dp.frozen_buffers}
     assert dtypes == {torch.bfloat16, torch.float32}  # linears in bf16; embeddings and norms as built
+
+
+def test_bad_lora_config_stops_meshlm_train_in_one_line_before_any_work(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshlm.cli import main
+
+    base = ["train", "--model.preset", "test", "--data.seq_len", "32", "--lora.rank", "4"]
+    cases = {
+        "lora.targets: 'model.layers.*.nope' matches no nn.Linear": ["--lora.targets", '["model.layers.*.nope"]'],
+        "train.freeze: pattern 'emb' matches no parameter": ["--train.freeze", '["emb"]'],
+        "is not a PEFT adapter directory": ["--lora.init_from", str(tmp_path / "none")],
+        "lora.rank: Input should be greater than or equal to 0": ["--lora.rank", "-1"],
+    }
+    for expected, extra in cases.items():
+        capsys.readouterr()
+        assert main([*base, *extra, "--log.run_dir", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "run").exists()

@@ -32,7 +32,15 @@ from meshlm.checkpoint import (
 from meshlm.checkpoint.store import StorageError, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data_shared
-from meshlm.lora import apply_lora, cast_frozen_linears, freeze, load_adapter
+from meshlm.lora import (
+    apply_lora,
+    cast_frozen_linears,
+    freeze,
+    freeze_patterns_match,
+    load_adapter,
+    lora_targets,
+    read_peft_config,
+)
 from meshlm.model import Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
 from meshlm.model.pretrained import init_tokenizer, keep_tokenizer, meshlm_checkpoint, open_init_from
@@ -80,7 +88,21 @@ def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
         cfg.parallel.sequence_parallel,
         cfg.parallel.cp_attention,
     )
+    if cfg.train.freeze or cfg.lora.rank:
+        with torch.device("meta"):
+            check_adaptation(Transformer(cfg.model.build()), cfg)
     return layout, n_micro
+
+
+def check_adaptation(model: nn.Module, cfg: Config, plan: ParallelPlan | None = None) -> None:
+    """train.freeze patterns, lora.targets and lora.init_from checked against the model (meta is enough)."""
+    if cfg.train.freeze:
+        freeze_patterns_match(model, cfg.train.freeze)
+    if cfg.lora.rank:
+        lora = cfg.lora
+        lora_targets(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, plan)
+        if lora.init_from:
+            read_peft_config(lora.init_from)
 
 
 def check_user_layout(cfg: Config, world_size: int, model: nn.Module, parts: TrainParts) -> tuple[Layout, int]:
@@ -90,6 +112,7 @@ def check_user_layout(cfg: Config, world_size: int, model: nn.Module, parts: Tra
         raise ConfigError("parallel.layout = 'auto' plans meshlm's own model shapes; give a layout for your model")
     layout = parse_layout(cfg.parallel.layout, world_size)
     plan = parts.plan or plan_for(model)
+    check_adaptation(model, cfg, plan)
     check_plan(model, plan, layout.tp, layout.pp, cfg.parallel.zero, cfg.parallel.sequence_parallel)
     n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
     n_micro = check_batch_and_schedule(
