@@ -367,3 +367,26 @@ def test_bad_lora_config_stops_meshlm_train_in_one_line_before_any_work(
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and expected in err, err
     assert not (tmp_path / "run").exists()
+
+
+# ---- the planner's LoRA terms ------------------------------------------------------------------------------
+def test_planner_fits_a_70b_lora_job_where_a_full_fine_tune_does_not() -> None:
+    from meshlm.model import preset
+    from meshlm.plan import PlanError, Strategy, Workload, best, hardware, memory, step_time
+    from meshlm.plan.step_time import lora_flops_per_token
+
+    model, h100 = preset("llama3-70b"), hardware("H100-SXM")
+    with pytest.raises(PlanError):
+        best(Workload(model, 4096, 64, 1e9), 8, h100)
+    lora = Workload(model, 4096, 64, 1e9, lora_rank=16)
+    plan = best(lora, 8, h100)
+    full_mem = memory(Workload(model, 4096, 64, 1e9), plan.strategy, h100)
+    lora_mem = memory(lora, plan.strategy, h100)
+    # The bf16 base weighs what the full run's bf16 weights do (plus the adapters); no gradients or Adam state.
+    assert full_mem.params < lora_mem.params < 1.01 * full_mem.params
+    assert lora_mem.grads < full_mem.grads / 100 and lora_mem.optimizer < full_mem.optimizer / 100
+    # No weight-gradient GEMMs for the base: a LoRA step does about two thirds of the full step's FLOPs.
+    ratio = lora_flops_per_token(model, 4096, 16) / lora_flops_per_token(model, 4096)
+    assert 0.6 < ratio < 0.75, ratio
+    s = Strategy(mesh=plan.strategy.mesh, zero=plan.strategy.zero)
+    assert step_time(lora, s, h100).compute < step_time(Workload(model, 4096, 64, 1e9), s, h100).compute
