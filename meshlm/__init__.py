@@ -10,6 +10,7 @@ The public API (docs/api.md), importable from `meshlm` directly:
     fit, Callback, BatchSource                                   meshlm's loop with your model, loss and data
     StepObserver, StepGuard, Preemption, Watchdog                metrics and guards as calls
     Transformer, ModelConfig, preset                             the built-in Llama
+    apply_lora, merge_lora                                       LoRA adapters, before parallelize (docs/lora.md)
     InputError                                                   the base of every one-line bad-input error
 
 Names load on first use, so `import meshlm` (and the CLI) stays fast.
@@ -53,6 +54,8 @@ _EXPORTS = {
     "Transformer": "meshlm.model",
     "ModelConfig": "meshlm.model",
     "preset": "meshlm.model",
+    "apply_lora": "meshlm.lora",
+    "merge_lora": "meshlm.lora",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -209,6 +209,12 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     to_hf.add_argument("out", type=Path, metavar="OUT_HF_DIR")
     to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     to_hf.add_argument("--max-shard-bytes", type=int, default=None, help="split weights into shards this size")
+    to_hf.add_argument(
+        "--lora",
+        choices=("merged", "peft"),
+        default="merged",
+        help="a LoRA run: adapters merged into the HF weights, or a PEFT adapter directory (docs/lora.md)",
+    )
     return parser
 
 

@@ -164,6 +164,21 @@ class TrainSection(Section):
     eval_every: int = Field(50, ge=0, description="validation loss every N steps; 0 = never")
     eval_batches: int = Field(8, gt=0, description="validation batches per evaluation")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: this rank's GPU if CUDA works, else CPU")
+    freeze: list[str] = Field(
+        [],
+        description="parameter-name patterns kept frozen: no gradient, no optimizer state, not checkpointed",
+    )
+
+
+class LoraSection(Section):
+    rank: int = Field(0, ge=0, description="LoRA adapter rank; 0 = off (every weight trains unless train.freeze)")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the update is B·A·alpha/rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (0 for exact layouts)")
+    targets: list[str] = Field(
+        [],
+        description="module-name patterns of the Linears to adapt; empty = the plan's attention and MLP projections",
+    )
+    init_from: str | None = Field(None, description="start the adapters from a PEFT adapter directory")
 
 
 class ParallelSection(Section):
@@ -248,6 +263,7 @@ class Config(Section):
     data: DataSection = DataSection()
     train: TrainSection = TrainSection()
     parallel: ParallelSection = ParallelSection()
+    lora: LoraSection = LoraSection()
     checkpoint: CheckpointSection = CheckpointSection()
     fault: FaultSection = FaultSection()
     log: LogSection = LogSection()
@@ -284,6 +300,8 @@ class Config(Section):
                 f"train.sync_every = {self.train.sync_every} needs fault.nonfinite = 'rollback' or 'stop': "
                 "an update is applied before its loss is read, so it cannot be skipped"
             )
+        if self.lora.init_from and not self.lora.rank:
+            raise ValueError("lora.init_from needs lora.rank > 0 (the adapter's rank)")
         if self.train.micro_batch and self.train.global_batch % self.train.micro_batch:
             raise ValueError(
                 f"train.global_batch ({self.train.global_batch}) must be divisible by "

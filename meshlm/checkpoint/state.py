@@ -22,14 +22,15 @@ def key_of(kind: str, name: str) -> str:
 
 
 def training_entries(
-    model: ParallelModel, optimizer: torch.optim.Optimizer | None = None, writer: bool = False
+    model: ParallelModel, optimizer: torch.optim.Optimizer | None = None, writer: bool = False, frozen: bool = False
 ) -> dict[str, Chunks]:
     """This rank's boxes of every global tensor, as views of the live weights (and optimizer moments): all it
-    holds (to load into), or with `writer` its share of them (to save: every box is written by one rank)."""
+    holds (to load into), or with `writer` its share of them (to save: every box is written by one rank).
+    Frozen weights (a LoRA base) are not training state; `frozen` adds them, to load a base into."""
     shapes = model.global_shapes
     params = dict(model.named_parameters())
     entries: dict[str, Chunks] = {}
-    for kind, pieces in model.local_shards(optimizer, writer).items():
+    for kind, pieces in model.local_shards(optimizer, writer, frozen).items():
         for piece in pieces:
             shard = tp_shard(params[piece.name])
             entry = entries.setdefault(key_of(kind, piece.name), Chunks(shapes[piece.name], [], []))

@@ -28,7 +28,7 @@ from safetensors.torch import load_model, save_file, save_model
 from meshlm.config import model_config_from_dict
 from meshlm.model.config import ModelConfig
 from meshlm.model.llama import Transformer
-from meshlm.ties import load_state, tied_aliases, unique_state_names
+from meshlm.ties import canonical_state, load_state, tied_aliases, unique_state_names
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -479,8 +479,15 @@ def load_checkpoint_model(path: Path) -> tuple[Transformer, Path]:
     trainer_state = read_trainer_state(checkpoint)
     model_fields = trainer_state.get("model") if isinstance(trainer_state, dict) else None
     model = Transformer(model_config_from_dict(model_fields, str(checkpoint / "trainer.json")))
+    state = load_model_state(checkpoint)
+    if any(".lora_A" in name for name in state) or not set(unique_state_names(model)) <= set(
+        canonical_state(model, state, str(checkpoint))
+    ):  # LoRA / train.freeze: the checkpoint holds the trained tensors only, rebuilt on their base
+        from meshlm.lora import merge_lora, rebuild_run_model
+
+        return merge_lora(rebuild_run_model(checkpoint, state)[0]), checkpoint
     try:
-        load_state(model, load_model_state(checkpoint), str(checkpoint))  # a tied weight is saved once
+        load_state(model, state, str(checkpoint))  # a tied weight is saved once
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     return model, checkpoint
@@ -509,11 +516,34 @@ def _load_meshlm_file(path: Path) -> Transformer:
     return model
 
 
+def _run_adapters(src: Path) -> tuple[dict[str, torch.Tensor], Any, str]:
+    """(adapter tensors, LoRASpec, the base's init_from) of a LoRA run directory or checkpoint folder."""
+    from meshlm.checkpoint import load_model_state
+    from meshlm.lora import LoRAError, rebuild_run_model
+    from meshlm.model.pretrained import meshlm_checkpoint
+
+    checkpoint = meshlm_checkpoint(src) if src.is_dir() else None
+    if checkpoint is None:
+        raise ValueError(f"{src}: --lora peft needs a meshlm LoRA run directory or checkpoint folder")
+    model, spec = rebuild_run_model(checkpoint, load_model_state(checkpoint))
+    if spec is None:
+        raise LoRAError(f"{checkpoint}: not a LoRA run (its config.toml has lora.rank = 0)")
+    from meshlm.config import load_config
+
+    base = load_config(checkpoint.parent.parent / "config.toml").model.init_from or ""
+    return model.state_dict(), spec, base
+
+
 def run_convert(args: argparse.Namespace) -> int:
     """Run a parsed `meshlm convert` command; bad input gives a one-line error and exit code 1."""
     try:
         if args.convert_mode == "hf-to-meshlm":
             _save_meshlm_file(load_hf_into_model(args.src), args.out)
+        elif getattr(args, "lora", "merged") == "peft":
+            from meshlm.lora import export_peft
+
+            state, spec, base = _run_adapters(args.src)
+            export_peft(state, spec, args.out, base)
         else:
             export_hf(_load_meshlm_file(args.src), args.out, getattr(torch, args.dtype), args.max_shard_bytes)
             if args.src.is_dir():

@@ -164,7 +164,7 @@ class ParallelModel:
             self.chunks = [model]
         packed = layout.dp * layout.cp > 1 or parallel.zero > 0  # data parallel / ZeRO lays the parameters out
         if meta_init is not None:
-            meta_init.replace_params(model, self.chunks, packed)
+            meta_init.replace_params(model, self.chunks, packed, packs_frozen=parallel.zero == 3)
 
         if layout.pp > 1:
             from meshlm.parallel.pipeline import PipelineSchedule
@@ -487,14 +487,17 @@ class ParallelModel:
 
     # ---- state for checkpoints ----------------------------------------------------------------------
     def local_shards(
-        self, optimizer: torch.optim.Optimizer | None = None, writer: bool = False
+        self, optimizer: torch.optim.Optimizer | None = None, writer: bool = False, frozen: bool = False
     ) -> dict[str, list[ShardedTensor]]:
         """Pieces of fp32 state this rank holds, as flat views into live storage: 'model' (ZeRO masters or the
         parameters) and, given the optimizer, each of its per-element states (optimizer_state_keys). A
         piece's shape and offset are within the parameter as this rank holds it (its tp slice). All of them by
         default (what a load fills); with `writer`, only this rank's share of what is replicated, so that
         over all ranks every element is written once and the writing is spread over the replicas (dp
-        copies, tp-replicated norms)."""
+        copies, tp-replicated norms). Frozen parameters (requires_grad False: a LoRA base) are not training
+        state and are left out; `frozen` (to load a base into, not to save) gives them too, whole, as held."""
+        if frozen and writer:
+            raise ValueError("frozen parameters are loaded, never saved, from here")
         if self.dp is not None:
             out = self.dp.sharded_state_dict(optimizer, replicas="spread" if writer else "all")
             aliases = self.tied_aliases
@@ -506,9 +509,20 @@ class ParallelModel:
             keys = ["model"] + (optimizer_state_keys(optimizer) if optimizer is not None else [])
             out = {key: [] for key in keys}
             for name, p in self.named_parameters():
+                if not p.requires_grad:
+                    continue
                 out["model"].append(ShardedTensor(name, p.shape, 0, p.detach().view(-1)))
                 for key in keys[1:]:
                     out[key].append(ShardedTensor(name, p.shape, 0, optimizer.state[p][key].view(-1)))
+        if frozen:
+            seen = set()
+            if self.dp is not None:  # ZeRO-3 shards frozen parameters too: their pieces are the masters'
+                out["model"] += self.dp.frozen_shards()
+                seen = {id(p) for buf in self.dp.frozen_buffers for p in buf.params}
+            for name, p in self.named_parameters():
+                if not p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out["model"].append(ShardedTensor(name, p.shape, 0, p.detach().view(-1)))
         if writer and self.mesh.rank("tp") > 0:
             params = dict(self.named_parameters())
             out = {key: [s for s in pieces if not is_tp_replicated(params[s.name])] for key, pieces in out.items()}

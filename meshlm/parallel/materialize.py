@@ -165,10 +165,13 @@ class MetaInit:
 
     # ---- swapping meta parameters for real ones ---------------------------------------------------------
     @torch.no_grad()
-    def replace_params(self, model: nn.Module, chunks: list[nn.Module], packed: bool) -> None:
+    def replace_params(
+        self, model: nn.Module, chunks: list[nn.Module], packed: bool, packs_frozen: bool = False
+    ) -> None:
         """Give this rank's chunks real parameters and buffers on the device. With `packed` (data parallel /
         ZeRO will lay them into flat buffers) trainable ones become placeholders, registered in `pending`,
-        for the FlatBuffer to fill; the rest are allocated and filled here. Tags and gradient hooks (tensor
+        for the FlatBuffer to fill (frozen ones too with `packs_frozen`: ZeRO-3 shards them); the rest are
+        allocated and filled here. Tags and gradient hooks (tensor
         parallelism's) move to the new Parameter; every module of `model` and `chunks` holding one sees it."""
         new: dict[int, nn.Parameter] = {}
         for chunk in chunks:
@@ -177,9 +180,10 @@ class MetaInit:
                     if not p.is_meta and p.device != self.device:
                         p.data = p.data.to(self.device)
                     continue
-                if packed and p.requires_grad:
+                if packed and (p.requires_grad or packs_frozen):
                     # Right shape and dtype, one element of storage: FlatBuffer re-points .data at its view.
-                    q = nn.Parameter(torch.empty((), dtype=p.dtype, device=self.device).expand(p.shape))
+                    one = torch.empty((), dtype=p.dtype, device=self.device)
+                    q = nn.Parameter(one.expand(p.shape), p.requires_grad)
                     self.pending[id(q)] = name
                 else:
                     q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device), p.requires_grad)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.lora import LoRAError, LoRALinear, lora_delta
 from meshlm.parallel.fused_loss import HeadOutput
 from meshlm.parallel.mesh import check_tensor_parallel
 from meshlm.parallel.plan import (
@@ -126,6 +127,7 @@ class ColumnParallelLinear(nn.Module):
         self.vocab_head = vocab_head
         self.gather_output = False
         self.fused_loss = False  # training returns a HeadOutput for the fused loss (meshlm.parallel.fused_loss)
+        self.adapted = False  # LoRA: _Sharder.attach_adapter adds lora_A (replicated) and lora_B (row shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
@@ -142,6 +144,11 @@ class ColumnParallelLinear(nn.Module):
             y = linear_saving_shard(x, weight)
             if bias is not None:
                 y = y + bias
+        if self.adapted:
+            lora_B = self.lora_B
+            if self.kv_head is not None:
+                lora_B = sum_over_head_replicas(lora_B, self.kv_head, self.n_kv_heads, self.tp.group)
+            y = y + lora_delta(self, x, lora_B)
         return gather_from_tp(y, self.tp.group) if self.gather_output else y
 
 
@@ -155,9 +162,12 @@ class RowParallelLinear(nn.Module):
         self.weight = weight
         self.bias = bias
         self.tp = tp
+        self.adapted = False  # LoRA: _Sharder.attach_adapter adds lora_A (column shard) and lora_B (replicated)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
+        if self.adapted:  # the adapter's partial output joins the base's: one reduction sums both
+            y = y + lora_delta(self, x)
         y = reduce_scatter_seq(y, self.tp.group) if self.tp.sequence_parallel else reduce_from_tp(y, self.tp.group)
         return y if self.bias is None else y + self.bias
 
@@ -199,8 +209,10 @@ def _shard(w: torch.Tensor, dim: int, pieces: tuple[tuple[int, int], ...]) -> nn
 
 
 def _sum_grad_over_tp(param: nn.Parameter, tp: TPState) -> None:
-    """Under SP a module run on this rank's sequence shard gets a partial gradient: sum it over tp."""
-    param.register_hook(lambda grad: _all_reduce(grad, tp.group))
+    """Under SP a module run on this rank's sequence shard gets a partial gradient: sum it over tp (a frozen
+    parameter has none)."""
+    if param.requires_grad:
+        param.register_hook(lambda grad: _all_reduce(grad, tp.group))
 
 
 class _Sharder:
@@ -223,7 +235,38 @@ class _Sharder:
         bias = getattr(module, "bias", None)
         return self.shard(module.weight, 0, pieces), None if bias is None else self.shard(bias, 0, pieces)
 
+    def attach_adapter(self, plain: LoRALinear, parallel: nn.Module, style: str) -> None:
+        """Shard a LoRA adapter with its base: under a column-parallel base (plain, fused or a KV head) A
+        (rank × in) is replicated and B (out × rank) keeps exactly the base's output rows (its TPShard pieces);
+        under a row-parallel base A keeps the base's input columns and B is replicated. The replicated
+        factor's gradient is a partial sum on each rank (its output gradient, or its input, covers this
+        rank's slice only), so it is summed over tp by a hook."""
+        tp = self.tp
+        if style == ROWWISE:
+            cols = plain.in_features // tp.size
+            lora_A = self.shard(plain.lora_A, 1, ((tp.rank * cols, cols),))
+            lora_B = plain.lora_B
+            _sum_grad_over_tp(lora_B, tp)
+        else:
+            lora_A = plain.lora_A
+            _sum_grad_over_tp(lora_A, tp)
+            base = tp_shard(parallel.weight)
+            lora_B = self.shard(plain.lora_B, 0, base.pieces)
+            if not base.counted:  # a KV head replicated over ranks: B's rows of that head, counted once
+                set_tp_shard(lora_B, TPShard(0, base.pieces, counted=False))
+        parallel.lora_A, parallel.lora_B = lora_A, lora_B
+        parallel.lora_dropout, parallel.lora_scaling = plain.lora_dropout, plain.lora_scaling
+        parallel.adapted = True
+
     def build(self, name: str, module: nn.Module, style: str | FusedColwise | InterleavedColwise) -> nn.Module:
+        parallel = self._build(name, module, style)
+        if isinstance(module, LoRALinear) and parallel is not module:
+            if style == VOCAB_HEAD:
+                raise LoRAError("lora.targets: an adapter on the vocabulary head is not supported under tp")
+            self.attach_adapter(module, parallel, style)
+        return parallel
+
+    def _build(self, name: str, module: nn.Module, style: str | FusedColwise | InterleavedColwise) -> nn.Module:
         tp = self.tp
         if isinstance(style, FUSED_STYLES):
             # This rank's tp-th of every block (an interleaved layout is one block of whole heads).

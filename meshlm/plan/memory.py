@@ -42,6 +42,7 @@ class Workload:
     train_tokens: float
     precision: Precision = "bf16"
     name: str = "model"
+    lora_rank: int = 0  # > 0: LoRA on the attention and MLP projections; the base is frozen (meshlm.lora)
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,29 @@ def model_state_bytes(psi: float, dp: int, zero: int, precision: Precision) -> t
     )
 
 
+def layer_lora_params(model: ModelConfig, tp: int, rank: int) -> int:
+    """LoRA adapter parameters of one layer on one tensor-parallel rank (meshlm.lora on the 7 projections):
+    a column-parallel projection (q, k, v, gate, up) holds its replicated A (rank × in) and its rows of B, a
+    row-parallel one (o, down) its columns of A and the replicated B (rank × out)."""
+    d, hd, r = model.dim, model.head_dim, rank
+    kv = max(model.n_kv_heads // tp, 1) * hd
+    mlp = model.intermediate_size // tp
+    column = (r * d + r * model.n_heads * hd // tp) + 2 * (r * d + r * kv) + 2 * (r * d + r * mlp)
+    row = (r * model.n_heads * hd // tp + r * d) + (r * mlp + r * d)
+    return column + row
+
+
+def lora_state_bytes(
+    psi: float, psi_lora: float, replicas: int, zero: int, precision: Precision
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of a LoRA rank: the frozen base in the working dtype (bf16: no
+    fp32 master), sharded under ZeRO-3 only, with no gradient and no optimizer state; the adapters as any
+    trainable weights (`model_state_bytes`)."""
+    weights, grads, optimizer = model_state_bytes(psi_lora, replicas, zero, precision)
+    base = BYTES[precision][0] * psi / (replicas if zero >= 3 else 1)
+    return base + weights, grads, optimizer
+
+
 # Activation elements per token one layer stores for backward, as coefficients of
 # (h replicated over tp unless sequence parallel, h split over tp, this rank's KV width, I split over tp).
 STORED = {
@@ -313,7 +337,11 @@ def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAU
     worst = None
     for i in representative_stages(chunks):
         psi = stage_params(model, s.tp, sum(chunks[i]), i == 0, i == s.pp - 1)
-        params, grads, optimizer = model_state_bytes(psi, s.replicas, s.zero, w.precision)
+        if w.lora_rank:
+            psi_lora = sum(chunks[i]) * layer_lora_params(model, s.tp, w.lora_rank)
+            params, grads, optimizer = lora_state_bytes(psi, psi_lora, s.replicas, s.zero, w.precision)
+        else:
+            params, grads, optimizer = model_state_bytes(psi, s.replicas, s.zero, w.precision)
         activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks[i]) * per_layer
         logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
         rest = params + grads + optimizer + activations + logits + buffers

@@ -398,6 +398,7 @@ def plan_for_config(cfg: Config, world_size: int, calibration: dict | None = Non
         cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len,
         precision,
         cfg.model.preset,
+        cfg.lora.rank,
     )
     c = Constraints(
         micro_batch=cfg.train.micro_batch or None,

@@ -32,6 +32,15 @@ from meshlm.checkpoint import (
 from meshlm.checkpoint.store import StorageError, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import SFTData, TokenData, prepare_data_shared
+from meshlm.lora import (
+    apply_lora,
+    cast_frozen_linears,
+    freeze,
+    freeze_patterns_match,
+    load_adapter,
+    lora_targets,
+    read_peft_config,
+)
 from meshlm.model import Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
 from meshlm.model.pretrained import init_tokenizer, keep_tokenizer, meshlm_checkpoint, open_init_from
@@ -41,7 +50,7 @@ from meshlm.observe.metrics import MetricsLogger, TrainProgress
 from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout, validate_layout
-from meshlm.parallel.plan import check_plan, plan_for
+from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
 from meshlm.train.compile import compile_blocks
 from meshlm.train.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.train.faults import fault_point
@@ -79,7 +88,21 @@ def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
         cfg.parallel.sequence_parallel,
         cfg.parallel.cp_attention,
     )
+    if cfg.train.freeze or cfg.lora.rank:
+        with torch.device("meta"):
+            check_adaptation(Transformer(cfg.model.build()), cfg)
     return layout, n_micro
+
+
+def check_adaptation(model: nn.Module, cfg: Config, plan: ParallelPlan | None = None) -> None:
+    """train.freeze patterns, lora.targets and lora.init_from checked against the model (meta is enough)."""
+    if cfg.train.freeze:
+        freeze_patterns_match(model, cfg.train.freeze)
+    if cfg.lora.rank:
+        lora = cfg.lora
+        lora_targets(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, plan)
+        if lora.init_from:
+            read_peft_config(lora.init_from)
 
 
 def check_user_layout(cfg: Config, world_size: int, model: nn.Module, parts: TrainParts) -> tuple[Layout, int]:
@@ -89,6 +112,7 @@ def check_user_layout(cfg: Config, world_size: int, model: nn.Module, parts: Tra
         raise ConfigError("parallel.layout = 'auto' plans meshlm's own model shapes; give a layout for your model")
     layout = parse_layout(cfg.parallel.layout, world_size)
     plan = parts.plan or plan_for(model)
+    check_adaptation(model, cfg, plan)
     check_plan(model, plan, layout.tp, layout.pp, cfg.parallel.zero, cfg.parallel.sequence_parallel)
     n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
     n_micro = check_batch_and_schedule(
@@ -135,6 +159,20 @@ def evaluate_batches(model: ParallelModel, batches: Iterable[Batch]) -> float:
 
 def model_device(model: ParallelModel) -> torch.device:
     return next(model.chunks[0].parameters()).device
+
+
+LORA_KEYS = (".lora_A", ".lora_B")
+
+
+def adapt_model(model: nn.Module, cfg: Config, plan: ParallelPlan | None = None) -> None:
+    """train.freeze and the [lora] section, applied to the plain model before it is parallelized."""
+    if cfg.train.freeze:
+        freeze(model, cfg.train.freeze)
+    if cfg.lora.rank:
+        lora = cfg.lora
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, plan, seed=cfg.train.seed)
+        if lora.init_from:
+            load_adapter(model, lora.init_from)
 
 
 def train(cfg: Config) -> TrainResult:
@@ -218,14 +256,21 @@ class Trainer:
             set_recompute(model, cfg.train.recompute)
             self.model_identity = model_cfg.to_dict()
             flops_per_tok = flops_per_token(model_cfg, cfg.data.seq_len)
+            if cfg.lora.rank:  # MFU of what a LoRA step computes: no weight gradients of the frozen base
+                from meshlm.plan.step_time import lora_flops_per_token
+
+                flops_per_tok = lora_flops_per_token(model_cfg, cfg.data.seq_len, cfg.lora.rank)
         else:
             n_params = sum(p.numel() for p in model.parameters())
             self.model_identity = {"class": type(model).__qualname__, "parameters": n_params}
             flops_per_tok = 6.0 * n_params  # forward + backward matmuls; attention scores not counted
+        autocast = autocast_dtype(cfg.train.dtype, device)
+        adapt_model(model, cfg, parts.plan)
+        if autocast == torch.bfloat16:  # frozen Linear weights are cast at every use anyway: keep them in bf16
+            cast_frozen_linears(model, torch.bfloat16)
         if not any(p.is_meta for p in model.parameters()):  # a meta model is materialised on the mesh's device
             model.to(device)
         self.mesh = build_mesh(layout, device.type)
-        autocast = autocast_dtype(cfg.train.dtype, device)
         self.model = ParallelModel(
             model, self.mesh, cfg.parallel, n_micro, autocast, parts.plan, parts.loss_fn, parts.gather_logits,
             cfg.train.ignore_index, cfg.train.fused_loss,
@@ -310,7 +355,9 @@ class Trainer:
         dist.broadcast_object_list(problem, src=0)
         if problem[0]:
             raise CheckpointError(problem[0])
-        self.checkpointer.load(path, training_entries(self.model))
+        entries = training_entries(self.model, frozen=True)
+        entries = {key: chunks for key, chunks in entries.items() if not key.endswith(LORA_KEYS)}  # not in a base
+        self.checkpointer.load(path, entries)
         self.model.after_load()
         self.say(f"fine-tuning from {path}")
 
