@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from meshlm.model.config import ModelConfig
-from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint
+from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint, hf_tensor_names
 
 TOKENIZER_NAME = "tokenizer.json"
 # What an HF directory's tokenizer consists of; a run keeps a copy so that its export carries it.
@@ -75,6 +75,13 @@ class HFWeights:
         cols = math.prod(local_shape[1:]) if len(local_shape) > 1 else 1
         end = start + out.numel()
         first, last = start // cols, (end - 1) // cols  # local rows the range touches
+        experts = hf_tensor_names(self.cfg, name)
+        if len(experts) > 1:  # a stacked MoE weight: its rows are experts, each stored whole as its own tensor
+            if tp_slice is not None:
+                raise ValueError(f"{name}: stacked expert weights have no tensor-parallel slice to read")
+            rows = torch.stack([self.read(experts[e], (slice(None),)) for e in range(first, last + 1)]).reshape(-1)
+            out.copy_(rows[start - first * cols : end - first * cols])
+            return
         if dim == 0:
             index = (slice(offset + first, offset + last + 1),)
         elif dim == 1 and len(shape) == 2:
