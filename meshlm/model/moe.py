@@ -103,13 +103,13 @@ class GroupedExperts(nn.Module):
 
     def loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The reference: one SwiGLU per expert over its rows (a host sync for the counts)."""
-        outputs, start = [], 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                rows = x[start : start + n]
-                h = F.silu(F.linear(rows, self.gate_proj[e])) * F.linear(rows, self.up_proj[e])
-                outputs.append(F.linear(h, self.down_proj[e]))
-                start += n
+        # unbind: one backward that stacks the experts' gradients (indexing each would add a zero-padded copy)
+        gates, ups, downs = self.gate_proj.unbind(0), self.up_proj.unbind(0), self.down_proj.unbind(0)
+        outputs = []
+        for e, rows in enumerate(x.split(counts.tolist())):
+            if len(rows):
+                h = F.silu(F.linear(rows, gates[e])) * F.linear(rows, ups[e])
+                outputs.append(F.linear(h, downs[e]))
         return torch.cat(outputs) if outputs else x.new_zeros(0, self.down_proj.shape[1])
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
