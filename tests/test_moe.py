@@ -263,6 +263,25 @@ def aux_gradient_dropped() -> Iterator[list]:
         MoEAuxLossAutoScaler.backward = staticmethod(original)
 
 
+@contextlib.contextmanager
+def aux_scale_not_per_micro_batch() -> Iterator[list]:
+    """The bug: under gradient accumulation every micro-batch's aux gradient counts whole (scale 1, not 1/n_micro)."""
+    from meshlm.parallel import engine
+
+    fired: list = []
+    original = engine.set_aux_loss_scale
+
+    def unscaled(model: torch.nn.Module, scale: float) -> None:
+        fired.append(scale)
+        original(model, 1.0)
+
+    engine.set_aux_loss_scale = unscaled
+    try:
+        yield fired
+    finally:
+        engine.set_aux_loss_scale = original
+
+
 def world2_job() -> dict:
     out = {}
     for name, (layout, parallel, kwargs) in RUNS.items():
@@ -270,6 +289,9 @@ def world2_job() -> dict:
     with aux_gradient_dropped() as fired:
         out["mutated"] = train_layout("dp=2", {"zero": 1}, model_cfg=MOE_MODEL)
     out["mutated"]["fired"] = len(fired)
+    with aux_scale_not_per_micro_batch() as fired:
+        out["unscaled"] = train_layout("dp=2", {"zero": 1}, model_cfg=MOE_MODEL, micro_batch=2)
+    out["unscaled"]["fired"] = len(fired)
     return out
 
 
@@ -290,7 +312,9 @@ def test_moe_trains_like_one_process(world2: dict, name: str) -> None:
 
 
 @pytest.mark.slow  # shares the fixture above
-def test_missing_aux_gradient_fails_the_loss_criterion(world2: dict) -> None:
-    got = world2["mutated"]
-    assert got["fired"] > 0
+@pytest.mark.parametrize("bug", ["mutated", "unscaled"])
+def test_aux_gradient_bugs_fail_the_loss_criterion(world2: dict, bug: str) -> None:
+    """A missing aux-loss gradient, and one not divided by the micro-batch count, change the loss curve."""
+    got = world2[bug]
+    assert got["fired"]
     assert "losses" in criterion_failures(_reference({}), got)
