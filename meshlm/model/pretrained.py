@@ -43,7 +43,10 @@ class HFWeights:
         self._open: dict[Path, Any] = {}
 
     def tensor_name(self, name: str) -> str:
-        return _TIED[name] if self.cfg.tie_embeddings and name in _TIED else name
+        """The stored tensor of meshlm parameter `name` (a stacked MoE weight's: its first expert's)."""
+        if self.cfg.tie_embeddings and name in _TIED:
+            return _TIED[name]
+        return hf_tensor_names(self.cfg, name)[0]
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """The region `index` (one slice per leading dimension) of stored tensor `name`; every read of the
