@@ -346,7 +346,7 @@ def test_aux_gradient_bugs_fail_the_loss_criterion(world2: dict, bug: str) -> No
     assert "losses" in criterion_failures(_reference({}), got)
 
 
-@pytest.mark.slow  # 40 steps of the tiny-moe preset on real text: ~1 min on 2 cores
+@pytest.mark.slow  # trains a tokenizer and 40 steps of tiny-moe on real text: minutes on 2 cores
 def test_tiny_moe_preset_trains_and_logs_its_aux_losses(small_run: list[str]) -> None:
     """`meshlm train --model.preset tiny-moe` (with the demo's 512-token vocabulary): the validation loss falls
     by more than a nat in 40 steps, and the logged aux losses are those of a routed model."""
