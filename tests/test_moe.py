@@ -366,3 +366,12 @@ def test_tiny_moe_preset_trains_and_logs_its_aux_losses(small_run: list[str]) ->
     lines = [json.loads(line) for line in (Path(cfg.log.run_dir) / "metrics.jsonl").read_text().splitlines()]
     logged = [line for line in lines if line.get("kind") == "train" and "moe_aux_loss" in line]
     assert logged and all(line["moe_aux_loss"] >= 1.0 and line["moe_z_loss"] > 0 for line in logged)
+
+
+def test_planner_refuses_moe_models_in_one_line() -> None:
+    """Its formulas are the dense model's: an MoE plan would be silently wrong, so it is refused."""
+    from meshlm.plan import PlanError as PlannerError
+    from meshlm.plan import Workload, best, hardware
+
+    with pytest.raises(PlannerError, match=r"does not model mixture-of-experts layers yet \(model.n_experts=8"):
+        best(Workload(preset("mixtral-8x7b"), 4096, 512, 1e12), 64, hardware("H100-SXM"))
