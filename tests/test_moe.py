@@ -85,6 +85,25 @@ def test_dispatch_equals_a_dense_per_token_computation(cfg: ModelConfig) -> None
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_tokens_combined_in_the_wrong_order_fail_the_dispatch_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutation: the expert outputs go back to their (token, slot) rows shifted by one."""
+    from meshlm.model import moe as moe_module
+
+    original = moe_module.dispatch
+
+    def shifted(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        order, counts = original(experts, n_experts)
+        return order.roll(1), counts
+
+    monkeypatch.setattr(moe_module, "dispatch", shifted)
+    moe = _moe(MOE_MODEL).eval()
+    x = torch.randn(1, 24, MOE_MODEL.dim)
+    with torch.no_grad():
+        got, want = moe(x).view(-1, MOE_MODEL.dim), naive_moe(moe, x.view(-1, MOE_MODEL.dim))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_dispatch_is_dropless_when_every_token_picks_the_same_experts() -> None:
     """No capacity limit: with all 48 tokens sent to experts 0 and 1, each still gets both, in token order."""
     moe = _moe(MOE_MODEL)
