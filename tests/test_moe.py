@@ -10,7 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_shared
-from equivalence import assert_close_runs, criterion_failures, reference, train_layout
+from equivalence import (
+    assert_close_runs,
+    assert_identical_weights,
+    criterion_failures,
+    reference,
+    tail,
+    train_layout,
+)
 
 from meshlm.config import ConfigError, load_config, parse_overrides
 from meshlm.model import ModelConfig, Transformer, cross_entropy_loss, flops_per_token, param_counts, preset
@@ -327,8 +334,8 @@ def aux_scale_not_per_micro_batch() -> Iterator[list]:
         engine.set_aux_loss_scale = original
 
 
-def world2_job() -> dict:
-    out = {}
+def world2_job(checkpoint_dir: str) -> dict:
+    out = {"saved": train_layout("dp=2", {"zero": 3}, model_cfg=MOE_MODEL, stop=5, save_to=checkpoint_dir)}
     for name, (layout, parallel, kwargs) in RUNS.items():
         out[name] = train_layout(layout, parallel, **{"model_cfg": MOE_MODEL, **kwargs})
     with aux_gradient_dropped() as fired:
@@ -341,8 +348,13 @@ def world2_job() -> dict:
 
 
 @pytest.fixture(scope="module")
-def world2() -> dict:
-    return run_shared(world2_job, 2, timeout=600)[0]
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("moe-checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def world2(checkpoint_dir: str) -> dict:
+    return run_shared(world2_job, 2, checkpoint_dir, timeout=600)[0]
 
 
 def _reference(kwargs: dict) -> dict:
@@ -394,3 +406,12 @@ def test_planner_refuses_moe_models_in_one_line() -> None:
 
     with pytest.raises(PlannerError, match=r"does not model mixture-of-experts layers yet \(model.n_experts=8"):
         best(Workload(preset("mixtral-8x7b"), 4096, 512, 1e12), 64, hardware("H100-SXM"))
+
+
+@pytest.mark.slow  # shares the fixture above
+def test_zero3_checkpoint_of_stacked_experts_resumes_in_one_process(world2: dict, checkpoint_dir: str) -> None:
+    """Saved at dp=2 ZeRO-3 after 5 steps (experts flat-sharded over both ranks), resumed in one process: the
+    weights load bit for bit and the last 5 steps continue the one-process curve."""
+    resumed = train_layout("", model_cfg=MOE_MODEL, start=5, resume_from=checkpoint_dir)
+    assert_identical_weights(world2["saved"]["state"], resumed["resumed_state"])
+    assert_close_runs(tail(_reference({}), 5), resumed)
