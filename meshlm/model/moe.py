@@ -97,7 +97,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x` (rows, dim) sorted by expert, `counts[e]` rows for expert e; returns (rows, dim)."""
-        if self.use_grouped_mm and grouped_mm_available(x):
+        if self.use_grouped_mm and grouped_mm_available(x) and self.gate_proj.shape[1] % 8 == 0:  # h's rows too
             return self.grouped(x, counts)
         return self.loop(x, counts)
 
