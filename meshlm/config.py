@@ -72,9 +72,31 @@ class ModelSection(Section):
     sliding_window: int | None = Field(
         None, ge=0, description="Mistral attention window, 0 = none; data.seq_len may not exceed it"
     )
-    hf_model_type: Literal["llama", "qwen2", "mistral"] | None = Field(
-        None, description="Hugging Face family that export writes: llama (default), qwen2 or mistral"
+    hf_model_type: Literal["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"] | None = Field(
+        None,
+        description="Hugging Face family that export writes: llama (default), qwen2, mistral; with experts "
+        "mixtral, qwen2_moe or qwen3_moe",
     )
+    qk_norm: bool | None = Field(
+        None, description="RMSNorm on each q and k head (Qwen3; needs hf_model_type qwen3_moe)"
+    )
+    n_experts: int | None = Field(
+        None, ge=0, description="routed experts per MoE layer; 0 = a dense model (docs/moe.md)"
+    )
+    top_k: int | None = Field(None, ge=0, description="experts each token is routed to (1..n_experts)")
+    moe_intermediate_size: int | None = Field(None, ge=0, description="width of one routed expert's SwiGLU")
+    shared_expert_intermediate_size: int | None = Field(
+        None, ge=0, description="width of the shared expert every token passes through; 0 = none"
+    )
+    shared_expert_gate: bool | None = Field(None, description="scale the shared expert by sigmoid(x·w) (Qwen2-MoE)")
+    moe_score: Literal["softmax", "sigmoid"] | None = Field(None, description="router scores: softmax or sigmoid")
+    norm_topk: bool | None = Field(None, description="renormalise each token's top-k scores to sum to 1")
+    first_k_dense: int | None = Field(None, ge=0, description="the first k layers keep a dense MLP")
+    moe_layer_step: int | None = Field(
+        None, gt=0, description="after those, layer i is MoE when (i + 1) % step == 0 (Qwen's decoder_sparse_step)"
+    )
+    aux_loss_coef: float | None = Field(None, ge=0, description="load-balancing loss coefficient, per MoE layer")
+    z_loss_coef: float | None = Field(None, ge=0, description="router z-loss coefficient, per MoE layer")
     init_from: str | None = Field(
         None,
         description="fine-tune from: a Hugging Face checkpoint directory (config.json + safetensors) or a meshlm "

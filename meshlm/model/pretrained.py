@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from meshlm.model.config import ModelConfig
-from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint, tied_names
+from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint, hf_tensor_names, tied_names
 
 TOKENIZER_NAME = "tokenizer.json"
 # What an HF directory's tokenizer consists of (recent transformers save a chat template as chat_template.jinja);
@@ -44,7 +44,9 @@ class HFWeights:
         self._open: dict[Path, Any] = {}
 
     def tensor_name(self, name: str) -> str:
-        return self.aliases.get(name, name)
+        """The stored tensor of meshlm parameter `name` (a tie's alias: its canonical name; a stacked MoE
+        weight's: its first expert's)."""
+        return hf_tensor_names(self.cfg, self.aliases.get(name, name))[0]
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """The region `index` (one slice per leading dimension) of stored tensor `name`; every read of the
@@ -76,6 +78,13 @@ class HFWeights:
         cols = math.prod(local_shape[1:]) if len(local_shape) > 1 else 1
         end = start + out.numel()
         first, last = start // cols, (end - 1) // cols  # local rows the range touches
+        experts = hf_tensor_names(self.cfg, name)
+        if len(experts) > 1:  # a stacked MoE weight: its rows are experts, each stored whole as its own tensor
+            if tp_slice is not None:
+                raise ValueError(f"{name}: stacked expert weights have no tensor-parallel slice to read")
+            rows = torch.stack([self.read(experts[e], (slice(None),)) for e in range(first, last + 1)]).reshape(-1)
+            out.copy_(rows[start - first * cols : end - first * cols])
+            return
         if dim == 0:
             index = (slice(offset + first, offset + last + 1),)
         elif dim == 1 and len(shape) == 2:

@@ -24,6 +24,7 @@ from torch import nn
 
 from meshlm.config import ParallelSection
 from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
+from meshlm.model.moe import set_aux_loss_scale
 from meshlm.observe.timers import comm
 from meshlm.parallel.data_parallel import ShardedTensor
 from meshlm.parallel.fused_loss import HeadOutput, apply_fused_loss, fused_cross_entropy_sum
@@ -162,6 +163,8 @@ class ParallelModel:
             )
         else:
             self.chunks = [model]
+        for chunk in self.chunks:  # MoE aux losses: each micro-batch's share, like the loss's / n_micro below
+            set_aux_loss_scale(chunk, 1.0 / n_micro)
         packed = layout.dp * layout.cp > 1 or parallel.zero > 0  # data parallel / ZeRO lays the parameters out
         if meta_init is not None:
             meta_init.replace_params(model, self.chunks, packed, packs_frozen=parallel.zero == 3)

@@ -43,6 +43,7 @@ from meshlm.lora import (
 )
 from meshlm.model import Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
+from meshlm.model.moe import moe_losses
 from meshlm.model.pretrained import init_tokenizer, keep_tokenizer, meshlm_checkpoint, open_init_from
 from meshlm.observe import StepObserver, aggregate
 from meshlm.observe.env import environment
@@ -488,10 +489,16 @@ class Trainer:
             if not applied:
                 rolled_back = self.rejected(done, loss, grad_norm, already_applied=self.cfg.train.sync_every > 1)
             if done % self.cfg.log.every == 0 or done == self.cfg.train.steps or done == 1:
-                self.log(done, "train", loss=loss, grad_norm=grad_norm, lr=lr, **metrics)
+                self.log(done, "train", loss=loss, grad_norm=grad_norm, lr=lr, **metrics, **self.moe_metrics())
             settled.append((done, loss))
         self.progress.update(done, loss, metrics["tokens_per_s"], extra=self.observer.mfu_label(metrics["mfu"]))
         return settled
+
+    def moe_metrics(self) -> dict[str, float]:
+        """The MoE auxiliary losses of this rank's last micro-batch, averaged over its MoE layers (none without)."""
+        per_chunk = [moe_losses(chunk) for chunk in self.model.chunks]
+        found = [values for values in per_chunk if values]
+        return {key: sum(v[key].item() for v in found) / len(found) for key in found[0]} if found else {}
 
     def rejected(self, done: int, loss: float, grad_norm: float, already_applied: bool = False) -> bool:
         """A vetoed update: skipped, or (policy 'rollback') weights and Adam state back to the newest
