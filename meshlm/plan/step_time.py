@@ -313,7 +313,7 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
             slot_compute, slot_tp, slot_cp = compute_mb, tp_mb, cp_mb
         psi = stage_params(model, s.tp, layers, i == 0, last)
         stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb)
-        stage_optimizer = 2 * sum(model_state_bytes(psi, s.replicas, s.zero, w.precision)) / rank.memory_bw
+        stage_optimizer = 2 * sum(model_state_bytes(psi, s.replicas, s.zero, w.precision, a.runtime)) / rank.memory_bw
         if stage_dp + stage_optimizer > dp_comm + optimizer:
             dp_comm, optimizer = stage_dp, stage_optimizer
 
