@@ -139,6 +139,11 @@ class TrainSection(Section):
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each transformer block (after parallelization); auto: on CUDA only"
     )
+    fp8: bool = Field(
+        False,
+        description="FP8 matmuls (e4m3 forward, e5m2 gradients, tensorwise dynamic scales) in the blocks' Linear "
+        "layers; needs an FP8 GPU (Ada, Hopper or later)",
+    )
     compile_backend: Literal["inductor", "aot_eager"] = Field(
         "inductor", description="torch.compile backend: inductor generates kernels; aot_eager only traces (tests)"
     )

@@ -117,6 +117,7 @@ class ColumnParallelLinear(nn.Module):
         self.kv_head, self.n_kv_heads = kv_head, n_kv_heads
         self.vocab_head = vocab_head
         self.gather_output = False
+        self.linear = F.linear  # the local matmul (meshlm.parallel.fp8 makes it fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
@@ -126,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
                 bias = sum_over_head_replicas(bias, self.kv_head, self.n_kv_heads, self.tp.group)
         x = self.tp.open_region(x)
         if getattr(x, "meshlm_seq_shard", None) is None:
-            y = F.linear(x, weight, bias)
+            y = self.linear(x, weight, bias)
         else:
             y = linear_saving_shard(x, weight)
             if bias is not None:
@@ -144,9 +145,10 @@ class RowParallelLinear(nn.Module):
         self.weight = weight
         self.bias = bias
         self.tp = tp
+        self.linear = F.linear  # the local matmul (meshlm.parallel.fp8 makes it fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.linear(x, self.weight)
         y = reduce_scatter_seq(y, self.tp.group) if self.tp.sequence_parallel else reduce_from_tp(y, self.tp.group)
         return y if self.bias is None else y + self.bias
 

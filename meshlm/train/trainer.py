@@ -40,6 +40,7 @@ from meshlm.observe.env import environment
 from meshlm.observe.metrics import MetricsLogger, TrainProgress
 from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.fp8 import apply_fp8, check_fp8_device
 from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout, validate_layout
 from meshlm.parallel.plan import check_plan, plan_for
 from meshlm.train.compile import compile_blocks
@@ -165,6 +166,8 @@ def fit(cfg: Config, parts: TrainParts | None = None, **pieces: object) -> Train
     else:
         layout, n_micro = check_user_layout(cfg, world_size, model, parts)
     device = resolve_device(cfg.train.device)
+    if cfg.train.fp8:
+        check_fp8_device(device)
     # Armed before the process group exists: a restarted rank can hang in rendezvous or set-up too.
     watchdog = Watchdog(Path(cfg.log.run_dir), env_rank(), cfg.fault.watchdog_s)
     watchdog.arm()
@@ -236,6 +239,8 @@ class Trainer:
         self.mesh = build_mesh(layout, device.type)
         autocast = autocast_dtype(cfg.train.dtype, device)
         self.model = ParallelModel(model, self.mesh, cfg.parallel, n_micro, autocast, parts.plan, parts.loss_fn)
+        if cfg.train.fp8:
+            apply_fp8(self.model)
         if cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda"):
             compile_blocks(self.model, cfg.train.compile_backend)
         if parts.optimizer is None:
