@@ -85,3 +85,26 @@ def test_a_row_past_its_limit_is_cut_and_a_row_past_the_budget_is_skipped() -> N
         {"name": "slow", "error": "timed out after 0 s"},
         {"name": "late", "error": "skipped: out of budget"},
     ]
+
+
+@pytest.mark.slow  # ~60 s on 2 cores: four small trainings
+def test_gpu_checks_pass_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/gpu/checks.py with --device cpu: the emulated fp8, the guard (without the sync debug mode),
+    ZeRO-3 at fp32 (auto on CPU) and the CPU defaults; each check PASSes."""
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("checks.py")), "--device", "cpu", "--json", str(tmp_path / "c.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert [line.split(":")[0] for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))] == [
+        "PASS fp8-numerics", "PASS device-guard", "PASS bf16-gathers", "PASS cuda-defaults"
+    ]  # fmt: skip
+
+
+def test_check_script_is_valid_bash_and_runs_both_scripts() -> None:
+    script = SCRIPT.with_name("check.sh")
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    assert "benchmarks/gpu/checks.py" in text and "benchmarks/gpu/run.py" in text

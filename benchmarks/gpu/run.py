@@ -61,8 +61,8 @@ def rows_for(batch: int, seq_len: int) -> dict[str, Row]:
     """Every row, in the order they run (most wanted first: later ones are dropped when the budget runs out)."""
     b8, s8k = (2 * batch, seq_len), (1, 4 * seq_len)
     return {
-        "meshlm-compiled": Row("meshlm", True, batch, seq_len, limit_s=75),
-        "fsdp2-compiled": Row("fsdp2", True, batch, seq_len, limit_s=75),
+        "meshlm-compiled": Row("meshlm", True, batch, seq_len, limit_s=90),
+        "fsdp2-compiled": Row("fsdp2", True, batch, seq_len, limit_s=90),
         "meshlm-compiled-b8": Row("meshlm", True, *b8, limit_s=50),
         "fsdp2-compiled-b8": Row("fsdp2", True, *b8, limit_s=50),
         "meshlm-fp8": Row("meshlm", True, *b8, fp8=True, limit_s=75),
@@ -338,7 +338,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--every", type=int, default=10, help="read losses every N steps")
-    parser.add_argument("--timed-s", type=float, default=20.0, help="stop a row's timing after this long")
+    parser.add_argument("--timed-s", type=float, default=10.0, help="stop a row's timing after this long")
     parser.add_argument("--budget-s", type=float, default=300.0, help="start no row past this")
     parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
