@@ -147,13 +147,26 @@ def _tp_job() -> dict:
     data = torch.randint(0, MODEL.vocab_size, (4, 33), generator=torch.Generator().manual_seed(1))
     loss = pm.forward_backward(data[:, :-1], data[:, 1:])
     grads_finite = all(torch.isfinite(p.grad).all() for _, p in pm.named_parameters() if p.grad is not None)
-    return {"rank": rank, "swapped": swapped, "kinds": kinds, "loss": loss.item(), "grads_finite": grads_finite}
+    # ZeRO-3 over the same two ranks: the swapped layers compute on the gathered weights, which are views of
+    # flat buffers freed between uses; one step trains every shard.
+    torch.manual_seed(0)
+    zero3 = ParallelModel(Transformer(MODEL), build_mesh(parse_layout("dp=2", 2), "cpu"), ParallelSection(zero=3), 1)
+    zero3_swapped = apply_fp8(zero3, emulate=True)
+    rows = slice(rank * 2, rank * 2 + 2)
+    zero3_loss = zero3.forward_backward(data[rows, :-1], data[rows, 1:])
+    zero3.clip_grad_norm_(1.0)
+    shards_finite = all(torch.isfinite(buf.grad_shard).all() and buf.grad_shard.any() for buf in zero3.dp.buffers)
+    return {
+        "rank": rank, "swapped": swapped, "kinds": kinds, "loss": loss.item(), "grads_finite": grads_finite,
+        "zero3_swapped": zero3_swapped, "zero3_loss": zero3_loss.item(), "zero3_shards_finite": shards_finite,
+    }  # fmt: skip
 
 
 @pytest.mark.slow  # ~13 s on 2 cores: a 2-rank group
-def test_fp8_composes_with_tensor_parallel() -> None:
+def test_fp8_composes_with_tensor_parallel_and_zero3() -> None:
     """Under tp=2 the plan's sharded styles stay (column/row-parallel modules, their collectives) and only the
-    local matmuls turn fp8; the loss of the first step is the unsharded fp32 one within the fp8 tolerance."""
+    local matmuls turn fp8; under dp=2 ZeRO-3 the swapped layers train on gathered weights. Both first-step
+    losses are the unsharded fp32 one within the fp8 tolerance."""
     torch.manual_seed(0)
     model = Transformer(MODEL)
     data = torch.randint(0, MODEL.vocab_size, (4, 33), generator=torch.Generator().manual_seed(1))
@@ -162,6 +175,8 @@ def test_fp8_composes_with_tensor_parallel() -> None:
         assert result["kinds"] == ["ColumnParallelLinear", "RowParallelLinear"]
         assert len(result["swapped"]) == 7 * MODEL.n_layers
         assert abs(result["loss"] - reference) <= LOSS_RTOL * reference and result["grads_finite"]
+        assert len(result["zero3_swapped"]) == 7 * MODEL.n_layers and result["zero3_shards_finite"]
+        assert abs(result["zero3_loss"] - reference) <= LOSS_RTOL * reference
 
 
 def test_fp8_is_refused_in_one_line_without_an_fp8_device(small_run: list[str]) -> None:
