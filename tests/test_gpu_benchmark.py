@@ -45,17 +45,21 @@ def test_every_row_trains_on_cpu(name: str) -> None:
         assert 0 < result["final_loss"] < 6.0  # log(256) = 5.5 at the start: a finite, sane loss
 
 
-def test_fsdp2_model_is_built_with_the_meshlm_init() -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp2_model_is_built_with_the_meshlm_init(tied: bool) -> None:
     """The FSDP2 row's model (meta build, allocated on the device, its own init) has the weights of a plain
-    build: the fix for 'Expected a cuda device type for generator' must not change what is compared."""
+    build, tied embeddings still tied (llama3-1b ties them): the fix for 'Expected a cuda device type for
+    generator' must not change what is compared."""
     import torch
 
     from meshlm.model import Transformer
 
     bench = load_benchmark()
-    cfg = bench.parse_args(TINY).cfg
+    cfg = bench.parse_args(TINY).cfg.replace(tie_embeddings=tied)
     built = bench.build_on(cfg, torch.device("cpu"))
     plain = Transformer(cfg, init_seed=0)
+    assert (built.lm_head.weight is built.model.embed_tokens.weight) == tied
+    assert len(list(built.parameters())) == len(list(plain.parameters()))
     for (name, a), (_, b) in zip(built.state_dict().items(), plain.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     for name, b in plain.named_buffers():

@@ -109,6 +109,8 @@ def build_on(cfg, device: torch.device):
         model = Transformer(cfg, init_seed=0)
     tables = {name: b.to(device) for name, b in model.named_buffers()}  # rotary tables: real even on meta
     model.to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty gives each module its own new Parameter: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
     for name, b in tables.items():
         model.get_buffer(name).copy_(b)
     model.reset_parameters()
