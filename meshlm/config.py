@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -173,15 +173,22 @@ class TrainSection(Section):
         True, description="output projection + cross-entropy in token chunks, never materialising the logits"
     )
     ignore_index: int = Field(-100, description="target id that carries no loss (prompt and padding labels)")
-    compile: bool = Field(False, description="torch.compile each transformer block (after parallelization)")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each transformer block (after parallelization); auto: on CUDA only"
+    )
+    fp8: bool = Field(
+        False,
+        description="FP8 matmuls (e4m3 forward, e5m2 gradients, tensorwise dynamic scales) in the blocks' Linear "
+        "layers; needs an FP8 GPU (Ada, Hopper or later)",
+    )
     compile_backend: Literal["inductor", "aot_eager"] = Field(
         "inductor", description="torch.compile backend: inductor generates kernels; aot_eager only traces (tests)"
     )
-    sync_every: int = Field(
-        1,
-        gt=0,
-        description="read loss and gradient norm on the host, run the guards and check for SIGTERM every N "
-        "steps (and on log, eval and checkpoint steps); 1 = every step, vetoing a bad update before it applies",
+    sync_every: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        "auto",
+        description="read loss and gradient norm on the host and check for SIGTERM every N steps (and on log, "
+        "eval and checkpoint steps); 1 = every step; auto: 1 on CPU, only at those steps on CUDA (a bad "
+        "update is then vetoed on the device, see docs/fault-tolerance.md)",
     )
     eval_every: int = Field(50, ge=0, description="validation loss every N steps; 0 = never")
     eval_batches: int = Field(8, gt=0, description="validation batches per evaluation")
@@ -212,8 +219,13 @@ class ParallelSection(Section):
     zero_shard_size: int | None = Field(
         None, gt=0, description="hybrid sharding: shard within groups of this many dp ranks, replicate across"
     )
-    zero_param_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="ZeRO ≥ 1: dtype of the working (gathered) weights over fp32 master shards"
+    zero_param_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="ZeRO ≥ 1: dtype of the working (gathered) weights over fp32 master shards; auto: bf16 "
+        "under bf16 autocast on CUDA, else fp32",
+    )
+    zero_reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype gradients are summed in across data-parallel ranks (bf16 halves the traffic)"
     )
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size of the overlapped reduction")
     sequence_parallel: bool = Field(False, description="shard norms/residuals along the sequence over tp")
@@ -315,13 +327,10 @@ class Config(Section):
                 f"train.ignore_index = {self.train.ignore_index}: data.format = 'sft' labels prompt and padding "
                 "positions -100; leave train.ignore_index at -100"
             )
-        if self.parallel.zero == 0 and (self.parallel.zero_shard_size or self.parallel.zero_param_dtype != "fp32"):
+        if self.parallel.zero == 0 and (
+            self.parallel.zero_shard_size or self.parallel.zero_param_dtype not in ("auto", "fp32")
+        ):
             raise ValueError("parallel.zero_shard_size and parallel.zero_param_dtype need parallel.zero >= 1")
-        if self.train.sync_every > 1 and self.fault.nonfinite == "skip":
-            raise ValueError(
-                f"train.sync_every = {self.train.sync_every} needs fault.nonfinite = 'rollback' or 'stop': "
-                "an update is applied before its loss is read, so it cannot be skipped"
-            )
         if self.lora.init_from and not self.lora.rank:
             raise ValueError("lora.init_from needs lora.rank > 0 (the adapter's rank)")
         if self.train.micro_batch and self.train.global_batch % self.train.micro_batch:
@@ -351,10 +360,15 @@ def _valid_fields(loc: tuple) -> str:
 
 def _format_error(err: ValidationError, prefix: tuple[str, ...] = ()) -> str:
     """The first error as 'config error: section.field: what is wrong' (`prefix`: where `err`'s model sits)."""
-    first = err.errors()[0]
+    errors = err.errors()
+    first = errors[0]
     loc = (*prefix, *first["loc"])
+    msg = first["msg"]
+    if len(loc) == 3 and loc[0] in Config.model_fields and isinstance(loc[2], str):  # a field of several types
+        msg = " or ".join(e["msg"] for e in errors if (*prefix, *e["loc"])[:2] == loc[:2])
+        loc = loc[:2]
     field = ".".join(_key(p) for p in loc)
-    msg = first["msg"].removeprefix("Value error, ").removeprefix(f"{field}: ")
+    msg = msg.removeprefix("Value error, ").removeprefix(f"{field}: ")
     if first["type"] == "extra_forbidden":
         msg = f"unknown {'section' if len(loc) == 1 else 'field'}; valid: {_valid_fields(loc)}"
     elif first["type"] == "model_type":

@@ -102,6 +102,16 @@ def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(sizes.values())
 
 
+def squared_norm_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ‖t‖² in float64 on `device`, without a float64 copy of any tensor: one fused `_foreach_norm` gives each
+    tensor's norm in fp32 (fp32 accumulation, as exact as the fp32 gradients themselves up to rounding), whose
+    squares are summed in float64 (so a model of any size adds no error across tensors)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in tensors])
+    return torch.stack(norms).to(device=device, dtype=torch.float64).square().sum()
+
+
 class DataParallel:
     """Makes dp replicas of `chunks` train like one model: gradient averaging plus optional ZeRO sharding.
 
@@ -340,13 +350,11 @@ class DataParallel:
         total = torch.zeros((), dtype=torch.float64, device=device)
         if not self.primary_replica:
             return total
+        grads = []
         for buf in self.buffers:
             kept = [buf.grad_shard[lo:hi] for p, _, lo, hi in buf.pieces if not skip(p)]
-            if len(kept) == len(buf.pieces):
-                kept = [buf.grad_shard]  # one kernel for the whole shard: its padding gradient is zero
-            for grad in kept:
-                total += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
-        return total
+            grads += [buf.grad_shard] if len(kept) == len(buf.pieces) else kept  # whole shard: padding grad is 0
+        return squared_norm_sum(grads, total.device)
 
     def grad_shards_of(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """The reduced gradient (shard) of each of `params` that has a flat buffer of its own (pipeline-tied)."""
@@ -355,8 +363,9 @@ class DataParallel:
 
     @torch.no_grad()
     def scale_grads_(self, coef: torch.Tensor) -> None:
-        for buf in self.buffers:
-            buf.grad_shard.mul_(coef.to(buf.grad_shard.device))
+        shards = [buf.grad_shard for buf in self.buffers]
+        if shards:
+            torch._foreach_mul_(shards, coef.to(shards[0].device))
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:

@@ -26,7 +26,7 @@ from meshlm.config import ParallelSection
 from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
 from meshlm.model.moe import set_aux_loss_scale
 from meshlm.observe.timers import comm
-from meshlm.parallel.data_parallel import ShardedTensor
+from meshlm.parallel.data_parallel import ShardedTensor, squared_norm_sum
 from meshlm.parallel.fused_loss import HeadOutput, apply_fused_loss, fused_cross_entropy_sum
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
@@ -60,6 +60,18 @@ def mesh_device(mesh: Mesh) -> torch.device:
     if mesh.device_mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_mesh.device_type)
+
+
+def zero_param_dtype(parallel: ParallelSection, device_type: str, autocast_dtype: torch.dtype | None) -> torch.dtype:
+    """The working weights' dtype over fp32 master shards: `parallel.zero_param_dtype`, where 'auto' is bf16
+    under ZeRO ≥ 1 with bf16 autocast on CUDA (FSDP2's usual MixedPrecisionPolicy: the matmuls run in bf16
+    anyway, so gathers of bf16 weights halve the traffic and memory), else fp32 (zero 0 steps the fp32
+    weights themselves)."""
+    choice = parallel.zero_param_dtype
+    if choice == "auto":
+        cuda_bf16 = device_type == "cuda" and autocast_dtype == torch.bfloat16
+        choice = "bf16" if parallel.zero >= 1 and cuda_bf16 else "fp32"
+    return torch.bfloat16 if choice == "bf16" else torch.float32
 
 
 def replica_group(mesh: Mesh) -> dist.ProcessGroup:
@@ -194,7 +206,8 @@ class ParallelModel:
                 zero=parallel.zero,
                 bucket_mb=parallel.bucket_mb,
                 shard_group_size=parallel.zero_shard_size,
-                param_dtype=torch.bfloat16 if parallel.zero_param_dtype == "bf16" else torch.float32,
+                param_dtype=zero_param_dtype(parallel, self.device_type, autocast_dtype),
+                reduce_dtype=torch.bfloat16 if parallel.zero_reduce_dtype == "bf16" else torch.float32,
                 plan=plan,
                 source=meta_init,
             )
@@ -459,10 +472,8 @@ class ParallelModel:
         if self.dp is not None:
             sq = self.dp.grad_sq_sum(skip=skip).to(device)
         else:
-            sq = torch.zeros((), dtype=torch.float64, device=device)
-            for _, p in self.named_parameters():
-                if p.grad is not None and not skip(p):
-                    sq += p.grad.detach().double().pow(2).sum()
+            grads = [p.grad.detach() for _, p in self.named_parameters() if p.grad is not None and not skip(p)]
+            sq = squared_norm_sum(grads, device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             with comm("all_reduce"):
                 dist.all_reduce(sq)
@@ -472,9 +483,9 @@ class ParallelModel:
             if self.dp is not None:
                 self.dp.scale_grads_(coef)
             else:
-                for _, p in self.named_parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+                grads = [p.grad.detach() for _, p in self.named_parameters() if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, coef.to(grads[0].device))
         return norm
 
     def after_optimizer_step(self) -> None:

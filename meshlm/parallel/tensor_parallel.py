@@ -128,6 +128,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = False
         self.fused_loss = False  # training returns a HeadOutput for the fused loss (meshlm.parallel.fused_loss)
         self.adapted = False  # LoRA: _Sharder.attach_adapter adds lora_A (replicated) and lora_B (row shard)
+        self.linear = F.linear  # the local matmul (meshlm.parallel.fp8 makes it fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
@@ -139,7 +140,7 @@ class ColumnParallelLinear(nn.Module):
         if self.fused_loss and self.training:
             return HeadOutput(x, weight, self.tp.group)
         if getattr(x, "meshlm_seq_shard", None) is None:
-            y = F.linear(x, weight, bias)
+            y = self.linear(x, weight, bias)
         else:
             y = linear_saving_shard(x, weight)
             if bias is not None:
@@ -163,9 +164,10 @@ class RowParallelLinear(nn.Module):
         self.bias = bias
         self.tp = tp
         self.adapted = False  # LoRA: _Sharder.attach_adapter adds lora_A (column shard) and lora_B (replicated)
+        self.linear = F.linear  # the local matmul (meshlm.parallel.fp8 makes it fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.linear(x, self.weight)
         if self.adapted:  # the adapter's partial output joins the base's: one reduction sums both
             y = y + lora_delta(self, x)
         y = reduce_scatter_seq(y, self.tp.group) if self.tp.sequence_parallel else reduce_from_tp(y, self.tp.group)

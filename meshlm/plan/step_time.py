@@ -342,10 +342,10 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         if w.lora_rank:
             psi_lora = layers * layer_lora_params(model, s.tp, w.lora_rank)
             stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb, trainable=psi_lora)
-            states = model_state_bytes(psi_lora, s.replicas, s.zero, w.precision)
+            states = model_state_bytes(psi_lora, s.replicas, s.zero, w.precision, a.runtime)
         else:
             stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb)
-            states = model_state_bytes(psi, s.replicas, s.zero, w.precision)
+            states = model_state_bytes(psi, s.replicas, s.zero, w.precision, a.runtime)
         stage_optimizer = 2 * sum(states) / rank.memory_bw
         if stage_dp + stage_optimizer > dp_comm + optimizer:
             dp_comm, optimizer = stage_dp, stage_optimizer

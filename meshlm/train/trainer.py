@@ -50,13 +50,21 @@ from meshlm.observe.env import environment
 from meshlm.observe.metrics import MetricsLogger, TrainProgress
 from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.fp8 import apply_fp8, check_fp8_device
 from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout, validate_layout
 from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
 from meshlm.train.compile import compile_blocks
 from meshlm.train.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.train.faults import fault_point
-from meshlm.train.guards import Preemption, StepGuard, TrainingFault, Watchdog, check_replicas_in_sync
-from meshlm.train.optim import build_optimizer, device_train_step, lr_at, train_step
+from meshlm.train.guards import (
+    DeviceStepGuard,
+    Preemption,
+    StepGuard,
+    TrainingFault,
+    Watchdog,
+    check_replicas_in_sync,
+)
+from meshlm.train.optim import build_optimizer, device_train_step, lr_at, skips_on_device, train_step
 from meshlm.train.parts import Batch, BatchSource, Callback, TrainParts
 from meshlm.train.prefetch import Prefetcher
 
@@ -195,6 +203,8 @@ def fit(cfg: Config, parts: TrainParts | None = None, **pieces: object) -> Train
     else:
         layout, n_micro = check_user_layout(cfg, world_size, model, parts)
     device = resolve_device(cfg.train.device)
+    if cfg.train.fp8:
+        check_fp8_device(device)
     # Armed before the process group exists: a restarted rank can hang in rendezvous or set-up too.
     watchdog = Watchdog(Path(cfg.log.run_dir), env_rank(), cfg.fault.watchdog_s)
     watchdog.arm()
@@ -276,12 +286,16 @@ class Trainer:
             model, self.mesh, cfg.parallel, n_micro, autocast, parts.plan, parts.loss_fn, parts.gather_logits,
             cfg.train.ignore_index, cfg.train.fused_loss,
         )  # fmt: skip
-        if cfg.train.compile:
+        if cfg.train.fp8:
+            apply_fp8(self.model)
+        if cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda"):
             compile_blocks(self.model, cfg.train.compile_backend)
         if parts.optimizer is None:
-            self.optimizer = build_optimizer(self.model, cfg.train)
+            skip_late = cfg.train.sync_every not in (1, "auto") and cfg.fault.nonfinite == "skip"
+            self.optimizer = build_optimizer(self.model, cfg.train, fused=device.type == "cuda" or skip_late)
         else:
             self.optimizer = parts.optimizer(self.model.optimizer_param_groups(cfg.train.weight_decay))
+        self.sync_every, self.device_guard = self.resolve_sync(device)
         init_optimizer_state(self.optimizer)  # so checkpoints and rollbacks can fill it in place
         self.checkpointer = Checkpointer(
             self.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.parallel.timeout_s,
@@ -322,9 +336,30 @@ class Trainer:
         self.preemption = Preemption()
         self.guard = StepGuard(cfg.fault.nonfinite, cfg.fault.spike_factor)
         self.check_desync = cfg.fault.desync_every and layout.dp > 1 and cfg.parallel.zero < 3
-        # Steps since the last host sync: (step, loss, grad norm, lr, applied); loss and norm are device
-        # tensors and `applied` None until read, under train.sync_every > 1.
+        # Steps since the last host sync: (step, loss, grad norm, lr, applied); under train.sync_every != 1
+        # loss and norm are device tensors and `applied` the device guard's verdict (None without it).
         self.pending: list[tuple[int, object, object, float, bool | None]] = []
+
+    def resolve_sync(self, device: torch.device) -> tuple[int, DeviceStepGuard | None]:
+        """(steps between host syncs, 0 = only where a log, eval or checkpoint needs one; the device guard or
+        None). `train.sync_every = auto` syncs every step on CPU; on CUDA only where needed, when the optimizer
+        can skip a vetoed update on the device (or the policy never skips). Past one step, an optimizer that
+        can skips on the device; with another, a vetoed update is applied before it is read (rolled back or
+        the run stops), so policy 'skip' is refused."""
+        cfg, can_skip = self.cfg, skips_on_device(self.optimizer)
+        every = cfg.train.sync_every
+        if every == "auto":
+            every = 0 if device.type == "cuda" and (can_skip or cfg.fault.nonfinite != "skip") else 1
+        if every == 1:
+            return 1, None
+        if can_skip:
+            return every, DeviceStepGuard(cfg.fault.spike_factor, device)
+        if cfg.fault.nonfinite == "skip":
+            raise ConfigError(
+                f"train.sync_every = {every} with fault.nonfinite = 'skip' needs an optimizer that skips on the "
+                "device (fused AdamW, meshlm's default); use 'rollback' or 'stop', or sync_every 1"
+            )
+        return every, None
 
     def log(self, step: int, kind: str, **values: object) -> None:
         if self.logger is not None:
@@ -419,9 +454,9 @@ class Trainer:
     def syncs_at(self, done: int) -> bool:
         """Whether step `done` reads its numbers on the host: every `train.sync_every` steps, the first and
         last, and wherever a log, evaluation, checkpoint or replica check is due (they need settled steps).
-        Only there are the guards run, SIGTERM and background saves checked."""
+        Only there are the steps' guard verdicts recorded, SIGTERM and background saves checked."""
         c = self.cfg
-        every = (c.train.sync_every, c.log.every, c.log.aggregate_every, c.train.eval_every, c.checkpoint.every)
+        every = (self.sync_every, c.log.every, c.log.aggregate_every, c.train.eval_every, c.checkpoint.every)
         every += (c.fault.desync_every,) if self.check_desync else ()
         return done in (1, c.train.steps) or any(k and done % k == 0 for k in every)
 
@@ -455,11 +490,13 @@ class Trainer:
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         lr = lr_at(step, self.cfg.train)
         args = (self.model, self.optimizer, inputs, targets, lr, self.cfg.train.grad_clip)
-        if self.cfg.train.sync_every == 1:  # read at once, so a bad update is vetoed before it is applied
+        if self.sync_every == 1:  # read at once, so a bad update is vetoed before it is applied
             loss, grad_norm, applied = train_step(*args, self.guard.allow)
             self.pending.append((done, loss, grad_norm, lr, applied))
-        else:
-            self.pending.append((done, *device_train_step(*args), lr, None))
+        else:  # vetoed on the device, or (without a device guard) guarded late
+            veto = self.device_guard.allow if self.device_guard is not None else None
+            loss, grad_norm, applied = device_train_step(*args, veto)
+            self.pending.append((done, loss, grad_norm, lr, applied))
         metrics = self.observer.end_step(close=sync)
         self.watchdog.arm()
         fault_point("step", self.rank, done)
@@ -474,20 +511,29 @@ class Trainer:
         return done
 
     def settle(self, metrics: dict) -> list[tuple[int, float]]:
-        """The steps since the last sync, in order: their losses and norms read (one host sync for all of
-        them), guarded (under sync_every > 1 a rejected step is already applied: it is rolled back or the
-        run stops), recorded and logged with this window's metrics. Returns (step, loss) of each."""
+        """The steps since the last sync, in order: their losses, norms and device verdicts read (one host
+        sync for all of them), recorded (without a device guard, guarded now: a rejected step is already
+        applied, so it is rolled back or the run stops) and logged with this window's metrics. Returns
+        (step, loss) of each."""
         pending, self.pending = self.pending, []
-        unread = [torch.stack((loss.float(), norm.float())) for _, loss, norm, _, ok in pending if ok is None]
+        unread = [
+            torch.stack((loss.float(), norm.float(), (norm.new_ones(()) if ok is None else ok).float()))
+            for _, loss, norm, _, ok in pending
+            if not isinstance(ok, bool)
+        ]
         read = iter(torch.stack(unread).tolist() if unread else [])
         settled, rolled_back = [], False
         for done, loss, grad_norm, lr, applied in pending:
             if applied is None:
-                loss, grad_norm = next(read)
+                loss, grad_norm, _ = next(read)
                 applied = rolled_back or self.guard.allow(loss, grad_norm)
+            elif not isinstance(applied, bool):
+                loss, grad_norm, verdict = next(read)
+                applied = self.guard.decided(loss, grad_norm, verdict == 1.0) or rolled_back
             self.result.losses.append(loss)
             if not applied:
-                rolled_back = self.rejected(done, loss, grad_norm, already_applied=self.cfg.train.sync_every > 1)
+                late = self.sync_every != 1 and self.device_guard is None
+                rolled_back = self.rejected(done, loss, grad_norm, already_applied=late)
             if done % self.cfg.log.every == 0 or done == self.cfg.train.steps or done == 1:
                 self.log(done, "train", loss=loss, grad_norm=grad_norm, lr=lr, **metrics, **self.moe_metrics())
             settled.append((done, loss))
@@ -503,8 +549,8 @@ class Trainer:
     def rejected(self, done: int, loss: float, grad_norm: float, already_applied: bool = False) -> bool:
         """A vetoed update: skipped, or (policy 'rollback') weights and Adam state back to the newest
         checkpoint while the data position stays, so the batches since are not seen again. An update
-        `already_applied` (train.sync_every > 1) cannot be skipped: without a checkpoint the run stops.
-        Returns whether it rolled back."""
+        `already_applied` (train.sync_every > 1 without a device guard) cannot be skipped: without a
+        checkpoint the run stops. Returns whether it rolled back."""
         self.result.skipped_steps.append(done)
         action = "skipped"
         if self.cfg.fault.nonfinite == "rollback":
@@ -513,7 +559,7 @@ class Trainer:
             if path is None and already_applied:
                 raise TrainingFault(
                     f"stopping: {self.guard.last_reason} at step {done}, applied before it was read "
-                    f"(train.sync_every = {self.cfg.train.sync_every}) and no checkpoint to roll back to yet"
+                    f"(train.sync_every = {self.sync_every}) and no checkpoint to roll back to yet"
                 )
             if path is None:
                 action = "skipped (no checkpoint to roll back to yet)"
