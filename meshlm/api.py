@@ -123,7 +123,7 @@ def parallelize(
     layout = mesh.layout
     check_plan(model, plan, layout.tp, layout.pp, zero, sequence_parallel)
     n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
-    check_batch_and_schedule(layout, n_layers, micro_batches * layout.dp, 1, virtual_stages, schedule)
+    check_batch_and_schedule(layout, n_layers, micro_batches * layout.data_parallel, 1, virtual_stages, schedule)
     device = torch.device(mesh.device_mesh.device_type)
     if device.type == "cuda" and not is_meta_model(model):
         model.to(torch.device("cuda", torch.cuda.current_device()))

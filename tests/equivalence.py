@@ -139,7 +139,7 @@ def train_layout(
         set_optimizer_steps(opt, start)
         pm.after_load()
         out["resumed_state"] = pm.full_state_dict()
-    dp_rank, dp = mesh.rank("dp"), lay.dp
+    dp_rank, dp = mesh.rank("data"), mesh.size("data")  # dp × ep ranks get rows of their own
     losses, norms = [], []
     stop = steps if stop is None else stop
     for step in range(start, stop):

@@ -3,7 +3,9 @@
 Keys are layout-free (`model/<name>`, `optim/<state>/<name>` for each per-element optimizer state, e.g.
 AdamW's exp_avg and exp_avg_sq, each of the full model's shape), so any layout can load what any other
 layout saved. This rank contributes the boxes it
-holds: ZeRO flat pieces cut into row boxes (shards.flat_range_boxes), placed by its TPShard (one box per run).
+holds: ZeRO flat pieces cut into row boxes (shards.flat_range_boxes), placed by its TPShard (one box per run)
+or, for an expert-parallel rank's slice of stacked experts, by its EP placement (dim 0; never both: ep does not
+compose with tp).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from meshlm.checkpoint.shards import Chunks, flat_range_boxes
 from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.expert_parallel import ep_shard
 from meshlm.parallel.tp_shard import tp_shard
 
 
@@ -32,7 +35,7 @@ def training_entries(
     entries: dict[str, Chunks] = {}
     for kind, pieces in model.local_shards(optimizer, writer, frozen).items():
         for piece in pieces:
-            shard = tp_shard(params[piece.name])
+            shard = tp_shard(params[piece.name]) or ep_shard(params[piece.name])
             entry = entries.setdefault(key_of(kind, piece.name), Chunks(shapes[piece.name], [], []))
             start = 0
             for offsets, sizes in flat_range_boxes(

@@ -10,6 +10,9 @@ Frozen parameters (requires_grad False: a LoRA base, train.freeze) get no gradie
 no optimizer state under any stage: stages 0-2 leave them as they are (replicated, in their own dtype, e.g.
 bf16); ZeRO-3 shards them too, in their own dtype (no fp32 master), gathered with their unit's trainable
 buffers and never reduced (`frozen_buffers`).
+Under expert parallelism (meshlm.parallel.expert_parallel) each parameter has its reduction groups: the
+experts' shards are bucketed apart and reduced (and ZeRO-sharded) over `expert_group`, the ranks holding the
+same experts, the rest over `group`; both are divided by the size of `group`, the data replicas.
 Inner micro-batches of gradient accumulation (set_grad_sync False) never communicate: gradients accumulate in
 the full buffers and are reduced once on the last micro-batch. Under ZeRO-2/3 this keeps full gradients for
 the accumulation window (reducing every micro-batch would keep only shards, for n_micro times the traffic).
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.observe.timers import comm, timed_wait
+from meshlm.parallel.expert_parallel import is_expert_param
 from meshlm.parallel.plan import ParallelPlan, plan_for, zero3_unit_groups
 from meshlm.parallel.zero import (
     FlatBuffer,
@@ -53,6 +57,35 @@ class Reduction:
     work: dist.Work
     grad: torch.Tensor
     out: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ReduceGroups:
+    """Where a flat buffer's gradients are reduced and its ZeRO state is sharded: `group` holds the same
+    parameters; their gradients are reduce-scattered over `shard` (None under zero 0) and all-reduced over
+    `replicate` (all of the group under zero 0; the other blocks under hybrid sharding; None otherwise)."""
+
+    group: dist.ProcessGroup
+    shard: dist.ProcessGroup | None
+    replicate: dist.ProcessGroup | None
+
+    @classmethod
+    def build(cls, group: dist.ProcessGroup, zero: int, shard_group_size: int | None) -> ReduceGroups:
+        return cls(group, None, group) if zero == 0 else cls(group, *hybrid_shard_groups(group, shard_group_size))
+
+    @property
+    def shard_size(self) -> int:
+        return dist.get_world_size(self.shard) if self.shard is not None else 1
+
+    @property
+    def shard_rank(self) -> int:
+        return dist.get_rank(self.shard) if self.shard is not None else 0
+
+    @property
+    def primary(self) -> bool:
+        """This rank is the one replica whose (identical) reduced gradients and shards count in norms and
+        checkpoints."""
+        return self.replicate is None or dist.get_rank(self.replicate) == 0
 
 
 @dataclass
@@ -133,6 +166,7 @@ class DataParallel:
         reduce_dtype: torch.dtype = torch.float32,
         plan: ParallelPlan | None = None,
         source: ParamSource | None = None,
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero}")
@@ -144,15 +178,15 @@ class DataParallel:
         self.stage = zero
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
-        self.dp_size = dist.get_world_size(group)
-        if zero == 0:
-            self.shard_group, self.replicate_group = None, group
-        else:
-            self.shard_group, self.replicate_group = hybrid_shard_groups(group, shard_group_size)
-        self.shard_size = dist.get_world_size(self.shard_group) if self.shard_group is not None else 1
-        self.shard_rank = dist.get_rank(self.shard_group) if self.shard_group is not None else 0
-        # The one replica whose (identical) reduced gradients and shards count in norms and checkpoints.
-        self.primary_replica = self.replicate_group is None or dist.get_rank(self.replicate_group) == 0
+        if expert_group is not None and (zero == 3 or shard_group_size is not None):
+            raise ValueError("expert parallelism supports parallel.zero 0-2 without parallel.zero_shard_size")
+        self.dp_size = dist.get_world_size(group)  # the data replicas: every gradient is divided by their count
+        self.dense = ReduceGroups.build(group, zero, shard_group_size)
+        self.expert = ReduceGroups.build(expert_group, zero, None) if expert_group is not None else None
+        self.shard_group, self.replicate_group = self.dense.shard, self.dense.replicate
+        self.shard_size, self.shard_rank = self.dense.shard_size, self.dense.shard_rank
+        self.primary_replica = self.dense.primary
+        self.groups_of: dict[int, ReduceGroups] = {}  # id(buffer) -> its groups (expert buffers: self.expert)
 
         self.chunk_params: list[list[nn.Parameter]] = []
         self.chunk_frozen: list[list[nn.Parameter]] = []
@@ -175,10 +209,15 @@ class DataParallel:
                 self.units += units
                 self.chunk_buffers.append([buf for unit in reversed(units) for buf in unit.buffers[: unit.trainable]])
             else:
-                self.chunk_buffers.append([self._make_buffer(b) for b in bucket_params(params, bucket_mb * 2**20)])
+                dense = [p for p in params if not is_expert_param(p)]
+                experts = [p for p in params if is_expert_param(p)]
+                self.chunk_buffers.append(
+                    [self._make_buffer(b) for b in bucket_params(dense, bucket_mb * 2**20)]
+                    + [self._make_buffer(b, self.expert) for b in bucket_params(experts, bucket_mb * 2**20)]
+                )
         self.buffers = [buf for bufs in self.chunk_buffers for buf in bufs]
         self.unit_of_buffer = {id(buf): unit for unit in self.units for buf in unit.buffers}
-        self._setup_stage(group)
+        self._setup_stage()
 
         self.grad_sync = [True] * len(chunks)
         self.next_launch = [0] * len(chunks)
@@ -189,10 +228,16 @@ class DataParallel:
                     p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, c, buf, i))
 
     # ---- construction ---------------------------------------------------------------------------------------
-    def _make_buffer(self, params: list[nn.Parameter]) -> FlatBuffer:
-        return FlatBuffer(
-            params, self.shard_size, self.shard_rank, self.param_dtype, self.source, shard_only=self.stage == 3
+    def _make_buffer(self, params: list[nn.Parameter], groups: ReduceGroups | None = None) -> FlatBuffer:
+        groups = groups or self.dense
+        buf = FlatBuffer(
+            params, groups.shard_size, groups.shard_rank, self.param_dtype, self.source, shard_only=self.stage == 3
         )
+        self.groups_of[id(buf)] = groups
+        return buf
+
+    def groups(self, buf: FlatBuffer) -> ReduceGroups:
+        return self.groups_of.get(id(buf), self.dense)
 
     def _build_units(self, chunk: nn.Module, params: list[nn.Parameter], frozen: list[nn.Parameter]) -> list[Unit]:
         """ZeRO-3 units in forward order; a parameter shared by two units (tied embeddings) joins the first.
@@ -226,7 +271,7 @@ class DataParallel:
         return units
 
     @torch.no_grad()
-    def _setup_stage(self, group: dist.ProcessGroup) -> None:
+    def _setup_stage(self) -> None:
         """Start every replica from dp rank 0's weights (buffers filled from the source agree already), then
         create the masters and gradient buffers. Frozen buffers (ZeRO-3) keep only their shard, in their dtype."""
         for buf in self.frozen_buffers:
@@ -234,11 +279,13 @@ class DataParallel:
                 buf.master, buf.initial_shard = buf.initial_shard.to(buf.data.dtype), None
             else:
                 if not buf.from_source:
+                    group = self.groups(buf).group
                     dist.broadcast(buf.data, src=dist.get_global_rank(group, 0), group=group)
                 buf.master = buf.data[buf.shard].clone()
             buf.free_params()
         for buf in self.buffers:
             if not buf.from_source:
+                group = self.groups(buf).group
                 dist.broadcast(buf.data, src=dist.get_global_rank(group, 0), group=group)
             if self.stage == 0:
                 buf.alloc_grad()
@@ -289,9 +336,10 @@ class DataParallel:
         if buf.full_grad is None:
             buf.alloc_grad()  # no parameter of this buffer got a gradient: its peers still need our zeros
         grad = buf.full_grad.to(self.reduce_dtype)
-        if self.shard_group is None:
+        groups = self.groups(buf)
+        if groups.shard is None:
             out = grad
-            work = dist.all_reduce(grad, group=self.replicate_group, async_op=True)
+            work = dist.all_reduce(grad, group=groups.replicate, async_op=True)
         else:
             if self.stage == 1:
                 out = grad[buf.shard]  # in place: the output may be the input's own slice (NCCL and gloo)
@@ -299,18 +347,19 @@ class DataParallel:
                 out = buf.grad_shard
             else:
                 out = grad.new_empty(buf.shard_numel)
-            work = reduce_scatter_flat(out, grad, group=self.shard_group, async_op=True)
+            work = reduce_scatter_flat(out, grad, group=groups.shard, async_op=True)
         self.inflight.append(Reduction(buf, work, grad, out))
         if self.stage >= 2 and len(self.inflight) > MAX_INFLIGHT_SHARDED_REDUCTIONS:
             self._complete(self.inflight.popleft())
 
     def _complete(self, reduction: Reduction) -> None:
-        timed_wait(reduction.work, "all_reduce" if self.shard_group is None else "reduce_scatter")
         buf, out = reduction.buffer, reduction.out
-        if self.shard_group is not None and self.replicate_group is not None:
+        groups = self.groups(buf)
+        timed_wait(reduction.work, "all_reduce" if groups.shard is None else "reduce_scatter")
+        if groups.shard is not None and groups.replicate is not None:
             with comm("all_reduce"):  # hybrid: sum the shard across replicas too
-                dist.all_reduce(out, group=self.replicate_group)
-        out.div_(self.dp_size)
+                dist.all_reduce(out, group=groups.replicate)
+        out.div_(self.dp_size)  # experts too: their gradient sums every data replica's loss term
         if out.data_ptr() != buf.grad_shard.data_ptr():
             buf.grad_shard.copy_(out)
         if self.stage >= 2:
@@ -348,10 +397,10 @@ class DataParallel:
         the gradients' device: no host sync)."""
         device = self.buffers[0].data.device if self.buffers else None
         total = torch.zeros((), dtype=torch.float64, device=device)
-        if not self.primary_replica:
-            return total
         grads = []
         for buf in self.buffers:
+            if not self.groups(buf).primary:  # each expert shard counts once, on its own primary replica
+                continue
             kept = [buf.grad_shard[lo:hi] for p, _, lo, hi in buf.pieces if not skip(p)]
             grads += [buf.grad_shard] if len(kept) == len(buf.pieces) else kept  # whole shard: padding grad is 0
         return squared_norm_sum(grads, total.device)
@@ -377,7 +426,7 @@ class DataParallel:
             shard = buf.data[buf.shard]
             if shard.data_ptr() != buf.master.data_ptr():
                 shard.copy_(buf.master)
-            works.append(all_gather_flat(buf.data, shard, group=self.shard_group, async_op=True))
+            works.append(all_gather_flat(buf.data, shard, group=self.groups(buf).shard, async_op=True))
         for work in works:
             timed_wait(work, "all_gather")
 
@@ -397,7 +446,7 @@ class DataParallel:
         """Full fp32 weights (from the fp32 masters when sharded) under the chunks' state_dict names."""
         full: dict[int, torch.Tensor] = {}
         for buf in self.buffers + self.frozen_buffers:
-            flat = buf.data if self.stage == 0 else buf.gather_master(self.shard_group)
+            flat = buf.data if self.stage == 0 else buf.gather_master(self.groups(buf).shard)
             for p, view in zip(buf.params, buf.views(flat), strict=True):
                 full[id(p)] = view.float().cpu().clone()
         state = {}
@@ -421,20 +470,23 @@ class DataParallel:
 
         keys = ["model"] + (optimizer_state_keys(optimizer) if optimizer is not None else [])
         out: dict[str, list[ShardedTensor]] = {key: [] for key in keys}
-        if replicas == "primary" and not self.primary_replica:
-            return out
-        n_replicas, replica = 1, 0
-        if replicas == "spread" and self.replicate_group is not None:
-            n_replicas, replica = dist.get_world_size(self.replicate_group), dist.get_rank(self.replicate_group)
-        pieces = [(buf, piece) for buf in self.buffers for piece in buf.pieces]
-        load = [0] * n_replicas  # every replica computes the same greedy split: largest pieces first
-        mine = set()
-        for i in sorted(range(len(pieces)), key=lambda i: -(pieces[i][1][3] - pieces[i][1][2])):
-            writer = load.index(min(load))
-            load[writer] += pieces[i][1][3] - pieces[i][1][2]
-            if writer == replica:
-                mine.add(i)
-        for buf, (p, offset, lo, hi) in (pieces[i] for i in sorted(mine)):
+        mine = []
+        for groups in dict.fromkeys(self.groups(buf) for buf in self.buffers):  # dense, then experts (under ep)
+            if replicas == "primary" and not groups.primary:
+                continue
+            n_replicas, replica = 1, 0
+            if replicas == "spread" and groups.replicate is not None:
+                n_replicas, replica = dist.get_world_size(groups.replicate), dist.get_rank(groups.replicate)
+            pieces = [(buf, piece) for buf in self.buffers if self.groups(buf) == groups for piece in buf.pieces]
+            load = [0] * n_replicas  # every replica computes the same greedy split: largest pieces first
+            chosen = set()
+            for i in sorted(range(len(pieces)), key=lambda i: -(pieces[i][1][3] - pieces[i][1][2])):
+                writer = load.index(min(load))
+                load[writer] += pieces[i][1][3] - pieces[i][1][2]
+                if writer == replica:
+                    chosen.add(i)
+            mine += [pieces[i] for i in sorted(chosen)]
+        for buf, (p, offset, lo, hi) in mine:
             if self.stage == 0:
                 sources = {"model": p.detach().view(-1)}
                 state = optimizer.state[p] if optimizer is not None else {}

@@ -4,6 +4,7 @@ Composition order (each step transforms the output of the previous one, none tou
 driven by the model's ParallelPlan (meshlm.parallel.plan), never by its attribute names:
   1. tensor parallel  swaps the Linear/Embedding modules the plan names for sharded ones on the `tp` group;
   2. pipeline         keeps only this rank's stage(s) of the plan's layers on the `pp` group;
+     expert parallel  keeps this rank's experts of every MoE layer, reached by all-to-all, on the `ep` group;
   3. data parallel    / ZeRO owns gradient reduction and parameter / optimizer sharding on `dp`.
 Every gradient is correct after `forward_backward` (or `backward`) returns, so clipping and the optimizer
 are layout-agnostic, and any torch.optim optimizer steps what `parameters()` returns.
@@ -75,9 +76,10 @@ def zero_param_dtype(parallel: ParallelSection, device_type: str, autocast_dtype
 
 
 def replica_group(mesh: Mesh) -> dist.ProcessGroup:
-    """The ranks that hold the same weights and reduce gradients together: dp, and under context parallel
-    dp × cp (each cp rank's gradient covers only its tokens of the sequences)."""
-    return mesh.group("dp_cp")
+    """The ranks that hold the same (dense) weights and reduce gradients together: dp, and under context
+    parallel dp × cp (each cp rank's gradient covers only its tokens of the sequences), under expert parallel
+    dp × ep × cp (the experts' gradients are reduced over dp × cp only: meshlm.parallel.expert_parallel)."""
+    return mesh.group("replicas")
 
 
 class LossShapeError(PlanError):
@@ -166,6 +168,21 @@ class ParallelModel:
 
             apply_context_parallel(model, plan, mesh.group("cp"), parallel.cp_attention)
 
+        if layout.ep > 1:
+            from meshlm.parallel.expert_parallel import apply_expert_parallel
+
+            for dim in ("tp", "pp", "cp"):
+                if mesh.size(dim) > 1:
+                    raise PlanError(f"ep={layout.ep} with {dim}={mesh.size(dim)} is not supported yet")
+            if parallel.zero == 3 or parallel.zero_shard_size is not None:
+                raise PlanError(
+                    f"ep={layout.ep} supports parallel.zero 0-2 without parallel.zero_shard_size "
+                    f"(got zero={parallel.zero}, zero_shard_size={parallel.zero_shard_size})"
+                )
+            if meta_init is not None:
+                raise PlanError(f"ep={layout.ep}: build the model on a real device; meta models are not sharded yet")
+            apply_expert_parallel(model, mesh.group("ep"))
+
         self.pipeline = None
         if layout.pp > 1:
             from meshlm.parallel.pipeline import split_model
@@ -177,7 +194,7 @@ class ParallelModel:
             self.chunks = [model]
         for chunk in self.chunks:  # MoE aux losses: each micro-batch's share, like the loss's / n_micro below
             set_aux_loss_scale(chunk, 1.0 / n_micro)
-        packed = layout.dp * layout.cp > 1 or parallel.zero > 0  # data parallel / ZeRO lays the parameters out
+        packed = self.replicas > 1 or parallel.zero > 0  # data parallel / ZeRO lays the parameters out
         if meta_init is not None:
             meta_init.replace_params(model, self.chunks, packed, packs_frozen=parallel.zero == 3)
 
@@ -210,6 +227,7 @@ class ParallelModel:
                 reduce_dtype=torch.bfloat16 if parallel.zero_reduce_dtype == "bf16" else torch.float32,
                 plan=plan,
                 source=meta_init,
+                expert_group=mesh.group("dp_cp") if layout.ep > 1 else None,
             )
         if meta_init is not None:
             meta_init.check_done()
@@ -221,19 +239,19 @@ class ParallelModel:
 
     # ---- the loss: per-token losses over the kept tokens of the global batch ---------------------------
     def count_tokens(self, targets: torch.Tensor) -> torch.Tensor:
-        """The number of kept targets (not `ignore_index`) in `targets` summed over every replica (dp, and cp
-        shards of the sequences): the denominator of the global-batch token mean. One all-reduce of a scalar;
+        """The number of kept targets (not `ignore_index`) in `targets` summed over every replica (dp, ep, and
+        cp shards of the sequences): the denominator of the global-batch token mean. One all-reduce of a scalar;
         every replica must call it. A device tensor, no host sync."""
         count = (targets != self.ignore_index).sum().to(torch.float32)
         if self.replicas > 1:
             with comm("all_reduce"):
-                dist.all_reduce(count, group=self.mesh.group("dp_cp"))
+                dist.all_reduce(count, group=self.mesh.group("replicas"))
         return count
 
     @property
     def replicas(self) -> int:
-        """Ranks whose gradients data parallel averages: dp × cp."""
-        return self.mesh.size("dp") * self.mesh.size("cp")
+        """Ranks whose gradients data parallel averages: dp × ep × cp."""
+        return self.mesh.size("data") * self.mesh.size("cp")
 
     def _cross_entropy(self, output: object, targets: torch.Tensor) -> torch.Tensor:
         return token_cross_entropy(getattr(output, "logits", output), targets, self.ignore_index)
@@ -284,14 +302,14 @@ class ParallelModel:
                 f"forward_backward: {inputs.shape[0]} rows do not split into {self.n_micro} micro-batches; "
                 f"pass a multiple of {self.n_micro} rows (this replica's share of the global batch)"
             )
-        dp = self.mesh.size("dp")
+        dp = self.mesh.size("data")  # dp × ep ranks get rows of their own
         if self._batch_checked or dp == 1:
             return
         positions = torch.arange(1, inputs.numel() + 1, dtype=torch.float64, device=inputs.device)
         fingerprint = (inputs.double().flatten() * positions).sum()  # order-sensitive: equal only for equal rows
         seen = [torch.zeros_like(fingerprint) for _ in range(dp)]
         with comm("all_gather"):
-            dist.all_gather(seen, fingerprint, group=self.mesh.group("dp"))
+            dist.all_gather(seen, fingerprint, group=self.mesh.group("data"))
         if all(torch.equal(seen[0], f) for f in seen[1:]):
             raise PlanError(
                 f"forward_backward: every one of the {dp} dp ranks got the same {inputs.shape[0]} rows; pass each "
@@ -382,7 +400,7 @@ class ParallelModel:
             self.pipeline.broadcast_from_last_stage(loss)
         if self.replicas > 1:
             with comm("all_reduce"):
-                dist.all_reduce(loss, group=self.mesh.group("dp_cp"))
+                dist.all_reduce(loss, group=self.mesh.group("replicas"))
             loss /= self.replicas
         return loss
 
@@ -429,9 +447,10 @@ class ParallelModel:
         return shard_sequence(batch, self.mesh.size("cp"), self.mesh.rank("cp"))
 
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
-        """This data-parallel replica's rows of a global batch (the same on every tp / pp / cp rank: a loop
-        of one's own calling the model directly under cp passes it `seq_shard` of them)."""
-        dp, rank = self.mesh.size("dp"), self.mesh.rank("dp")
+        """This data-parallel replica's rows of a global batch (dp × ep ranks each get their own; the same on
+        every tp / pp / cp rank: a loop of one's own calling the model directly under cp passes it `seq_shard`
+        of them)."""
+        dp, rank = self.mesh.size("data"), self.mesh.rank("data")
         if batch.shape[0] % dp:
             raise ValueError(f"global batch of {batch.shape[0]} rows does not split over dp={dp}")
         rows = batch.shape[0] // dp
@@ -565,6 +584,11 @@ class ParallelModel:
 
             params = {n: p for c in self.chunks for n, p in c.named_parameters(remove_duplicate=False)}
             state = unshard_state_dict(state, params, self.mesh.group("tp"))
+        if self.mesh.size("ep") > 1:
+            from meshlm.parallel.expert_parallel import unshard_experts
+
+            params = {n: p for c in self.chunks for n, p in c.named_parameters(remove_duplicate=False)}
+            state = unshard_experts(state, params, self.mesh.group("ep"))
         if self.pipeline is not None:
             parts: list[dict[str, torch.Tensor] | None] = [None] * self.mesh.size("pp")
             dist.all_gather_object(parts, state, group=self.mesh.group("pp"))

@@ -1,14 +1,17 @@
-"""The device mesh: named dimensions (pp outermost, dp, cp, tp innermost) over all ranks.
+"""The device mesh: named dimensions (pp outermost, dp, ep, cp, tp innermost) over all ranks.
 
 tp is innermost so a tensor-parallel group stays inside a node (fast links), pp outermost so pipeline
 neighbours may sit on different nodes (only point-to-point traffic), dp in between for scale. cp (context
 parallel: each rank holds part of every sequence) sits next to tp: its ring traffic is per layer, like tp's.
+ep (expert parallel: each rank holds a slice of every MoE layer's experts and gets rows of its own, like a
+dp rank) sits between dp and cp: its all-to-all traffic is per MoE layer, heavier than dp's once per step.
 
 Layouts and their checks need no torch (the planner and the config parser use them); `build_mesh` imports it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,7 +22,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-DIMS = ("pp", "dp", "cp", "tp")
+DIMS = ("pp", "dp", "ep", "cp", "tp")
 
 
 class LayoutError(InputError):
@@ -32,14 +35,20 @@ class Layout:
     dp: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
+        return self.pp * self.dp * self.ep * self.cp * self.tp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that get rows of their own: dp × ep (an ep rank is a data replica for the dense layers)."""
+        return self.dp * self.ep
 
     def __str__(self) -> str:
-        """cp is named only when used, so layouts without it read as before."""
-        return ",".join(f"{d}={getattr(self, d)}" for d in DIMS if d != "cp" or self.cp > 1)
+        """ep and cp are named only when used, so layouts without them read as before."""
+        return ",".join(f"{d}={getattr(self, d)}" for d in DIMS if d not in ("ep", "cp") or getattr(self, d) > 1)
 
 
 def parse_layout(text: str, world_size: int) -> Layout:
@@ -56,16 +65,16 @@ def parse_layout(text: str, world_size: int) -> Layout:
             raise LayoutError(f"parallel.layout: {name}={value!r} must be a positive integer")
         sizes[name] = int(value)
     if "dp" not in sizes:
-        rest = sizes.get("pp", 1) * sizes.get("cp", 1) * sizes.get("tp", 1)
+        rest = sizes.get("pp", 1) * sizes.get("ep", 1) * sizes.get("cp", 1) * sizes.get("tp", 1)
         if world_size % rest:
             raise LayoutError(
-                f"parallel.layout {text!r}: pp×cp×tp = {rest} does not divide the world size {world_size}"
+                f"parallel.layout {text!r}: pp×ep×cp×tp = {rest} does not divide the world size {world_size}"
             )
         sizes["dp"] = world_size // rest
     layout = Layout(**sizes)
     if layout.world_size != world_size:
         raise LayoutError(
-            f"parallel.layout {text!r}: pp×dp×cp×tp = {layout.world_size} but the world size is {world_size}"
+            f"parallel.layout {text!r}: pp×dp×ep×cp×tp = {layout.world_size} but the world size is {world_size}"
         )
     return layout
 
@@ -83,6 +92,7 @@ def validate_layout(
 ) -> int:
     """Check that the model and batch split evenly over the layout; return micro-batches per replica."""
     check_tensor_parallel(model, layout.tp, seq_len, sequence_parallel)
+    check_expert_parallel(model, layout)
     check_context_parallel(model, layout.cp, layout.tp, seq_len, cp_attention, sequence_parallel)
     return check_batch_and_schedule(layout, model.n_layers, global_batch, micro_batch, virtual_stages, schedule)
 
@@ -95,20 +105,23 @@ def check_batch_and_schedule(
     virtual_stages: int = 1,
     schedule: str = "1f1b",
 ) -> int:
-    """The model-independent half of the layout checks (any nn.Module): the batch splits over dp and
+    """The model-independent half of the layout checks (any nn.Module): the batch splits over dp × ep and
     micro-batches, the layers over pipeline chunks, and the schedule has enough micro-batches."""
-    pp, dp = layout.pp, layout.dp
+    pp, dp = layout.pp, layout.data_parallel
+    name = "dp×ep" if layout.ep > 1 else "dp"
     chunks = pp * virtual_stages
     if chunks > n_layers:
         raise LayoutError(f"pp×virtual_stages = {chunks} exceeds model.n_layers ({n_layers}); each chunk needs a layer")
     if virtual_stages > 1 and schedule != "interleaved":
         raise LayoutError(f"parallel.virtual_stages={virtual_stages} needs parallel.schedule = 'interleaved'")
     if global_batch % dp:
-        raise LayoutError(f"train.global_batch ({global_batch}) is not divisible by dp={dp}")
+        raise LayoutError(f"train.global_batch ({global_batch}) is not divisible by {name}={dp}")
     local = global_batch // dp
     micro = micro_batch or local
     if local % micro:
-        raise LayoutError(f"train.micro_batch ({micro}) must divide the per-replica batch global_batch/dp = {local}")
+        raise LayoutError(
+            f"train.micro_batch ({micro}) must divide the per-replica batch global_batch/{name} = {local}"
+        )
     n_micro = local // micro
     if pp > 1 and schedule in ("1f1b", "interleaved", "zb1") and n_micro < pp:
         raise LayoutError(
@@ -134,6 +147,21 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int, sequence_para
         )
     if sequence_parallel and seq_len % tp:
         raise LayoutError(f"data.seq_len ({seq_len}) is not divisible by tp={tp}, needed by parallel.sequence_parallel")
+
+
+def check_expert_parallel(cfg: ModelConfig, layout: Layout) -> None:
+    """Raise a one-line LayoutError if the experts do not split over ep, or ep meets what it does not compose
+    with yet (meshlm.parallel.expert_parallel). Needs no process group."""
+    ep = layout.ep
+    if ep == 1:
+        return
+    if not cfg.n_experts:
+        raise LayoutError(f"parallel.layout ep={ep} needs a mixture-of-experts model (model.n_experts > 0)")
+    if cfg.n_experts % ep:
+        raise LayoutError(f"model.n_experts ({cfg.n_experts}) is not divisible by ep={ep}")
+    for dim in ("tp", "pp", "cp"):
+        if getattr(layout, dim) > 1:
+            raise LayoutError(f"parallel.layout: ep={ep} with {dim}={getattr(layout, dim)} is not supported yet")
 
 
 def check_context_parallel(
@@ -163,29 +191,39 @@ def check_context_parallel(
 
 @dataclass
 class Mesh:
-    """The layout plus this rank's process groups, one per named dimension."""
+    """The layout plus this rank's process groups, one per named dimension, and flattened ones:
+    "dp_cp"     the ranks that hold the same expert shard (the expert-data-parallel group): dp × cp;
+    "replicas"  the ranks that hold the same dense weights and average their gradients: dp × ep × cp;
+    "data"      the ranks that get rows of their own: dp × ep.
+    Without ep the first two are the same ranks; without ep and cp all three are dp."""
 
     layout: Layout
     device_mesh: DeviceMesh
-    dp_cp: DeviceMesh | None = None  # dp and cp flattened, under context parallel (see build_mesh)
+    flat: dict[str, DeviceMesh] = dataclasses.field(default_factory=dict)  # the flattened groups, where not dp
 
     def group(self, dim: str) -> dist.ProcessGroup:
-        """A named dimension's group, or "dp_cp": the ranks that hold the same weights (dp without cp)."""
-        if dim == "dp_cp":
-            return self.dp_cp.get_group() if self.dp_cp is not None else self.device_mesh["dp"].get_group()
+        """A named dimension's group, or one of the flattened groups (see the class docstring)."""
+        if dim in ("dp_cp", "replicas", "data"):
+            return (self.flat.get(dim) or self.device_mesh["dp"]).get_group()
         return self.device_mesh[dim].get_group()
 
     def rank(self, dim: str) -> int:
+        if dim == "data":  # dp-major: the rows of ep rank e of dp rank d follow those of (d, e - 1)
+            return self.rank("dp") * self.layout.ep + self.rank("ep")
         return self.device_mesh[dim].get_local_rank()
 
     def size(self, dim: str) -> int:
+        if dim == "data":
+            return self.layout.data_parallel
         return getattr(self.layout, dim)
 
 
 def build_mesh(layout: Layout, device_type: str) -> Mesh:
-    """Create the (pp, dp, cp, tp) DeviceMesh over the already-initialised default process group. Under
+    """Create the (pp, dp, ep, cp, tp) DeviceMesh over the already-initialised default process group. Under
     cp the dp and cp dimensions are also flattened into "dp_cp": cp ranks hold the same weights and their
-    gradients are partial sums over their tokens, so they reduce gradients (and shard ZeRO state) with dp."""
+    gradients are partial sums over their tokens, so they reduce gradients (and shard ZeRO state) with dp.
+    Under ep, "replicas" (dp × ep × cp) reduces the dense weights' gradients and "data" (dp × ep) splits the
+    batch; the experts' gradients stay on "dp_cp"."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -193,5 +231,12 @@ def build_mesh(layout: Layout, device_type: str) -> Mesh:
         raise LayoutError(f"layout {layout} needs {layout.world_size} ranks, the world has {dist.get_world_size()}")
     shape = tuple(getattr(layout, d) for d in DIMS)
     device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
-    dp_cp = device_mesh["dp", "cp"]._flatten("dp_cp") if layout.cp > 1 else None
-    return Mesh(layout, device_mesh, dp_cp)
+    flat = {}
+    if layout.cp > 1:
+        flat["dp_cp"] = device_mesh["dp", "cp"]._flatten("dp_cp")
+    if layout.ep > 1:
+        flat["data"] = device_mesh["dp", "ep"]._flatten("data")
+        flat["replicas"] = device_mesh["dp", "ep", "cp"]._flatten("replicas") if layout.cp > 1 else flat["data"]
+    elif layout.cp > 1:
+        flat["replicas"] = flat["dp_cp"]
+    return Mesh(layout, device_mesh, flat)

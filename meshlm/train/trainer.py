@@ -302,7 +302,7 @@ class Trainer:
             on_shard_written=lambda step: fault_point("save", self.rank, step), say=self.say,
             record=lambda step, outcome: self.log(step, "checkpoint", **outcome),
         )  # fmt: skip
-        self.dp_rank, self.dp = self.mesh.rank("dp"), layout.dp
+        self.dp_rank, self.dp = self.mesh.rank("data"), layout.data_parallel  # ep ranks get rows of their own
 
         self.result = TrainResult(run_dir=self.run_dir)
         if init_from and init_source is None:

@@ -1,0 +1,152 @@
+"""Expert parallelism: each ep rank holds E/ep of every MoE layer's experts; tokens travel to them by all-to-all.
+
+Rank r of the `ep` group keeps experts [r·E/ep, (r+1)·E/ep) of each stacked expert weight (dim 0 of
+gate_proj, up_proj, down_proj) and gets rows of its own, like a dp rank; the router, attention and every
+other weight stay whole. An MoE layer's dispatch (meshlm.model.moe.combine) sorts this rank's (token, slot)
+rows by expert and hands them to the experts with the rows per expert; `ShardedExperts` then
+
+    1. exchanges the row counts (all_to_all_single of E integers: what every rank sends to each of mine),
+    2. sends each rank the rows of its experts (all_to_all_single with those split sizes),
+    3. reorders what it received from (source rank, local expert) to (local expert, source rank), runs its
+       local experts over their contiguous rows, and puts the outputs back in the received order,
+    4. sends every row back to where it came from (the reverse all_to_all_single: the combine),
+
+so the rows come back in exactly the order they left, and `combine` sums them over the k slots as in one
+process. Backward runs the same exchanges in reverse (`AllToAll`). Each rank's expert gradients are sums over
+the tokens of every ep rank; data parallel reduces them over the ranks that hold the same experts (dp × cp,
+mesh group "dp_cp"), the dense gradients over all data replicas (dp × ep × cp), and divides both by dp × ep
+× cp, the number of per-replica loss terms (meshlm.parallel.data_parallel).
+
+Each sharded weight carries an `EPShard` placement (a TPShard along dim 0 under its own attribute, so tensor
+parallelism's readers never mistake it for theirs): checkpoints write it as a box of the full stacked
+tensor, so a checkpoint saved at one ep size loads at any other (meshlm.checkpoint.state).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshlm.model.moe import GroupedExperts, MoE
+from meshlm.observe.timers import comm
+from meshlm.parallel.plan import PlanError
+from meshlm.parallel.tp_shard import TPShard
+
+ATTR = "_meshlm_ep_shard"
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def ep_shard(param: nn.Parameter) -> TPShard | None:
+    """The parameter's expert-parallel placement (along dim 0: this rank's experts); None when not sharded
+    over ep."""
+    return getattr(param, ATTR, None)
+
+
+def is_expert_param(param: nn.Parameter) -> bool:
+    return ep_shard(param) is not None
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with uneven splits; backward sends the gradients back the same way reversed."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor):
+        return _exchange(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    with comm("all_to_all"):
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def expert_major_order(received: torch.Tensor) -> torch.Tensor:
+    """`received[s, l]` rows came from rank s for local expert l, laid out source-major; the permutation that
+    lists them expert-major (by local expert, then source rank), as the experts' contiguous rows."""
+    lengths = received.t().reshape(-1)  # blocks in (l, s) order
+    starts = (received.reshape(-1).cumsum(0) - received.reshape(-1)).view_as(received).t().reshape(-1)
+    block_starts = lengths.cumsum(0) - lengths
+    total = int(lengths.sum())
+    within = torch.arange(total, device=received.device) - block_starts.repeat_interleave(lengths, output_size=total)
+    return starts.repeat_interleave(lengths, output_size=total) + within
+
+
+class ShardedExperts(GroupedExperts):
+    """This ep rank's experts of one MoE layer, reached by all-to-all from every rank's dispatch. Same
+    parameter names as GroupedExperts (gate_proj, up_proj, down_proj), holding E/ep experts each."""
+
+    def __init__(self, full: GroupedExperts, group: dist.ProcessGroup) -> None:
+        nn.Module.__init__(self)
+        self.group = group
+        self.ep, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.n_experts = full.gate_proj.shape[0]
+        self.n_local = self.n_experts // self.ep
+        self.use_grouped_mm = full.use_grouped_mm
+        start = rank * self.n_local
+        for name in EXPERT_WEIGHTS:
+            weight = getattr(full, name)
+            local = nn.Parameter(weight.detach()[start : start + self.n_local].clone(), weight.requires_grad)
+            setattr(local, ATTR, TPShard(0, ((start, self.n_local),)))
+            setattr(self, name, local)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`x` (rows, dim) sorted by global expert, `counts[e]` rows for expert e; returns their outputs, in
+        the same order, computed by the ranks that hold the experts."""
+        sent = counts.view(self.ep, self.n_local).contiguous()  # sent[r, l]: my rows for rank r's expert l
+        received = torch.empty_like(sent)
+        with comm("all_to_all"):
+            dist.all_to_all_single(received, sent, group=self.group)
+        send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
+        rows = AllToAll.apply(x, recv_splits, send_splits, self.group)
+        order = expert_major_order(received)
+        y = super().forward(rows[order], received.sum(0))
+        return AllToAll.apply(self.restore(y, order), send_splits, recv_splits, self.group)
+
+    @staticmethod
+    def restore(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs (expert-major) back in the received (source-major) order."""
+        out = torch.empty_like(y)
+        out[order] = y  # a permutation: deterministic
+        return out
+
+
+def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> int:
+    """Shard every MoE layer's experts of `model` over `group` (in place); return the number of MoE layers."""
+    ep = dist.get_world_size(group)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise PlanError(f"ep={ep}: the model has no mixture-of-experts layers (meshlm.model.moe.MoE) to shard")
+    for moe in layers:
+        if moe.n_experts % ep:
+            raise PlanError(f"model.n_experts ({moe.n_experts}) is not divisible by ep={ep}")
+        if any(p.is_meta for p in moe.experts.parameters()):
+            raise PlanError(f"ep={ep}: build the model on a real device; meta-built models are not sharded over ep yet")
+        moe.experts = ShardedExperts(moe.experts, group)
+    return len(layers)
+
+
+@torch.no_grad()
+def unshard_experts(
+    state: dict[str, torch.Tensor], params: dict[str, nn.Parameter], group: dist.ProcessGroup
+) -> dict[str, torch.Tensor]:
+    """Full stacked expert weights from every ep rank's slice (all-gathered along dim 0), on every rank."""
+    out = dict(state)
+    for name in sorted(state):
+        if name in params and is_expert_param(params[name]):
+            parts = [torch.empty_like(state[name]) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, state[name].contiguous(), group=group)
+            out[name] = torch.cat(parts)
+    return out

@@ -1,0 +1,192 @@
+"""Expert parallelism (meshlm.parallel.expert_parallel): the `ep` mesh dimension, all-to-all dispatch and
+combine, per-parameter gradient reduction groups, checkpoints that reshard across ep sizes, and bad input."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from distributed import run_shared
+from equivalence import (
+    assert_close_runs,
+    assert_identical_weights,
+    criterion_failures,
+    reference,
+    tail,
+    train_layout,
+)
+from test_moe import MOE_MODEL
+
+from meshlm.model import preset
+from meshlm.parallel.mesh import Layout, LayoutError, parse_layout, validate_layout
+
+SAVED_AT = 5  # the ep=2 checkpoint's step; resumed at ep=1 and ep=4 for the remaining steps
+
+
+# ---- layouts and bad input ---------------------------------------------------------------------------------------
+def test_layouts_with_ep() -> None:
+    assert parse_layout("ep=2", 2) == Layout(ep=2)
+    assert parse_layout("dp=2,ep=2", 4) == Layout(dp=2, ep=2)
+    assert parse_layout("ep=2", 8) == Layout(dp=4, ep=2)  # dp takes what the world leaves
+    assert str(Layout(dp=2, ep=2)) == "pp=1,dp=2,ep=2,tp=1" and str(Layout(dp=2)) == "pp=1,dp=2,tp=1"
+    assert Layout(dp=2, ep=2).data_parallel == 4  # the global batch splits over dp × ep
+    assert validate_layout(Layout(dp=2, ep=2), MOE_MODEL, global_batch=8, micro_batch=1) == 2
+
+
+@pytest.mark.parametrize(
+    ("layout", "world", "model", "batch", "message"),
+    [
+        ("ep=3", 3, MOE_MODEL, 6, "model.n_experts (4) is not divisible by ep=3"),
+        ("ep=2", 2, preset("test"), 8, "parallel.layout ep=2 needs a mixture-of-experts model (model.n_experts > 0)"),
+        ("dp=2,ep=2", 8, MOE_MODEL, 8, "pp×dp×ep×cp×tp = 4 but the world size is 8"),
+        ("ep=4", 6, MOE_MODEL, 8, "pp×ep×cp×tp = 4 does not divide the world size 6"),
+        ("ep=2,tp=2", 4, MOE_MODEL, 8, "ep=2 with tp=2 is not supported yet"),
+        ("ep=2,pp=2", 4, MOE_MODEL, 8, "ep=2 with pp=2 is not supported yet"),
+        ("ep=2,cp=2", 4, MOE_MODEL, 8, "ep=2 with cp=2 is not supported yet"),
+        ("dp=2,ep=2", 4, MOE_MODEL, 6, "train.global_batch (6) is not divisible by dp×ep=4"),
+    ],
+)
+def test_bad_ep_layouts_are_one_line(layout: str, world: int, model: object, batch: int, message: str) -> None:
+    with pytest.raises(LayoutError) as e:
+        validate_layout(parse_layout(layout, world), model, global_batch=batch, seq_len=32)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_top_k_above_the_experts_is_one_line() -> None:
+    with pytest.raises(ValueError, match=r"^model.top_k must be between 1 and model.n_experts \(4\), got 5$"):
+        MOE_MODEL.replace(top_k=5)
+
+
+def test_received_rows_are_put_in_expert_major_order() -> None:
+    """Rows received from 2 ranks for 2 local experts: source 0 sent 1 row for expert 0 and 2 for expert 1,
+    source 1 sent 3 and 0. Expert 0's rows (sources 0 then 1) come first, then expert 1's."""
+    from meshlm.parallel.expert_parallel import expert_major_order
+
+    order = expert_major_order(torch.tensor([[1, 2], [3, 0]]))
+    assert order.tolist() == [0, 3, 4, 5, 1, 2]
+
+
+# ---- training like one process -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def combined_in_expert_order() -> Iterator[list]:
+    """The bug: the experts' outputs go back in the order the experts ran them (expert-major), not in the order
+    the rows arrived (source-major), so tokens get other tokens' outputs."""
+    from meshlm.parallel.expert_parallel import ShardedExperts
+
+    fired: list = []
+    original = ShardedExperts.restore
+
+    def unrestored(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        fired.append(1)
+        return y
+
+    ShardedExperts.restore = staticmethod(unrestored)
+    try:
+        yield fired
+    finally:
+        ShardedExperts.restore = staticmethod(original)
+
+
+@contextlib.contextmanager
+def expert_grads_over_all_replicas() -> Iterator[list]:
+    """The bug: expert shards are bucketed with the dense weights, so their gradients are reduced over every
+    data replica (dp × ep), summing different experts' gradients."""
+    from meshlm.parallel import data_parallel
+
+    fired: list = []
+    original = data_parallel.is_expert_param
+
+    def never(param: torch.nn.Parameter) -> bool:
+        fired.append(original(param))
+        return False
+
+    data_parallel.is_expert_param = never
+    try:
+        yield fired
+    finally:
+        data_parallel.is_expert_param = original
+
+
+RUNS2 = {  # name -> (layout, parallel, train_layout kwargs), on 2 ranks
+    "ep2": ("ep=2", {}, {}),
+    "ep2 zero1 accumulation": ("ep=2", {"zero": 1}, {"micro_batch": 2}),
+    "ep2 zero2 sgd": ("ep=2", {"zero": 2}, {"optimizer": "sgd"}),
+}
+RUNS4 = {"dp2 ep2 zero1": ("dp=2,ep=2", {"zero": 1}, {}), "dp2 ep2 sgd": ("dp=2,ep=2", {}, {"optimizer": "sgd"})}
+
+
+def world2_job(checkpoint_dir: str) -> dict:
+    out = {"saved": train_layout("ep=2", {"zero": 1}, model_cfg=MOE_MODEL, stop=SAVED_AT, save_to=checkpoint_dir)}
+    for name, (layout, parallel, kwargs) in RUNS2.items():
+        out[name] = train_layout(layout, parallel, **{"model_cfg": MOE_MODEL, **kwargs})
+    for bug, mutation in (("wrong order", combined_in_expert_order), ("all replicas", expert_grads_over_all_replicas)):
+        with mutation() as fired:
+            out[bug] = train_layout("ep=2", {}, model_cfg=MOE_MODEL)
+        out[bug]["fired"] = sum(fired)
+    return out
+
+
+def world4_job(checkpoint_dir: str) -> dict:
+    out = {name: train_layout(lay, par, **{"model_cfg": MOE_MODEL, **kw}) for name, (lay, par, kw) in RUNS4.items()}
+    out["resumed ep4"] = train_layout("ep=4", {}, model_cfg=MOE_MODEL, start=SAVED_AT, resume_from=checkpoint_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("ep-checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def world2(checkpoint_dir: str) -> dict:
+    return run_shared(world2_job, 2, checkpoint_dir, timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def world4(world2: dict, checkpoint_dir: str) -> dict:  # after world2: it resumes world2's checkpoint
+    return run_shared(world4_job, 4, checkpoint_dir, timeout=900)[0]
+
+
+def _reference(kwargs: dict) -> dict:
+    args = {"model_cfg": MOE_MODEL, **{k: v for k, v in kwargs.items() if k != "micro_batch"}}
+    return reference(**args)
+
+
+@pytest.mark.slow  # five 10-step runs of a 4-expert model on two ranks: ~40 s on 2 cores
+@pytest.mark.parametrize("name", list(RUNS2))
+def test_ep2_trains_like_one_process(world2: dict, name: str) -> None:
+    assert_close_runs(_reference(RUNS2[name][2]), world2[name])
+
+
+@pytest.mark.slow  # two 10-step runs and a 5-step resume on four ranks: ~60 s on 2 cores
+@pytest.mark.parametrize("name", list(RUNS4))
+def test_dp2_ep2_trains_like_one_process(world4: dict, name: str) -> None:
+    assert_close_runs(_reference(RUNS4[name][2]), world4[name])
+
+
+@pytest.mark.slow  # shares the world2 fixture
+@pytest.mark.parametrize("bug", ["wrong order", "all replicas"])
+def test_ep_bugs_fail_the_loss_criterion(world2: dict, bug: str) -> None:
+    """Tokens combined in the wrong order, and expert gradients reduced over all data replicas, change the
+    loss curve (`fired` counts expert shards / combines the bug touched)."""
+    got = world2[bug]
+    assert got["fired"]
+    assert "losses" in criterion_failures(_reference({}), got)
+
+
+@pytest.mark.slow  # shares the world2 fixture, plus a 5-step run in one process
+def test_ep2_checkpoint_resumes_in_one_process(world2: dict, checkpoint_dir: str) -> None:
+    """Saved at ep=2 ZeRO-1 (each rank's experts as boxes of the full stacked tensors), resumed at ep=1: the
+    weights load bit for bit and the remaining steps continue the one-process curve."""
+    resumed = train_layout("", model_cfg=MOE_MODEL, start=SAVED_AT, resume_from=checkpoint_dir)
+    assert_identical_weights(world2["saved"]["state"], resumed["resumed_state"])
+    assert_close_runs(tail(_reference({}), SAVED_AT), resumed)
+
+
+@pytest.mark.slow  # shares the world4 fixture
+def test_ep2_checkpoint_resumes_at_ep4(world2: dict, world4: dict) -> None:
+    resumed = world4["resumed ep4"]
+    assert_identical_weights(world2["saved"]["state"], resumed["resumed_state"])
+    assert_close_runs(tail(_reference({}), SAVED_AT), resumed)
