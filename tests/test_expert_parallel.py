@@ -113,8 +113,14 @@ RUNS2 = {  # name -> (layout, parallel, train_layout kwargs), on 2 ranks
     "ep2": ("ep=2", {}, {}),
     "ep2 zero1 accumulation": ("ep=2", {"zero": 1}, {"micro_batch": 2}),
     "ep2 zero2 sgd": ("ep=2", {"zero": 2}, {"optimizer": "sgd"}),
+    "ep2 zero3": ("ep=2", {"zero": 3}, {}),
 }
-RUNS4 = {"dp2 ep2 zero1": ("dp=2,ep=2", {"zero": 1}, {}), "dp2 ep2 sgd": ("dp=2,ep=2", {}, {"optimizer": "sgd"})}
+RUNS4 = {
+    "dp2 ep2 zero1": ("dp=2,ep=2", {"zero": 1}, {}),
+    "dp2 ep2 sgd": ("dp=2,ep=2", {}, {"optimizer": "sgd"}),
+    "dp2 ep2 zero3": ("dp=2,ep=2", {"zero": 3}, {}),
+    "dp2 ep2 zero3 sgd": ("dp=2,ep=2", {"zero": 3}, {"optimizer": "sgd"}),
+}
 
 
 def world2_job(checkpoint_dir: str) -> dict:
@@ -154,13 +160,13 @@ def _reference(kwargs: dict) -> dict:
     return reference(**args)
 
 
-@pytest.mark.slow  # five 10-step runs of a 4-expert model on two ranks: ~40 s on 2 cores
+@pytest.mark.slow  # six 10-step runs of a 4-expert model on two ranks: ~40 s on 2 cores
 @pytest.mark.parametrize("name", list(RUNS2))
 def test_ep2_trains_like_one_process(world2: dict, name: str) -> None:
     assert_close_runs(_reference(RUNS2[name][2]), world2[name])
 
 
-@pytest.mark.slow  # two 10-step runs and a 5-step resume on four ranks: ~60 s on 2 cores
+@pytest.mark.slow  # four 10-step runs and a 5-step resume on four ranks: ~60 s on 2 cores
 @pytest.mark.parametrize("name", list(RUNS4))
 def test_dp2_ep2_trains_like_one_process(world4: dict, name: str) -> None:
     assert_close_runs(_reference(RUNS4[name][2]), world4[name])

@@ -178,8 +178,8 @@ class DataParallel:
         self.stage = zero
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
-        if expert_group is not None and (zero == 3 or shard_group_size is not None):
-            raise ValueError("expert parallelism supports parallel.zero 0-2 without parallel.zero_shard_size")
+        if expert_group is not None and shard_group_size is not None:
+            raise ValueError("expert parallelism does not compose with hybrid sharding (parallel.zero_shard_size)")
         self.dp_size = dist.get_world_size(group)  # the data replicas: every gradient is divided by their count
         self.dense = ReduceGroups.build(group, zero, shard_group_size)
         self.expert = ReduceGroups.build(expert_group, zero, None) if expert_group is not None else None
@@ -255,7 +255,13 @@ class DataParallel:
             mine = list(mine.values())
             if mine:
                 trainable = [p for p in mine if p.requires_grad]
-                buffers = [self._make_buffer(kind) for kind in split_by_kind(trainable)]
+                if any(is_expert_param(p) and not p.requires_grad for p in mine):
+                    raise ValueError("frozen expert shards under expert parallelism and ZeRO-3 are not supported")
+                buffers = [
+                    self._make_buffer(kind) for kind in split_by_kind([p for p in trainable if not is_expert_param(p)])
+                ]
+                experts = [p for p in trainable if is_expert_param(p)]
+                buffers += [self._make_buffer(kind, self.expert) for kind in split_by_kind(experts)]
                 n_trainable = len(buffers)
                 for dtype in dict.fromkeys(p.dtype for p in mine if not p.requires_grad):
                     buf = FlatBuffer(
@@ -264,7 +270,8 @@ class DataParallel:
                     )  # fmt: skip
                     self.frozen_buffers.append(buf)
                     buffers.append(buf)
-                unit = Unit(modules, buffers, self.shard_group, trainable=n_trainable)
+                groups = [self.groups(buf).shard for buf in buffers]
+                unit = Unit(modules, buffers, self.shard_group, trainable=n_trainable, buffer_groups=groups)
                 unit_of_param.update({id(p): unit for p in mine})
                 units.append(unit)
         Zero3Hooks(units, unit_of_param)  # registers itself on the units' modules

@@ -174,11 +174,8 @@ class ParallelModel:
             for dim in ("tp", "pp", "cp"):
                 if mesh.size(dim) > 1:
                     raise PlanError(f"ep={layout.ep} with {dim}={mesh.size(dim)} is not supported yet")
-            if parallel.zero == 3 or parallel.zero_shard_size is not None:
-                raise PlanError(
-                    f"ep={layout.ep} supports parallel.zero 0-2 without parallel.zero_shard_size "
-                    f"(got zero={parallel.zero}, zero_shard_size={parallel.zero_shard_size})"
-                )
+            if parallel.zero_shard_size is not None:
+                raise PlanError(f"ep={layout.ep} does not compose with hybrid sharding (parallel.zero_shard_size) yet")
             if meta_init is not None:
                 raise PlanError(f"ep={layout.ep}: build the model on a real device; meta models are not sharded yet")
             apply_expert_parallel(model, mesh.group("ep"))

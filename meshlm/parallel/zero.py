@@ -196,11 +196,14 @@ class Unit:
         buffers: list[FlatBuffer],
         group: dist.ProcessGroup | None,
         trainable: int | None = None,
+        buffer_groups: list[dist.ProcessGroup | None] | None = None,
     ) -> None:
         self.modules = modules
         self.buffers = buffers
         self.trainable = len(buffers) if trainable is None else trainable  # buffers whose gradients end backward
         self.group = group
+        # each buffer's shard group (expert shards: their own, under expert parallelism); `group` by default
+        self.buffer_groups = buffer_groups or [group] * len(buffers)
         self.gathered = False
         self.in_backward = False
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
@@ -209,7 +212,9 @@ class Unit:
     def unshard(self) -> None:
         """Start gathering the full weights if they are not there yet (returns at once: prefetch)."""
         if not self.gathered:
-            self.pending = [buf.start_gather(self.group) for buf in self.buffers]
+            self.pending = [
+                buf.start_gather(group) for buf, group in zip(self.buffers, self.buffer_groups, strict=True)
+            ]
             self.gathered = True
 
     def wait(self) -> None:
