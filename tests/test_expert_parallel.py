@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_shared
 from equivalence import (
     assert_close_runs,
@@ -19,8 +20,10 @@ from equivalence import (
 )
 from test_moe import MOE_MODEL
 
-from meshlm.model import preset
-from meshlm.parallel.mesh import Layout, LayoutError, parse_layout, validate_layout
+from meshlm.config import ParallelSection
+from meshlm.model import Transformer, preset
+from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout, validate_layout
 
 SAVED_AT = 5  # the ep=2 checkpoint's step; resumed at ep=1 and ep=4 for the remaining steps
 
@@ -123,8 +126,19 @@ RUNS4 = {
 }
 
 
+def meta_built(layout: str, zero: int) -> dict[str, torch.Tensor]:
+    """The full weights of a meta-built MoE model right after set-up under `layout` (each rank fills only its
+    experts, by their ep placement)."""
+    torch.manual_seed(11)
+    with torch.device("meta"):
+        model = Transformer(MOE_MODEL)
+    mesh = build_mesh(parse_layout(layout, dist.get_world_size()), "cpu")
+    return ParallelModel(model, mesh, ParallelSection(layout=layout, zero=zero), 1).full_state_dict()
+
+
 def world2_job(checkpoint_dir: str) -> dict:
-    out = {"saved": train_layout("ep=2", {"zero": 1}, model_cfg=MOE_MODEL, stop=SAVED_AT, save_to=checkpoint_dir)}
+    out = {"meta ep2 zero0": meta_built("ep=2", 0), "meta ep2 zero3": meta_built("ep=2", 3)}
+    out |= {"saved": train_layout("ep=2", {"zero": 1}, model_cfg=MOE_MODEL, stop=SAVED_AT, save_to=checkpoint_dir)}
     for name, (layout, parallel, kwargs) in RUNS2.items():
         out[name] = train_layout(layout, parallel, **{"model_cfg": MOE_MODEL, **kwargs})
     for bug, mutation in (("wrong order", combined_in_expert_order), ("all replicas", expert_grads_over_all_replicas)):
@@ -136,6 +150,7 @@ def world2_job(checkpoint_dir: str) -> dict:
 
 def world4_job(checkpoint_dir: str) -> dict:
     out = {name: train_layout(lay, par, **{"model_cfg": MOE_MODEL, **kw}) for name, (lay, par, kw) in RUNS4.items()}
+    out["meta dp2 ep2 zero1"] = meta_built("dp=2,ep=2", 1)
     out["resumed ep4"] = train_layout("ep=4", {}, model_cfg=MOE_MODEL, start=SAVED_AT, resume_from=checkpoint_dir)
     return out
 
@@ -170,6 +185,17 @@ def test_ep2_trains_like_one_process(world2: dict, name: str) -> None:
 @pytest.mark.parametrize("name", list(RUNS4))
 def test_dp2_ep2_trains_like_one_process(world4: dict, name: str) -> None:
     assert_close_runs(_reference(RUNS4[name][2]), world4[name])
+
+
+@pytest.mark.slow  # shares the fixtures above
+@pytest.mark.parametrize("name", ["meta ep2 zero0", "meta ep2 zero3", "meta dp2 ep2 zero1"])
+def test_meta_built_model_starts_bit_identical_to_one_process(world2: dict, world4: dict, name: str) -> None:
+    torch.manual_seed(11)
+    want = Transformer(MOE_MODEL).state_dict()
+    got = {**world2, **world4}[name]
+    assert got.keys() == want.keys()
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key
 
 
 @pytest.mark.slow  # shares the world2 fixture

@@ -176,8 +176,6 @@ class ParallelModel:
                     raise PlanError(f"ep={layout.ep} with {dim}={mesh.size(dim)} is not supported yet")
             if parallel.zero_shard_size is not None:
                 raise PlanError(f"ep={layout.ep} does not compose with hybrid sharding (parallel.zero_shard_size) yet")
-            if meta_init is not None:
-                raise PlanError(f"ep={layout.ep}: build the model on a real device; meta models are not sharded yet")
             apply_expert_parallel(model, mesh.group("ep"))
 
         self.pipeline = None

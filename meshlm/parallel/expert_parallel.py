@@ -132,8 +132,6 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> int:
     for moe in layers:
         if moe.n_experts % ep:
             raise PlanError(f"model.n_experts ({moe.n_experts}) is not divisible by ep={ep}")
-        if any(p.is_meta for p in moe.experts.parameters()):
-            raise PlanError(f"ep={ep}: build the model on a real device; meta-built models are not sharded over ep yet")
         moe.experts = ShardedExperts(moe.experts, group)
     return len(layers)
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from meshlm.errors import InputError
 from meshlm.model.init import InitRule, block_seed, fill_
+from meshlm.parallel.expert_parallel import ep_shard
 from meshlm.parallel.tp_shard import TPShard, tp_shard
 from meshlm.ties import tied_aliases
 
@@ -101,7 +102,7 @@ class MetaInit:
         shard) into `out`; `name` defaults to the placeholder's."""
         name = self.pending[id(param)] if name is None else name
         name = self.aliases.get(name, name)
-        shard = tp_shard(param)
+        shard = tp_shard(param) or ep_shard(param)  # an expert-parallel slice of stacked experts: along dim 0
         if self.source is not None or self.rules is not None:
             for tp_slice, shape, first, part in _flat_runs(shard, param.shape, start, out):
                 if self.source is not None:
