@@ -213,7 +213,9 @@ class LoraSection(Section):
 class ParallelSection(Section):
     layout: str = Field(
         "",
-        description="e.g. 'dp=4' or 'pp=2,dp=2,tp=2'; empty = all ranks data parallel; 'auto' = planner's pick",
+        description=(
+            "e.g. 'dp=4', 'pp=2,dp=2,tp=2' or 'dp=2,ep=2'; empty = all ranks data parallel; 'auto' = planner's pick"
+        ),
     )
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + grads, 3 + params")
     zero_shard_size: int | None = Field(
