@@ -68,15 +68,22 @@ def parse_layout(text: str, world_size: int) -> Layout:
         rest = sizes.get("pp", 1) * sizes.get("ep", 1) * sizes.get("cp", 1) * sizes.get("tp", 1)
         if world_size % rest:
             raise LayoutError(
-                f"parallel.layout {text!r}: pp×ep×cp×tp = {rest} does not divide the world size {world_size}"
+                f"parallel.layout {text!r}: {product(sizes, 'pp', 'ep', 'cp', 'tp')} = {rest} does not divide "
+                f"the world size {world_size}"
             )
         sizes["dp"] = world_size // rest
     layout = Layout(**sizes)
     if layout.world_size != world_size:
         raise LayoutError(
-            f"parallel.layout {text!r}: pp×dp×ep×cp×tp = {layout.world_size} but the world size is {world_size}"
+            f"parallel.layout {text!r}: {product(sizes, *DIMS)} = {layout.world_size} but the world size is "
+            f"{world_size}"
         )
     return layout
+
+
+def product(sizes: dict[str, int], *dims: str) -> str:
+    """'pp×cp×tp' for the dims of a layout's product; ep is named only when the layout gives it."""
+    return "×".join(d for d in dims if d != "ep" or d in sizes)
 
 
 def validate_layout(
