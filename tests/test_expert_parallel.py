@@ -112,6 +112,26 @@ def expert_grads_over_all_replicas() -> Iterator[list]:
         data_parallel.is_expert_param = original
 
 
+@contextlib.contextmanager
+def norm_counts_rank0_only() -> Iterator[list]:
+    """The bug: one primary replica for every buffer (global rank 0, as before per-buffer groups), so the
+    gradient norm misses the expert shards the other ep ranks hold."""
+    from meshlm.parallel.data_parallel import ReduceGroups
+
+    fired: list = []
+    original = ReduceGroups.primary
+
+    def rank0(self: ReduceGroups) -> bool:
+        fired.append(1)
+        return dist.get_rank() == 0
+
+    ReduceGroups.primary = property(rank0)
+    try:
+        yield fired
+    finally:
+        ReduceGroups.primary = original
+
+
 RUNS2 = {  # name -> (layout, parallel, train_layout kwargs), on 2 ranks
     "ep2": ("ep=2", {}, {}),
     "ep2 zero1 accumulation": ("ep=2", {"zero": 1}, {"micro_batch": 2}),
@@ -141,7 +161,12 @@ def world2_job(checkpoint_dir: str) -> dict:
     out |= {"saved": train_layout("ep=2", {"zero": 1}, model_cfg=MOE_MODEL, stop=SAVED_AT, save_to=checkpoint_dir)}
     for name, (layout, parallel, kwargs) in RUNS2.items():
         out[name] = train_layout(layout, parallel, **{"model_cfg": MOE_MODEL, **kwargs})
-    for bug, mutation in (("wrong order", combined_in_expert_order), ("all replicas", expert_grads_over_all_replicas)):
+    mutations = {
+        "wrong order": combined_in_expert_order,
+        "all replicas": expert_grads_over_all_replicas,
+        "norm on rank 0": norm_counts_rank0_only,
+    }
+    for bug, mutation in mutations.items():
         with mutation() as fired:
             out[bug] = train_layout("ep=2", {}, model_cfg=MOE_MODEL)
         out[bug]["fired"] = sum(fired)
@@ -175,7 +200,7 @@ def _reference(kwargs: dict) -> dict:
     return reference(**args)
 
 
-@pytest.mark.slow  # six 10-step runs of a 4-expert model on two ranks: ~40 s on 2 cores
+@pytest.mark.slow  # nine 10-step runs of a 4-expert model on two ranks: ~40 s on 2 cores
 @pytest.mark.parametrize("name", list(RUNS2))
 def test_ep2_trains_like_one_process(world2: dict, name: str) -> None:
     assert_close_runs(_reference(RUNS2[name][2]), world2[name])
@@ -199,10 +224,11 @@ def test_meta_built_model_starts_bit_identical_to_one_process(world2: dict, worl
 
 
 @pytest.mark.slow  # shares the world2 fixture
-@pytest.mark.parametrize("bug", ["wrong order", "all replicas"])
+@pytest.mark.parametrize("bug", ["wrong order", "all replicas", "norm on rank 0"])
 def test_ep_bugs_fail_the_loss_criterion(world2: dict, bug: str) -> None:
-    """Tokens combined in the wrong order, and expert gradients reduced over all data replicas, change the
-    loss curve (`fired` counts expert shards / combines the bug touched)."""
+    """Tokens combined in the wrong order, expert gradients reduced over all data replicas, and a gradient
+    norm that counts expert shards on one ep rank only change the loss curve or the norms (`fired` counts
+    the calls of the bug on this rank)."""
     got = world2[bug]
     assert got["fired"]
     assert "losses" in criterion_failures(_reference({}), got)

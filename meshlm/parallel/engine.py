@@ -25,7 +25,7 @@ from torch import nn
 
 from meshlm.config import ParallelSection
 from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
-from meshlm.model.moe import set_aux_loss_scale
+from meshlm.model.moe import MoE, set_aux_loss_scale
 from meshlm.observe.timers import comm
 from meshlm.parallel.data_parallel import ShardedTensor, squared_norm_sum
 from meshlm.parallel.fused_loss import HeadOutput, apply_fused_loss, fused_cross_entropy_sum
@@ -176,6 +176,9 @@ class ParallelModel:
                     raise PlanError(f"ep={layout.ep} with {dim}={mesh.size(dim)} is not supported yet")
             if parallel.zero_shard_size is not None:
                 raise PlanError(f"ep={layout.ep} does not compose with hybrid sharding (parallel.zero_shard_size) yet")
+            experts = [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
+            if parallel.zero == 3 and any(not p.requires_grad for p in experts):
+                raise PlanError(f"ep={layout.ep} with parallel.zero 3 does not support frozen experts yet")
             apply_expert_parallel(model, mesh.group("ep"))
 
         self.pipeline = None
