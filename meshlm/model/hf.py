@@ -167,12 +167,12 @@ def model_config_from_hf(hf_config: object) -> ModelConfig:
     def integer(field: str, default: int | None = None) -> int:
         return _positive_int(field, get(field, default))
 
+    model_type = get("model_type", "llama")  # first: another family's fields are named differently
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise _unsupported("model_type", model_type, " or ".join(repr(f) for f in FAMILIES))
     for field in _REQUIRED_FIELDS:
         if get(field) is None:
             raise ValueError(f"config.json: missing required field {field}")
-    model_type = get("model_type", "llama")
-    if not isinstance(model_type, str) or model_type not in FAMILIES:
-        raise _unsupported("model_type", model_type, " or ".join(repr(f) for f in FAMILIES))
     if get("hidden_act", "silu") != "silu":
         raise _unsupported("hidden_act", hf_config["hidden_act"], "'silu'")
     for field in ("attention_bias", "mlp_bias"):
@@ -506,10 +506,12 @@ def run_convert(args: argparse.Namespace) -> int:
         if args.convert_mode == "hf-to-meshlm":
             _save_meshlm_file(load_hf_into_model(args.src), args.out)
         else:
+            from meshlm.model.pretrained import check_run_tokenizer, copy_run_tokenizer
+
+            if args.src.is_dir():
+                check_run_tokenizer(args.src)  # before anything is written
             export_hf(_load_meshlm_file(args.src), args.out, getattr(torch, args.dtype), args.max_shard_bytes)
             if args.src.is_dir():
-                from meshlm.model.pretrained import copy_run_tokenizer
-
                 copy_run_tokenizer(args.src, args.out)
     except (ValueError, OSError) as e:
         print(f"meshlm convert: error: {e}", file=sys.stderr)

@@ -73,7 +73,10 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            try:
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            except OSError as e:  # a full disk or a read-only run directory
+                raise _storage_error(e, run_dir / "tensorboard") from None
         if resumed and start_step is not None:
             self.log(start_step, "resume", torn_line=int(bool(torn)))
 

@@ -29,7 +29,7 @@ from meshlm.checkpoint import (
     training_entries,
     verify_checkpoint,
 )
-from meshlm.checkpoint.store import StorageError, storage_cause
+from meshlm.checkpoint.store import StorageError, atomic_write, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data_shared
 from meshlm.model import Transformer, flops_per_token
@@ -42,6 +42,7 @@ from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout, validate_layout
 from meshlm.parallel.plan import check_plan, plan_for
+from meshlm.train import signals
 from meshlm.train.compile import compile_blocks
 from meshlm.train.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.train.faults import fault_point
@@ -49,6 +50,7 @@ from meshlm.train.guards import Preemption, StepGuard, TrainingFault, Watchdog, 
 from meshlm.train.optim import build_optimizer, device_train_step, lr_at, train_step
 from meshlm.train.parts import Batch, BatchSource, Callback, TrainParts
 from meshlm.train.prefetch import Prefetcher
+from meshlm.train.signals import PREEMPTED_BEFORE_START
 
 __all__ = ["BatchSource", "Callback", "TrainParts", "TrainResult", "Trainer", "fit", "train"]
 
@@ -150,6 +152,20 @@ def fit(cfg: Config, parts: TrainParts | None = None, **pieces: object) -> Train
     checkpoint, guard, metric and restart feature of `meshlm train` applies. Returns this invocation's
     losses."""
     parts = parts or TrainParts(**pieces)
+    owns_handler = signals.install()  # before any long start-up work (the CLI's is installed earlier still)
+    try:
+        return _fit(cfg, parts)
+    except BaseException:
+        if not signals.stopped_start_up():
+            raise
+        if env_rank() == 0:  # SIGTERM before the first step: start-up stopped where it was, nothing to save
+            print(PREEMPTED_BEFORE_START, flush=True)
+        return TrainResult(run_dir=Path(cfg.log.run_dir), preempted=True)
+    finally:
+        signals.finish_run(release=owns_handler)
+
+
+def _fit(cfg: Config, parts: TrainParts) -> TrainResult:
     world_size = env_world_size()
     model = parts.build_model(cfg.train.seed)
     if model is None:
@@ -161,9 +177,10 @@ def fit(cfg: Config, parts: TrainParts | None = None, **pieces: object) -> Train
     # Armed before the process group exists: a restarted rank can hang in rendezvous or set-up too.
     watchdog = Watchdog(Path(cfg.log.run_dir), env_rank(), cfg.fault.watchdog_s)
     watchdog.arm()
-    created_group = init_distributed(device, cfg.parallel.timeout_s)
+    created_group = False
     trainer = None
     try:
+        created_group = init_distributed(device, cfg.parallel.timeout_s)
         trainer = Trainer(cfg, layout, n_micro, device, watchdog, parts, model)
         return trainer.run()
     finally:
@@ -172,6 +189,24 @@ def fit(cfg: Config, parts: TrainParts | None = None, **pieces: object) -> Train
         watchdog.close()
         if created_group:
             dist.destroy_process_group()
+
+
+# The sampler's state that fixes the batch stream, and the config field each comes from
+_STREAM_FIELDS = {"global_batch": "train.global_batch", "seed": "train.seed", "seq_len": "data.seq_len"}
+
+
+def _data_mismatch(saved: dict, current: dict) -> str | None:
+    """How a checkpoint's batch stream differs from this run's, naming the config field, or None: resuming
+    with another batch, seed, sequence length or corpus would silently train on another stream."""
+    for key, name in _STREAM_FIELDS.items():
+        if key in saved and key in current and saved[key] != current[key]:
+            return f"with {name} = {saved[key]}, this run has {current[key]}: resume with the run's own config.toml"
+    if "n_tokens" in saved and "n_tokens" in current and saved["n_tokens"] != current["n_tokens"]:
+        return (
+            f"on {saved['n_tokens']} training tokens, this run's data has {current['n_tokens']} (data.source, "
+            f"data.max_chars, data.val_fraction or the tokenizer changed): resume with the run's own config.toml"
+        )
+    return None
 
 
 def _differing_field(saved: dict, current: dict) -> str:
@@ -251,7 +286,7 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             try:
-                (self.run_dir / "config.toml").write_text(to_toml(cfg))
+                atomic_write(self.run_dir / "config.toml", to_toml(cfg))  # a resume never reads half of it
                 tokenizer = given_tokenizer
                 if tokenizer is None and self.data is not None:
                     tokenizer = self.data.directory / "tokenizer.json"
@@ -325,6 +360,8 @@ class Trainer:
         set_optimizer_steps(self.optimizer, saved["optimizer_steps"])
         self.model.after_load()
         if restore_data_position:
+            if problem := _data_mismatch(saved["sampler"], self.sampler.state_dict()):
+                raise CheckpointError(f"checkpoint {path} was saved {problem}")
             self.sampler.load_state_dict(saved["sampler"])
         return saved
 
@@ -489,9 +526,11 @@ class Trainer:
         self.log(done, "eval", loss=val)
 
     def close(self) -> None:
-        """Release signal handlers, observers and logs. A save still in flight here means the run failed:
-        it is abandoned (its staging folder is never committed), the previous checkpoint stays valid."""
+        """Release observers and logs (the SIGTERM handler stays: meshlm.train.signals). A save still in
+        flight here means the run failed: it is abandoned (its staging folder is never committed), the previous
+        checkpoint stays valid."""
         self.result.final_step = self.sampler.step
+        fault_point("close", self.rank, self.result.final_step)
         for part in ("preemption", "observer", "logger", "sampler"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()
