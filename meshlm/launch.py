@@ -10,8 +10,9 @@ rendezvous, restarts and worker supervision), and differs only in how it ends:
   with one line, where torchrun prints a SignalException traceback and exits 1 (so a scheduler would count a
   clean preemption as a failure). A further SIGTERM while the workers save is ignored instead of abandoning
   them; the agent still SIGKILLs them after its shutdown timeout (`--shutdown-timeout`, default 30 s).
-- a failed worker: one line naming the rank, its exit code and its one-line error, exit 1, instead of
-  torchrun's ChildFailedError traceback and banner.
+- a failed worker: one line naming the rank and its exit code (and its one-line error, where rank 0 did not
+  print it), exit 1, instead of torchrun's ChildFailedError traceback and banner. torchrun's own log lines are
+  shown from `LOGLEVEL=WARNING` (its variable) up; by default only critical ones.
 
 Workers tell the launcher that they stopped cleanly through a file each, in a directory the launcher names
 in MESHLM_LAUNCH_DIR (`report_preempted`); a worker that never wrote one (killed, still saving at the
@@ -98,15 +99,23 @@ def _failure_line(error: BaseException) -> str:
     how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
     failed = len(error.failures)  # type: ignore[attr-defined]
     others = f" ({failed} ranks failed)" if failed > 1 else ""
-    reason = failure.message if isinstance(failure.message, str) and failure.exitcode > 0 else ""
+    # rank 0 printed its own line; another rank's error is printed only where it differs from rank 0's
+    said = 0 in error.failures  # type: ignore[attr-defined]
+    reason = failure.message if isinstance(failure.message, str) and failure.exitcode > 0 and not said else ""
     return f"meshlm launch: rank {rank} {how}{others}" + (f": {reason}" if reason else "")
 
 
 def main(argv: list[str]) -> int:
     """Run torchrun with `argv` (its own arguments); return the exit code a scheduler should see."""
+    quiet = "LOGLEVEL" not in os.environ  # torchrun's agent logs at LOGLEVEL (its own variable); ours: critical only
+    if quiet:
+        os.environ["LOGLEVEL"] = "CRITICAL"
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if quiet:
+        del os.environ["LOGLEVEL"]  # the workers' own logging is theirs
 
     args = torchrun.parse_args(argv)
     nproc = torchrun.determine_local_world_size(args.nproc_per_node)

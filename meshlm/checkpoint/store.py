@@ -113,8 +113,10 @@ def atomic_write(path: Path, data: bytes | str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # fsync's full disk names no file: the message should
         raise
     _fsync_directory(path.parent)
 

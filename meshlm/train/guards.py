@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshlm.checkpoint.store import StorageError, run_dir_problem
 from meshlm.parallel.engine import ParallelModel
 from meshlm.train import signals
 
@@ -40,6 +39,8 @@ class Watchdog:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 self._file = path.open("w")
             except OSError as e:  # the first write into log.run_dir: a file there, a read-only mount
+                from meshlm.checkpoint.store import StorageError, run_dir_problem  # (imports DCP: only here)
+
                 raise StorageError(run_dir_problem(run_dir, e)) from None
 
     def arm(self, timeout_s: float | None = None) -> None:
