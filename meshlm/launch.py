@@ -22,6 +22,7 @@ SIGKILL, failed) makes the preempted launcher exit 143, the code of a process en
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -116,6 +117,9 @@ def main(argv: list[str]) -> int:
 
     if quiet:
         del os.environ["LOGLEVEL"]  # the workers' own logging is theirs
+        for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+            if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
 
     args = torchrun.parse_args(argv)
     nproc = torchrun.determine_local_world_size(args.nproc_per_node)

@@ -106,6 +106,7 @@ def test_sigterm_raises_into_start_up_once_and_only_counts_once_training_runs() 
     assert out.stdout.split("\n")[:3] == ["start-up 2 True", "training 5", "teardown 6 True"], out.stdout
 
 
+@pytest.mark.slow  # a `meshlm train` process tokenizing a fresh corpus: ~10 s on 2 busy cores
 def test_sigterm_during_tokenization_exits_zero_with_one_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = _start(["train", *_args(str(tmp_path / "fresh-cache"), run_dir)], fault="0:0:sigterm@tokenize")
@@ -115,6 +116,7 @@ def test_sigterm_during_tokenization_exits_zero_with_one_line(tmp_path: Path) ->
     assert not list_checkpoints(run_dir)
 
 
+@pytest.mark.slow  # a `meshlm train` process: ~10 s on 2 busy cores
 def test_two_sigterms_in_a_row_save_once_and_exit_zero(data_cache: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = _start(["train", *_args(data_cache, run_dir, steps=100_000)])
@@ -128,6 +130,7 @@ def test_two_sigterms_in_a_row_save_once_and_exit_zero(data_cache: str, tmp_path
     assert _newest_intact(run_dir) == step
 
 
+@pytest.mark.slow  # a `meshlm train` process each: ~10 s on 2 busy cores
 @pytest.mark.parametrize("fault", ["0:2:sigterm@save", "0:6:sigterm@close"], ids=["async-save", "teardown"])
 def test_sigterm_during_a_save_or_teardown_keeps_the_newest_checkpoint(
     data_cache: str, tmp_path: Path, fault: str
