@@ -57,7 +57,7 @@ def install(for_process: bool = False) -> bool:
     """Install the SIGTERM handler unless it is installed; return whether this call installed it.
 
     `for_process`: keep it until the process exits (the CLI). Otherwise it belongs to one run (`fit` called
-    from a user's program) and `release` puts the previous handler back. A run starting in a process whose
+    from a user's program) and `finish_run(release=True)` puts the previous handler back. A run starting in a process whose
     handler is already installed (the CLI's) keeps it and what it counted."""
     if _state.installed or threading.current_thread() is not threading.main_thread():
         return False  # Python delivers signals to the main thread only: a run in another thread cannot install
@@ -91,5 +91,6 @@ def finish_run(release: bool) -> None:
     _state.training = False
     _state.raised = True
     if release and _state.installed and _state.owner == "run":
-        signal.signal(signal.SIGTERM, _state.previous)  # type: ignore[arg-type]
+        previous = _state.previous  # None: a handler not set from Python, so the default's
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # type: ignore[arg-type]
         _state.installed = False
