@@ -57,8 +57,8 @@ def install(for_process: bool = False) -> bool:
     """Install the SIGTERM handler unless it is installed; return whether this call installed it.
 
     `for_process`: keep it until the process exits (the CLI). Otherwise it belongs to one run (`fit` called
-    from a user's program) and `finish_run(release=True)` puts the previous handler back. A run starting in a process whose
-    handler is already installed (the CLI's) keeps it and what it counted."""
+    from a user's program) and `finish_run(release=True)` puts the previous handler back. A run starting in a
+    process whose handler is already installed (the CLI's) keeps it and what it counted."""
     if _state.installed or threading.current_thread() is not threading.main_thread():
         return False  # Python delivers signals to the main thread only: a run in another thread cannot install
     _state.previous = signal.signal(signal.SIGTERM, _handle)
