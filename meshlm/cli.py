@@ -14,6 +14,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from meshlm.train import signals
+
+if sys.argv[1:2] == ["train"]:  # `meshlm train`: SIGTERM is caught from here on, before pydantic and torch load
+    signals.install(for_process=True, deferred=True)
+
 from meshlm.config import Config, ConfigError, load_config, parse_overrides, reference_markdown, to_toml
 from meshlm.errors import InputError
 
@@ -42,11 +47,11 @@ def _resume_point(run_dir: Path) -> str:
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from meshlm import launch
-    from meshlm.train import signals
 
-    signals.install(for_process=True)  # first: a SIGTERM during start-up ends with one line, not silently
+    owns_handler = signals.install()  # `meshlm train` installed it on import; an in-process call, here
     launch.worker_started()
     try:
+        signals.raise_from_here()
         code = _train(args, extra)
     except BaseException:
         if not signals.stopped_start_up():
@@ -55,9 +60,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
             print(signals.PREEMPTED_BEFORE_START, flush=True)
         code = 0
     finally:
-        signals.finish_run(release=False)  # the handler stays until the process exits: teardown is covered too
+        signals.finish_run(release=owns_handler)  # the CLI's stays until the process exits: teardown is covered
     if code == 0 and signals.received():
         launch.report_preempted()
+    signals.ignore_from_here()
     return code
 
 

@@ -74,6 +74,29 @@ def _sigterm_after_a_step(proc: subprocess.Popen, metrics: Path, offset: int, ti
         time.sleep(0.05)
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a SIGTERM handler yet (its first lines install one; before them, while the
+    interpreter itself starts, nothing can catch it)."""
+    try:
+        caught = next(
+            line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt")
+        )
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def _sigterm_after(proc: subprocess.Popen, delay: float) -> None:
+    """SIGTERM `delay` seconds after the process can catch it: anywhere in start-up or training."""
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not _catches_sigterm(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        proc.wait(timeout=delay)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+
+
 # How each kind of run is stopped: a fault injected at a step (MESHLM_INJECT_FAULT, meshlm/train/faults.py), or
 # SIGTERM sent from here. Every SIGTERM pattern must end with exit 0.
 SIGTERMS = ("sigterm", "sigterm-twice", "sigterm-start", "sigterm-save", "launch-sigterm-all")
@@ -115,10 +138,7 @@ def test_random_kills_terminations_and_corruption_end_as_an_uninterrupted_run(da
         if kind in ("sigterm", "sigterm-twice"):
             _sigterm_after_a_step(proc, metrics, offset, times=2 if kind == "sigterm-twice" else 1)
         if delay is not None:  # anywhere: imports, set-up, resume or training; each has its promised ending
-            try:
-                proc.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGTERM)
+            _sigterm_after(proc, delay)
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == (0 if kind in SIGTERMS else -signal.SIGKILL), (history, out)
         assert "Traceback" not in out, (history, out)

@@ -39,6 +39,7 @@ class _State:
     previous: object = None
     count = 0  # SIGTERMs received since installation (or since the run began)
     training = False  # a training loop is running: SIGTERM only counts
+    deferred = False  # the CLI's own imports run: SIGTERM only counts until `raise_from_here`
     raised = False  # Preempted was raised once (or the run is over); later SIGTERMs only count
     stopped_start_up = False  # a SIGTERM raised Preempted into start-up
 
@@ -48,23 +49,34 @@ _state = _State()
 
 def _handle(signum: int, frame: FrameType | None) -> None:
     _state.count += 1
-    if not _state.training and not _state.raised:
+    if not (_state.training or _state.raised or _state.deferred):
         _state.raised = _state.stopped_start_up = True
         raise Preempted
 
 
-def install(for_process: bool = False) -> bool:
+def install(for_process: bool = False, deferred: bool = False) -> bool:
     """Install the SIGTERM handler unless it is installed; return whether this call installed it.
 
     `for_process`: keep it until the process exits (the CLI). Otherwise it belongs to one run (`fit` called
     from a user's program) and `finish_run(release=True)` puts the previous handler back. A run starting in a
-    process whose handler is already installed (the CLI's) keeps it and what it counted."""
+    process whose handler is already installed (the CLI's) keeps it and what it counted. `deferred`: a SIGTERM
+    only counts until `raise_from_here` (raised into the middle of an import, it can break the extension
+    being loaded before the CLI can say anything)."""
     if _state.installed or threading.current_thread() is not threading.main_thread():
         return False  # Python delivers signals to the main thread only: a run in another thread cannot install
     _state.previous = signal.signal(signal.SIGTERM, _handle)
     _state.installed, _state.owner = True, "process" if for_process else "run"
     _state.count, _state.training, _state.raised, _state.stopped_start_up = 0, False, False, False
+    _state.deferred = deferred
     return True
+
+
+def raise_from_here() -> None:
+    """End a deferred start: a SIGTERM received so far raises `Preempted` now, later ones when they come."""
+    _state.deferred = False
+    if _state.count and not (_state.training or _state.raised):
+        _state.raised = _state.stopped_start_up = True
+        raise Preempted
 
 
 def stopped_start_up() -> bool:
@@ -82,6 +94,14 @@ def start_training() -> None:
 def received() -> int:
     """How many SIGTERMs this process has received (0: none)."""
     return _state.count
+
+
+def ignore_from_here() -> None:
+    """The CLI's run is over and its exit code decided: a process-lifetime handler becomes SIG_IGN, which
+    Python keeps through interpreter shutdown (it puts the default, deadly, handler back in place of a
+    Python one), so a late SIGTERM cannot turn the exit code into 143."""
+    if _state.installed and _state.owner == "process":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def finish_run(release: bool) -> None:
