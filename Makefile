@@ -17,7 +17,7 @@ PARALLEL_TESTS := tests/test_tensor_parallel.py tests/test_data_parallel.py test
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,hf]'
+	$(PY) -m pip install --quiet -e '.[dev,hf,peft]'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -50,7 +50,7 @@ def main() -> None:
 
     def deferred_step() -> None:
         x, y = prefetcher.next_batch(0, 1)
-        loss, norm = device_train_step(models["deferred"], optimizers["deferred"], x, y, train.lr, train.grad_clip)
+        loss, norm, _ = device_train_step(models["deferred"], optimizers["deferred"], x, y, train.lr, train.grad_clip)
         pending.append(torch.stack((loss, norm)))
         if len(pending) == args.every:
             losses["deferred"].extend(row[0] for row in torch.stack(pending).tolist())

@@ -76,7 +76,7 @@ class _Saved:
 
 
 def meshlm_step(chunks: list[nn.Module], group: dist.ProcessGroup, schedule: str, m: int) -> tuple[Step, Callable]:
-    pipe = PipelineSchedule(chunks, group, schedule=schedule, n_micro=m, loss_fn=cross_entropy_loss)
+    pipe = PipelineSchedule(chunks, group, schedule=schedule, n_micro=m)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         return pipe.train_step(x.chunk(m), y.chunk(m)).item()

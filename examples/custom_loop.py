@@ -36,5 +36,5 @@ for _ in range(args.steps):
 
 final = model.replica_mean(loss).item()  # collective: every rank
 if torch.distributed.get_rank() == 0:
-    print(f"final loss {final:.6g}")
+    print(f"final loss {final:.5f}")
 meshlm.shutdown()  # barrier + destroy_process_group: a rank exiting with its group alive can abort

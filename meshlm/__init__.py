@@ -5,9 +5,12 @@ The public API (docs/api.md), importable from `meshlm` directly:
     init_mesh, parallelize, ParallelModel, Checkpoints, shutdown your model and your loop
     ParallelPlan, PipelineSplit, register_plan, plan_for,        per-family plan tables
     COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, SEQUENCE_PARALLEL
+    FusedColwise, InterleavedColwise                             styles for fused projections
+    Normal, Constant                                             what a model's init_rule returns
     fit, Callback, BatchSource                                   meshlm's loop with your model, loss and data
     StepObserver, StepGuard, Preemption, Watchdog                metrics and guards as calls
     Transformer, ModelConfig, preset                             the built-in Llama
+    apply_lora, merge_lora                                       LoRA adapters, before parallelize (docs/lora.md)
     InputError                                                   the base of every one-line bad-input error
 
 Names load on first use, so `import meshlm` (and the CLI) stays fast.
@@ -37,6 +40,10 @@ _EXPORTS = {
     "VOCAB_EMBEDDING": "meshlm.parallel.plan",
     "VOCAB_HEAD": "meshlm.parallel.plan",
     "SEQUENCE_PARALLEL": "meshlm.parallel.plan",
+    "FusedColwise": "meshlm.parallel.plan",
+    "InterleavedColwise": "meshlm.parallel.plan",
+    "Normal": "meshlm.model.init",
+    "Constant": "meshlm.model.init",
     "fit": "meshlm.train.trainer",
     "Callback": "meshlm.train.trainer",
     "BatchSource": "meshlm.train.trainer",
@@ -47,6 +54,8 @@ _EXPORTS = {
     "Transformer": "meshlm.model",
     "ModelConfig": "meshlm.model",
     "preset": "meshlm.model",
+    "apply_lora": "meshlm.lora",
+    "merge_lora": "meshlm.lora",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -86,6 +86,8 @@ def parallelize(
     loss_fn: LossFn | None = None,
     gather_logits: bool = False,
     autocast_dtype: torch.dtype | None = None,
+    ignore_index: int = -100,
+    fused_loss: bool = False,
 ) -> ParallelModel:
     """Apply the mesh's layout to `model` in place, as `plan` (default: the plan registered for the model's
     class, else DP/ZeRO only) says: tensor parallel, then pipeline stages, then data parallel / ZeRO.
@@ -96,9 +98,11 @@ def parallelize(
     bit for bit) or else each module's `reset_parameters()` (see meshlm.parallel.materialize). The plan is
     checked first; a mismatch raises a one-line PlanError naming the module, with the model untouched.
     `micro_batches` is how many micro-batches `forward_backward` cuts this replica's batch into (gradient
-    accumulation; under pp the pipeline's micro-batches). `loss_fn(output, targets)` is what
-    `forward_backward` minimises (default: token cross-entropy); `gather_logits` gives a tp model full
-    logits for a loss of one's own. Under a `cp` mesh dimension `cp_attention` ("ring" or "ulysses") picks
+    accumulation; under pp the pipeline's micro-batches). `loss_fn(output, targets)` returns per-token losses
+    (default: token cross-entropy), which `forward_backward` averages over the targets that are not
+    `ignore_index` in the whole global batch; `gather_logits` gives a tp model full logits for a loss of
+    one's own; `fused_loss` computes the default loss with the vocabulary head, chunk by chunk, without
+    materialising the logits in training. Under a `cp` mesh dimension `cp_attention` ("ring" or "ulysses") picks
     the context-parallel attention; `forward_backward` takes full rows, the model itself `seq_shard` of them."""
     try:
         parallel = ParallelSection(
@@ -123,7 +127,9 @@ def parallelize(
     device = torch.device(mesh.device_mesh.device_type)
     if device.type == "cuda" and not is_meta_model(model):
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    return ParallelModel(model, mesh, parallel, micro_batches, autocast_dtype, plan, loss_fn, gather_logits)
+    return ParallelModel(
+        model, mesh, parallel, micro_batches, autocast_dtype, plan, loss_fn, gather_logits, ignore_index, fused_loss
+    )
 
 
 class Checkpoints:

@@ -242,6 +242,12 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     to_hf.add_argument(
         "--max-shard-bytes", type=_integer(1), default=None, help="split weights into shards of at most this size"
     )
+    to_hf.add_argument(
+        "--lora",
+        choices=("merged", "peft"),
+        default="merged",
+        help="a LoRA run: adapters merged into the HF weights, or a PEFT adapter directory (docs/lora.md)",
+    )
     return parser
 
 

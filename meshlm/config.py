@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -72,9 +72,31 @@ class ModelSection(Section):
     sliding_window: int | None = Field(
         None, ge=0, description="Mistral attention window, 0 = none; data.seq_len may not exceed it"
     )
-    hf_model_type: Literal["llama", "qwen2", "mistral"] | None = Field(
-        None, description="Hugging Face family that export writes: llama (default), qwen2 or mistral"
+    hf_model_type: Literal["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"] | None = Field(
+        None,
+        description="Hugging Face family that export writes: llama (default), qwen2, mistral; with experts "
+        "mixtral, qwen2_moe or qwen3_moe",
     )
+    qk_norm: bool | None = Field(
+        None, description="RMSNorm on each q and k head (Qwen3; needs hf_model_type qwen3_moe)"
+    )
+    n_experts: int | None = Field(
+        None, ge=0, description="routed experts per MoE layer; 0 = a dense model (docs/moe.md)"
+    )
+    top_k: int | None = Field(None, ge=0, description="experts each token is routed to (1..n_experts)")
+    moe_intermediate_size: int | None = Field(None, ge=0, description="width of one routed expert's SwiGLU")
+    shared_expert_intermediate_size: int | None = Field(
+        None, ge=0, description="width of the shared expert every token passes through; 0 = none"
+    )
+    shared_expert_gate: bool | None = Field(None, description="scale the shared expert by sigmoid(x·w) (Qwen2-MoE)")
+    moe_score: Literal["softmax", "sigmoid"] | None = Field(None, description="router scores: softmax or sigmoid")
+    norm_topk: bool | None = Field(None, description="renormalise each token's top-k scores to sum to 1")
+    first_k_dense: int | None = Field(None, ge=0, description="the first k layers keep a dense MLP")
+    moe_layer_step: int | None = Field(
+        None, gt=0, description="after those, layer i is MoE when (i + 1) % step == 0 (Qwen's decoder_sparse_step)"
+    )
+    aux_loss_coef: float | None = Field(None, ge=0, description="load-balancing loss coefficient, per MoE layer")
+    z_loss_coef: float | None = Field(None, ge=0, description="router z-loss coefficient, per MoE layer")
     init_from: str | None = Field(
         None,
         description="fine-tune from: a Hugging Face checkpoint directory (config.json + safetensors) or a meshlm "
@@ -117,6 +139,17 @@ class DataSection(Section):
     seq_len: int = Field(256, gt=1, description="tokens per training sequence")
     cache_dir: str = Field(".cache/meshlm", description="tokenizer and token files, reused across runs")
     max_chars: int | None = Field(None, gt=0, description="cap on corpus characters (tests, quick runs)")
+    format: Literal["text", "sft"] = Field(
+        "text",
+        description="text: documents cut into windows; sft: .jsonl prompt/response pairs or chat messages, "
+        "prompt tokens masked (docs/finetune.md)",
+    )
+    prompt_field: str = Field("prompt", description="sft: field holding the prompt of a prompt/response pair")
+    response_field: str = Field("response", description="sft: field holding the response of a prompt/response pair")
+    messages_field: str = Field("messages", description="sft: field holding a chat's list of {role, content}")
+    sft_packing: bool = Field(
+        True, description="sft: pack whole examples into each row (never split); false = one example per row"
+    )
 
 
 class TrainSection(Section):
@@ -136,19 +169,45 @@ class TrainSection(Section):
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="activations recomputed in backward: selective = the attention core, full = each block"
     )
-    compile: bool = Field(False, description="torch.compile each transformer block (after parallelization)")
+    fused_loss: bool = Field(
+        True, description="output projection + cross-entropy in token chunks, never materialising the logits"
+    )
+    ignore_index: int = Field(-100, description="target id that carries no loss (prompt and padding labels)")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each transformer block (after parallelization); auto: on CUDA only"
+    )
+    fp8: bool = Field(
+        False,
+        description="FP8 matmuls (e4m3 forward, e5m2 gradients, tensorwise dynamic scales) in the blocks' Linear "
+        "layers; needs an FP8 GPU (Ada, Hopper or later)",
+    )
     compile_backend: Literal["inductor", "aot_eager"] = Field(
         "inductor", description="torch.compile backend: inductor generates kernels; aot_eager only traces (tests)"
     )
-    sync_every: int = Field(
-        1,
-        gt=0,
-        description="read loss and gradient norm on the host, run the guards and check for SIGTERM every N "
-        "steps (and on log, eval and checkpoint steps); 1 = every step, vetoing a bad update before it applies",
+    sync_every: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        "auto",
+        description="read loss and gradient norm on the host and check for SIGTERM every N steps (and on log, "
+        "eval and checkpoint steps); 1 = every step; auto: 1 on CPU, only at those steps on CUDA (a bad "
+        "update is then vetoed on the device, see docs/fault-tolerance.md)",
     )
     eval_every: int = Field(50, ge=0, description="validation loss every N steps; 0 = never")
     eval_batches: int = Field(8, gt=0, description="validation batches per evaluation")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: this rank's GPU if CUDA works, else CPU")
+    freeze: list[str] = Field(
+        [],
+        description="parameter-name patterns kept frozen: no gradient, no optimizer state, not checkpointed",
+    )
+
+
+class LoraSection(Section):
+    rank: int = Field(0, ge=0, description="LoRA adapter rank; 0 = off (every weight trains unless train.freeze)")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the update is B·A·alpha/rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (0 for exact layouts)")
+    targets: list[str] = Field(
+        [],
+        description="module-name patterns of the Linears to adapt; empty = the plan's attention and MLP projections",
+    )
+    init_from: str | None = Field(None, description="start the adapters from a PEFT adapter directory")
 
 
 class ParallelSection(Section):
@@ -160,8 +219,13 @@ class ParallelSection(Section):
     zero_shard_size: int | None = Field(
         None, gt=0, description="hybrid sharding: shard within groups of this many dp ranks, replicate across"
     )
-    zero_param_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="ZeRO ≥ 1: dtype of the working (gathered) weights over fp32 master shards"
+    zero_param_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="ZeRO ≥ 1: dtype of the working (gathered) weights over fp32 master shards; auto: bf16 "
+        "under bf16 autocast on CUDA, else fp32",
+    )
+    zero_reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype gradients are summed in across data-parallel ranks (bf16 halves the traffic)"
     )
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size of the overlapped reduction")
     sequence_parallel: bool = Field(False, description="shard norms/residuals along the sequence over tp")
@@ -233,6 +297,7 @@ class Config(Section):
     data: DataSection = DataSection()
     train: TrainSection = TrainSection()
     parallel: ParallelSection = ParallelSection()
+    lora: LoraSection = LoraSection()
     checkpoint: CheckpointSection = CheckpointSection()
     fault: FaultSection = FaultSection()
     log: LogSection = LogSection()
@@ -250,13 +315,24 @@ class Config(Section):
                 f"data.seq_len ({self.data.seq_len}) exceeds model.sliding_window ({model.sliding_window}): "
                 "meshlm's full causal attention equals sliding-window attention only within the window"
             )
-        if self.parallel.zero == 0 and (self.parallel.zero_shard_size or self.parallel.zero_param_dtype != "fp32"):
-            raise ValueError("parallel.zero_shard_size and parallel.zero_param_dtype need parallel.zero >= 1")
-        if self.train.sync_every > 1 and self.fault.nonfinite == "skip":
+        if self.data.format == "sft" and (self.data.source == "stdlib" or self.data.source.startswith("hf:")):
             raise ValueError(
-                f"train.sync_every = {self.train.sync_every} needs fault.nonfinite = 'rollback' or 'stop': "
-                "an update is applied before its loss is read, so it cannot be skipped"
+                f"data.source: data.format = 'sft' reads .jsonl files, not {self.data.source!r}; give a .jsonl "
+                "file or a folder of them"
             )
+        if self.data.format == "sft" and self.data.max_chars is not None:
+            raise ValueError("data.max_chars caps a text corpus; with data.format = 'sft' leave it unset")
+        if self.data.format == "sft" and self.train.ignore_index != -100:
+            raise ValueError(
+                f"train.ignore_index = {self.train.ignore_index}: data.format = 'sft' labels prompt and padding "
+                "positions -100; leave train.ignore_index at -100"
+            )
+        if self.parallel.zero == 0 and (
+            self.parallel.zero_shard_size or self.parallel.zero_param_dtype not in ("auto", "fp32")
+        ):
+            raise ValueError("parallel.zero_shard_size and parallel.zero_param_dtype need parallel.zero >= 1")
+        if self.lora.init_from and not self.lora.rank:
+            raise ValueError("lora.init_from needs lora.rank > 0 (the adapter's rank)")
         if self.train.micro_batch and self.train.global_batch % self.train.micro_batch:
             raise ValueError(
                 f"train.global_batch ({self.train.global_batch}) must be divisible by "
@@ -284,10 +360,15 @@ def _valid_fields(loc: tuple) -> str:
 
 def _format_error(err: ValidationError, prefix: tuple[str, ...] = ()) -> str:
     """The first error as 'config error: section.field: what is wrong' (`prefix`: where `err`'s model sits)."""
-    first = err.errors()[0]
+    errors = err.errors()
+    first = errors[0]
     loc = (*prefix, *first["loc"])
+    msg = first["msg"]
+    if len(loc) == 3 and loc[0] in Config.model_fields and isinstance(loc[2], str):  # a field of several types
+        msg = " or ".join(e["msg"] for e in errors if (*prefix, *e["loc"])[:2] == loc[:2])
+        loc = loc[:2]
     field = ".".join(_key(p) for p in loc)
-    msg = first["msg"].removeprefix("Value error, ").removeprefix(f"{field}: ")
+    msg = msg.removeprefix("Value error, ").removeprefix(f"{field}: ")
     if first["type"] == "extra_forbidden":
         msg = f"unknown {'section' if len(loc) == 1 else 'field'}; valid: {_valid_fields(loc)}"
     elif first["type"] == "model_type":

@@ -72,6 +72,20 @@ def global_batch(step: int, batch: int, seq_len: int, vocab: int, seed: int = 0)
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def mask_prompts(targets: torch.Tensor, step: int, fraction: float, seed: int = 0) -> torch.Tensor:
+    """Fine-tuning labels: a copy of `targets` whose rows each begin with a "prompt" of -100 labels, of a
+    random length in [0, 2·fraction·seq_len] (so about `fraction` of all labels, unevenly per row: replicas,
+    micro-batches and cp shards of the same global batch keep different numbers of tokens), plus ~5% of
+    the remaining labels -100 at random (padding inside a packed row). A pure function of (seed, step)."""
+    g = torch.Generator().manual_seed(seed * 100_019 + step + 7)
+    rows, seq_len = targets.shape
+    masked = targets.clone()
+    prompt = torch.randint(0, int(2 * fraction * seq_len) + 1, (rows,), generator=g).clamp(max=seq_len)
+    masked[torch.arange(seq_len).unsqueeze(0) < prompt.unsqueeze(1)] = -100
+    masked[torch.rand(rows, seq_len, generator=g) < 0.05] = -100
+    return masked
+
+
 def rank_threads() -> int:
     """Intra-op threads of each rank (and of the tests' one-process references): 1, or MESHLM_TEST_THREADS
     (`make test-portability THREADS=2` reruns the equivalence tests with other reduction splits)."""

@@ -56,7 +56,7 @@ from meshlm.config import ParallelSection, TrainSection, load_config, parse_over
 from meshlm.model import ModelConfig, Transformer, preset
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout, validate_layout
-from meshlm.testing import global_batch, rank_threads
+from meshlm.testing import global_batch, mask_prompts, rank_threads
 from meshlm.train.optim import build_optimizer, lr_at, train_step
 from meshlm.train.trainer import train
 
@@ -86,6 +86,8 @@ def train_layout(
     resume_from: str | None = None,
     save_to: str | None = None,
     optimizer: str = "adamw",
+    masked: float = 0.0,
+    fused_loss: bool = False,
 ) -> dict:
     """Run optimizer steps `start`..`stop - 1` of a `steps`-step schedule (all of them by default) with
     AdamW (meshlm's; ADAMW_STEPS by default) or plain SGD (SGD_STEPS by default); return {'losses',
@@ -94,7 +96,8 @@ def train_layout(
 
     `resume_from` loads the newest checkpoint of that run directory first (written under any layout) and
     adds 'resumed_state', the full weights right after loading; `save_to` saves a sharded checkpoint of
-    step `stop` there at the end."""
+    step `stop` there at the end. `masked` > 0 labels about that fraction of the targets -100, unevenly per
+    row (meshlm.testing.mask_prompts), as fine-tuning data does; `fused_loss` computes the loss with the head."""
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
     if steps is None:
@@ -122,7 +125,7 @@ def train_layout(
     torch.manual_seed(seed)
     model = Transformer(model_cfg)
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    pm = ParallelModel(model, mesh, par, n_micro)
+    pm = ParallelModel(model, mesh, par, n_micro, fused_loss=fused_loss)
     if optimizer == "sgd":
         opt = torch.optim.SGD(pm.optimizer_param_groups(train.weight_decay), lr=train.lr, foreach=True)
     else:
@@ -141,6 +144,8 @@ def train_layout(
     stop = steps if stop is None else stop
     for step in range(start, stop):
         x, y = global_batch(step, batch, seq_len, model_cfg.vocab_size, seed)
+        if masked:
+            y = mask_prompts(y, step, masked, seed)
         rows = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
         loss, norm, _ = train_step(pm, opt, x[rows], y[rows], lr_at(step, train), train.grad_clip)
         losses.append(loss)

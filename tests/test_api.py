@@ -52,13 +52,14 @@ def hf_llama() -> nn.Module:
 
 
 def z_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy plus PaLM's z-loss (1e-2 · mean log²Z): needs the full logits."""
-    logits = logits.float().flatten(0, 1)
-    return F.cross_entropy(logits, targets.flatten()) + 1e-2 * logits.logsumexp(-1).pow(2).mean()
+    """Per-token cross-entropy plus PaLM's z-loss (1e-2 · log²Z): needs the full logits."""
+    logits = logits.float()
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+    return ce + 1e-2 * logits.logsumexp(-1).pow(2)
 
 
 def hf_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output.logits.float().flatten(0, 1), targets.flatten())
+    return F.cross_entropy(output.logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
 
 
 OPTIMIZERS = {
@@ -102,7 +103,7 @@ def api_run(
             loss_value = model.forward_backward(model.local_batch(x), model.local_batch(y))
         else:
             out = model(model.local_batch(x))
-            local = (loss or model.loss_fn)(out, model.local_batch(y))
+            local = model.loss_fn(out, model.local_batch(y))
             model.backward(local)
             loss_value = model.replica_mean(local)
         model.clip_grad_norm_(1.0)

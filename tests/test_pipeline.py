@@ -267,13 +267,6 @@ def test_stage_layers_minimises_the_worst_stage(n_layers, n_stages, embed, head,
         assert worst(ranges) == pytest.approx(best)
 
 
-def test_tied_embeddings_are_rejected_with_pp():
-    model = Transformer(TEST_MODEL.replace(tie_embeddings=True))
-    with pytest.raises(ValueError, match="tie_embeddings"):
-        split_model(model, 0, 2)
-    assert len(split_model(model, 0, 1)) == 1  # a single stage holds both ends
-
-
 # ---- the executor on gloo ranks -----------------------------------------------------------------------
 def _one_step(layout: str, par: dict, n_micro: int, model_cfg, seq_len: int = 16) -> dict:
     """One forward/backward under `layout` next to the same model run whole on this rank: loss and gradient

@@ -3,6 +3,7 @@ them late (a rejected update is rolled back, or the run stops), and batches come
 without moving the checkpointed data position."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from meshlm.config import ConfigError, load_config, parse_overrides
 from meshlm.observe.step import StepObserver
 from meshlm.observe.timers import Timers
 from meshlm.train import trainer as trainer_module
-from meshlm.train.guards import TrainingFault
+from meshlm.train.guards import DeviceStepGuard, StepGuard, TrainingFault
 from meshlm.train.parts import IterableBatches
 from meshlm.train.prefetch import Prefetcher
 
@@ -53,9 +54,69 @@ def test_observer_window_reports_the_mean_step_and_syncs_once() -> None:
     assert metrics["step_time_s"] == 1.0 and metrics["tokens_per_s"] == 100.0
 
 
-def test_sync_every_skip_policy_is_refused_in_one_line() -> None:
-    with pytest.raises(ConfigError, match=r"train.sync_every = 4 needs fault.nonfinite = 'rollback' or 'stop'"):
-        load_config(None, parse_overrides(["--train.sync_every", "4"]))
+def test_sync_every_skip_policy_with_an_optimizer_that_cannot_skip_on_the_device_is_refused(
+    small_run: list[str],
+) -> None:
+    cfg = load_config(None, parse_overrides([*small_run, "--train.sync_every", "4"]))
+
+    def foreach_adamw(groups: list[dict]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups, foreach=True)
+
+    with pytest.raises(ConfigError, match=r"train.sync_every = 4 with fault.nonfinite = 'skip' needs an optimizer"):
+        trainer_module.fit(cfg, optimizer=foreach_adamw)
+
+
+def test_sync_every_auto_is_every_step_on_cpu_with_the_default_optimizer(small_run: list[str], monkeypatch) -> None:
+    built = []
+    monkeypatch.setattr(trainer_module.Trainer, "run", lambda self: built.append(self) or self.result)
+    trainer_module.train(load_config(None, parse_overrides([*small_run, "--train.steps", "2"])))
+    (trainer,) = built
+    assert trainer.sync_every == 1 and trainer.device_guard is None
+    assert "foreach" in repr(trainer.optimizer.defaults) and not trainer.optimizer.defaults["fused"]
+
+
+def test_device_guard_decides_as_the_host_guard() -> None:
+    """Skips on the device exactly where StepGuard skips: non-finite loss or norm, and spikes against the
+    window of applied losses (which a skipped loss does not join)."""
+    losses = [2.0, 2.1, 1.9, 2.0, 2.2, math.nan, 9.0, 2.1, 2.0, 6.5, 6.0, 2.0] + [2.0 - 0.05 * i for i in range(25)]
+    norms = [1.0] * len(losses)
+    norms[8] = math.inf
+    host, device = StepGuard("skip", spike_factor=3.0), DeviceStepGuard(3.0, torch.device("cpu"))
+    verdicts = [
+        (host.allow(x, n), bool(device.allow(torch.tensor(x), torch.tensor(n))))
+        for x, n in zip(losses, norms, strict=True)
+    ]
+    assert [h for h, _ in verdicts] == [d for _, d in verdicts]
+    skipped = [i for i, (h, _) in enumerate(verdicts) if not h]
+    assert skipped == [5, 6, 8, 9]  # nan, spike 9.0 > 3 × 2.04, inf norm, spike 6.5 > 3 × 2.05 (6.0 is not)
+    unguarded = DeviceStepGuard(0.0, torch.device("cpu"))
+    assert bool(unguarded.allow(torch.tensor(9.0), torch.tensor(1.0)))
+
+
+def _fused_adamw(groups: list[dict]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+def test_skip_without_a_host_sync_trains_exactly_as_skipping_after_one(small_run: list[str], monkeypatch) -> None:
+    """train.sync_every = 4 with fault.nonfinite = 'skip': the NaN step is vetoed on the device (the fused
+    AdamW's found_inf) and the run is bitwise the synced one, which reads each step and skips on the host."""
+    poison(monkeypatch, lambda n: (n - 1) % 8 + 1 in (3, 6))  # the same steps of each 8-step run
+
+    def run(name: str, *extra: str) -> tuple[trainer_module.TrainResult, Path]:
+        run_dir = Path(small_run[small_run.index("--log.run_dir") + 1]).parent / name
+        overrides = [*small_run, "--train.steps", "8", "--train.eval_every", "0", "--checkpoint.every", "0",
+                     "--log.every", "4", "--log.run_dir", str(run_dir), *extra]  # fmt: skip
+        return trainer_module.fit(load_config(None, parse_overrides(overrides)), optimizer=_fused_adamw), run_dir
+
+    synced, synced_dir = run("synced", "--train.sync_every", "1")
+    late, late_dir = run("late", "--train.sync_every", "4")
+    assert synced.skipped_steps == late.skipped_steps == [3, 6]
+    assert late.losses == synced.losses and all(math.isfinite(x) for x in late.losses[6:])
+    (a,), (b,) = list_checkpoints(synced_dir), list_checkpoints(late_dir)
+    for name, tensor in load_model_state(a).items():
+        assert torch.equal(tensor, load_model_state(b)[name]), name
+    faults = [json.loads(line) for line in (late_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["action"]) for r in faults if r["kind"] == "fault"] == [(3, "skipped"), (6, "skipped")]
 
 
 def _run(small_run: list[str], name: str, *extra: str) -> tuple[trainer_module.TrainResult, Path]:

@@ -84,23 +84,31 @@ def _check_primitives() -> None:
 
 
 def _check_cross_entropy() -> None:
-    """vocab_parallel_cross_entropy == F.cross_entropy on the gathered logits, in value and gradient,
-    including logits large enough to overflow exp() without the max shift."""
+    """vocab_parallel_cross_entropy == F.cross_entropy(reduction="none", ignore_index=-100) on the gathered
+    logits, per token in value and gradient (an upstream gradient per token, as a global-batch mean weighs
+    them), including logits large enough to overflow exp() without the max shift, with a third of the targets
+    -100: those get loss 0 and no gradient. The mutation (-100 treated as a vocabulary id of no rank, but
+    still counted) must differ, so the comparison is sharp."""
     world, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
     g = torch.Generator().manual_seed(3)
     vocab = 16 * world
     for scale in (1.0, 200.0):
         logits = torch.randn(3, 5, vocab, generator=g) * scale
         targets = torch.randint(0, vocab, (3, 5), generator=g)
+        targets[torch.rand(3, 5, generator=g) < 0.33] = -100
+        upstream = torch.rand(3, 5, generator=g)
         ref_logits = logits.clone().requires_grad_()
-        ref = F.cross_entropy(ref_logits.reshape(-1, vocab), targets.reshape(-1))
-        ref.backward()
+        ref = F.cross_entropy(ref_logits.reshape(-1, vocab), targets.reshape(-1), reduction="none").view(3, 5)
+        ref.backward(upstream)
         local = logits.chunk(world, -1)[rank].clone().requires_grad_()
         loss = vocab_parallel_cross_entropy(local, targets, group)
-        loss.backward()
-        assert torch.isfinite(loss)
+        loss.backward(upstream)
+        assert loss.shape == targets.shape and torch.isfinite(loss).all()
         torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(local.grad, ref_logits.grad.chunk(world, -1)[rank], rtol=1e-5, atol=1e-7)
+        if scale == 1.0:  # -100 not ignored: log Σexp counted as the token's loss (≈ 0 at scale 200)
+            unmasked = vocab_parallel_cross_entropy(local.detach(), targets, group, ignore_index=-1)
+            assert (unmasked - ref).abs().max() > 0.1
 
 
 def _check_embedding() -> None:
@@ -141,7 +149,7 @@ def _check_gradients(cfg: ModelConfig, sp: bool, checkpointing: bool) -> None:
     model = Transformer(cfg)
     apply_tensor_parallel(model, group, sequence_parallel=sp)
     model.activation_checkpointing = checkpointing
-    vocab_parallel_cross_entropy(model(x), y, group).backward()
+    vocab_parallel_cross_entropy(model(x), y, group).mean().backward()
     grads = unshard_state_dict({n: p.grad for n, p in model.named_parameters()}, model, group)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=2e-7, msg=lambda m, n=name: f"{n}: {m}")

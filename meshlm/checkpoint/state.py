@@ -3,7 +3,7 @@
 Keys are layout-free (`model/<name>`, `optim/<state>/<name>` for each per-element optimizer state, e.g.
 AdamW's exp_avg and exp_avg_sq, each of the full model's shape), so any layout can load what any other
 layout saved. This rank contributes the boxes it
-holds: ZeRO flat pieces cut into row boxes (shards.flat_range_boxes), moved by its tensor-parallel offset.
+holds: ZeRO flat pieces cut into row boxes (shards.flat_range_boxes), placed by its TPShard (one box per run).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from meshlm.checkpoint.shards import Chunks, flat_range_boxes
 from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.tp_shard import tp_shard
 
 
 def key_of(kind: str, name: str) -> str:
@@ -21,27 +22,34 @@ def key_of(kind: str, name: str) -> str:
 
 
 def training_entries(
-    model: ParallelModel, optimizer: torch.optim.Optimizer | None = None, writer: bool = False
+    model: ParallelModel, optimizer: torch.optim.Optimizer | None = None, writer: bool = False, frozen: bool = False
 ) -> dict[str, Chunks]:
     """This rank's boxes of every global tensor, as views of the live weights (and optimizer moments): all it
-    holds (to load into), or with `writer` its share of them (to save: every box is written by one rank)."""
+    holds (to load into), or with `writer` its share of them (to save: every box is written by one rank).
+    Frozen weights (a LoRA base) are not training state; `frozen` adds them, to load a base into."""
     shapes = model.global_shapes
     params = dict(model.named_parameters())
     entries: dict[str, Chunks] = {}
-    for kind, pieces in model.local_shards(optimizer, writer).items():
+    for kind, pieces in model.local_shards(optimizer, writer, frozen).items():
         for piece in pieces:
-            tp_dim, tp_start = getattr(params[piece.name], "_meshlm_tp_slice", (None, 0))
+            shard = tp_shard(params[piece.name])
             entry = entries.setdefault(key_of(kind, piece.name), Chunks(shapes[piece.name], [], []))
             start = 0
             for offsets, sizes in flat_range_boxes(
                 piece.global_shape, piece.offset, piece.offset + piece.local.numel()
             ):
                 n = math.prod(sizes)
-                entry.views.append(piece.local[start : start + n].view(sizes))
+                view = piece.local[start : start + n].view(sizes)
                 start += n
-                if tp_dim is not None:
-                    offsets = tuple(o + tp_start if d == tp_dim else o for d, o in enumerate(offsets))
-                entry.offsets.append(offsets)
+                if shard is None:
+                    entry.views.append(view)
+                    entry.offsets.append(offsets)
+                    continue
+                # Along the tp dim the box may cross runs (a fused projection's blocks): one box per run.
+                d = shard.dim
+                for local, full, length in shard.runs(offsets[d], sizes[d]):
+                    entry.views.append(view.narrow(d, local - offsets[d], length))
+                    entry.offsets.append(tuple(full if i == d else o for i, o in enumerate(offsets)))
     return entries
 
 

@@ -17,8 +17,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -27,6 +29,12 @@ from meshlm.config import DataSection
 from meshlm.data.shards import SHARD_TOKENS, TokenShards, check_shards, open_split, write_shards
 from meshlm.data.sources import DataError, describe_source, iter_documents, source_files, source_fingerprint
 from meshlm.data.tokenizer import EOT, eot_id, train_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from meshlm.data.sampler import GlobalBatchSampler
+    from meshlm.data.sft import SFTData
 
 FORMAT_VERSION = 2
 SPLITS = ("train", "val")
@@ -44,6 +52,20 @@ class TokenData:
     tokenizer: Tokenizer
     directory: Path
     manifest: dict
+
+    def sampler(self, seq_len: int, global_batch: int, seed: int) -> GlobalBatchSampler:
+        """The deterministic global batches of the train split (meshlm.data.sampler)."""
+        from meshlm.data.sampler import GlobalBatchSampler  # torch: imported when batches are wanted
+
+        return GlobalBatchSampler(self.train, seq_len, global_batch, seed)
+
+    def eval_batches(
+        self, seq_len: int, batch: int, n_batches: int, rank: int = 0, world: int = 1
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The fixed validation batches (this rank's rows of each)."""
+        from meshlm.data.sampler import eval_batches
+
+        return eval_batches(self.val, seq_len, batch, n_batches, rank, world)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -72,10 +94,15 @@ def prepare_data(
     workers: int = 1,
     builder: str = "inline",
     shard_tokens: int = SHARD_TOKENS,
-) -> TokenData:
+) -> TokenData | SFTData:
     """Load the cached tokens for this config, training the tokenizer (or using `tokenizer_file`, an HF
     tokenizer.json) and tokenizing with `workers` processes first if needed. `builder` is recorded in the
-    manifest; `meshlm prepare-data` passes PREPARED, and rebuilds a damaged cache that training refuses."""
+    manifest; `meshlm prepare-data` passes PREPARED, and rebuilds a damaged cache that training refuses.
+    With data.format = "sft", the tokenized examples instead (meshlm.data.sft; one process)."""
+    if cfg.format == "sft":
+        from meshlm.data.sft import prepare_sft  # it builds on this module
+
+        return prepare_sft(cfg, vocab_size, tokenizer_file, builder)
     if tokenizer_file is not None:
         check_tokenizer(tokenizer_file, vocab_size)
     key = cache_key(cfg, vocab_size, tokenizer_file)
@@ -280,7 +307,7 @@ def _tokenize_into(
     )
 
 
-def prepare_data_shared(cfg: DataSection, vocab_size: int, tokenizer_file: Path | None = None) -> TokenData:
+def prepare_data_shared(cfg: DataSection, vocab_size: int, tokenizer_file: Path | None = None) -> TokenData | SFTData:
     """`prepare_data` on every rank of the default process group (collective).
 
     A ready cache (from `meshlm prepare-data` or an earlier run) is memory-mapped by every rank directly,
@@ -290,6 +317,10 @@ def prepare_data_shared(cfg: DataSection, vocab_size: int, tokenizer_file: Path 
     """
     import torch.distributed as dist
 
+    if cfg.format == "sft":
+        from meshlm.data.sft import prepare_sft_shared
+
+        return prepare_sft_shared(cfg, vocab_size, tokenizer_file)
     if tokenizer_file is not None:
         check_tokenizer(tokenizer_file, vocab_size)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -22,6 +22,13 @@ def prepare_corpus(cfg: Config, workers: int, shard_tokens: int = SHARD_TOKENS) 
         cfg.data, cfg.model.build().vocab_size, init_tokenizer(cfg.model.init_from), workers, PREPARED, shard_tokens
     )
     m = data.manifest
+    if cfg.data.format == "sft":
+        return (
+            f"{data.directory}: {m['examples']['train']} train + {m['examples']['val']} val examples "
+            f"({m['tokens']['train']} + {m['tokens']['val']} tokens, {m['labels']['train']} + {m['labels']['val']} "
+            f"of them labels, {m['template']}), built by {m['builder']} {m['created']}, ready in "
+            f"{time.perf_counter() - start:.1f}s; runs with this [data] and [model] read it directly"
+        )
     shards = sum(len(m["shards"][split]) for split in m["shards"])
     return (
         f"{data.directory}: {m['tokens']['train']} train + {m['tokens']['val']} val tokens "

@@ -36,9 +36,16 @@ class GlobalBatchSampler:
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.seed = seed
-        self.n_windows = _count_windows(tokens, seq_len)
+        self.n_windows = self._count_windows()
         self.step = 0
         self._perms: dict[int, np.ndarray] = {}  # the last two epochs: a batch may straddle a boundary
+
+    def _count_windows(self) -> int:
+        return _count_windows(self.tokens, self.seq_len)
+
+    def _gather_windows(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the given windows, one row each."""
+        return _gather(self.tokens, windows * self.seq_len, self.seq_len)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         """Window order of one epoch, from PCG64's raw stream (stable across numpy versions) via a stable sort."""
@@ -56,7 +63,7 @@ class GlobalBatchSampler:
         for epoch in np.unique(epochs):
             mask = epochs == epoch
             windows[mask] = self._permutation(int(epoch))[positions[mask]]
-        return _gather(self.tokens, windows * self.seq_len, self.seq_len)
+        return self._gather_windows(windows)
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rows(step, 0, self.global_batch)
@@ -109,10 +116,16 @@ def eval_batches(
 
     With world > 1, each rank yields its rows [rank*batch/world, (rank+1)*batch/world) of every batch.
     """
+    for windows in eval_windows(_count_windows(tokens, seq_len), batch, n_batches, rank, world):
+        yield _gather(tokens, windows * seq_len, seq_len)
+
+
+def eval_windows(n_windows: int, batch: int, n_batches: int, rank: int = 0, world: int = 1) -> Iterator[np.ndarray]:
+    """The window indices of `eval_batches`: `n_batches` batches evenly spread over `n_windows` windows, this
+    rank's rows of each."""
     if batch % world:
         raise ValueError(f"eval batch ({batch}) must be divisible by the data-parallel size ({world})")
-    n_windows = _count_windows(tokens, seq_len)
     windows = np.linspace(0, n_windows - 1, n_batches * batch).round().astype(np.int64).reshape(n_batches, batch)
     local = batch // world
     for row in windows:
-        yield _gather(tokens, row[rank * local : (rank + 1) * local] * seq_len, seq_len)
+        yield row[rank * local : (rank + 1) * local]

@@ -12,10 +12,11 @@ from meshlm.model.config import PRESETS, ModelConfig, preset
 from meshlm.model.flops import flops_per_token, param_counts
 
 if TYPE_CHECKING:
-    from meshlm.model.llama import Transformer, cross_entropy_loss, generate
+    from meshlm.model.llama import IGNORE_INDEX, Transformer, cross_entropy_loss, generate, token_cross_entropy
 
 
 __all__ = [
+    "IGNORE_INDEX",
     "PRESETS",
     "ModelConfig",
     "Transformer",
@@ -24,8 +25,12 @@ __all__ = [
     "generate",
     "param_counts",
     "preset",
+    "token_cross_entropy",
 ]
 
 __getattr__ = lazy_attributes(
-    __name__, dict.fromkeys(("Transformer", "cross_entropy_loss", "generate"), "meshlm.model.llama")
+    __name__,
+    dict.fromkeys(
+        ("IGNORE_INDEX", "Transformer", "cross_entropy_loss", "generate", "token_cross_entropy"), "meshlm.model.llama"
+    ),
 )

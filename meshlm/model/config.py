@@ -5,10 +5,34 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-HF_MODEL_TYPES = ("llama", "qwen2", "mistral")
+HF_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_SCORES = ("softmax", "sigmoid")
 LLAMA3_ROPE_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
 # Fields added after checkpoints recorded ModelConfig: one that lacks them holds a plain Llama (the defaults).
-FAMILY_FIELDS = ("head_dim_override", "qkv_bias", "rope_type", *LLAMA3_ROPE_FIELDS, "sliding_window", "hf_model_type")
+MOE_FIELDS = (
+    "n_experts",
+    "top_k",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "shared_expert_gate",
+    "moe_score",
+    "norm_topk",
+    "first_k_dense",
+    "moe_layer_step",
+    "aux_loss_coef",
+    "z_loss_coef",
+)
+FAMILY_FIELDS = (
+    "head_dim_override",
+    "qkv_bias",
+    "rope_type",
+    *LLAMA3_ROPE_FIELDS,
+    "sliding_window",
+    "hf_model_type",
+    "qk_norm",
+    *MOE_FIELDS,
+)
 
 
 @dataclass(frozen=True)
@@ -38,7 +62,20 @@ class ModelConfig:
     # Mistral's attention window (0: none). meshlm runs full causal attention, which is the same function for
     # sequences of at most this many tokens; longer ones are refused.
     sliding_window: int = 0
-    hf_model_type: str = "llama"  # the Hugging Face family export writes: llama, qwen2 or mistral
+    hf_model_type: str = "llama"  # the Hugging Face family export writes (HF_MODEL_TYPES)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3)
+    # Mixture of experts (meshlm.model.moe); n_experts = 0 is a dense model and the other fields stay unset.
+    n_experts: int = 0  # routed experts per MoE layer
+    top_k: int = 0  # experts each token is sent to
+    moe_intermediate_size: int = 0  # width of one routed expert's SwiGLU
+    shared_expert_intermediate_size: int = 0  # width of the shared expert every token passes through; 0: none
+    shared_expert_gate: bool = False  # scale the shared expert by sigmoid(x · w) (Qwen2-MoE)
+    moe_score: str = "softmax"  # router scores: softmax over experts (Mixtral, Qwen) or per-expert sigmoid
+    norm_topk: bool = False  # renormalise the top-k scores of a token to sum to 1 (Mixtral; Qwen3's config)
+    first_k_dense: int = 0  # the first k layers keep the dense MLP (DeepSeek's first_k_dense_replace)
+    moe_layer_step: int = 1  # of the others, layer i is MoE when (i + 1) % step == 0 (Qwen's decoder_sparse_step)
+    aux_loss_coef: float = 0.0  # load-balancing loss coefficient (per MoE layer, summed over layers)
+    z_loss_coef: float = 0.0  # router z-loss coefficient (ST-MoE)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "max_seq_len")
@@ -63,13 +100,79 @@ class ModelConfig:
                 f"model.hf_model_type: unknown family {self.hf_model_type!r}; valid: {', '.join(HF_MODEL_TYPES)}"
             )
         # Each family's Hugging Face class fixes its biases and attention, so export stays exact.
-        if self.qkv_bias != (self.hf_model_type == "qwen2"):
+        if self.qkv_bias != (self.hf_model_type in ("qwen2", "qwen2_moe")):
             raise ValueError(
                 f"model.qkv_bias={self.qkv_bias} does not fit model.hf_model_type {self.hf_model_type!r} "
-                "(only qwen2 has q/k/v biases, and it always has them)"
+                "(only qwen2 and qwen2_moe have q/k/v biases, and they always have them)"
             )
-        if self.sliding_window and self.hf_model_type != "mistral":
-            raise ValueError(f"model.sliding_window needs model.hf_model_type 'mistral', got {self.hf_model_type!r}")
+        if self.qk_norm != (self.hf_model_type == "qwen3_moe"):
+            raise ValueError(
+                f"model.qk_norm={self.qk_norm} does not fit model.hf_model_type {self.hf_model_type!r} "
+                "(only qwen3_moe has q/k norms, and it always has them)"
+            )
+        if self.sliding_window and self.hf_model_type not in ("mistral", "mixtral"):
+            raise ValueError(
+                f"model.sliding_window needs model.hf_model_type 'mistral' or 'mixtral', got {self.hf_model_type!r}"
+            )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """MoE fields: set together and in range. Which of them a Hugging Face family can hold is checked by
+        export (meshlm.model.hf), so a router of one's own (sigmoid scores, say) still trains."""
+        if self.n_experts < 0:
+            raise ValueError(f"model.n_experts must be >= 0 (0: a dense model), got {self.n_experts}")
+        is_moe_family = self.hf_model_type in MOE_MODEL_TYPES
+        if not self.n_experts:
+            if is_moe_family:
+                raise ValueError(f"model.hf_model_type {self.hf_model_type!r} needs model.n_experts > 0")
+            default = ModelConfig.__dataclass_fields__
+            for name in MOE_FIELDS[1:]:
+                if getattr(self, name) != default[name].default:
+                    raise ValueError(f"model.{name} ({getattr(self, name)!r}) needs model.n_experts > 0")
+            return
+        if not is_moe_family:
+            raise ValueError(
+                f"model.n_experts ({self.n_experts}) needs a mixture-of-experts model.hf_model_type "
+                f"({', '.join(MOE_MODEL_TYPES)}), got {self.hf_model_type!r}"
+            )
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"model.top_k must be between 1 and model.n_experts ({self.n_experts}), got {self.top_k}")
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"model.moe_intermediate_size must be > 0 with experts, got {self.moe_intermediate_size}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                "model.shared_expert_intermediate_size must be >= 0 (0: none), "
+                f"got {self.shared_expert_intermediate_size}"
+            )
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError(
+                "model.shared_expert_gate needs a shared expert (model.shared_expert_intermediate_size > 0)"
+            )
+        if self.moe_score not in MOE_SCORES:
+            raise ValueError(f"model.moe_score: unknown score {self.moe_score!r}; valid: {', '.join(MOE_SCORES)}")
+        if self.moe_layer_step < 1:
+            raise ValueError(f"model.moe_layer_step must be >= 1, got {self.moe_layer_step}")
+        if not 0 <= self.first_k_dense < self.n_layers:
+            raise ValueError(
+                f"model.first_k_dense must be between 0 and model.n_layers - 1 ({self.n_layers - 1}), "
+                f"got {self.first_k_dense}"
+            )
+        if not self.moe_layers:
+            raise ValueError(
+                f"model.moe_layer_step ({self.moe_layer_step}) leaves no MoE layer after model.first_k_dense "
+                f"({self.first_k_dense}) of model.n_layers ({self.n_layers})"
+            )
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"model.{name} must be a finite number >= 0, got {getattr(self, name)}")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose feed-forward is a mixture of experts (none for a dense model)."""
+        if not self.n_experts:
+            return ()
+        step = self.moe_layer_step
+        return tuple(i for i in range(self.first_k_dense, self.n_layers) if (i + 1) % step == 0)
 
     def _check_rope(self) -> None:
         scaling = {name: getattr(self, name) for name in LLAMA3_ROPE_FIELDS}
@@ -157,6 +260,58 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=53248,
         max_seq_len=8192,
         rope_theta=500000.0,
+    ),
+    # ~5.0M parameters (3.3M active per token): a Qwen2-MoE-style model (8 experts, top-2, a gated shared
+    # expert, a dense first layer) that trains on 2 CPU cores in minutes.
+    "tiny-moe": ModelConfig(
+        qkv_bias=True,
+        hf_model_type="qwen2_moe",
+        n_experts=8,
+        top_k=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        shared_expert_gate=True,
+        first_k_dense=1,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+    ),
+    # Mixtral 8x7B: mistralai/Mixtral-8x7B-v0.1 config.json (46.7B parameters, 12.9B active; Jiang et al. 2024).
+    "mixtral-8x7b": ModelConfig(
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        intermediate_size=14336,
+        max_seq_len=32768,
+        rope_theta=1e6,
+        norm_eps=1e-5,
+        hf_model_type="mixtral",
+        n_experts=8,
+        top_k=2,
+        moe_intermediate_size=14336,
+        norm_topk=True,
+        aux_loss_coef=0.02,
+    ),
+    # Qwen3-30B-A3B: Qwen/Qwen3-30B-A3B config.json (30.5B parameters, 3.3B active; Qwen3 technical report).
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim_override=128,
+        intermediate_size=6144,
+        max_seq_len=40960,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        hf_model_type="qwen3_moe",
+        qk_norm=True,
+        n_experts=128,
+        top_k=8,
+        moe_intermediate_size=768,
+        norm_topk=True,
+        aux_loss_coef=0.001,
     ),
 }
 

@@ -1,4 +1,5 @@
-"""Hugging Face Llama, Qwen2 and Mistral checkpoints in and out of meshlm.
+"""Hugging Face Llama, Qwen2, Mistral and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints
+in and out of meshlm.
 
 The three families share Llama's parameter names and rotary layout, which meshlm's model uses too, so
 conversion is a matter of translating `config.json`, checking every tensor's name and shape, and
@@ -7,12 +8,17 @@ biases, an explicit head_dim, Llama 3.1's `llama3` RoPE scaling, Mistral's windo
 anything else in `config.json` (other RoPE scalings, MLP or output-projection biases, another activation,
 attention that differs from full causal attention within max_position_embeddings) is refused rather than
 silently producing a different model. transformers is not needed here; it is only used by the tests.
+
+The MoE families store each expert as its own tensors (`mlp.experts.3.gate_proj.weight`; Mixtral's
+`block_sparse_moe.experts.3.w1.weight`), meshlm stacks them (`mlp.experts.gate_proj`, experts × out × in):
+`hf_tensor_names` maps one to the other, and the checks below are on the stored (HF) names.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import re
 import sys
@@ -27,6 +33,7 @@ from safetensors.torch import load_model, save_file, save_model
 from meshlm.config import model_config_from_dict
 from meshlm.model.config import ModelConfig
 from meshlm.model.llama import Transformer
+from meshlm.ties import canonical_state, load_state, tied_aliases, unique_state_names
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -38,9 +45,28 @@ _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidde
 # model_type -> the transformers class, and the defaults of its config class for fields a config.json may omit
 # (absent and null differ for two of them: a null num_key_value_heads is num_attention_heads, a null
 # sliding_window is no window).
-FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}
-_KV_HEADS = {"llama": None, "qwen2": 32, "mistral": 8}
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+_MAX_POSITIONS = {
+    "llama": 2048,
+    "qwen2": 32768,
+    "mistral": 131072,
+    "mixtral": 131072,
+    "qwen2_moe": 32768,
+    "qwen3_moe": 32768,
+}
+_KV_HEADS = {"llama": None, "qwen2": 32, "mistral": 8, "mixtral": 8, "qwen2_moe": 16, "qwen3_moe": 4}
+_ROPE_THETA = {"mixtral": 1e6}  # the config classes' defaults, 10000 for the others
+_NORM_EPS = {"mixtral": 1e-5}  # 1e-6 for the others
+# MoE config classes' defaults: (n_experts, top_k, moe_intermediate_size); Mixtral's expert width is intermediate_size
+_MOE_DEFAULTS = {"mixtral": (8, 2, None), "qwen2_moe": (60, 4, 1408), "qwen3_moe": (128, 8, 768)}
+_MIXTRAL_EXPERT_PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _SLIDING_WINDOW = 4096  # Qwen2Config and MistralConfig
 _QWEN2_MAX_WINDOW_LAYERS = 28
 
@@ -71,12 +97,12 @@ def _unsupported(field: str, value: object, wanted: str) -> ValueError:
     return ValueError(f"config.json: {field}={_short(value)} is not supported by meshlm (needs {wanted})")
 
 
-def _rope_fields(hf_config: dict, max_seq_len: int) -> dict[str, object]:
+def _rope_fields(hf_config: dict, max_seq_len: int, default_theta: float = 10000.0) -> dict[str, object]:
     """rope_theta, rope_type and the llama3 scaling of a config.json, as ModelConfig fields. Like transformers,
     a non-empty rope_scaling (transformers 4's field) is read in preference to rope_parameters (transformers 5),
     and a rope_theta inside it in preference to the top-level one."""
     top_theta = hf_config.get("rope_theta")
-    rope_theta = _number("rope_theta", 10000.0 if top_theta is None else top_theta)
+    rope_theta = _number("rope_theta", default_theta if top_theta is None else top_theta)
     for field in ("rope_scaling", "rope_parameters"):
         if hf_config.get(field) is not None and not isinstance(hf_config[field], dict):
             raise ValueError(f"config.json: {field}={_short(hf_config[field])} should be an object or null")
@@ -197,18 +223,24 @@ def model_config_from_hf(hf_config: object) -> ModelConfig:
     vocab_size, intermediate_size = integer("vocab_size"), integer("intermediate_size")
     n_layers = integer("num_hidden_layers")
     max_seq_len = integer("max_position_embeddings", _MAX_POSITIONS[model_type])
-    rope = _rope_fields(hf_config, max_seq_len)
+    rope = _rope_fields(hf_config, max_seq_len, _ROPE_THETA.get(model_type, 10000.0))
     sliding_window = 0
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         window = hf_config.get("sliding_window", _SLIDING_WINDOW)
         sliding_window = 0 if window is None else _positive_int("sliding_window", window)
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen2_moe", "qwen3_moe"):
         _check_qwen2_window(hf_config, n_layers, max_seq_len)
+    if model_type == "qwen2_moe" and get("qkv_bias", True) is not True:
+        raise _unsupported("qkv_bias", hf_config["qkv_bias"], "true (Qwen2-MoE's q/k/v biases)")
+    moe = _moe_fields(hf_config, model_type, n_layers, intermediate_size) if model_type in _MOE_DEFAULTS else {}
     largest = {  # every weight and rotary table of llama.py is at most one of these
         "vocab_size × hidden_size": vocab_size * dim,
         "intermediate_size × hidden_size": intermediate_size * dim,
         "num_attention_heads × head_dim × hidden_size": n_heads * head_dim * dim,
         "max_position_embeddings × head_dim": max_seq_len * head_dim,
+        "num_experts × moe_intermediate_size × hidden_size": moe.get("n_experts", 0)
+        * moe.get("moe_intermediate_size", 0)
+        * dim,
     }
     for product, numel in largest.items():
         if numel * 4 >= 2**63:
@@ -221,15 +253,111 @@ def model_config_from_hf(hf_config: object) -> ModelConfig:
         n_kv_heads=n_kv_heads,
         intermediate_size=intermediate_size,
         max_seq_len=max_seq_len,
-        norm_eps=_number("rms_norm_eps", get("rms_norm_eps", 1e-6)),
+        norm_eps=_number("rms_norm_eps", get("rms_norm_eps", _NORM_EPS.get(model_type, 1e-6))),
         tie_embeddings=tie,
         init_std=_number("initializer_range", get("initializer_range", 0.02)),
         head_dim_override=0 if head_dim == dim // n_heads else head_dim,
-        qkv_bias=model_type == "qwen2",
+        qkv_bias=model_type in ("qwen2", "qwen2_moe"),
         sliding_window=sliding_window,
         hf_model_type=model_type,
+        qk_norm=model_type == "qwen3_moe",
         **rope,
+        **moe,
     )
+
+
+def _moe_fields(hf_config: dict, model_type: str, n_layers: int, intermediate_size: int) -> dict[str, object]:
+    """The MoE ModelConfig fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json. Which layers are sparse
+    (Qwen's mlp_only_layers and decoder_sparse_step) must be expressible as meshlm's first_k_dense and
+    moe_layer_step; a router that differs from meshlm's in training (jitter noise) is refused."""
+    experts_default, top_k_default, width_default = _MOE_DEFAULTS[model_type]
+    key = "num_local_experts" if model_type == "mixtral" or "num_local_experts" in hf_config else "num_experts"
+    value = hf_config.get(key)
+    n_experts = _positive_int(key, experts_default if value is None else value)
+    value = hf_config.get("num_experts_per_tok")
+    top_k = _positive_int("num_experts_per_tok", top_k_default if value is None else value)
+    if top_k > n_experts:
+        raise ValueError(f"config.json: num_experts_per_tok ({top_k}) exceeds {key} ({n_experts})")
+    jitter = hf_config.get("router_jitter_noise")
+    if jitter:
+        raise _unsupported("router_jitter_noise", jitter, "0")
+    coef = hf_config.get("router_aux_loss_coef")
+    aux = 0.001 if coef is None else coef
+    if isinstance(aux, bool) or not isinstance(aux, int | float) or not 0 <= aux < float("inf"):
+        raise ValueError(f"config.json: router_aux_loss_coef={_short(coef)} should be a finite number >= 0")
+    fields: dict[str, object] = {"n_experts": n_experts, "top_k": top_k, "aux_loss_coef": float(aux)}
+    if model_type == "mixtral":
+        return fields | {"moe_intermediate_size": intermediate_size, "norm_topk": True}
+    value = hf_config.get("moe_intermediate_size")
+    fields["moe_intermediate_size"] = _positive_int("moe_intermediate_size", width_default if value is None else value)
+    norm = hf_config.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ValueError(f"config.json: norm_topk_prob={_short(norm)} should be true or false")
+    fields["norm_topk"] = norm
+    if model_type == "qwen2_moe":
+        value = hf_config.get("shared_expert_intermediate_size")
+        shared = _positive_int("shared_expert_intermediate_size", 5632 if value is None else value)
+        fields |= {"shared_expert_intermediate_size": shared, "shared_expert_gate": True}
+    value = hf_config.get("decoder_sparse_step")
+    step = _positive_int("decoder_sparse_step", 1 if value is None else value)
+    dense = hf_config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise ValueError(f"config.json: mlp_only_layers={_short(dense)} should be a list of layer indices")
+    sparse = [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
+    first = sparse[0] if sparse else n_layers
+    if not sparse or sparse != [i for i in range(first, n_layers) if (i + 1) % step == 0]:
+        raise _unsupported(
+            "mlp_only_layers",
+            dense,
+            f"the first k layers only, leaving at least one MoE layer (decoder_sparse_step {step})",
+        )
+    return fields | {"first_k_dense": first, "moe_layer_step": step}
+
+
+def hf_tensor_names(cfg: ModelConfig, name: str) -> tuple[str, ...]:
+    """The stored tensor name(s) of meshlm parameter `name`: itself, except in an MoE layer, where a stacked
+    expert weight is one HF tensor per expert (in expert order) and Mixtral's feed-forward is `block_sparse_moe`."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(.+)", name)
+    if m is None or int(m[1]) not in cfg.moe_layers:
+        return (name,)
+    mixtral = cfg.hf_model_type == "mixtral"
+    prefix = f"model.layers.{m[1]}.{'block_sparse_moe' if mixtral else 'mlp'}."
+    expert = re.fullmatch(r"experts\.(gate_proj|up_proj|down_proj)", m[2])
+    if expert is None:
+        return (prefix + m[2],)
+    part = _MIXTRAL_EXPERT_PARTS[expert[1]] if mixtral else expert[1]
+    return tuple(f"{prefix}experts.{e}.{part}.weight" for e in range(cfg.n_experts))
+
+
+def _hf_expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Stored name -> shape of every tensor of an HF checkpoint of `cfg` (each expert's weight on its own)."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for name, shape in _expected_shapes(cfg).items():
+        stored = hf_tensor_names(cfg, name)
+        expected.update(dict.fromkeys(stored, shape[1:] if len(stored) > 1 else shape))
+    return expected
+
+
+def _check_moe_export(cfg: ModelConfig) -> None:
+    """Refuse, in one line, an MoE model its family's transformers class cannot hold exactly."""
+    family = cfg.hf_model_type
+    wants = {"moe_score": "softmax"}
+    if family == "mixtral":
+        wants |= {"norm_topk": True, "shared_expert_intermediate_size": 0, "first_k_dense": 0, "moe_layer_step": 1}
+    elif family == "qwen2_moe":
+        wants["shared_expert_gate"] = True
+    elif family == "qwen3_moe":
+        wants["shared_expert_intermediate_size"] = 0
+    for name, value in wants.items():
+        if getattr(cfg, name) != value:
+            raise ValueError(
+                f"model.{name}={getattr(cfg, name)!r} cannot be exported as {FAMILIES[family]} (it needs {value!r})"
+            )
+    if family == "mixtral" and cfg.moe_intermediate_size != cfg.intermediate_size:
+        raise ValueError(
+            f"model.moe_intermediate_size ({cfg.moe_intermediate_size}) must equal model.intermediate_size "
+            f"({cfg.intermediate_size}) to export as MixtralForCausalLM (its experts are intermediate_size wide)"
+        )
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -245,10 +373,35 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
             "high_freq_factor": high,
             "original_max_position_embeddings": original,
         }
+    if cfg.n_experts:
+        _check_moe_export(cfg)
+    moe = {
+        "num_experts": cfg.n_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": cfg.norm_topk,
+        "decoder_sparse_step": cfg.moe_layer_step,
+        "mlp_only_layers": list(range(cfg.first_k_dense)),
+        "router_aux_loss_coef": cfg.aux_loss_coef,
+    }
     family: dict[str, object] = {
         "llama": {"attention_bias": False, "mlp_bias": False},
         "qwen2": {"use_sliding_window": False, "sliding_window": None},
         "mistral": {"sliding_window": cfg.sliding_window or None},  # written even when null: absent means 4096
+        "mixtral": {
+            "sliding_window": cfg.sliding_window or None,
+            "num_local_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.top_k,
+            "router_aux_loss_coef": cfg.aux_loss_coef,
+            "router_jitter_noise": 0.0,
+        },
+        "qwen2_moe": {
+            "use_sliding_window": False,
+            "sliding_window": None,
+            **moe,
+            "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+        },
+        "qwen3_moe": {"use_sliding_window": False, "sliding_window": None, "attention_bias": False, **moe},
     }[cfg.hf_model_type]
     return {
         "architectures": [FAMILIES[cfg.hf_model_type]],
@@ -273,11 +426,24 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
     }
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every meshlm tensor, read off a meta-device model so it follows llama.py."""
+@functools.lru_cache(maxsize=8)
+def _model_names(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(name -> shape of every tensor a checkpoint of meshlm's model stores, a tied weight once under its
+    canonical name; tie alias -> canonical name), read off one meta-device model so they follow llama.py."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    state = model.state_dict()
+    return {name: tuple(state[name].shape) for name in unique_state_names(model)}, tied_aliases(model)
+
+
+def tied_names(cfg: ModelConfig) -> dict[str, str]:
+    """Each alias of a tied weight of meshlm's model -> the name checkpoints store it under (meshlm.ties):
+    `lm_head.weight` -> `model.embed_tokens.weight` when `tie_embeddings`, as HF stores it too."""
+    return dict(_model_names(cfg)[1])
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return dict(_model_names(cfg)[0])
 
 
 def _check_shapes(
@@ -348,9 +514,7 @@ def check_hf_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict[Path, 
     stored_layers = {int(m[1]) for name in files if (m := re.match(r"model\.layers\.(\d+)\.", name))}
     if len(stored_layers) != cfg.n_layers:  # checked first: a huge claimed depth would take long to build
         raise ValueError(f"{config_path}: num_hidden_layers={cfg.n_layers} but {listing} holds {len(stored_layers)}")
-    expected = _expected_shapes(cfg)
-    if cfg.tie_embeddings:  # HF stores a tied head once, as the embedding
-        del expected["lm_head.weight"]
+    expected = _hf_expected_shapes(cfg)
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         if not name.endswith("rotary_emb.inv_freq"):  # a buffer some old exports saved
@@ -375,12 +539,15 @@ def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
     `Transformer(cfg).state_dict()` (tensors keep their stored dtype). Checks names and shapes from
     the safetensors headers before loading any data."""
     cfg, by_file = check_hf_checkpoint(directory)
-    state: dict[str, torch.Tensor] = {}
+    stored: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
         with _open_safetensors(path) as f:
-            state.update({name: f.get_tensor(name) for name in names})
-    if cfg.tie_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+            stored.update({name: f.get_tensor(name) for name in names})
+    state = {}
+    for name in _expected_shapes(cfg):  # canonical names: a tied head is stored once, as the embedding
+        parts = hf_tensor_names(cfg, name)
+        state[name] = torch.stack([stored.pop(p) for p in parts]) if len(parts) > 1 else stored[parts[0]]
+    state.update({alias: state[name] for alias, name in tied_names(cfg).items()})
     return cfg, state
 
 
@@ -388,7 +555,7 @@ def load_hf_into_model(directory: str | Path) -> Transformer:
     """Build a (float32) meshlm model holding an HF checkpoint's weights."""
     cfg, state = import_hf(directory)
     model = Transformer(cfg)
-    model.load_state_dict(state)
+    load_state(model, state, str(directory))
     return model
 
 
@@ -406,15 +573,20 @@ def export_hf(
     so they cannot be mixed with the new ones. `model` must be a whole single-device model, not a
     pipeline stage or tensor-parallel shard."""
     cfg = model.cfg
-    state = model.state_dict()
+    full = model.state_dict()
+    state = {name: full[name] for name in unique_state_names(model)}  # a tied head once, as HF stores it
     _check_shapes(
         {n: tuple(t.shape) for n, t in state.items()},
         _expected_shapes(cfg),
         lambda _: "export_hf (needs the whole, unsharded model)",
     )
-    if cfg.tie_embeddings:
-        del state["lm_head.weight"]
-    tensors = {name: state[name].detach().to("cpu", dtype).contiguous() for name in sorted(state)}
+    if cfg.n_experts:
+        _check_moe_export(cfg)
+    stored = {}
+    for name, tensor in state.items():
+        parts = hf_tensor_names(cfg, name)
+        stored.update(zip(parts, tensor.unbind(0), strict=True) if len(parts) > 1 else {parts[0]: tensor})
+    tensors = {name: stored[name].detach().to("cpu", dtype).contiguous() for name in sorted(stored)}
 
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
@@ -430,7 +602,9 @@ def export_hf(
     directory.mkdir(parents=True, exist_ok=True)
     for stale in [directory / WEIGHTS_NAME, directory / INDEX_NAME, *directory.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
-    (directory / CONFIG_NAME).write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
+    from meshlm.checkpoint.store import atomic_write
+
+    atomic_write(directory / CONFIG_NAME, json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
     if len(shards) == 1:
         save_file(shards[0], directory / WEIGHTS_NAME, metadata={"format": "pt"})
         return
@@ -441,7 +615,7 @@ def export_hf(
         weight_map.update(dict.fromkeys(shard, file))
     total_size = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    atomic_write(directory / INDEX_NAME, json.dumps(index, indent=2) + "\n")
 
 
 def _save_meshlm_file(model: Transformer, path: Path) -> None:
@@ -468,7 +642,17 @@ def load_checkpoint_model(path: Path) -> tuple[Transformer, Path]:
     trainer_state = read_trainer_state(checkpoint)
     model_fields = trainer_state.get("model") if isinstance(trainer_state, dict) else None
     model = Transformer(model_config_from_dict(model_fields, str(checkpoint / "trainer.json")))
-    model.load_state_dict(load_model_state(checkpoint))
+    state = load_model_state(checkpoint)
+    if any(".lora_A" in name for name in state) or not set(unique_state_names(model)) <= set(
+        canonical_state(model, state, str(checkpoint))
+    ):  # LoRA / train.freeze: the checkpoint holds the trained tensors only, rebuilt on their base
+        from meshlm.lora import merge_lora, rebuild_run_model
+
+        return merge_lora(rebuild_run_model(checkpoint, state)[0]), checkpoint
+    try:
+        load_state(model, state, str(checkpoint))  # a tied weight is saved once
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     return model, checkpoint
 
 
@@ -487,17 +671,30 @@ def _load_meshlm_file(path: Path) -> Transformer:
     except ValueError as e:
         raise ValueError(f"{path}: metadata {MESHLM_CONFIG_KEY} is not JSON ({_first_line(e)})") from None
     cfg = model_config_from_dict(fields, f"{path}: metadata {MESHLM_CONFIG_KEY}")
-    expected = _expected_shapes(cfg)
-    if cfg.tie_embeddings:  # save_model stores a tied weight under one of its names
-        tied = ("lm_head.weight", "model.embed_tokens.weight")
-        kept = next((name for name in tied if name in shapes), tied[0])
-        for name in tied:
-            if name != kept:
-                del expected[name]
-    _check_shapes(shapes, expected, lambda _: str(path))
+    aliases = tied_names(cfg)  # save_model stores a tied weight under one of its names
+    shapes = {aliases.get(name, name): shape for name, shape in shapes.items()}
+    _check_shapes(shapes, _expected_shapes(cfg), lambda _: str(path))
     model = Transformer(cfg)
     load_model(model, path, strict=True)
     return model
+
+
+def _run_adapters(src: Path) -> tuple[dict[str, torch.Tensor], Any, str]:
+    """(adapter tensors, LoRASpec, the base's init_from) of a LoRA run directory or checkpoint folder."""
+    from meshlm.checkpoint import load_model_state
+    from meshlm.lora import LoRAError, rebuild_run_model
+    from meshlm.model.pretrained import meshlm_checkpoint
+
+    checkpoint = meshlm_checkpoint(src) if src.is_dir() else None
+    if checkpoint is None:
+        raise ValueError(f"{src}: --lora peft needs a meshlm LoRA run directory or checkpoint folder")
+    model, spec = rebuild_run_model(checkpoint, load_model_state(checkpoint))
+    if spec is None:
+        raise LoRAError(f"{checkpoint}: not a LoRA run (its config.toml has lora.rank = 0)")
+    from meshlm.config import load_config
+
+    base = load_config(checkpoint.parent.parent / "config.toml").model.init_from or ""
+    return model.state_dict(), spec, base
 
 
 def run_convert(args: argparse.Namespace) -> int:
@@ -505,6 +702,11 @@ def run_convert(args: argparse.Namespace) -> int:
     try:
         if args.convert_mode == "hf-to-meshlm":
             _save_meshlm_file(load_hf_into_model(args.src), args.out)
+        elif getattr(args, "lora", "merged") == "peft":
+            from meshlm.lora import export_peft
+
+            state, spec, base = _run_adapters(args.src)
+            export_peft(state, spec, args.out, base)
         else:
             from meshlm.model.pretrained import check_run_tokenizer, copy_run_tokenizer
 

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from meshlm.model.config import ModelConfig
 from meshlm.model.init import Constant, InitRule, Normal, fill_
+from meshlm.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -97,6 +98,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Qwen3: an RMSNorm over each query and key head (weights of head_dim), before rotary
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core: Callable[..., torch.Tensor] = causal_attention
         self.recompute_core = False  # selective recompute (set_recompute)
 
@@ -107,8 +111,10 @@ class Attention(nn.Module):
         b, s, _ = q.shape
         if self.sliding_window and s > self.sliding_window:
             raise ValueError(f"sequence length {s} exceeds model.sliding_window {self.sliding_window}")
-        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.recompute_core and self.training:
             out = checkpoint(self.core, q, k, v, cos, sin, use_reentrant=False)
@@ -118,27 +124,33 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), of width `intermediate_size` (the config's by default)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.dim, width, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    """Pre-norm decoder layer (HF name: LlamaDecoderLayer)."""
+    """Pre-norm decoder layer (HF name: LlamaDecoderLayer); layer `index` of an MoE model listed in
+    `cfg.moe_layers` has a mixture of experts (meshlm.model.moe.MoE) as its `mlp`."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        if index in cfg.moe_layers:
+            shared = MLP(cfg, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
+            self.mlp: nn.Module = MoE(cfg, shared)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -154,7 +166,7 @@ class Decoder(nn.Module):
         # build from loading PyTorch's Python meta kernels for it (sympy and friends, ~70 MiB per process).
         weight = torch.empty(cfg.vocab_size, cfg.dim)
         self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=weight)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
 
 
@@ -184,13 +196,13 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def init_rule(self, name: str, param: torch.Tensor) -> InitRule:
-        """Normal(0, init_std) for matrices, zeros for biases, ones for norms; output projections scaled by
-        1/sqrt(2·L)."""
+        """Normal(0, init_std) for matrices (routers and stacked experts too), zeros for biases, ones for norms;
+        output projections (each expert's too) scaled by 1/sqrt(2·L)."""
         if name.endswith(".bias"):
             return Constant(0.0)
         if param.ndim == 1:
             return Constant(1.0)
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             return Normal(self.cfg.init_std / (2 * self.cfg.n_layers) ** 0.5)
         return Normal(self.cfg.init_std)
 
@@ -218,6 +230,15 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def num_active_params(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to (top_k of n_experts)."""
+        unused = 0
+        for module in self.modules():
+            if isinstance(module, MoE):
+                per_expert = sum(p[0].numel() for p in module.experts.parameters())
+                unused += (module.n_experts - module.top_k) * per_expert
+        return self.num_params() - unused
+
 
 def set_recompute(model: nn.Module, policy: str) -> None:
     """Activation recompute of meshlm's Llama (`train.recompute`): 'full' keeps only each block's input
@@ -231,9 +252,22 @@ def set_recompute(model: nn.Module, policy: str) -> None:
             module.recompute_core = policy == "selective"
 
 
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32 (the loss every parallel layout must reproduce)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+IGNORE_INDEX = -100  # the target id of tokens that carry no loss (Hugging Face's and PyTorch's convention)
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Mean token cross-entropy in fp32 over the targets that are not `ignore_index` (the loss every parallel
+    layout must reproduce: sum over kept tokens / count of kept tokens)."""
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=ignore_index)
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per-token cross-entropy in fp32, shaped like `targets`, 0 where the target is `ignore_index`: the
+    form of loss a ParallelModel takes, so that it can average over the kept tokens of the global batch."""
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    losses = F.cross_entropy(flat, targets.reshape(-1), ignore_index=ignore_index, reduction="none")
+    return losses.view(targets.shape)
 
 
 @torch.no_grad()

@@ -19,12 +19,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from meshlm.model.config import ModelConfig
-from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint
+from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint, hf_tensor_names, tied_names
 
 TOKENIZER_NAME = "tokenizer.json"
-# What an HF directory's tokenizer consists of; a run keeps a copy so that its export carries it.
-TOKENIZER_FILES = (TOKENIZER_NAME, "tokenizer_config.json", "special_tokens_map.json")
-_TIED = {"lm_head.weight": "model.embed_tokens.weight"}  # HF stores a tied head once, as the embedding
+# What an HF directory's tokenizer consists of (recent transformers save a chat template as chat_template.jinja);
+# a run keeps a copy so that its export, and an SFT run started from it, carry it.
+TOKENIZER_FILES = (TOKENIZER_NAME, "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -39,10 +39,13 @@ class HFWeights:
         self.directory = Path(directory)
         self.cfg, by_file = check_hf_checkpoint(self.directory)
         self.files = {name: path for path, names in by_file.items() for name in names}
+        self.aliases = tied_names(self.cfg)  # HF stores a tied head once, as the embedding
         self._open: dict[Path, Any] = {}
 
     def tensor_name(self, name: str) -> str:
-        return _TIED[name] if self.cfg.tie_embeddings and name in _TIED else name
+        """The stored tensor of meshlm parameter `name` (a tie's alias: its canonical name; a stacked MoE
+        weight's: its first expert's)."""
+        return hf_tensor_names(self.cfg, self.aliases.get(name, name))[0]
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """The region `index` (one slice per leading dimension) of stored tensor `name`; every read of the
@@ -74,6 +77,13 @@ class HFWeights:
         cols = math.prod(local_shape[1:]) if len(local_shape) > 1 else 1
         end = start + out.numel()
         first, last = start // cols, (end - 1) // cols  # local rows the range touches
+        experts = hf_tensor_names(self.cfg, name)
+        if len(experts) > 1:  # a stacked MoE weight: its rows are experts, each stored whole as its own tensor
+            if tp_slice is not None:
+                raise ValueError(f"{name}: stacked expert weights have no tensor-parallel slice to read")
+            rows = torch.stack([self.read(experts[e], (slice(None),)) for e in range(first, last + 1)]).reshape(-1)
+            out.copy_(rows[start - first * cols : end - first * cols])
+            return
         if dim == 0:
             index = (slice(offset + first, offset + last + 1),)
         elif dim == 1 and len(shape) == 2:
@@ -151,8 +161,9 @@ def open_init_from(init_from: str, vocab_size: int) -> HFWeights | None:
 
 
 def keep_tokenizer(run_dir: Path, tokenizer_file: Path) -> None:
-    """Copy the run's tokenizer (and, beside a given one, its tokenizer_config.json and special_tokens_map.json)
-    into the run directory, where `meshlm convert meshlm-to-hf` finds it; each copy whole or not at all."""
+    """Copy the run's tokenizer (and, beside a given one, its tokenizer_config.json, special_tokens_map.json and
+    chat_template.jinja) into the run directory, where `meshlm convert meshlm-to-hf` finds it; each copy whole or
+    not at all."""
     from meshlm.checkpoint.store import atomic_copy
 
     for name in TOKENIZER_FILES:

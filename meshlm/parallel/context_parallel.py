@@ -5,8 +5,13 @@ holds chunks r and 2·cp−1−r, so every rank has as many early (cheap) as lat
 under the causal mask. The engine hands each rank these columns of its batch (`shard_sequence`) and the
 attention core rotates q/k by the same global positions (`chunk_positions`).
 
-Two attention cores replace the model's (the plan's `context_parallel` pattern names the modules whose
-`core` attribute is swapped, see meshlm.model.llama.causal_attention):
+Two attention cores replace the model's. The plan names where: its `context_parallel` pattern names
+modules whose `core` attribute (meshlm.model.llama.causal_attention's signature: rotary inside) is swapped;
+its `attention` pattern names a model's own attention-core modules, `forward(q, k, v) -> out` on
+(batch, heads, seq, head_dim) tensors, causal, positions already applied, which are replaced whole
+(`ContextParallelCore`). Its `positions` pattern names modules called with the local positions
+0..n-1 of the rank's n tokens (a learned position embedding fed `torch.arange(n)`): under cp a forward
+pre-hook hands them the tokens' global positions instead.
   ring     K/V blocks travel around the cp ring with explicit send/recv (batch_isend_irecv); each rank
            attends its queries to every block under the global causal mask and merges the partial
            results by log-sum-exp. Backward runs the ring again: K/V travel with their gradient
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +43,9 @@ from meshlm.parallel.plan import ParallelPlan, PlanError
 
 __all__ = [
     "ContextParallelAttention",
+    "ContextParallelCore",
     "apply_context_parallel",
+    "check_cp_plan",
     "chunk_positions",
     "ring_attention",
     "shard_sequence",
@@ -294,22 +302,76 @@ class ContextParallelAttention:
         return attend(q, k, v, self.group)
 
 
+class ContextParallelCore(nn.Module):
+    """A model's own attention core under cp: (q, k, v) (batch, heads, seq/cp, head_dim) of this rank's
+    chunks, positions already applied, -> causal attention over the whole sequence, by ring or Ulysses."""
+
+    def __init__(self, group: dist.ProcessGroup, attention: str = "ring") -> None:
+        super().__init__()
+        if attention not in ("ring", "ulysses"):
+            raise ValueError(f"parallel.cp_attention = {attention!r}; valid: 'ring', 'ulysses'")
+        self.group, self.attention = group, attention
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        attend = ring_attention if self.attention == "ring" else ulysses_attention
+        return attend(q, k, v, self.group)
+
+
+def _global_positions(cp: int, rank: int) -> Callable[[nn.Module, tuple], tuple]:
+    """A forward pre-hook mapping the local positions 0..n-1 (first argument) to the tokens' global ones."""
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        local = args[0]
+        table = chunk_positions(local.shape[-1] * cp, cp, rank, local.device)
+        return (table[local], *args[1:])
+
+    return hook
+
+
+def check_cp_plan(model: nn.Module, plan: ParallelPlan) -> None:
+    """A one-line PlanError if cp cannot be applied to `model` by `plan`: no pattern, a pattern matching no
+    module, a `context_parallel` module without a callable `core`, an `attention` module with parameters."""
+    cls = type(model).__name__
+    if not (plan.context_parallel or plan.attention):
+        raise PlanError(
+            f"plan {plan.name!r} for {cls} has no context_parallel pattern and no attention pattern; cp > 1 needs "
+            "ParallelPlan.attention (modules whose forward is (q, k, v) -> out) or context_parallel (a `core`)"
+        )
+    for field, pattern in (("context_parallel", plan.context_parallel), ("attention", plan.attention),
+                           ("positions", plan.positions)):  # fmt: skip
+        if pattern and not _matching(model, pattern):
+            raise PlanError(f"plan {plan.name!r}: {field} {pattern!r} matches no module of {cls}")
+    for name, module in _matching(model, plan.context_parallel) if plan.context_parallel else ():
+        if not callable(getattr(module, "core", None)):
+            raise PlanError(f"plan {plan.name!r}: {name} ({type(module).__name__}) has no replaceable `core`")
+    for name, module in _matching(model, plan.attention) if plan.attention else ():
+        if any(True for _ in module.parameters()):
+            raise PlanError(
+                f"plan {plan.name!r}: attention module {name} ({type(module).__name__}) has parameters; name the "
+                "parameter-free core whose forward is (q, k, v) -> out"
+            )
+
+
+def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)]
+
+
 def apply_context_parallel(
     model: nn.Module, plan: ParallelPlan, group: dist.ProcessGroup, attention: str = "ring"
 ) -> int:
-    """Swap the `core` of every attention module the plan's `context_parallel` pattern names; return how
-    many. A one-line PlanError (before anything changes) if the plan has no such pattern or it matches no
-    module with a callable `core`."""
-    cls = type(model).__name__
-    if not plan.context_parallel:
-        raise PlanError(f"plan {plan.name!r} for {cls} has no context_parallel pattern; cp > 1 needs one")
-    matched = [(n, m) for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, plan.context_parallel)]
-    if not matched:
-        raise PlanError(f"plan {plan.name!r}: context_parallel {plan.context_parallel!r} matches no module of {cls}")
-    for name, module in matched:
-        if not callable(getattr(module, "core", None)):
-            raise PlanError(f"plan {plan.name!r}: {name} ({type(module).__name__}) has no replaceable `core`")
-    core = ContextParallelAttention(group, attention)
-    for _, module in matched:
-        module.core = core
-    return len(matched)
+    """Swap the `core` of every module the plan's `context_parallel` pattern names, replace every module its
+    `attention` pattern names by a ContextParallelCore, and hook its `positions` modules; return how many
+    attention modules changed. Checked first (check_cp_plan): a refusal changes nothing."""
+    check_cp_plan(model, plan)
+    matched = _matching(model, plan.context_parallel) if plan.context_parallel else []
+    if matched:
+        core = ContextParallelAttention(group, attention)
+        for _, module in matched:
+            module.core = core
+    cores = _matching(model, plan.attention) if plan.attention else []
+    for name, _ in cores:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, ContextParallelCore(group, attention))
+    for _, module in _matching(model, plan.positions) if plan.positions else ():
+        module.register_forward_pre_hook(_global_positions(dist.get_world_size(group), dist.get_rank(group)))
+    return len(matched) + len(cores)

@@ -6,6 +6,10 @@ post-accumulate-grad hooks, asynchronously, so communication overlaps the rest o
   zero 1  same buckets, reduce-scattered in place; each rank steps an fp32 shard, then all-gathers the weights.
   zero 2  the full gradient of a bucket is freed right after its reduce-scatter; only the shard is kept.
   zero 3  one unit per block (and embedding, norm+head): weights gathered before use, freed after (zero.py).
+Frozen parameters (requires_grad False: a LoRA base, train.freeze) get no gradient buffer, no reduction and
+no optimizer state under any stage: stages 0-2 leave them as they are (replicated, in their own dtype, e.g.
+bf16); ZeRO-3 shards them too, in their own dtype (no fp32 master), gathered with their unit's trainable
+buffers and never reduced (`frozen_buffers`).
 Inner micro-batches of gradient accumulation (set_grad_sync False) never communicate: gradients accumulate in
 the full buffers and are reduced once on the last micro-batch. Under ZeRO-2/3 this keeps full gradients for
 the accumulation window (reducing every micro-batch would keep only shards, for n_micro times the traffic).
@@ -35,6 +39,7 @@ from meshlm.parallel.zero import (
     hybrid_shard_groups,
     reduce_scatter_flat,
 )
+from meshlm.ties import is_pp_tied
 
 # ZeRO-2/3 wait for the oldest reduction beyond this many in flight, so freed gradient buffers bound memory.
 MAX_INFLIGHT_SHARDED_REDUCTIONS = 2
@@ -62,11 +67,15 @@ class ShardedTensor:
 
 def bucket_params(params: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:
     """Buckets in reverse order of registration, which is roughly the order gradients become ready in backward,
-    so the first buckets fill (and start reducing) early; one kind (decay or not) per bucket."""
+    so the first buckets fill (and start reducing) early; one kind (decay or not) per bucket. A weight both
+    ends of a pipeline hold (a tied embedding) is a bucket of its own, so both ends shard it alike."""
     buckets: list[list[nn.Parameter]] = []
     filling: dict[bool, list[nn.Parameter]] = {True: [], False: []}
     size = {True: 0, False: 0}
     for p in reversed(params):
+        if is_pp_tied(p):
+            buckets.append([p])
+            continue
         kind = decays(p)
         filling[kind].append(p)
         size[kind] += p.numel() * p.element_size()
@@ -77,7 +86,10 @@ def bucket_params(params: list[nn.Parameter], bucket_bytes: float) -> list[list[
 
 
 def split_by_kind(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    return [group for group in ([p for p in params if decays(p)], [p for p in params if not decays(p)]) if group]
+    """Matrices, vectors, and each weight both ends of a pipeline hold alone (see bucket_params)."""
+    alone = [[p] for p in params if is_pp_tied(p)]
+    rest = [p for p in params if not is_pp_tied(p)]
+    return alone + [group for group in ([p for p in rest if decays(p)], [p for p in rest if not decays(p)]) if group]
 
 
 def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -88,6 +100,16 @@ def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
         if storage.nbytes():
             sizes[storage.data_ptr()] = storage.nbytes()
     return sum(sizes.values())
+
+
+def squared_norm_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ‖t‖² in float64 on `device`, without a float64 copy of any tensor: one fused `_foreach_norm` gives each
+    tensor's norm in fp32 (fp32 accumulation, as exact as the fp32 gradients themselves up to rounding), whose
+    squares are summed in float64 (so a model of any size adds no error across tensors)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in tensors])
+    return torch.stack(norms).to(device=device, dtype=torch.float64).square().sum()
 
 
 class DataParallel:
@@ -133,22 +155,25 @@ class DataParallel:
         self.primary_replica = self.replicate_group is None or dist.get_rank(self.replicate_group) == 0
 
         self.chunk_params: list[list[nn.Parameter]] = []
+        self.chunk_frozen: list[list[nn.Parameter]] = []
         self.names: dict[int, str] = {}
         for chunk in chunks:
-            params = []
+            params, frozen = [], []
             for name, p in chunk.named_parameters():
-                if p.requires_grad and id(p) not in self.names:
+                if id(p) not in self.names:
                     self.names[id(p)] = name
-                    params.append(p)
+                    (params if p.requires_grad else frozen).append(p)
             self.chunk_params.append(params)
+            self.chunk_frozen.append(frozen)
 
         self.units: list[Unit] = []
         self.chunk_buffers: list[list[FlatBuffer]] = []  # per chunk, in the order reductions are launched
-        for chunk, params in zip(chunks, self.chunk_params, strict=True):
+        self.frozen_buffers: list[FlatBuffer] = []  # ZeRO-3: frozen parameters' shards, gathered, never reduced
+        for chunk, params, frozen in zip(chunks, self.chunk_params, self.chunk_frozen, strict=True):
             if zero == 3:
-                units = self._build_units(chunk, params)
+                units = self._build_units(chunk, params, frozen)
                 self.units += units
-                self.chunk_buffers.append([buf for unit in reversed(units) for buf in unit.buffers])
+                self.chunk_buffers.append([buf for unit in reversed(units) for buf in unit.buffers[: unit.trainable]])
             else:
                 self.chunk_buffers.append([self._make_buffer(b) for b in bucket_params(params, bucket_mb * 2**20)])
         self.buffers = [buf for bufs in self.chunk_buffers for buf in bufs]
@@ -169,9 +194,10 @@ class DataParallel:
             params, self.shard_size, self.shard_rank, self.param_dtype, self.source, shard_only=self.stage == 3
         )
 
-    def _build_units(self, chunk: nn.Module, params: list[nn.Parameter]) -> list[Unit]:
-        """ZeRO-3 units in forward order; a parameter shared by two units (tied embeddings) joins the first."""
-        owned = {id(p) for p in params}
+    def _build_units(self, chunk: nn.Module, params: list[nn.Parameter], frozen: list[nn.Parameter]) -> list[Unit]:
+        """ZeRO-3 units in forward order; a parameter shared by two units (tied embeddings) joins the first.
+        A unit's frozen parameters form buffers of their own, one per dtype, after its trainable ones."""
+        owned = {id(p) for p in params + frozen}
         groups = zero3_unit_groups(chunk, self.plan or plan_for(chunk))
         hooked = {m for modules in groups for m in modules}
         units, unit_of_param = [], {}
@@ -183,7 +209,17 @@ class DataParallel:
                 )
             mine = list(mine.values())
             if mine:
-                unit = Unit(modules, [self._make_buffer(kind) for kind in split_by_kind(mine)], self.shard_group)
+                trainable = [p for p in mine if p.requires_grad]
+                buffers = [self._make_buffer(kind) for kind in split_by_kind(trainable)]
+                n_trainable = len(buffers)
+                for dtype in dict.fromkeys(p.dtype for p in mine if not p.requires_grad):
+                    buf = FlatBuffer(
+                        [p for p in mine if not p.requires_grad and p.dtype == dtype],
+                        self.shard_size, self.shard_rank, dtype, self.source, shard_only=True,
+                    )  # fmt: skip
+                    self.frozen_buffers.append(buf)
+                    buffers.append(buf)
+                unit = Unit(modules, buffers, self.shard_group, trainable=n_trainable)
                 unit_of_param.update({id(p): unit for p in mine})
                 units.append(unit)
         Zero3Hooks(units, unit_of_param)  # registers itself on the units' modules
@@ -192,7 +228,15 @@ class DataParallel:
     @torch.no_grad()
     def _setup_stage(self, group: dist.ProcessGroup) -> None:
         """Start every replica from dp rank 0's weights (buffers filled from the source agree already), then
-        create the masters and gradient buffers."""
+        create the masters and gradient buffers. Frozen buffers (ZeRO-3) keep only their shard, in their dtype."""
+        for buf in self.frozen_buffers:
+            if buf.initial_shard is not None:
+                buf.master, buf.initial_shard = buf.initial_shard.to(buf.data.dtype), None
+            else:
+                if not buf.from_source:
+                    dist.broadcast(buf.data, src=dist.get_global_rank(group, 0), group=group)
+                buf.master = buf.data[buf.shard].clone()
+            buf.free_params()
         for buf in self.buffers:
             if not buf.from_source:
                 dist.broadcast(buf.data, src=dist.get_global_rank(group, 0), group=group)
@@ -306,18 +350,22 @@ class DataParallel:
         total = torch.zeros((), dtype=torch.float64, device=device)
         if not self.primary_replica:
             return total
+        grads = []
         for buf in self.buffers:
             kept = [buf.grad_shard[lo:hi] for p, _, lo, hi in buf.pieces if not skip(p)]
-            if len(kept) == len(buf.pieces):
-                kept = [buf.grad_shard]  # one kernel for the whole shard: its padding gradient is zero
-            for grad in kept:
-                total += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
-        return total
+            grads += [buf.grad_shard] if len(kept) == len(buf.pieces) else kept  # whole shard: padding grad is 0
+        return squared_norm_sum(grads, total.device)
+
+    def grad_shards_of(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """The reduced gradient (shard) of each of `params` that has a flat buffer of its own (pipeline-tied)."""
+        ids = {id(p) for p in params}
+        return [buf.grad_shard for buf in self.buffers if len(buf.params) == 1 and id(buf.params[0]) in ids]
 
     @torch.no_grad()
     def scale_grads_(self, coef: torch.Tensor) -> None:
-        for buf in self.buffers:
-            buf.grad_shard.mul_(coef.to(buf.grad_shard.device))
+        shards = [buf.grad_shard for buf in self.buffers]
+        if shards:
+            torch._foreach_mul_(shards, coef.to(shards[0].device))
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
@@ -348,7 +396,7 @@ class DataParallel:
     def unsharded_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (from the fp32 masters when sharded) under the chunks' state_dict names."""
         full: dict[int, torch.Tensor] = {}
-        for buf in self.buffers:
+        for buf in self.buffers + self.frozen_buffers:
             flat = buf.data if self.stage == 0 else buf.gather_master(self.shard_group)
             for p, view in zip(buf.params, buf.views(flat), strict=True):
                 full[id(p)] = view.float().cpu().clone()
@@ -400,10 +448,19 @@ class DataParallel:
                 out[key].append(ShardedTensor(self.names[id(p)], p.shape, offset, local))
         return out
 
+    def frozen_shards(self) -> list[ShardedTensor]:
+        """ZeRO-3: this rank's pieces of the frozen parameters (views of their shards), to load a base into."""
+        return [
+            ShardedTensor(self.names[id(p)], p.shape, offset, buf.master[lo:hi])
+            for buf in self.frozen_buffers
+            for p, offset, lo, hi in buf.pieces
+        ]
+
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds now in parameters (working weights + fp32 masters), gradients (full buffers and
         reduced shards) and, given the optimizer, its state (AdamW moments; the scalar step counts excluded)."""
-        params = [p for ps in self.chunk_params for p in ps] + [b.master for b in self.buffers if b.master is not None]
+        masters = [b.master for b in self.buffers + self.frozen_buffers if b.master is not None]
+        params = [p for ps in self.chunk_params + self.chunk_frozen for p in ps] + masters
         grads = [p.grad for p in params if p.grad is not None]
         state = []
         if optimizer is not None:

@@ -23,20 +23,25 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.config import ParallelSection
-from meshlm.model.llama import cross_entropy_loss
+from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
+from meshlm.model.moe import set_aux_loss_scale
 from meshlm.observe.timers import comm
-from meshlm.parallel.data_parallel import ShardedTensor
+from meshlm.parallel.data_parallel import ShardedTensor, squared_norm_sum
+from meshlm.parallel.fused_loss import HeadOutput, apply_fused_loss, fused_cross_entropy_sum
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
-from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
+from meshlm.parallel.plan import ParallelPlan, PlanError, check_plan, plan_for
+from meshlm.parallel.tp_shard import tp_shard
+from meshlm.ties import is_pp_tied, tied_aliases
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 
 
 def is_tp_replicated(param: nn.Parameter) -> bool:
     """True for parameters whose gradient is counted on another tp rank too (norm weights, and every copy
     but the first of a KV head replicated over ranks): the global norm counts them on tp rank 0 only."""
-    return getattr(param, "_meshlm_tp_shard_dim", None) is None
+    shard = tp_shard(param)
+    return shard is None or not shard.counted
 
 
 def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
@@ -57,25 +62,43 @@ def mesh_device(mesh: Mesh) -> torch.device:
     return torch.device(mesh.device_mesh.device_type)
 
 
+def zero_param_dtype(parallel: ParallelSection, device_type: str, autocast_dtype: torch.dtype | None) -> torch.dtype:
+    """The working weights' dtype over fp32 master shards: `parallel.zero_param_dtype`, where 'auto' is bf16
+    under ZeRO ≥ 1 with bf16 autocast on CUDA (FSDP2's usual MixedPrecisionPolicy: the matmuls run in bf16
+    anyway, so gathers of bf16 weights halve the traffic and memory), else fp32 (zero 0 steps the fp32
+    weights themselves)."""
+    choice = parallel.zero_param_dtype
+    if choice == "auto":
+        cuda_bf16 = device_type == "cuda" and autocast_dtype == torch.bfloat16
+        choice = "bf16" if parallel.zero >= 1 and cuda_bf16 else "fp32"
+    return torch.bfloat16 if choice == "bf16" else torch.float32
+
+
 def replica_group(mesh: Mesh) -> dist.ProcessGroup:
     """The ranks that hold the same weights and reduce gradients together: dp, and under context parallel
     dp × cp (each cp rank's gradient covers only its tokens of the sequences)."""
     return mesh.group("dp_cp")
 
 
-def causal_lm_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy of logits, or of an output object's `.logits` (Hugging Face models)."""
-    return cross_entropy_loss(getattr(output, "logits", output), targets)
+class LossShapeError(PlanError):
+    """A loss function that does not return one loss per target token."""
 
 
 class ParallelModel:
     """This rank's model chunks plus the collectives that make them behave like the single-process model.
 
-    `plan` defaults to the registered plan of the model's class (meshlm.parallel.plan.plan_for). `loss_fn`
-    maps (model output, targets) to a mean loss; by default token cross-entropy, vocabulary-parallel under
-    tp (the logits stay sharded). `gather_logits` makes a tp model return full logits instead, for a loss
-    of one's own that needs them (at the cost of gathering them). `model` may be built on the `meta`
-    device: each rank then materialises only its shard (see the module docstring), on the mesh's device."""
+    `plan` defaults to the registered plan of the model's class (meshlm.parallel.plan.plan_for).
+
+    The loss contract: `loss_fn(output, targets)` returns per-token losses shaped like `targets` (as
+    `F.cross_entropy(..., reduction="none")` does); meshlm zeroes those whose target is `ignore_index`, sums
+    them and divides by the number of kept tokens in the *global* batch (every replica and micro-batch), so
+    the loss and gradients equal one process's `sum(loss over kept tokens) / count(kept tokens)` under any
+    layout and accumulation. The default is token cross-entropy, vocabulary-parallel under tp (the logits
+    stay sharded). A loss of one's own under tp needs `gather_logits=True` (the model then returns full
+    logits, at the cost of gathering them). `fused_loss` computes meshlm's cross-entropy together with the
+    vocabulary head, chunk by chunk, never materialising the logits (meshlm.parallel.fused_loss; the head
+    returns them again in eval). `model` may be built on the `meta` device: each rank then
+    materialises only its shard (see the module docstring), on the mesh's device."""
 
     def __init__(
         self,
@@ -87,21 +110,36 @@ class ParallelModel:
         plan: ParallelPlan | None = None,
         loss_fn: LossFn | None = None,
         gather_logits: bool = False,
+        ignore_index: int = IGNORE_INDEX,
+        fused_loss: bool = False,
     ) -> None:
         self.mesh = mesh
         self.n_micro = n_micro
+        self.ignore_index = ignore_index
+        self._tokens_scale: torch.Tensor | None = None  # replicas / global kept tokens, set per step
+        self._batch_checked = False
         self.autocast_dtype = autocast_dtype
         self.plan = plan = plan or plan_for(model)
         layout = mesh.layout
         check_plan(model, plan, layout.tp, layout.pp, parallel.zero, parallel.sequence_parallel)
+        if layout.cp > 1:
+            from meshlm.parallel.context_parallel import check_cp_plan
+
+            check_cp_plan(model, plan)  # before tensor parallelism changes anything
+        if layout.tp > 1 and loss_fn is not None and not gather_logits:
+            raise PlanError(
+                "loss_fn: under tp the model's logits are sharded over the vocabulary; pass gather_logits=True "
+                "for a loss of one's own, or leave loss_fn unset for meshlm's vocabulary-parallel cross-entropy"
+            )
         self.global_shapes = {name: p.shape for name, p in model.named_parameters()}
+        self.tied_aliases = tied_aliases(model)  # a tied weight is named by its canonical name (meshlm.ties)
         meta_init = MetaInit(model, mesh_device(mesh)) if is_meta_model(model) else None
         self.device_type = meta_init.device.type if meta_init else next(model.parameters()).device.type
         if layout.pp > 1:
             from meshlm.parallel.pipeline import hidden_size
 
             width = hidden_size(model, plan.pipeline)  # read before tp swaps the embedding
-        self.loss_fn: LossFn = loss_fn or causal_lm_loss
+        self.token_loss: LossFn = loss_fn or self._cross_entropy
 
         if layout.tp > 1:
             from meshlm.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -113,9 +151,15 @@ class ParallelModel:
             if loss_fn is None and not gather_logits:
 
                 def tp_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
-                    return vocab_parallel_cross_entropy(getattr(output, "logits", output), targets, tp_state.group)
+                    logits = getattr(output, "logits", output)
+                    return vocab_parallel_cross_entropy(logits, targets, tp_state.group, ignore_index)
 
-                self.loss_fn = tp_loss
+                self.token_loss = tp_loss
+
+        # ZeRO-3 frees the head's gathered weight when its unit's forward ends, before the loss runs: there the
+        # head keeps returning logits (docs/zero.md).
+        if fused_loss and loss_fn is None and not gather_logits and parallel.zero < 3:
+            apply_fused_loss(model, plan)
 
         if layout.cp > 1:
             from meshlm.parallel.context_parallel import apply_context_parallel
@@ -131,9 +175,11 @@ class ParallelModel:
             )
         else:
             self.chunks = [model]
+        for chunk in self.chunks:  # MoE aux losses: each micro-batch's share, like the loss's / n_micro below
+            set_aux_loss_scale(chunk, 1.0 / n_micro)
         packed = layout.dp * layout.cp > 1 or parallel.zero > 0  # data parallel / ZeRO lays the parameters out
         if meta_init is not None:
-            meta_init.replace_params(model, self.chunks, packed)
+            meta_init.replace_params(model, self.chunks, packed, packs_frozen=parallel.zero == 3)
 
         if layout.pp > 1:
             from meshlm.parallel.pipeline import PipelineSchedule
@@ -143,7 +189,7 @@ class ParallelModel:
                 mesh.group("pp"),
                 schedule=parallel.schedule,
                 n_micro=n_micro,
-                loss_fn=self._staged_loss,
+                loss_fn=self._scaled_loss,
                 autocast=self.autocast,
                 set_grad_sync=self.set_grad_sync,
                 seq_shards=layout.tp if parallel.sequence_parallel else 1,
@@ -160,15 +206,98 @@ class ParallelModel:
                 zero=parallel.zero,
                 bucket_mb=parallel.bucket_mb,
                 shard_group_size=parallel.zero_shard_size,
-                param_dtype=torch.bfloat16 if parallel.zero_param_dtype == "bf16" else torch.float32,
+                param_dtype=zero_param_dtype(parallel, self.device_type, autocast_dtype),
+                reduce_dtype=torch.bfloat16 if parallel.zero_reduce_dtype == "bf16" else torch.float32,
                 plan=plan,
                 source=meta_init,
             )
         if meta_init is not None:
             meta_init.check_done()
+        self.tied = None
+        if layout.pp > 1:
+            from meshlm.parallel.pipeline import TiedStages
 
-    def _staged_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, targets)
+            self.tied = TiedStages.build(model, self.chunks, plan.pipeline, mesh)
+
+    # ---- the loss: per-token losses over the kept tokens of the global batch ---------------------------
+    def count_tokens(self, targets: torch.Tensor) -> torch.Tensor:
+        """The number of kept targets (not `ignore_index`) in `targets` summed over every replica (dp, and cp
+        shards of the sequences): the denominator of the global-batch token mean. One all-reduce of a scalar;
+        every replica must call it. A device tensor, no host sync."""
+        count = (targets != self.ignore_index).sum().to(torch.float32)
+        if self.replicas > 1:
+            with comm("all_reduce"):
+                dist.all_reduce(count, group=self.mesh.group("dp_cp"))
+        return count
+
+    @property
+    def replicas(self) -> int:
+        """Ranks whose gradients data parallel averages: dp × cp."""
+        return self.mesh.size("dp") * self.mesh.size("cp")
+
+    def _cross_entropy(self, output: object, targets: torch.Tensor) -> torch.Tensor:
+        return token_cross_entropy(getattr(output, "logits", output), targets, self.ignore_index)
+
+    def token_loss_sum(self, output: object, targets: torch.Tensor) -> torch.Tensor:
+        """Σ of the loss function's per-token losses over the kept targets, in fp32 (fused with the output
+        projection, chunk by chunk, when the head returned a HeadOutput: `fused_loss`)."""
+        head = getattr(output, "logits", output)
+        if isinstance(head, HeadOutput):
+            return fused_cross_entropy_sum(head, targets, self.ignore_index)
+        losses = self.token_loss(output, targets)
+        if not torch.is_tensor(losses) or losses.shape != targets.shape:
+            got = tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__
+            raise LossShapeError(
+                f"loss_fn returned {got}, but meshlm needs one loss per target token, shaped like the targets "
+                f"{tuple(targets.shape)} (e.g. F.cross_entropy(..., reduction='none')): it averages them over "
+                "the kept tokens of the global batch itself"
+            )
+        return torch.where(targets != self.ignore_index, losses.float(), 0.0).sum()
+
+    def loss_fn(
+        self, output: object, targets: torch.Tensor, num_tokens: torch.Tensor | float | None = None
+    ) -> torch.Tensor:
+        """This rank's share of the global-batch token-mean loss, for a loop of one's own: Σ per-token loss
+        over its kept targets × replicas / `num_tokens`, so that data parallel's gradient average gives the
+        gradient of Σ loss / num_tokens over the whole batch. `num_tokens` is the number of kept tokens in the
+        global batch of the optimizer step (`count_tokens` of all the step's targets — pass it when
+        accumulating over micro-batches); by default `count_tokens(targets)`, the step being this one batch.
+        `replica_mean` of the result is the global loss."""
+        if num_tokens is None:
+            num_tokens = self.count_tokens(targets)
+        count = torch.as_tensor(num_tokens, dtype=torch.float32, device=targets.device).clamp(min=1)
+        return self.token_loss_sum(output, targets) * (self.replicas / count)
+
+    def _scaled_loss(self, output: object, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's term of the step's loss (the pipeline's loss function): its kept-token loss sum
+        times replicas / the step's global kept tokens, set by `_start_step`."""
+        return self.token_loss_sum(output, targets) * self._tokens_scale
+
+    def _start_step(self, targets: torch.Tensor) -> None:
+        self._tokens_scale = self.replicas / self.count_tokens(targets).clamp(min=1)
+
+    def _check_batch(self, inputs: torch.Tensor) -> None:
+        """The batch splits into the micro-batches; and, once, that each dp replica got rows of its own (the
+        same rows on every replica is a global batch passed where a local one belongs)."""
+        if inputs.shape[0] % self.n_micro:
+            raise PlanError(
+                f"forward_backward: {inputs.shape[0]} rows do not split into {self.n_micro} micro-batches; "
+                f"pass a multiple of {self.n_micro} rows (this replica's share of the global batch)"
+            )
+        dp = self.mesh.size("dp")
+        if self._batch_checked or dp == 1:
+            return
+        positions = torch.arange(1, inputs.numel() + 1, dtype=torch.float64, device=inputs.device)
+        fingerprint = (inputs.double().flatten() * positions).sum()  # order-sensitive: equal only for equal rows
+        seen = [torch.zeros_like(fingerprint) for _ in range(dp)]
+        with comm("all_gather"):
+            dist.all_gather(seen, fingerprint, group=self.mesh.group("dp"))
+        if all(torch.equal(seen[0], f) for f in seen[1:]):
+            raise PlanError(
+                f"forward_backward: every one of the {dp} dp ranks got the same {inputs.shape[0]} rows; pass each "
+                "rank its own share of the global batch (model.local_batch(batch))"
+            )
+        self._batch_checked = True
 
     # ---- helpers the strategies share -------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -198,7 +327,9 @@ class ParallelModel:
             finally:
                 self.loss_fn = previous
         self.train(True)
+        self._check_batch(inputs)
         inputs, targets = self.seq_shard(inputs), self.seq_shard(targets)
+        self._start_step(targets)
         micro_inputs, micro_targets = inputs.chunk(self.n_micro), targets.chunk(self.n_micro)
         if self.pipeline is not None:
             loss = self.pipeline.train_step(micro_inputs, micro_targets)
@@ -208,36 +339,51 @@ class ParallelModel:
             for i, (x, y) in enumerate(zip(micro_inputs, micro_targets, strict=True)):
                 self.set_grad_sync(0, i == self.n_micro - 1)
                 with self.autocast():
-                    micro_loss = self.loss_fn(model(x), y) / self.n_micro
+                    micro_loss = self._scaled_loss(model(x), y)
                 micro_loss.backward()
                 loss += micro_loss.detach()
         if self.dp is not None:
             self.dp.finish_grad_sync()
+        self._sum_tied_grads()
         return self.replica_mean(loss)
+
+    def _sum_tied_grads(self) -> None:
+        """Under pp, sum the gradients of the weights both ends of the pipeline hold (pipeline.TiedStages)."""
+        if self.tied is None:
+            return
+        if self.dp is not None:
+            grads = self.dp.grad_shards_of(self.tied.params)
+        else:
+            for p in self.tied.params:
+                if p.grad is None:  # no gradient on this end this step: the other end's still counts
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in self.tied.params]
+        self.tied.all_reduce_grads(grads)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward-only loss of this replica's batch, averaged over replicas."""
         self.train(False)
         inputs, targets = self.seq_shard(inputs), self.seq_shard(targets)
+        self._start_step(targets)
         if self.pipeline is not None:
             loss = self.pipeline.eval_step(inputs.chunk(self.n_micro), targets.chunk(self.n_micro))
         else:
             with self.autocast():
-                loss = self.loss_fn(self.chunks[0](inputs), targets).float()
+                loss = self._scaled_loss(self.chunks[0](inputs), targets)
         return self.replica_mean(loss)
 
     def replica_mean(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean of a per-replica scalar over data-parallel replicas (from the last stage under pp), and
-        over cp ranks: each holds the mean over as many tokens, so their mean is the global-token mean."""
+        """The mean of a per-replica scalar over data-parallel replicas and cp ranks (from the last stage
+        under pp). Each holds its kept-token loss sum × replicas / the global kept tokens (`loss_fn`), so
+        their mean is the global-batch token mean."""
         loss = loss.detach().float().clone()
         if self.pipeline is not None:
             self.pipeline.broadcast_from_last_stage(loss)
-        replicas = self.mesh.size("dp") * self.mesh.size("cp")
-        if replicas > 1:
+        if self.replicas > 1:
             with comm("all_reduce"):
                 dist.all_reduce(loss, group=self.mesh.group("dp_cp"))
-            loss /= replicas
+            loss /= self.replicas
         return loss
 
     # ---- a loop of one's own: forward, backward, no_sync, step ------------------------------------------
@@ -295,7 +441,8 @@ class ParallelModel:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The model parameters this rank holds (tp shards, its pipeline stages), under the model's names."""
         for chunk in self.chunks:
-            yield from chunk.named_parameters()
+            for name, p in chunk.named_parameters():
+                yield self.tied_aliases.get(name, name), p
 
     def parameters(self) -> list[nn.Parameter]:
         """What an optimizer must step: the parameters, or under ZeRO this rank's fp32 master shards."""
@@ -316,14 +463,17 @@ class ParallelModel:
         """Clip by the true global norm: every gradient element counted once over the whole world.
         Stays on the device, no host sync: a non-finite norm leaves the gradients unscaled (coefficient 1)."""
         skip_tp_copy = self.mesh.rank("tp") > 0
+        skip_pp_copy = self.tied is not None and self.tied.replica  # the tied weight counts on the first stage
+
+        def skip(p: nn.Parameter) -> bool:
+            return (skip_tp_copy and is_tp_replicated(p)) or (skip_pp_copy and is_pp_tied(p))
+
         device = next(self.chunks[0].parameters()).device
         if self.dp is not None:
-            sq = self.dp.grad_sq_sum(skip=lambda p: skip_tp_copy and is_tp_replicated(p)).to(device)
+            sq = self.dp.grad_sq_sum(skip=skip).to(device)
         else:
-            sq = torch.zeros((), dtype=torch.float64, device=device)
-            for _, p in self.named_parameters():
-                if p.grad is not None and not (skip_tp_copy and is_tp_replicated(p)):
-                    sq += p.grad.detach().double().pow(2).sum()
+            grads = [p.grad.detach() for _, p in self.named_parameters() if p.grad is not None and not skip(p)]
+            sq = squared_norm_sum(grads, device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             with comm("all_reduce"):
                 dist.all_reduce(sq)
@@ -333,9 +483,9 @@ class ParallelModel:
             if self.dp is not None:
                 self.dp.scale_grads_(coef)
             else:
-                for _, p in self.named_parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+                grads = [p.grad.detach() for _, p in self.named_parameters() if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, coef.to(grads[0].device))
         return norm
 
     def after_optimizer_step(self) -> None:
@@ -351,26 +501,48 @@ class ParallelModel:
 
     # ---- state for checkpoints ----------------------------------------------------------------------
     def local_shards(
-        self, optimizer: torch.optim.Optimizer | None = None, writer: bool = False
+        self, optimizer: torch.optim.Optimizer | None = None, writer: bool = False, frozen: bool = False
     ) -> dict[str, list[ShardedTensor]]:
         """Pieces of fp32 state this rank holds, as flat views into live storage: 'model' (ZeRO masters or the
         parameters) and, given the optimizer, each of its per-element states (optimizer_state_keys). A
         piece's shape and offset are within the parameter as this rank holds it (its tp slice). All of them by
         default (what a load fills); with `writer`, only this rank's share of what is replicated, so that
         over all ranks every element is written once and the writing is spread over the replicas (dp
-        copies, tp-replicated norms)."""
+        copies, tp-replicated norms). Frozen parameters (requires_grad False: a LoRA base) are not training
+        state and are left out; `frozen` (to load a base into, not to save) gives them too, whole, as held."""
+        if frozen and writer:
+            raise ValueError("frozen parameters are loaded, never saved, from here")
         if self.dp is not None:
             out = self.dp.sharded_state_dict(optimizer, replicas="spread" if writer else "all")
+            aliases = self.tied_aliases
+            out = {
+                key: [ShardedTensor(aliases.get(s.name, s.name), s.global_shape, s.offset, s.local) for s in pieces]
+                for key, pieces in out.items()
+            }
         else:
             keys = ["model"] + (optimizer_state_keys(optimizer) if optimizer is not None else [])
             out = {key: [] for key in keys}
             for name, p in self.named_parameters():
+                if not p.requires_grad:
+                    continue
                 out["model"].append(ShardedTensor(name, p.shape, 0, p.detach().view(-1)))
                 for key in keys[1:]:
                     out[key].append(ShardedTensor(name, p.shape, 0, optimizer.state[p][key].view(-1)))
+        if frozen:
+            seen = set()
+            if self.dp is not None:  # ZeRO-3 shards frozen parameters too: their pieces are the masters'
+                out["model"] += self.dp.frozen_shards()
+                seen = {id(p) for buf in self.dp.frozen_buffers for p in buf.params}
+            for name, p in self.named_parameters():
+                if not p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out["model"].append(ShardedTensor(name, p.shape, 0, p.detach().view(-1)))
         if writer and self.mesh.rank("tp") > 0:
             params = dict(self.named_parameters())
             out = {key: [s for s in pieces if not is_tp_replicated(params[s.name])] for key, pieces in out.items()}
+        if writer and self.tied is not None and self.tied.replica:  # the first stage writes a tied weight
+            params = dict(self.named_parameters())
+            out = {key: [s for s in pieces if not is_pp_tied(params[s.name])] for key, pieces in out.items()}
         return out
 
     def after_load(self) -> None:

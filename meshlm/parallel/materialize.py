@@ -1,33 +1,49 @@
 """Set-up of a model built on the `meta` device: each rank allocates and initialises only what it keeps.
 
 The engine applies tensor and pipeline parallelism to the meta model (slices of meta tensors are meta and
-keep their `_meshlm_tp_slice` tags), then `MetaInit.replace_params` swaps every meta parameter of this rank's
-chunks for a real one on the device: allocated and filled at once when the rank keeps it whole, or a
-storage-less placeholder when data parallelism / ZeRO will pack it, whose FlatBuffer then fills only what
-the rank holds (ZeRO-3: its flat shard, nothing else ever allocated). Peak set-up memory is the rank's shard,
-not the model.
+keep their TPShard tags, meshlm.parallel.tp_shard), then `MetaInit.replace_params` swaps every meta parameter
+of this rank's chunks for a real one on the device: allocated and filled at once when the rank keeps it
+whole, or a storage-less placeholder when data parallelism / ZeRO will pack it, whose FlatBuffer then fills
+only what the rank holds (ZeRO-3: its flat shard, nothing else ever allocated).
 
-Values come from one of three sources:
-  * the model's `init_source` when it has one (meshlm.model.pretrained.HFWeights, set by `model.init_from`):
-    each rank's region read from a checkpoint's files, nothing else read;
-  * the model's own `init_rule(name, param)` and `init_seed` (meshlm's Transformer): every element from
-    meshlm.model.init, so each layout, and the one-process model, starts from bit-identical weights;
+Values come from the first of these the model offers (the init protocol, docs/api.md); under every layout
+each rank gets its slices of exactly the tensors the protocol gives the whole model in one process:
+  * `init_source` (meshlm.model.pretrained.HFWeights, set by `model.init_from`): each rank's region read
+    from a checkpoint's files, nothing else read;
+  * `init_rule(name, param)` -> meshlm.Normal(std) | meshlm.Constant(value), with `init_seed` (meshlm's
+    Transformer): every element from meshlm.model.init, a function of (seed, name, index), so nothing beyond
+    the rank's shard is ever generated. Set-up memory: the shard;
+  * `init_weights()` on the model (torchtitan's protocol; Hugging Face models have it too): run once on a
+    private whole copy of the model, materialised on the CPU, under `torch.manual_seed(seed)`, and sliced.
+    The reference is exactly `model.to_empty(device="cpu"); torch.manual_seed(seed); model.init_weights()`
+    (with tied parameters kept tied, which to_empty does not do).
+    Set-up memory: the whole model (in its dtype) in host memory, per rank, until materialisation ends;
   * otherwise each module's `reset_parameters()`, run on a private copy of that one module (materialised
-    with `to_empty`) under a seed derived from (seed, module name), and sliced: memory is one module at a
-    time. Every rank then agrees on every value, but a layout does not reproduce a model built whole in one
-    process (that one draws all modules from one RNG stream) unless the model defines its init per element.
+    with `to_empty`) under `torch.manual_seed(block_seed(seed, module name, 0))`, and sliced: one module at
+    a time in memory. Every layout equals the one-process (world 1) meta build; a model built whole draws
+    all modules from one RNG stream instead, so give such a model init_weights() to be reproduced.
+A meta module that none of these initialises is refused in one line (InitError) before anything changes.
+`seed` is the model's `init_seed`, else torch.initial_seed() as global rank 0 has it.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshlm.errors import InputError
 from meshlm.model.init import InitRule, block_seed, fill_
+from meshlm.parallel.tp_shard import TPShard, tp_shard
+from meshlm.ties import tied_aliases
+
+
+class InitError(InputError):
+    """A meta-built model meshlm cannot initialise, phrased as one line naming the module."""
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -48,46 +64,73 @@ class MetaInit:
 
     Captures the model's names, full shapes and modules before tensor parallelism changes it; collective (the
     seed is agreed over the world) and checked before anything is changed: a module without a way to
-    initialise its meta tensors is named in a one-line ValueError."""
+    initialise its meta tensors is named in a one-line InitError."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.device = device
         self.seed = agreed_seed(getattr(model, "init_seed", None))
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
+        # A tied weight seen under an alias (a pipeline's last stage holds the head, not the embedding) is
+        # drawn under its canonical name, so every copy of it starts equal.
+        self.aliases = tied_aliases(model)
         self.source = getattr(model, "init_source", None)
         rule: Callable[[str, torch.Tensor], InitRule] | None = getattr(model, "init_rule", None)
         self.rules = {name: rule(name, p) for name, p in model.named_parameters()} if callable(rule) else None
+        own = self.rules is None and self.source is None  # parameters only the model's code can initialise
+        # init_weights() runs on a whole copy, taken now while the model is unsharded meta (no memory).
+        self.whole_model = copy.deepcopy(model) if own and callable(getattr(model, "init_weights", None)) else None
         self.modules = dict(model.named_modules())
         for path, module in self.modules.items():
-            own = self.rules is None and self.source is None  # parameters only module code can initialise
             meta_params = own and any(p.is_meta for p in module.parameters(recurse=False))
             meta_buffers = any(b.is_meta for b in module.buffers(recurse=False))
-            if (meta_params or meta_buffers) and not callable(getattr(module, "reset_parameters", None)):
+            by_module = callable(getattr(module, "reset_parameters", None))
+            if (meta_params or meta_buffers) and self.whole_model is None and not by_module:
                 what = "parameters" if meta_params else "buffers"
-                raise ValueError(
-                    f"{type(model).__name__}: module {path or '(root)'} ({type(module).__name__}) has meta "
-                    f"{what} and no reset_parameters() to initialise them; build it on a real device or give "
-                    "the module reset_parameters (or the model init_rule)"
+                raise InitError(
+                    f"{type(model).__name__}: module {path or '(root)'} ({type(module).__name__}) has meta {what} "
+                    "and nothing initialises them; give the model an init_weights() method (run once on the "
+                    "materialised model, docs/api.md) or the module reset_parameters(), or build it on a real device"
                 )
         self.pending: dict[int, str] = {}  # id(placeholder) -> name: parameters a FlatBuffer must still fill
         self._cached: tuple[str, dict[str, torch.Tensor]] | None = None
+        self._whole: dict[str, torch.Tensor] | None = None
 
     # ---- values ---------------------------------------------------------------------------------------
     def fill(self, param: torch.Tensor, out: torch.Tensor, start: int = 0, name: str | None = None) -> None:
         """Write elements [start, start + out.numel()) of `param` (flattened, as this rank holds it: its tp
-        slice) into `out`; `name` defaults to the placeholder's."""
+        shard) into `out`; `name` defaults to the placeholder's."""
         name = self.pending[id(param)] if name is None else name
-        tp_slice = getattr(param, "_meshlm_tp_slice", None)
-        if self.source is not None:
-            self.source.fill(name, self.shapes[name], param.shape, tp_slice, start, out)
+        name = self.aliases.get(name, name)
+        shard = tp_shard(param)
+        if self.source is not None or self.rules is not None:
+            for tp_slice, shape, first, part in _flat_runs(shard, param.shape, start, out):
+                if self.source is not None:
+                    self.source.fill(name, self.shapes[name], shape, tp_slice, first, part)
+                else:
+                    fill_(part, self.rules[name], self.seed, name, self.shapes[name], shape, tp_slice, first)
             return
-        if self.rules is not None:
-            fill_(out, self.rules[name], self.seed, name, self.shapes[name], param.shape, tp_slice, start)
-            return
-        path, _, attr = name.rpartition(".")
-        full = self._module_tensors(path)[attr]
-        local = full if tp_slice is None else full.narrow(tp_slice[0], tp_slice[1], param.shape[tp_slice[0]])
-        out.copy_(local.reshape(-1)[start : start + out.numel()])
+        if self.whole_model is not None:
+            full = self._whole_tensors()[name]
+        else:
+            path, _, attr = name.rpartition(".")
+            full = self._module_tensors(path)[attr]
+        if shard is not None:
+            full = torch.cat(
+                [full.narrow(shard.dim, f, n) for _, f, n in shard.runs(0, param.shape[shard.dim])], shard.dim
+            )
+        out.copy_(full.reshape(-1)[start : start + out.numel()])
+
+    def _whole_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer of the model after its init_weights(), on the CPU (computed once)."""
+        if self._whole is None:
+            whole = self.whole_model
+            _empty_on_cpu(whole)
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(self.seed)
+                whole.init_weights()
+            self._whole = {n: p.detach() for n, p in whole.named_parameters(remove_duplicate=False)}
+            self._whole.update(dict(whole.named_buffers(remove_duplicate=False)))
+        return self._whole
 
     def _module_tensors(self, path: str) -> dict[str, torch.Tensor]:
         """One module's own parameters and buffers from its reset_parameters(), on a private copy (the last
@@ -115,12 +158,20 @@ class MetaInit:
             self._cached = (path, tensors)
         return self._cached[1]
 
+    def _buffer(self, path: str, key: str) -> torch.Tensor:
+        if self.whole_model is not None:
+            return self._whole_tensors()[f"{path}.{key}" if path else key]
+        return self._module_tensors(path)[key]
+
     # ---- swapping meta parameters for real ones ---------------------------------------------------------
     @torch.no_grad()
-    def replace_params(self, model: nn.Module, chunks: list[nn.Module], packed: bool) -> None:
+    def replace_params(
+        self, model: nn.Module, chunks: list[nn.Module], packed: bool, packs_frozen: bool = False
+    ) -> None:
         """Give this rank's chunks real parameters and buffers on the device. With `packed` (data parallel /
         ZeRO will lay them into flat buffers) trainable ones become placeholders, registered in `pending`,
-        for the FlatBuffer to fill; the rest are allocated and filled here. Tags and gradient hooks (tensor
+        for the FlatBuffer to fill (frozen ones too with `packs_frozen`: ZeRO-3 shards them); the rest are
+        allocated and filled here. Tags and gradient hooks (tensor
         parallelism's) move to the new Parameter; every module of `model` and `chunks` holding one sees it."""
         new: dict[int, nn.Parameter] = {}
         for chunk in chunks:
@@ -129,9 +180,10 @@ class MetaInit:
                     if not p.is_meta and p.device != self.device:
                         p.data = p.data.to(self.device)
                     continue
-                if packed and p.requires_grad:
+                if packed and (p.requires_grad or packs_frozen):
                     # Right shape and dtype, one element of storage: FlatBuffer re-points .data at its view.
-                    q = nn.Parameter(torch.empty((), dtype=p.dtype, device=self.device).expand(p.shape))
+                    one = torch.empty((), dtype=p.dtype, device=self.device)
+                    q = nn.Parameter(one.expand(p.shape), p.requires_grad)
                     self.pending[id(q)] = name
                 else:
                     q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device), p.requires_grad)
@@ -148,7 +200,9 @@ class MetaInit:
             for path, module in chunk.named_modules():
                 for key, b in module._buffers.items():
                     if b is not None:
-                        module._buffers[key] = self._module_tensors(path)[key] if b.is_meta else b.to(self.device)
+                        module._buffers[key] = (
+                            self._buffer(path, key).to(self.device) if b.is_meta else b.to(self.device)
+                        )
         self._cached = None
 
     def done(self, param: nn.Parameter) -> None:
@@ -158,5 +212,39 @@ class MetaInit:
     def check_done(self) -> None:
         if self.source is not None:
             self.source.close()
+        self.whole_model = self._whole = None  # the whole copy lives only through set-up
         if self.pending:
             raise RuntimeError(f"meta parameters left uninitialised: {sorted(self.pending.values())[:5]}")
+
+
+def _flat_runs(
+    shard: TPShard | None, local_shape: torch.Size, start: int, out: torch.Tensor
+) -> list[tuple[tuple[int, int] | None, tuple[int, ...], int, torch.Tensor]]:
+    """Elements [start, start + out.numel()) of a tp-local tensor as pieces of contiguous slices of the full
+    tensor: (tp_slice (dim, full offset) or None, the slice's shape, the first element within it, its part of
+    `out`). One piece unless the shard is several runs (a fused projection's blocks, always along dim 0)."""
+    if shard is None:
+        return [(None, tuple(local_shape), start, out)]
+    if shard.contiguous:
+        return [((shard.dim, shard.pieces[0][0]), tuple(local_shape), start, out)]
+    row = math.prod(local_shape[1:])
+    end, pieces = start + out.numel(), []
+    for local, full, length in shard.runs(0, local_shape[0]):
+        lo, hi = max(start, local * row), min(end, (local + length) * row)
+        if lo < hi:
+            pieces.append(((0, full), (length, *local_shape[1:]), lo - local * row, out[lo - start : hi - start]))
+    return pieces
+
+
+def _empty_on_cpu(model: nn.Module) -> None:
+    """`model.to_empty(device="cpu")` that keeps tied parameters tied (to_empty gives each holder its own)."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+                module._parameters[key] = new[id(p)]
+        for key, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[key] = torch.empty_like(b, device="cpu")

@@ -3,6 +3,9 @@
 `split_model` keeps only this rank's stages ("chunks") of a plain model, as its plan's `PipelineSplit` says:
 the first-stage modules (embedding) live on the first stage, the last-stage ones (final norm, head) on the
 last, and with v virtual stages rank r holds stages r, r+p, ...
+A weight the first and the last stage share (a tied embedding and head) is kept on both, as Megatron does:
+`TiedStages` sums its two gradients over the embedding group (the first and last pp rank of each pipeline)
+after every backward, so both copies take the same step and stay equal; checkpoints save it once.
 `PipelineSchedule` executes the per-rank action list from `schedules.py` with point-to-point sends and
 receives on the `pp` group; every wait has a timeout, so a dead or stuck neighbour ends the step with a
 `PipelineError` that names the stage and micro-batch instead of hanging.
@@ -22,9 +25,11 @@ from torch import nn
 
 from meshlm.model.llama import cross_entropy_loss
 from meshlm.observe.timers import bubble, comm
+from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.plan import ParallelPlan, PipelineSplit, PlanError, check_pipeline_split, plan_for
 from meshlm.parallel.schedules import COMPUTE, SENDS, WAITS, Action, build_schedule
 from meshlm.parallel.stages import split_layers
+from meshlm.ties import is_pp_tied, mark_pp_tied
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Key = tuple[str, int, int]  # a message: (direction F/B, chunk, micro-batch)
@@ -112,10 +117,69 @@ def split_model(
     else:
         costs = module_stage_costs(model, split)
     ranges = split_layers(len(keys), n_stages, costs, boundaries)
+    if n_stages > 1:
+        for p in stage_ties(model, split):
+            mark_pp_tied(p)  # held by the first and the last stage (engine, data_parallel, checkpoints)
     return [
         _stage_view(model, split, [keys[i] for i in ranges[stage]], stage == 0, stage == n_stages - 1)
         for stage in range(pp_rank, n_stages, pp_size)
     ]
+
+
+def stage_ties(model: nn.Module, split: PipelineSplit) -> list[nn.Parameter]:
+    """Parameters that a first-stage and a last-stage module both hold (a tied embedding and head), read
+    off the module graph: the same Parameter object in both places."""
+    first = {id(p) for name in split.first for p in model.get_submodule(name).parameters()}
+    ties = {id(p): p for name in split.last for p in model.get_submodule(name).parameters() if id(p) in first}
+    return list(ties.values())
+
+
+def embedding_group(mesh: Mesh) -> dist.ProcessGroup | None:
+    """This rank's embedding group: the first and the last pp rank of its pipeline (None on a middle stage).
+    Collective over the world: every rank creates every pipeline's group, in the same order."""
+    pp = mesh.size("pp")
+    if pp == 2:
+        return mesh.group("pp")
+    mine = None
+    for line in mesh.device_mesh.mesh.reshape(pp, -1).T.tolist():  # pp is the mesh's outermost dimension
+        ends = [line[0], line[-1]]
+        group = dist.new_group(ends)
+        if dist.get_rank() in ends:
+            mine = group
+    return mine
+
+
+class TiedStages:
+    """The weights this rank's first or last stage shares with the other end of its pipeline (Megatron's
+    tied word embedding). Both ends hold a copy, equal at the start (drawn or loaded under one name); after
+    each backward (and after data parallel's reduction, which both ends lay out alike: each tied weight is
+    a flat buffer of its own) `all_reduce_grads` sums the two copies' gradients, the gradient the
+    one-process model gets, so both take the same optimizer step. The last stage's copy is the `replica`:
+    the gradient norm and checkpoints count the first stage's only."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, replica: bool) -> None:
+        self.params = params
+        self.group = group
+        self.replica = replica
+
+    @classmethod
+    def build(cls, model: nn.Module, chunks: list[nn.Module], split: PipelineSplit, mesh: Mesh) -> TiedStages | None:
+        """None without ties or on a middle stage; collective over the world when the model has ties."""
+        if not stage_ties(model, split):
+            return None
+        group = embedding_group(mesh)
+        held = (p for chunk in chunks for p in chunk.parameters() if is_pp_tied(p) and p.requires_grad)
+        params = list({id(p): p for p in held}.values())
+        if group is None or not params:
+            return None
+        return cls(params, group, replica=mesh.rank("pp") == mesh.size("pp") - 1)
+
+    @torch.no_grad()
+    def all_reduce_grads(self, grads: list[torch.Tensor]) -> None:
+        """Sum each tied weight's gradient (or its data-parallel shard) with the other end's, in place."""
+        with comm("all_reduce"):
+            for grad in grads:
+                dist.all_reduce(grad, group=self.group)
 
 
 def _param_costs(model: nn.Module, split: PipelineSplit) -> tuple[float, float, float]:
@@ -167,7 +231,7 @@ class PipelineSchedule:
         pp_group: dist.ProcessGroup,
         schedule: str = "1f1b",
         n_micro: int = 1,
-        loss_fn: LossFn = cross_entropy_loss,
+        loss_fn: LossFn | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         set_grad_sync: Callable[[int, bool], None] | None = None,
         seq_shards: int = 1,
@@ -179,7 +243,7 @@ class PipelineSchedule:
         self.peers = [dist.get_global_rank(pp_group, r) for r in range(self.size)]
         self.n_micro = n_micro
         self.n_stages = self.size * len(chunks)
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn or (lambda out, targets: cross_entropy_loss(out, targets) / n_micro)
         self.autocast = autocast
         self.set_grad_sync = set_grad_sync or (lambda chunk, enabled: None)
         self.seq_shards = seq_shards
@@ -196,13 +260,15 @@ class PipelineSchedule:
     def train_step(self, micro_inputs: Sequence[torch.Tensor], micro_targets: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward and backward every micro-batch; gradients accumulate in the chunks' parameters.
 
-        Returns Σ micro_loss / n_micro on the last stage (the global-batch mean) and 0 elsewhere.
+        `loss_fn(output, targets)` gives a micro-batch's term of the step's loss (ParallelModel: its kept-token
+        loss sum over the step's global kept-token count; by default the micro-batch's mean / n_micro).
+        Returns Σ of the terms on the last stage and 0 elsewhere.
         """
         return self._run(self.actions, micro_inputs, micro_targets, train=True)
 
     @torch.no_grad()
     def eval_step(self, micro_inputs: Sequence[torch.Tensor], micro_targets: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Forward only; the mean loss over micro-batches on the last stage, 0 elsewhere."""
+        """Forward only; Σ of the micro-batches' loss terms on the last stage, 0 elsewhere."""
         return self._run(self.eval_actions, micro_inputs, micro_targets, train=False)
 
     def broadcast_from_last_stage(self, loss: torch.Tensor) -> None:
@@ -249,7 +315,7 @@ class PipelineSchedule:
                 with self.autocast():
                     out = self.chunks[a.chunk](x)
                     if stage == self.n_stages - 1:
-                        out = self.loss_fn(out, targets[a.micro]).float() / self.n_micro
+                        out = self.loss_fn(out, targets[a.micro]).float()
                 if stage == self.n_stages - 1:
                     total += out.detach()
                 else:

@@ -6,8 +6,8 @@ modules only the first or the last stage runs. A new model family is one `Parall
 
     ParallelPlan(
         name="gpt2",
-        tensor_parallel={"h.*.attn.[qkv]": COLWISE, "h.*.attn.out": ROWWISE, "h.*.mlp.fc": COLWISE,
-                         "h.*.mlp.proj": ROWWISE, "wte": VOCAB_EMBEDDING, "head": VOCAB_HEAD},
+        tensor_parallel={"h.*.attn.c_attn": FusedColwise(3), "h.*.attn.c_proj": ROWWISE, "h.*.mlp.c_fc": COLWISE,
+                         "h.*.mlp.c_proj": ROWWISE, "wte": VOCAB_EMBEDDING, "head": VOCAB_HEAD},
         zero3_units=("Block",),
         pipeline=PipelineSplit(layers="h", first=("wte", "wpe"), last=("ln_f", "head")),
     )
@@ -22,7 +22,7 @@ half-applied plan.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -38,6 +38,42 @@ VOCAB_HEAD = "vocab_head"  # output Linear: vocabulary rows split; logits vocab-
 SEQUENCE_PARALLEL = "sequence_parallel"  # a module run on sequence shards under SP (norms): its grads summed
 TP_STYLES = (COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, SEQUENCE_PARALLEL)
 LINEAR_STYLES = (COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_HEAD)
+
+
+@dataclass(frozen=True)
+class FusedColwise:
+    """COLWISE for a Linear whose output features are blocks laid end to end: GPT-2's c_attn [Q | K | V],
+    Phi-3's qkv_proj (Q, K, V of unequal widths under grouped-query attention) and gate_up_proj [gate | up].
+    Every tp rank keeps its slice of every block, so its output is [q_r | k_r | v_r] and the model's own split
+    (by proportion: `chunk`, or sizes read from the local width) runs unchanged on its heads.
+
+    `blocks`: the number of equal blocks, or each block's width in output features, or a function of the
+    model giving those widths. With `heads`, each block is split at attention-head boundaries
+    (`ParallelPlan.head_dim`), so a block's head count must be divisible by tp."""
+
+    blocks: int | tuple[int, ...] | Callable[[nn.Module], Sequence[int]]
+    heads: bool = False
+
+    def __str__(self) -> str:
+        blocks = "<function>" if callable(self.blocks) else self.blocks
+        return f"FusedColwise(blocks={blocks}{', heads=True' if self.heads else ''})"
+
+    def widths(self, model: nn.Module, out_features: int) -> tuple[int, ...]:
+        if isinstance(self.blocks, int):
+            return (out_features // self.blocks,) * self.blocks if self.blocks > 0 else ()
+        return tuple(int(b) for b in (self.blocks(model) if callable(self.blocks) else self.blocks))
+
+
+@dataclass(frozen=True)
+class InterleavedColwise:
+    """COLWISE for a Linear whose output features interleave per attention head: GPT-NeoX's query_key_value
+    is, for each head h, [q_h | k_h | v_h] (`per_head=3`). A rank keeps whole heads (each `per_head` ×
+    `ParallelPlan.head_dim` features), so the head count must be divisible by tp."""
+
+    per_head: int = 3
+
+
+FUSED_STYLES = (FusedColwise, InterleavedColwise)
 
 
 class PlanError(LayoutError):
@@ -64,23 +100,27 @@ class ParallelPlan:
     """One model family's table for every strategy (see the module docstring)."""
 
     name: str
-    tensor_parallel: dict[str, str] = field(default_factory=dict)
+    tensor_parallel: dict[str, str | FusedColwise | InterleavedColwise] = field(default_factory=dict)
     zero3_units: tuple[str | tuple[str, ...], ...] = ()
     pipeline: PipelineSplit | None = None
     sequence_parallel: bool = False  # whether the family's forward runs on sequence shards (rotary, no abs. pos.)
     head_dim: Callable[[nn.Module], int] | None = None  # width of one attention head, for COLWISE_HEADS
     context_parallel: str = ""  # pattern of the attention modules whose replaceable `core` cp swaps (cp > 1)
+    attention: str = ""  # pattern of attention-core modules, forward (q, k, v) -> out, that cp replaces (cp > 1)
+    positions: str = ""  # pattern of modules fed local positions 0..n-1; under cp they get the global ones
     stage_costs: Callable[[nn.Module], tuple[float, float, float]] | None = None  # (first, per layer, last)
     check: Callable[[nn.Module, int], None] | None = None  # family-specific tp checks (one-line LayoutError)
 
-    def tp_style(self, module_name: str) -> str | None:
+    def tp_style(self, module_name: str) -> str | FusedColwise | InterleavedColwise | None:
         for pattern, style in self.tensor_parallel.items():
             if fnmatch.fnmatchcase(module_name, pattern):
                 return style
         return None
 
 
-def tp_modules(model: nn.Module, plan: ParallelPlan) -> Iterator[tuple[str, nn.Module, str]]:
+def tp_modules(
+    model: nn.Module, plan: ParallelPlan
+) -> Iterator[tuple[str, nn.Module, str | FusedColwise | InterleavedColwise]]:
     """(name, module, style) of every module the plan splits, in registration order."""
     for name, module in model.named_modules():
         style = plan.tp_style(name) if name else None
@@ -129,8 +169,11 @@ def check_plan(model: nn.Module, plan: ParallelPlan, tp: int, pp: int, zero: int
                 "full sequence, e.g. learned positions); use sequence_parallel = false"
             )
         for pattern, style in plan.tensor_parallel.items():
-            if style not in TP_STYLES:
-                raise PlanError(f"plan {plan.name!r}: style {style!r} for {pattern!r}; valid: {', '.join(TP_STYLES)}")
+            if not isinstance(style, FUSED_STYLES) and style not in TP_STYLES:
+                raise PlanError(
+                    f"plan {plan.name!r}: style {style!r} for {pattern!r}; valid: {', '.join(TP_STYLES)}, "
+                    "FusedColwise(blocks), InterleavedColwise(per_head)"
+                )
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names if n):
                 raise PlanError(
                     f"plan {plan.name!r}: tensor_parallel pattern {pattern!r} matches no module of {cls} "
@@ -138,6 +181,7 @@ def check_plan(model: nn.Module, plan: ParallelPlan, tp: int, pp: int, zero: int
                 )
         for name, module, style in tp_modules(model, plan):
             _check_tp_module(plan, model, name, module, style, tp)
+        _check_tp_ties(model, plan, tp)
         if plan.check is not None:
             plan.check(model, tp)
     if zero == 3:
@@ -153,8 +197,20 @@ def check_plan(model: nn.Module, plan: ParallelPlan, tp: int, pp: int, zero: int
         check_pipeline_split(model, plan, pp)
 
 
-def _check_tp_module(plan: ParallelPlan, model: nn.Module, name: str, module: nn.Module, style: str, tp: int) -> None:
+def _check_tp_module(
+    plan: ParallelPlan,
+    model: nn.Module,
+    name: str,
+    module: nn.Module,
+    style: str | FusedColwise | InterleavedColwise,
+    tp: int,
+) -> None:
     where = f"plan {plan.name!r}: module {name} ({type(module).__name__}, {style})"
+    if isinstance(style, FUSED_STYLES):
+        if not isinstance(module, nn.Linear):
+            raise PlanError(f"{where}: {type(style).__name__} splits an nn.Linear; this module is not one")
+        fused_widths(plan, model, name, module, style, tp)
+        return
     if style in LINEAR_STYLES and not isinstance(module, nn.Linear):
         raise PlanError(f"{where}: {style} splits an nn.Linear; this module is not one")
     if style == VOCAB_EMBEDDING and not isinstance(module, nn.Embedding):
@@ -177,9 +233,90 @@ def _check_tp_module(plan: ParallelPlan, model: nn.Module, name: str, module: nn
             )
 
 
+# The dimension of a module's weight and bias that each style splits (None: every tp rank holds it whole).
+_WEIGHT_SPLIT = {COLWISE: 0, COLWISE_HEADS: 0, VOCAB_HEAD: 0, VOCAB_EMBEDDING: 0, ROWWISE: 1}
+_BIAS_SPLIT = {COLWISE: 0, COLWISE_HEADS: 0, VOCAB_HEAD: 0}
+
+
+def _split_dim(style: object, pname: str) -> int | None:
+    if isinstance(style, (FusedColwise, InterleavedColwise)):  # output features (and bias) in runs
+        return 0
+    return (_BIAS_SPLIT if pname == "bias" else _WEIGHT_SPLIT).get(style)
+
+
+def _check_tp_ties(model: nn.Module, plan: ParallelPlan, tp: int) -> None:
+    """A Parameter shared by several modules (a tied embedding and head) must be split alike by all of them,
+    or each would keep a different tensor and the tie would silently come undone."""
+    holders: dict[int, list[tuple[str, nn.Module, str, str | None]]] = {}
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            style = plan.tp_style(name) if name else None
+            holders.setdefault(id(p), []).append((name, module, pname, style))
+    for held in holders.values():
+        if len(held) < 2:
+            continue
+        splits = {_split_dim(style, pname) for _, _, pname, style in held}
+        embedding = next((h for h in held if isinstance(h[1], nn.Embedding)), None)
+        head = next((h for h in held if isinstance(h[1], nn.Linear)), None)
+        vocab_pair = embedding is not None and head is not None
+        if vocab_pair and embedding[3] is not None and head[3] != VOCAB_HEAD:
+            splits.add("mismatch")
+        if len(splits) == 1:
+            continue
+        a, b = (embedding, head) if vocab_pair else (held[0], next(h for h in held if h[3] != held[0][3]))
+        valid = (
+            f"{a[0]}: {VOCAB_EMBEDDING} and {b[0]}: {VOCAB_HEAD}, or neither in the table"
+            if vocab_pair
+            else "the same style for both, or neither in the table"
+        )
+        raise PlanError(
+            f"plan {plan.name!r}: {a[0]} ({a[3] or 'not in tensor_parallel'}) and {b[0]} "
+            f"({b[3] or 'not in tensor_parallel'}) share one tied weight, which tp={tp} would split differently "
+            f"and so untie; valid: {valid}"
+        )
+
+
+def fused_widths(
+    plan: ParallelPlan,
+    model: nn.Module,
+    name: str,
+    module: nn.Linear,
+    style: FusedColwise | InterleavedColwise,
+    tp: int,
+) -> tuple[int, ...]:
+    """The widths of the runs a fused style splits each into tp equal parts (the blocks, or for an
+    interleaved style the whole output), checked: a one-line PlanError when they cannot be split exactly."""
+    where = f"plan {plan.name!r}: module {name} ({type(module).__name__}, {style})"
+    out = module.out_features
+    head_dim = None
+    if isinstance(style, InterleavedColwise) or style.heads:
+        if plan.head_dim is None:
+            raise PlanError(f"{where}: the plan gives no head_dim (ParallelPlan.head_dim) to split at head boundaries")
+        head_dim = plan.head_dim(model)
+    if isinstance(style, InterleavedColwise):
+        group = max(style.per_head, 1) * head_dim
+        heads, rest = divmod(out, group)
+        if style.per_head < 1 or rest or heads % tp:
+            raise PlanError(
+                f"{where}: {out} outputs = {out / group:g} heads of {style.per_head}×{head_dim}; valid: a whole "
+                f"number of heads divisible by tp={tp}"
+            )
+        return (out,)
+    widths = style.widths(model, out)
+    unit = tp * (head_dim or 1)
+    if not widths or sum(widths) != out or any(w <= 0 or w % unit for w in widths):
+        what = (
+            f"whole heads of {head_dim}, each block's head count divisible by tp={tp}"
+            if head_dim
+            else (f"each divisible by tp={tp}")
+        )
+        raise PlanError(f"{where}: blocks {list(widths)} must sum to out_features {out} and be {what}")
+    return widths
+
+
 def check_pipeline_split(model: nn.Module, plan: ParallelPlan, n_stages: int) -> None:
-    """Every parameter must belong to a block, a first-stage or a last-stage module; with several stages
-    none may be shared by the first and the last (tied embeddings)."""
+    """Every parameter must belong to a block, a first-stage or a last-stage module; with several stages a
+    tied parameter may be shared by first- and last-stage modules only."""
     cls = type(model).__name__
     split = plan.pipeline
     if split is None:
@@ -197,15 +334,21 @@ def check_pipeline_split(model: nn.Module, plan: ParallelPlan, n_stages: int) ->
                 f"plan {plan.name!r}: parameter {pname} of {cls} is in no pipeline stage; add its module to "
                 f"PipelineSplit.first or .last (now first={list(split.first)}, last={list(split.last)})"
             )
-    if n_stages > 1:
-        first = {id(p): f"{n}.{pn}" for n in split.first for pn, p in names[n].named_parameters()}
-        for n in split.last:
-            for pn, p in names[n].named_parameters():
-                if id(p) in first:
-                    raise PlanError(
-                        f"{cls}: {first[id(p)]} (first stage) and {n}.{pn} (last stage) are one tied parameter, "
-                        "which cannot live on two pipeline stages; untie them (model.tie_embeddings = false)"
-                    )
+    # A parameter shared by the first and the last stage's modules (a tied embedding and head) lives on both
+    # stages, its gradients summed between them (pipeline.TiedStages). Any other sharing across parts (a block
+    # with another block or with an end) would put one weight on stages with no such sum: refused.
+    part_of: dict[int, tuple[str, str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if pname.startswith(split.layers + "."):
+            part = split.layers + "." + pname[len(split.layers) + 1 :].split(".")[0]
+        else:
+            part = "first" if any(pname.startswith(n + ".") for n in split.first) else "last"
+        seen = part_of.setdefault(id(p), (part, pname))
+        if n_stages > 1 and seen[0] != part and {seen[0], part} != {"first", "last"}:
+            raise PlanError(
+                f"plan {plan.name!r}: {seen[1]} and {pname} of {cls} are one tied parameter in two pipeline parts; "
+                "only a tie between PipelineSplit.first and .last modules (embedding and head) can be pipelined"
+            )
 
 
 def _examples(names: dict[str, nn.Module], limit: int = 6) -> str:

@@ -7,6 +7,8 @@ weights by the colwise style; Mistral differs from Llama only in its attention w
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from meshlm.model.llama import Transformer
@@ -20,6 +22,7 @@ from meshlm.parallel.plan import (
     VOCAB_HEAD,
     ParallelPlan,
     PipelineSplit,
+    PlanError,
     register_plan,
 )
 
@@ -83,6 +86,34 @@ HF_DECODER = ParallelPlan(
     check=_hf_check,
 )
 
-register_plan(Transformer, LLAMA)
+
+# ---- mixture of experts (meshlm.model.moe; docs/moe.md) ------------------------------------------------------
+# DP, ZeRO 0-3 (a layer, experts included, is one ZeRO-3 unit) and pipeline stages take MoE layers as they are.
+# Tensor parallelism does not split routed experts yet and context parallelism would cut the sequences the
+# balancing loss is defined over: both are refused in one line. The attention-only table below only lets the
+# refusal name the reason (check_plan matches every pattern before it calls `check`).
+MOE_ATTENTION_TP = {pattern: style for pattern, style in DECODER_TP.items() if ".mlp." not in pattern}
+
+
+def _refuse_moe_tp(model: nn.Module, tp: int) -> None:
+    raise PlanError(
+        f"tp={tp}: tensor parallelism does not split mixture-of-experts layers yet ({type(model).__name__} has "
+        "routed experts); use tp=1 with dp / ZeRO / pp (docs/moe.md)"
+    )
+
+
+LLAMA_MOE = dataclasses.replace(
+    LLAMA, name="llama-moe", tensor_parallel=MOE_ATTENTION_TP, context_parallel="", check=_refuse_moe_tp
+)
+HF_MOE = dataclasses.replace(HF_DECODER, name="hf-moe", tensor_parallel=MOE_ATTENTION_TP, check=_refuse_moe_tp)
+
+
+def _llama_plan(model: nn.Module) -> ParallelPlan:
+    return LLAMA_MOE if model.cfg.n_experts else LLAMA
+
+
+register_plan(Transformer, _llama_plan)
 for _family in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
     register_plan(_family, HF_DECODER)
+for _family in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    register_plan(_family, HF_MOE)

@@ -6,6 +6,8 @@ keeps every parameter name, so state dicts keep their names (HF names for meshlm
     vocab_embedding   VocabParallelEmbedding   rows = this rank's vocabulary slice
     colwise           ColumnParallelLinear     rows (and bias) = this rank's slice of the output features
     colwise_heads     ColumnParallelLinear     the same at head boundaries; fewer heads than ranks: replicated
+    FusedColwise      ColumnParallelLinear     rows = this rank's slice of every block ([q_r | k_r | v_r])
+    InterleavedColwise ColumnParallelLinear    rows = this rank's whole heads of a per-head [q|k|v] layout
     rowwise           RowParallelLinear        columns = the same slice; partial outputs summed, bias added once
     vocab_head        ColumnParallelLinear     vocabulary-sharded logits (or gathered, for inference)
     sequence_parallel the module itself        under SP its parameters' gradients are summed over tp
@@ -32,16 +34,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.lora import LoRAError, LoRALinear, lora_delta
+from meshlm.parallel.fused_loss import HeadOutput
 from meshlm.parallel.mesh import check_tensor_parallel
 from meshlm.parallel.plan import (
     COLWISE,
     COLWISE_HEADS,
+    FUSED_STYLES,
     ROWWISE,
     SEQUENCE_PARALLEL,
     VOCAB_EMBEDDING,
     VOCAB_HEAD,
+    FusedColwise,
+    InterleavedColwise,
     ParallelPlan,
     check_plan,
+    fused_widths,
     plan_for,
     tp_modules,
 )
@@ -56,6 +64,7 @@ from meshlm.parallel.tp_ops import (
     sum_over_head_replicas,
     vocab_parallel_cross_entropy,
 )
+from meshlm.parallel.tp_shard import TPShard, set_tp_shard, tp_shard
 
 __all__ = [
     "ColumnParallelLinear",
@@ -117,6 +126,9 @@ class ColumnParallelLinear(nn.Module):
         self.kv_head, self.n_kv_heads = kv_head, n_kv_heads
         self.vocab_head = vocab_head
         self.gather_output = False
+        self.fused_loss = False  # training returns a HeadOutput for the fused loss (meshlm.parallel.fused_loss)
+        self.adapted = False  # LoRA: _Sharder.attach_adapter adds lora_A (replicated) and lora_B (row shard)
+        self.linear = F.linear  # the local matmul (meshlm.parallel.fp8 makes it fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
@@ -125,12 +137,19 @@ class ColumnParallelLinear(nn.Module):
             if bias is not None:
                 bias = sum_over_head_replicas(bias, self.kv_head, self.n_kv_heads, self.tp.group)
         x = self.tp.open_region(x)
+        if self.fused_loss and self.training:
+            return HeadOutput(x, weight, self.tp.group)
         if getattr(x, "meshlm_seq_shard", None) is None:
-            y = F.linear(x, weight, bias)
+            y = self.linear(x, weight, bias)
         else:
             y = linear_saving_shard(x, weight)
             if bias is not None:
                 y = y + bias
+        if self.adapted:
+            lora_B = self.lora_B
+            if self.kv_head is not None:
+                lora_B = sum_over_head_replicas(lora_B, self.kv_head, self.n_kv_heads, self.tp.group)
+            y = y + lora_delta(self, x, lora_B)
         return gather_from_tp(y, self.tp.group) if self.gather_output else y
 
 
@@ -144,9 +163,13 @@ class RowParallelLinear(nn.Module):
         self.weight = weight
         self.bias = bias
         self.tp = tp
+        self.adapted = False  # LoRA: _Sharder.attach_adapter adds lora_A (column shard) and lora_B (replicated)
+        self.linear = F.linear  # the local matmul (meshlm.parallel.fp8 makes it fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.linear(x, self.weight)
+        if self.adapted:  # the adapter's partial output joins the base's: one reduction sums both
+            y = y + lora_delta(self, x)
         y = reduce_scatter_seq(y, self.tp.group) if self.tp.sequence_parallel else reduce_from_tp(y, self.tp.group)
         return y if self.bias is None else y + self.bias
 
@@ -175,20 +198,23 @@ class VocabParallelEmbedding(nn.Module):
 
 
 # ---- applying it to a model --------------------------------------------------------------------------
-def _shard(w: torch.Tensor, dim: int, index: int, size: int) -> nn.Parameter:
-    """Slice `index` (of width `size`) along `dim`, as a new Parameter tagged with its shard dim. On a meta
-    `w` (a model built on the meta device) the slice is meta too: only its shape and tags exist yet.
-    (An explicit memory format: a strided meta clone would load PyTorch's Python meta kernels, ~35 MiB.)"""
-    piece = w.detach().narrow(dim, index * size, size).clone(memory_format=torch.contiguous_format)
+def _shard(w: torch.Tensor, dim: int, pieces: tuple[tuple[int, int], ...]) -> nn.Parameter:
+    """The runs `pieces` ((full start, length) along `dim`) of `w`, concatenated, as a new Parameter tagged
+    with its TPShard (meshlm.parallel.tp_shard). On a meta `w` (a model built on the meta device) the result
+    is meta too: only its shape and tag exist yet. (An explicit memory format: a strided meta clone would load
+    PyTorch's Python meta kernels, ~35 MiB.)"""
+    parts = [w.detach().narrow(dim, start, length) for start, length in pieces]
+    piece = (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).clone(memory_format=torch.contiguous_format)
     param = nn.Parameter(piece, requires_grad=w.requires_grad)
-    param._meshlm_tp_shard_dim = dim  # read by engine.is_tp_replicated; None = held whole by every rank
-    param._meshlm_tp_slice = (dim, index * size)  # where the slice sits in the full tensor (checkpoints)
+    set_tp_shard(param, TPShard(dim, pieces))
     return param
 
 
 def _sum_grad_over_tp(param: nn.Parameter, tp: TPState) -> None:
-    """Under SP a module run on this rank's sequence shard gets a partial gradient: sum it over tp."""
-    param.register_hook(lambda grad: _all_reduce(grad, tp.group))
+    """Under SP a module run on this rank's sequence shard gets a partial gradient: sum it over tp (a frozen
+    parameter has none)."""
+    if param.requires_grad:
+        param.register_hook(lambda grad: _all_reduce(grad, tp.group))
 
 
 class _Sharder:
@@ -199,41 +225,85 @@ class _Sharder:
         self.model, self.plan, self.tp = model, plan, tp
         self.shards: dict[int, nn.Parameter] = {}
 
-    def shard(self, w: torch.Tensor, dim: int, index: int, size: int) -> nn.Parameter:
-        key = (id(w), dim, index, size)
+    def shard(self, w: torch.Tensor, dim: int, pieces: tuple[tuple[int, int], ...]) -> nn.Parameter:
+        key = (id(w), dim, pieces)
         if key not in self.shards:
-            self.shards[key] = _shard(w, dim, index, size)
+            self.shards[key] = _shard(w, dim, pieces)
         return self.shards[key]
 
-    def split_rows(self, module: nn.Module, index: int, rows: int) -> tuple[nn.Parameter, nn.Parameter | None]:
+    def split_rows(
+        self, module: nn.Module, pieces: tuple[tuple[int, int], ...]
+    ) -> tuple[nn.Parameter, nn.Parameter | None]:
         bias = getattr(module, "bias", None)
-        return self.shard(module.weight, 0, index, rows), None if bias is None else self.shard(bias, 0, index, rows)
+        return self.shard(module.weight, 0, pieces), None if bias is None else self.shard(bias, 0, pieces)
 
-    def build(self, module: nn.Module, style: str) -> nn.Module:
+    def attach_adapter(self, plain: LoRALinear, parallel: nn.Module, style: str) -> None:
+        """Shard a LoRA adapter with its base: under a column-parallel base (plain, fused or a KV head) A
+        (rank × in) is replicated and B (out × rank) keeps exactly the base's output rows (its TPShard pieces);
+        under a row-parallel base A keeps the base's input columns and B is replicated. The replicated
+        factor's gradient is a partial sum on each rank (its output gradient, or its input, covers this
+        rank's slice only), so it is summed over tp by a hook."""
         tp = self.tp
+        if style == ROWWISE:
+            cols = plain.in_features // tp.size
+            lora_A = self.shard(plain.lora_A, 1, ((tp.rank * cols, cols),))
+            lora_B = plain.lora_B
+            _sum_grad_over_tp(lora_B, tp)
+        else:
+            lora_A = plain.lora_A
+            _sum_grad_over_tp(lora_A, tp)
+            base = tp_shard(parallel.weight)
+            lora_B = self.shard(plain.lora_B, 0, base.pieces)
+            if not base.counted:  # a KV head replicated over ranks: B's rows of that head, counted once
+                set_tp_shard(lora_B, TPShard(0, base.pieces, counted=False))
+        parallel.lora_A, parallel.lora_B = lora_A, lora_B
+        parallel.lora_dropout, parallel.lora_scaling = plain.lora_dropout, plain.lora_scaling
+        parallel.adapted = True
+
+    def build(self, name: str, module: nn.Module, style: str | FusedColwise | InterleavedColwise) -> nn.Module:
+        parallel = self._build(name, module, style)
+        if isinstance(module, LoRALinear) and parallel is not module:
+            if style == VOCAB_HEAD:
+                raise LoRAError("lora.targets: an adapter on the vocabulary head is not supported under tp")
+            self.attach_adapter(module, parallel, style)
+        return parallel
+
+    def _build(self, name: str, module: nn.Module, style: str | FusedColwise | InterleavedColwise) -> nn.Module:
+        tp = self.tp
+        if isinstance(style, FUSED_STYLES):
+            # This rank's tp-th of every block (an interleaved layout is one block of whole heads).
+            pieces, start = [], 0
+            for width in fused_widths(self.plan, self.model, name, module, style, tp.size):
+                pieces.append((start + tp.rank * width // tp.size, width // tp.size))
+                start += width
+            return ColumnParallelLinear(*self.split_rows(module, tuple(pieces)), tp)
         if style == VOCAB_EMBEDDING:
             rows = module.num_embeddings // tp.size
-            return VocabParallelEmbedding(self.shard(module.weight, 0, tp.rank, rows), tp, module.padding_idx)
+            weight = self.shard(module.weight, 0, ((tp.rank * rows, rows),))
+            return VocabParallelEmbedding(weight, tp, module.padding_idx)
         if style in (COLWISE, VOCAB_HEAD):
-            weight, bias = self.split_rows(module, tp.rank, module.out_features // tp.size)
+            rows = module.out_features // tp.size
+            weight, bias = self.split_rows(module, ((tp.rank * rows, rows),))
             return ColumnParallelLinear(weight, bias, tp, vocab_head=style == VOCAB_HEAD)
         if style == COLWISE_HEADS:
             head_dim = self.plan.head_dim(self.model)
             heads = module.out_features // head_dim
             if heads % tp.size == 0:
-                return ColumnParallelLinear(*self.split_rows(module, tp.rank, module.out_features // tp.size), tp)
+                rows = module.out_features // tp.size
+                return ColumnParallelLinear(*self.split_rows(module, ((tp.rank * rows, rows),)), tp)
             # Fewer heads than ranks: tp/heads consecutive ranks share the head their query heads use.
-            # The first of them counts its gradient for clipping (shard dim 0), the others are replicas.
+            # The first of them counts its gradient for clipping and saves it, the others are replicas.
             replicas = tp.size // heads
             head = tp.rank // replicas
-            weight, bias = self.split_rows(module, head, head_dim)
+            weight, bias = self.split_rows(module, ((head * head_dim, head_dim),))
             if tp.rank % replicas:
                 for p in (weight, bias):
                     if p is not None:
-                        p._meshlm_tp_shard_dim = None
+                        set_tp_shard(p, TPShard(0, tp_shard(p).pieces, counted=False))
             return ColumnParallelLinear(weight, bias, tp, kv_head=head, n_kv_heads=heads)
         if style == ROWWISE:
-            weight = self.shard(module.weight, 1, tp.rank, module.in_features // tp.size)
+            cols = module.in_features // tp.size
+            weight = self.shard(module.weight, 1, ((tp.rank * cols, cols),))
             bias = module.bias
             if bias is not None and tp.sequence_parallel:
                 _sum_grad_over_tp(bias, tp)
@@ -258,7 +328,7 @@ def apply_tensor_parallel(
     check_plan(model, plan, tp=tp.size, pp=1, zero=0, sequence_parallel=sequence_parallel)
     sharder = _Sharder(model, plan, tp)
     for name, module, style in list(tp_modules(model, plan)):
-        parallel = sharder.build(module, style)
+        parallel = sharder.build(name, module, style)
         if parallel is not module:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, parallel)
@@ -296,22 +366,26 @@ def _comm_device(group: dist.ProcessGroup) -> torch.device:
 def unshard_state_dict(
     state: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor] | nn.Module, group: dist.ProcessGroup
 ) -> dict[str, torch.Tensor]:
-    """This rank's shards -> the full tensors, on every tp rank, placed by each parameter's tp slice.
+    """This rank's shards -> the full tensors, on every tp rank, each run placed where its TPShard says.
     `params` (or a module's named parameters) tells which names are shards. Collective: every rank of `group`
-    must call it with the same names. Replicated KV heads (equal slice offsets) are kept once."""
+    must call it with the same names. Replicated KV heads (the same runs on several ranks) are kept once."""
     if isinstance(params, nn.Module):
         params = dict(params.named_parameters(remove_duplicate=False))
     size = dist.get_world_size(group)
     device = _comm_device(group)
-    sliced = sorted(n for n in state if getattr(params.get(n), "_meshlm_tp_slice", None) is not None)
+    sliced = sorted(n for n in state if n in params and tp_shard(params[n]) is not None)
     every: list[dict | None] = [None] * size
-    dist.all_gather_object(every, {n: params[n]._meshlm_tp_slice[1] for n in sliced}, group=group)
+    dist.all_gather_object(every, {n: tp_shard(params[n]) for n in sliced}, group=group)
     full = dict(state)
     for name in sliced:
         t = state[name]
-        dim = params[name]._meshlm_tp_slice[0]
+        dim = tp_shard(params[name]).dim
         parts = [torch.empty_like(t, device=device) for _ in range(size)]
         dist.all_gather(parts, t.to(device).contiguous(), group=group)
-        by_start = {every[r][name]: parts[r] for r in range(size)}
-        full[name] = torch.cat([by_start[s] for s in sorted(by_start)], dim=dim).to(t.device)
+        runs = {}  # full start -> the run's values
+        for rank in range(size):
+            shard = every[rank][name]
+            for local, start, length in shard.runs(0, parts[rank].shape[dim]):
+                runs[start] = parts[rank].narrow(dim, local, length)
+        full[name] = torch.cat([runs[s] for s in sorted(runs)], dim=dim).to(t.device)
     return full

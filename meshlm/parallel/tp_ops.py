@@ -225,43 +225,48 @@ def sum_over_head_replicas(weight: torch.Tensor, head: int, n_heads: int, group:
 # ---- vocab-parallel cross-entropy ------------------------------------------------------------------
 class _VocabParallelCrossEntropy(Function):
     @staticmethod
-    def forward(ctx, logits, targets, group):
+    def forward(ctx, logits, targets, group, ignore_index):
         vocab_local = logits.shape[-1]
         start = dist.get_rank(group) * vocab_local
         x = logits.float().reshape(-1, vocab_local)
-        targets = targets.reshape(-1)
+        flat_targets = targets.reshape(-1)
 
         # Stabilising shift by the global max (no gradient: softmax does not depend on it).
         shift = _all_reduce(x.max(dim=-1).values, group, dist.ReduceOp.MAX)
         x = x - shift.unsqueeze(-1)
         exp = x.exp()
 
-        # Sum-exp and the target's shifted logit (held by exactly one rank) in one all-reduce.
-        local = targets - start
-        mine = (local >= 0) & (local < vocab_local)
+        # Sum-exp and the target's shifted logit (held by exactly one rank) in one all-reduce. An ignored
+        # target (ignore_index, e.g. -100) lies in no rank's slice: its token gets loss 0 and no gradient.
+        kept = flat_targets != ignore_index
+        local = flat_targets - start
+        mine = (local >= 0) & (local < vocab_local) & kept
         local = local.clamp(0, vocab_local - 1)
         target_logit = x.gather(1, local.unsqueeze(1)).squeeze(1) * mine
         sum_exp, target_logit = _all_reduce(torch.stack([exp.sum(dim=-1), target_logit]), group)
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, mine)
+        ctx.save_for_backward(softmax, local, mine, kept)
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        return (sum_exp.log() - target_logit).mean()
+        return ((sum_exp.log() - target_logit) * kept).view(targets.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local, mine = ctx.saved_tensors
-        # d(mean CE)/d logits = (softmax - onehot(target)) / n_tokens, on this rank's vocab slice.
+        softmax, local, mine, kept = ctx.saved_tensors
+        # d(CE of token t)/d logits = softmax - onehot(target), on this rank's vocab slice; 0 for ignored tokens.
         grad_logits = softmax.scatter_add(1, local.unsqueeze(1), -mine.to(softmax.dtype).unsqueeze(1))
-        grad_logits *= grad / softmax.shape[0]
-        return grad_logits.view(ctx.logits_shape).to(ctx.logits_dtype), None, None
+        grad_logits *= (grad.reshape(-1) * kept).unsqueeze(1)
+        return grad_logits.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Mean token cross-entropy (fp32) of vocab-sharded logits (..., vocab/tp) against global target ids.
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup, ignore_index: int = -100
+) -> torch.Tensor:
+    """Per-token cross-entropy (fp32, shaped like `targets`, 0 where the target is `ignore_index`) of
+    vocab-sharded logits (..., vocab/tp) against global target ids.
 
-    Equals `cross_entropy_loss` on the gathered logits without ever gathering them: three numbers per
+    Equals `token_cross_entropy` on the gathered logits without ever gathering them: three numbers per
     token cross the wire (max, sum-exp, target logit) instead of vocab/tp logits. Every tp rank gets the
-    same loss; the gradient is this rank's slice of softmax - onehot.
+    same losses; the gradient is this rank's slice of softmax - onehot.
     """
-    return _VocabParallelCrossEntropy.apply(logits, targets, group)
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index)

@@ -149,7 +149,7 @@ class FlatBuffer:
     def gather_master(self, group: dist.ProcessGroup | None) -> torch.Tensor:
         """The full fp32 flat weights, gathered from the master shards (for export, not for training)."""
         full = torch.empty(self.padded_numel, dtype=torch.float32, device=self.data.device)
-        all_gather_flat(full, self.master.detach(), group=group)
+        all_gather_flat(full, self.master.detach().float(), group=group)
         return full
 
 
@@ -190,9 +190,16 @@ def direct_params(module: nn.Module, hooked: set[nn.Module]) -> list[nn.Paramete
 class Unit:
     """One ZeRO-3 unit: its flat buffers are gathered together before use and freed together after."""
 
-    def __init__(self, modules: list[nn.Module], buffers: list[FlatBuffer], group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        buffers: list[FlatBuffer],
+        group: dist.ProcessGroup | None,
+        trainable: int | None = None,
+    ) -> None:
         self.modules = modules
         self.buffers = buffers
+        self.trainable = len(buffers) if trainable is None else trainable  # buffers whose gradients end backward
         self.group = group
         self.gathered = False
         self.in_backward = False
@@ -218,9 +225,11 @@ class Unit:
             self.gathered = False
 
     def buffer_grads_ready(self, buf: FlatBuffer) -> None:
-        """Called when a buffer's gradients are complete; once all are, the unit's backward is over."""
+        """Called when a buffer's gradients are complete; once all are, the unit's backward is over. A unit
+        with frozen buffers may still need their weights then (input gradients through a frozen matrix come
+        after its adapter's gradients): the next unit's pre-backward ends its backward (Zero3Hooks)."""
         self.grads_done.add(id(buf))
-        if len(self.grads_done) == len(self.buffers):
+        if len(self.grads_done) == self.trainable == len(self.buffers):
             self.end_backward()
 
     def end_backward(self) -> None:
@@ -289,3 +298,6 @@ class Zero3Hooks:
         previous = self._neighbour(self.own[module], -1)
         if previous is not None:
             previous.unshard()
+        following = self._neighbour(self.own[module], +1)
+        if following is not None and following.in_backward and following.trainable < len(following.buffers):
+            following.end_backward()  # its backward fed this gradient: done, frozen weights included

@@ -168,6 +168,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     fixed.add_argument("--recompute", choices=["none", "selective", "full"])
     fixed.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     fixed.add_argument("--even-layers", action="store_true", help="require n_layers divisible by the pipeline split")
+    p.add_argument(
+        "--lora-rank", type=positive, help="LoRA fine-tune: adapters of this rank, the base frozen (docs/lora.md)"
+    )
     model = p.add_argument_group("model assumptions (docs/planner.md)")
     model.add_argument(
         "--runtime", choices=["meshlm", "megatron"], default="meshlm", help="whose kernels and split run the step"
@@ -243,7 +246,7 @@ def _request(args: argparse.Namespace) -> Request:
     global_batch = global_batch or max(1, round(tokens / seq_len))
     train_tokens = args.train_tokens or source.train_tokens or TOKENS_PER_PARAM * param_counts(model)["total"]
     precision = args.precision or source.precision or ("fp32" if hw.shared_node else "bf16")
-    w = Workload(model, seq_len, global_batch, train_tokens, precision, source.name)
+    w = Workload(model, seq_len, global_batch, train_tokens, precision, source.name, args.lora_rank or 0)
     if args.emit == "kubernetes" and not args.image:
         raise PlanError("--emit kubernetes needs --image (the container image with meshlm installed)")
     if args.emit == "skypilot" and not args.bucket:

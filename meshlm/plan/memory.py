@@ -42,6 +42,7 @@ class Workload:
     train_tokens: float
     precision: Precision = "bf16"
     name: str = "model"
+    lora_rank: int = 0  # > 0: LoRA on the attention and MLP projections; the base is frozen (meshlm.lora)
 
 
 @dataclass(frozen=True)
@@ -186,15 +187,57 @@ def stage_params(model: ModelConfig, tp: int, layers: int, first: bool, last: bo
     return n
 
 
-def model_state_bytes(psi: float, dp: int, zero: int, precision: Precision) -> tuple[float, float, float]:
+def model_state_bytes(
+    psi: float, dp: int, zero: int, precision: Precision, runtime: Runtime = "meshlm"
+) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes: stage 1 shards the optimizer over dp, 2 also the gradients,
-    3 also the weights (Rajbhandari et al. 2020)."""
-    w, g, o, _ = BYTES[precision]
-    return (
-        w * psi / (dp if zero >= 3 else 1),
-        g * psi / (dp if zero >= 2 else 1),
-        o * psi / (dp if zero >= 1 else 1),
-    )
+    3 also the weights (Rajbhandari et al. 2020).
+
+    The Megatron-style runtime counts as the ZeRO paper (BYTES). meshlm's runtime holds what its flat buffers
+    hold (docs/zero.md, checked against the real tensors by tests/test_zero_bytes.py): zero 0 steps the fp32
+    weights under autocast (4 + 4 + 8); under ZeRO ≥ 1 AdamW's moments (8) shard, with fp32 master and
+    reduced-gradient shards (4 + 4 per dp) beside full working weights and gradients of
+    `parallel.zero_param_dtype` (bf16 in `bf16` precision, else fp32, when the masters are views of them),
+    which ZeRO-2 frees after the reduction and ZeRO-3 gathers only for use."""
+    if runtime == "megatron":
+        w, g, o, _ = BYTES[precision]
+        return (
+            w * psi / (dp if zero >= 3 else 1),
+            g * psi / (dp if zero >= 2 else 1),
+            o * psi / (dp if zero >= 1 else 1),
+        )
+    if zero == 0:
+        return 4 * psi, 4 * psi, 8 * psi
+    shard = psi / dp
+    if zero == 3:
+        return 4 * shard, 4 * shard, 8 * shard
+    working = BYTES[precision][0]
+    master = 4 * shard if working != 4 else 0.0
+    full = working * psi + master  # weights (zero 1 and 2) and gradients (zero 1): full, plus the fp32 shard
+    return full, full if zero == 1 else 4 * shard, 8 * shard
+
+
+def layer_lora_params(model: ModelConfig, tp: int, rank: int) -> int:
+    """LoRA adapter parameters of one layer on one tensor-parallel rank (meshlm.lora on the 7 projections):
+    a column-parallel projection (q, k, v, gate, up) holds its replicated A (rank × in) and its rows of B, a
+    row-parallel one (o, down) its columns of A and the replicated B (rank × out)."""
+    d, hd, r = model.dim, model.head_dim, rank
+    kv = max(model.n_kv_heads // tp, 1) * hd
+    mlp = model.intermediate_size // tp
+    column = (r * d + r * model.n_heads * hd // tp) + 2 * (r * d + r * kv) + 2 * (r * d + r * mlp)
+    row = (r * model.n_heads * hd // tp + r * d) + (r * mlp + r * d)
+    return column + row
+
+
+def lora_state_bytes(
+    psi: float, psi_lora: float, replicas: int, zero: int, precision: Precision
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of a LoRA rank: the frozen base in the working dtype (bf16: no
+    fp32 master), sharded under ZeRO-3 only, with no gradient and no optimizer state; the adapters as any
+    trainable weights (`model_state_bytes`)."""
+    weights, grads, optimizer = model_state_bytes(psi_lora, replicas, zero, precision)
+    base = BYTES[precision][0] * psi / (replicas if zero >= 3 else 1)
+    return base + weights, grads, optimizer
 
 
 # Activation elements per token one layer stores for backward, as coefficients of
@@ -313,7 +356,11 @@ def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAU
     worst = None
     for i in representative_stages(chunks):
         psi = stage_params(model, s.tp, sum(chunks[i]), i == 0, i == s.pp - 1)
-        params, grads, optimizer = model_state_bytes(psi, s.replicas, s.zero, w.precision)
+        if w.lora_rank:
+            psi_lora = sum(chunks[i]) * layer_lora_params(model, s.tp, w.lora_rank)
+            params, grads, optimizer = lora_state_bytes(psi, psi_lora, s.replicas, s.zero, w.precision)
+        else:
+            params, grads, optimizer = model_state_bytes(psi, s.replicas, s.zero, w.precision, a.runtime)
         activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks[i]) * per_layer
         logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
         rest = params + grads + optimizer + activations + logits + buffers

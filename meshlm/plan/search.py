@@ -313,6 +313,11 @@ def search(
     `priced` (by the objective, on demand) also get spot, mixed and elastic offerings, and under the cost
     objective are re-ranked by the recommended pool's dollars. With memory_only, plans carry no step time or
     cost (used to find what would fit)."""
+    if w.model.n_experts:  # its memory and time formulas are the dense model's: a silently wrong plan
+        raise PlanError(
+            f"the planner does not model mixture-of-experts layers yet (model.n_experts={w.model.n_experts}: "
+            "total vs active parameters, all-to-all); choose the layout yourself (docs/moe.md)"
+        )
     result = SearchResult()
     for n in [gpus] if isinstance(gpus, int) else gpus:
         limit = capacity(hw, n, constraints)
@@ -398,6 +403,7 @@ def plan_for_config(cfg: Config, world_size: int, calibration: dict | None = Non
         cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len,
         precision,
         cfg.model.preset,
+        cfg.lora.rank,
     )
     c = Constraints(
         micro_batch=cfg.train.micro_batch or None,

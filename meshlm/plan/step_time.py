@@ -7,12 +7,13 @@ Formulas and sources: docs/planner.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from meshlm.model.config import ModelConfig
-from meshlm.model.flops import flops_per_token
+from meshlm.model.flops import flops_per_token, matmul_params
 from meshlm.parallel.mesh import Layout
 from meshlm.plan.hardware import Hardware, Link
 from meshlm.plan.memory import (
@@ -22,6 +23,7 @@ from meshlm.plan.memory import (
     Runtime,
     Strategy,
     Workload,
+    layer_lora_params,
     model_state_bytes,
     rank_chunks,
     representative_stages,
@@ -195,13 +197,22 @@ def micro_batch_time(work_s: float, layers: int, hw: Hardware, busy: float) -> f
 
 
 def _dp_exposed(
-    w: Workload, s: Strategy, hw: Hardware, a: Assumptions, psi: float, layers: int, compute_mb: float
+    w: Workload,
+    s: Strategy,
+    hw: Hardware,
+    a: Assumptions,
+    psi: float,
+    layers: int,
+    compute_mb: float,
+    trainable: float | None = None,
 ) -> float:
     """Data-parallel communication left on the critical path. Gradients are reduced in buckets that hide
     behind backward (a.dp_overlap of it) except the last; ZeRO-1/2 all-gather updated weights after the
     step; ZeRO-2 reduce-scatters every micro-batch (sharded gradients cannot accumulate); ZeRO-3 gathers
     and reduces layer by layer, in forward, backward (and the recompute forward), prefetched except the
-    first and last. Every bucket or layer is its own collective and pays the latency term again."""
+    first and last. Every bucket or layer is its own collective and pays the latency term again. Of the
+    `psi` weights only `trainable` (default all; LoRA: the adapters) are reduced and, under ZeRO-1/2, gathered
+    after the step; ZeRO-3 gathers all of them."""
     if s.replicas == 1:
         return 0.0
     w_bytes, g_bytes, _, _ = BYTES[w.precision]
@@ -213,7 +224,8 @@ def _dp_exposed(
         return calls * collective_time(op, nbytes / calls, s.replicas, hw.link("dp", cross, op))
 
     m = s.micro_batches(w.global_batch)
-    grads, weights = psi * g_bytes, psi * w_bytes
+    trainable = psi if trainable is None else trainable
+    grads, weights, updated = trainable * g_bytes, psi * w_bytes, trainable * w_bytes
     backward = compute_mb * (3 / 4 if s.recompute == "full" else 2 / 3)
     after = 0.0  # collectives after the optimizer step, never hidden
     if s.zero == 0:
@@ -221,7 +233,7 @@ def _dp_exposed(
     elif s.zero in (1, 2):
         times = m if s.zero == 2 else 1
         overlapped, window = times * t("reduce_scatter", grads), times * backward
-        tail, after = t("reduce_scatter", min(bucket, grads), 1), t("all_gather", weights)
+        tail, after = t("reduce_scatter", min(bucket, grads), 1), t("all_gather", updated)
     else:
         units = max(layers, 1)
         gathers = 3 if s.recompute == "full" else 2
@@ -262,6 +274,15 @@ def cp_attention_factor(s: Strategy) -> float:
     return (s.cp + 1) / s.cp if s.cp > 1 and s.cp_attention == "ring" else 1.0
 
 
+def lora_flops_per_token(model: ModelConfig, seq_len: int, lora_rank: int = 0) -> float:
+    """Training FLOPs per token (`flops_per_token`); with LoRA (rank > 0) less the frozen matrices' weight
+    gradients (2 FLOPs per matrix weight) plus the adapters' forward and backward (6 per adapter weight)."""
+    full = flops_per_token(model, seq_len)
+    if not lora_rank:
+        return full
+    return full - 2.0 * matmul_params(model) + 6.0 * model.n_layers * layer_lora_params(model, 1, lora_rank)
+
+
 def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS) -> StepTime:
     """Predicted step time. The pipeline runs at its slowest stage: m slots of (compute + TP + p2p) plus
     the bubble; data-parallel tails and the optimizer step follow (the worst stage's). On a shared node every
@@ -277,6 +298,12 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
     flash = a.flash_attention
     work = layer_work(model, w.seq_len, s.tp, s.sequence_parallel, s.recompute, flash, a.runtime, act)
     head_f = _flops_split(model, w.seq_len)[1] / s.tp
+    if w.lora_rank:  # a frozen base: no weight-gradient GEMMs (a third of its matmuls), plus the adapters' own
+        layer_f, _, attention_f = _flops_split(model, w.seq_len)
+        adapters = 6.0 * layer_lora_params(model, 1, w.lora_rank) / s.tp
+        gemm = work.gemm_flops - (layer_f - 3 * attention_f) / s.tp / 3 + adapters
+        work = dataclasses.replace(work, gemm_flops=gemm)
+        head_f *= 2 / 3
     loss_bytes = 3 * (act + 8) * model.vocab_size / s.tp  # logits, their fp32 copy and log-softmax, fwd + bwd
 
     activation = tokens * model.dim * act  # one micro-batch's hidden states, s·b·h
@@ -312,8 +339,14 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         if compute_mb + tp_mb + cp_mb > slot_compute + slot_tp + slot_cp:
             slot_compute, slot_tp, slot_cp = compute_mb, tp_mb, cp_mb
         psi = stage_params(model, s.tp, layers, i == 0, last)
-        stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb)
-        stage_optimizer = 2 * sum(model_state_bytes(psi, s.replicas, s.zero, w.precision)) / rank.memory_bw
+        if w.lora_rank:
+            psi_lora = layers * layer_lora_params(model, s.tp, w.lora_rank)
+            stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb, trainable=psi_lora)
+            states = model_state_bytes(psi_lora, s.replicas, s.zero, w.precision, a.runtime)
+        else:
+            stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb)
+            states = model_state_bytes(psi, s.replicas, s.zero, w.precision, a.runtime)
+        stage_optimizer = 2 * sum(states) / rank.memory_bw
         if stage_dp + stage_optimizer > dp_comm + optimizer:
             dp_comm, optimizer = stage_dp, stage_optimizer
 
@@ -326,7 +359,7 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
     bubble = max(0.0, critical - m * slot)
     total = m * slot + bubble + dp_comm + optimizer
     tokens_per_s = w.global_batch * w.seq_len / total
-    model_flops = flops_per_token(model, w.seq_len)
+    model_flops = lora_flops_per_token(model, w.seq_len, w.lora_rank)
     tflops = model_flops * tokens_per_s / s.gpus / 1e12
     recomputed = model.n_layers * work.recompute_flops * s.tp
     return StepTime(

@@ -5,7 +5,8 @@
 - `Preemption`: SIGTERM (a spot notice, however many times it arrives) is counted; the loop finishes its step,
   all ranks agree, save once, exit 0 (the handler itself: meshlm.train.signals).
 - `StepGuard`: a non-finite gradient norm or a loss spike vetoes the update (the trainer then skips it or
-  rolls back, by policy) or stops the run; always logged.
+  rolls back, by policy) or stops the run; always logged. `DeviceStepGuard` takes the same decision on the
+  device, without a host sync.
 - `check_replicas_in_sync`: data-parallel replicas compare parameter checksums; a mismatch names rank and tensor.
 """
 
@@ -92,20 +93,52 @@ class StepGuard:
         self.last_reason = ""
 
     def allow(self, loss: float, grad_norm: float) -> bool:
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self.last_reason = f"non-finite loss {loss} or gradient norm {grad_norm}"
-        elif self.spike_factor and len(self._recent) >= 5 and loss > self.spike_factor * self._mean():
-            self.last_reason = f"loss spike {loss:.4f} > {self.spike_factor} × recent mean {self._mean():.4f}"
-        else:
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        spike = finite and self.spike_factor and len(self._recent) >= 5 and loss > self.spike_factor * self._mean()
+        return self.decided(loss, grad_norm, finite and not spike)
+
+    def decided(self, loss: float, grad_norm: float, applied: bool) -> bool:
+        """Record a decision taken here or on the device (DeviceStepGuard): the loss joins the recent window if
+        the update was applied, else the reason is kept (and under policy 'stop' the run stops)."""
+        if applied:
             self._recent.append(loss)
             self.last_reason = ""
             return True
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.last_reason = f"non-finite loss {loss} or gradient norm {grad_norm}"
+        else:
+            self.last_reason = f"loss spike {loss:.4f} > {self.spike_factor} × recent mean {self._mean():.4f}"
         if self.policy == "stop":
             raise TrainingFault(f"stopping: {self.last_reason} (fault.nonfinite = 'stop')")
         return False
 
     def _mean(self) -> float:
         return sum(self._recent) / len(self._recent)
+
+
+class DeviceStepGuard:
+    """StepGuard's decision taken on the device, so a step can be vetoed with no host sync (train.sync_every >
+    1): `allow(loss, grad_norm)` returns a device bool and keeps the window of recent applied losses on the
+    device too, as float64 like the host's. The host later reads the decision and records it with
+    `StepGuard.decided`; the two agree except for a loss within float64 rounding of the spike threshold."""
+
+    def __init__(self, spike_factor: float, device: torch.device, window: int = 20) -> None:
+        self.spike_factor = spike_factor
+        self.recent = torch.zeros(window, dtype=torch.float64, device=device)
+        self.slots = torch.arange(window, device=device)
+        self.count = torch.zeros((), dtype=torch.int64, device=device)  # applied losses so far
+
+    def allow(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        loss = loss.detach().double()
+        ok = loss.isfinite() & grad_norm.detach().isfinite()
+        if self.spike_factor:
+            held = self.count.clamp(max=len(self.recent))
+            mean = self.recent.sum() / held.clamp(min=1)
+            ok &= (held < 5) | (loss <= self.spike_factor * mean)
+        slot = self.count % len(self.recent)
+        self.recent = torch.where((self.slots == slot) & ok, loss, self.recent)
+        self.count = self.count + ok.long()
+        return ok
 
 
 @torch.no_grad()

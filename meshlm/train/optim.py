@@ -12,16 +12,24 @@ from meshlm.config import TrainSection
 from meshlm.parallel.engine import ParallelModel
 
 
-def build_optimizer(model: ParallelModel, train: TrainSection) -> torch.optim.AdamW:
-    """meshlm's default optimizer: fp32 AdamW on the rank's parameters (matrices decay, vectors do not);
-    `foreach` keeps the step fast on CPU and GPU alike. `meshlm.fit(optimizer=...)` takes any other."""
+def build_optimizer(model: ParallelModel, train: TrainSection, fused: bool = False) -> torch.optim.AdamW:
+    """meshlm's default optimizer: fp32 AdamW on the rank's parameters (matrices decay, vectors do not).
+    `foreach` (multi-tensor kernels) by default; `fused` (one kernel per step, what the trainer uses on CUDA)
+    can also skip a step on the device (`skips_on_device`). `meshlm.fit(optimizer=...)` takes any other."""
     return torch.optim.AdamW(
         model.optimizer_param_groups(train.weight_decay),
         lr=train.lr,
         betas=(train.beta1, train.beta2),
         eps=train.eps,
-        foreach=True,
+        **({"fused": True} if fused else {"foreach": True}),
     )
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` honours a device-side `found_inf` flag (the protocol torch.amp.GradScaler
+    uses): the fused Adam, AdamW and SGD kernels then leave weights, moments and step counts untouched when
+    it is 1, with no host sync."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def lr_at(step: int, train: TrainSection) -> float:
@@ -66,13 +74,25 @@ def device_train_step(
     targets: torch.Tensor,
     lr: float,
     grad_clip: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`train_step` without a host sync: the update is always applied and the (loss, grad norm) come back as
-    device tensors, for the caller to read (and guard) later, many steps at once."""
+    allow_update: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`train_step` without a host sync: (loss, grad norm, applied) come back as device tensors, for the
+    caller to read later, many steps at once. Without `allow_update` the update is always applied (applied
+    None). With it (a device-side veto such as guards.DeviceStepGuard.allow, taking and returning device
+    tensors), the optimizer (one that `skips_on_device`) skips the update on the device where it says no,
+    exactly as `train_step` would have skipped it."""
     loss = model.forward_backward(inputs, targets).detach()
     grad_norm = model.clip_grad_norm_(grad_clip)
-    _apply(model, optimizer, lr)
-    return loss, grad_norm
+    if allow_update is None:
+        _apply(model, optimizer, lr)
+        return loss, grad_norm, None
+    applied = allow_update(loss, grad_norm)
+    optimizer.found_inf = (~applied).float()
+    try:
+        _apply(model, optimizer, lr)
+    finally:
+        del optimizer.found_inf
+    return loss, grad_norm, applied
 
 
 def _apply(model: ParallelModel, optimizer: torch.optim.Optimizer, lr: float) -> None:

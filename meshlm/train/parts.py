@@ -92,7 +92,10 @@ class TrainParts:
 
     model:      an nn.Module, or a factory called after seeding with `train.seed` (the same weights on every
                 rank; a module passed directly must already be built that way)
-    loss_fn:    (model output, targets) -> mean loss
+    loss_fn:    (model output, targets) -> per-token losses shaped like targets (reduction="none"); meshlm
+                averages them over the kept tokens (targets != -100) of the global batch
+    gather_logits: under tp, give the model's full logits to `loss_fn` (default: a loss of one's own under
+                tp is refused, as the logits are vocab-sharded; meshlm's own loss keeps them sharded)
     data:       a BatchSource, or an iterable of global (inputs, targets) batches
     eval_data:  an iterable (or a factory of one) of global validation batches
     optimizer:  param groups -> torch.optim.Optimizer (e.g. `lambda groups: torch.optim.SGD(groups, lr=0.1)`)
@@ -106,6 +109,7 @@ class TrainParts:
     optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None
     callbacks: list[Callback] = field(default_factory=list)
     plan: ParallelPlan | None = None
+    gather_logits: bool = False
 
     def build_model(self, seed: int) -> nn.Module | None:
         if self.model is None or isinstance(self.model, nn.Module):

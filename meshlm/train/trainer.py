@@ -31,23 +31,41 @@ from meshlm.checkpoint import (
 )
 from meshlm.checkpoint.store import StorageError, atomic_write, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
-from meshlm.data import GlobalBatchSampler, TokenData, eval_batches, prepare_data_shared
+from meshlm.data import SFTData, TokenData, prepare_data_shared
+from meshlm.lora import (
+    apply_lora,
+    cast_frozen_linears,
+    freeze,
+    freeze_patterns_match,
+    load_adapter,
+    lora_targets,
+    read_peft_config,
+)
 from meshlm.model import Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
+from meshlm.model.moe import moe_losses
 from meshlm.model.pretrained import init_tokenizer, keep_tokenizer, meshlm_checkpoint, open_init_from
 from meshlm.observe import StepObserver, aggregate
 from meshlm.observe.env import environment
 from meshlm.observe.metrics import MetricsLogger, TrainProgress
 from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.fp8 import apply_fp8, check_fp8_device
 from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout, validate_layout
-from meshlm.parallel.plan import check_plan, plan_for
+from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
 from meshlm.train import signals
 from meshlm.train.compile import compile_blocks
 from meshlm.train.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.train.faults import fault_point
-from meshlm.train.guards import Preemption, StepGuard, TrainingFault, Watchdog, check_replicas_in_sync
-from meshlm.train.optim import build_optimizer, device_train_step, lr_at, train_step
+from meshlm.train.guards import (
+    DeviceStepGuard,
+    Preemption,
+    StepGuard,
+    TrainingFault,
+    Watchdog,
+    check_replicas_in_sync,
+)
+from meshlm.train.optim import build_optimizer, device_train_step, lr_at, skips_on_device, train_step
 from meshlm.train.parts import Batch, BatchSource, Callback, TrainParts
 from meshlm.train.prefetch import Prefetcher
 from meshlm.train.signals import PREEMPTED_BEFORE_START
@@ -81,7 +99,21 @@ def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
         cfg.parallel.sequence_parallel,
         cfg.parallel.cp_attention,
     )
+    if cfg.train.freeze or cfg.lora.rank:
+        with torch.device("meta"):
+            check_adaptation(Transformer(cfg.model.build()), cfg)
     return layout, n_micro
+
+
+def check_adaptation(model: nn.Module, cfg: Config, plan: ParallelPlan | None = None) -> None:
+    """train.freeze patterns, lora.targets and lora.init_from checked against the model (meta is enough)."""
+    if cfg.train.freeze:
+        freeze_patterns_match(model, cfg.train.freeze)
+    if cfg.lora.rank:
+        lora = cfg.lora
+        lora_targets(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, plan)
+        if lora.init_from:
+            read_peft_config(lora.init_from)
 
 
 def check_user_layout(cfg: Config, world_size: int, model: nn.Module, parts: TrainParts) -> tuple[Layout, int]:
@@ -91,6 +123,7 @@ def check_user_layout(cfg: Config, world_size: int, model: nn.Module, parts: Tra
         raise ConfigError("parallel.layout = 'auto' plans meshlm's own model shapes; give a layout for your model")
     layout = parse_layout(cfg.parallel.layout, world_size)
     plan = parts.plan or plan_for(model)
+    check_adaptation(model, cfg, plan)
     check_plan(model, plan, layout.tp, layout.pp, cfg.parallel.zero, cfg.parallel.sequence_parallel)
     n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
     n_micro = check_batch_and_schedule(
@@ -114,14 +147,12 @@ def resolve_auto_layout(cfg: Config, world_size: int) -> Config:
     return Config.model_validate(data)
 
 
-def evaluate(model: ParallelModel, data: TokenData, cfg: Config, dp_rank: int, dp: int) -> float:
+def evaluate(model: ParallelModel, data: TokenData | SFTData, cfg: Config, dp_rank: int, dp: int) -> float:
     """Mean loss over a fixed set of validation batches (the same windows every time)."""
     device = model_device(model)
     losses = [
         model.eval_loss(x.to(device), y.to(device)).item()
-        for x, y in eval_batches(
-            data.val, cfg.data.seq_len, cfg.train.global_batch, cfg.train.eval_batches, dp_rank, dp
-        )
+        for x, y in data.eval_batches(cfg.data.seq_len, cfg.train.global_batch, cfg.train.eval_batches, dp_rank, dp)
     ]
     return sum(losses) / len(losses)
 
@@ -139,6 +170,20 @@ def evaluate_batches(model: ParallelModel, batches: Iterable[Batch]) -> float:
 
 def model_device(model: ParallelModel) -> torch.device:
     return next(model.chunks[0].parameters()).device
+
+
+LORA_KEYS = (".lora_A", ".lora_B")
+
+
+def adapt_model(model: nn.Module, cfg: Config, plan: ParallelPlan | None = None) -> None:
+    """train.freeze and the [lora] section, applied to the plain model before it is parallelized."""
+    if cfg.train.freeze:
+        freeze(model, cfg.train.freeze)
+    if cfg.lora.rank:
+        lora = cfg.lora
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, plan, seed=cfg.train.seed)
+        if lora.init_from:
+            load_adapter(model, lora.init_from)
 
 
 def train(cfg: Config) -> TrainResult:
@@ -174,6 +219,8 @@ def _fit(cfg: Config, parts: TrainParts) -> TrainResult:
     else:
         layout, n_micro = check_user_layout(cfg, world_size, model, parts)
     device = resolve_device(cfg.train.device)
+    if cfg.train.fp8:
+        check_fp8_device(device)
     # Armed before the process group exists: a restarted rank can hang in rendezvous or set-up too.
     watchdog = Watchdog(Path(cfg.log.run_dir), env_rank(), cfg.fault.watchdog_s)
     watchdog.arm()
@@ -243,7 +290,7 @@ class Trainer:
             watchdog.disarm()  # tokenizing the corpus is bounded by the barrier's own timeout
             self.data = prepare_data_shared(cfg.data, cfg.model.build().vocab_size, given_tokenizer)
             watchdog.arm()
-            source = GlobalBatchSampler(self.data.train, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
+            source = self.data.sampler(cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
         self.sampler: BatchSource = Prefetcher(source, cfg.train.steps, pin=device.type == "cuda")
 
         if model is None:
@@ -255,21 +302,35 @@ class Trainer:
             set_recompute(model, cfg.train.recompute)
             self.model_identity = model_cfg.to_dict()
             flops_per_tok = flops_per_token(model_cfg, cfg.data.seq_len)
+            if cfg.lora.rank:  # MFU of what a LoRA step computes: no weight gradients of the frozen base
+                from meshlm.plan.step_time import lora_flops_per_token
+
+                flops_per_tok = lora_flops_per_token(model_cfg, cfg.data.seq_len, cfg.lora.rank)
         else:
             n_params = sum(p.numel() for p in model.parameters())
             self.model_identity = {"class": type(model).__qualname__, "parameters": n_params}
             flops_per_tok = 6.0 * n_params  # forward + backward matmuls; attention scores not counted
+        autocast = autocast_dtype(cfg.train.dtype, device)
+        adapt_model(model, cfg, parts.plan)
+        if autocast == torch.bfloat16:  # frozen Linear weights are cast at every use anyway: keep them in bf16
+            cast_frozen_linears(model, torch.bfloat16)
         if not any(p.is_meta for p in model.parameters()):  # a meta model is materialised on the mesh's device
             model.to(device)
         self.mesh = build_mesh(layout, device.type)
-        autocast = autocast_dtype(cfg.train.dtype, device)
-        self.model = ParallelModel(model, self.mesh, cfg.parallel, n_micro, autocast, parts.plan, parts.loss_fn)
-        if cfg.train.compile:
+        self.model = ParallelModel(
+            model, self.mesh, cfg.parallel, n_micro, autocast, parts.plan, parts.loss_fn, parts.gather_logits,
+            cfg.train.ignore_index, cfg.train.fused_loss,
+        )  # fmt: skip
+        if cfg.train.fp8:
+            apply_fp8(self.model)
+        if cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda"):
             compile_blocks(self.model, cfg.train.compile_backend)
         if parts.optimizer is None:
-            self.optimizer = build_optimizer(self.model, cfg.train)
+            skip_late = cfg.train.sync_every not in (1, "auto") and cfg.fault.nonfinite == "skip"
+            self.optimizer = build_optimizer(self.model, cfg.train, fused=device.type == "cuda" or skip_late)
         else:
             self.optimizer = parts.optimizer(self.model.optimizer_param_groups(cfg.train.weight_decay))
+        self.sync_every, self.device_guard = self.resolve_sync(device)
         init_optimizer_state(self.optimizer)  # so checkpoints and rollbacks can fill it in place
         self.checkpointer = Checkpointer(
             self.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.parallel.timeout_s,
@@ -310,9 +371,30 @@ class Trainer:
         self.preemption = Preemption()
         self.guard = StepGuard(cfg.fault.nonfinite, cfg.fault.spike_factor)
         self.check_desync = cfg.fault.desync_every and layout.dp > 1 and cfg.parallel.zero < 3
-        # Steps since the last host sync: (step, loss, grad norm, lr, applied); loss and norm are device
-        # tensors and `applied` None until read, under train.sync_every > 1.
+        # Steps since the last host sync: (step, loss, grad norm, lr, applied); under train.sync_every != 1
+        # loss and norm are device tensors and `applied` the device guard's verdict (None without it).
         self.pending: list[tuple[int, object, object, float, bool | None]] = []
+
+    def resolve_sync(self, device: torch.device) -> tuple[int, DeviceStepGuard | None]:
+        """(steps between host syncs, 0 = only where a log, eval or checkpoint needs one; the device guard or
+        None). `train.sync_every = auto` syncs every step on CPU; on CUDA only where needed, when the optimizer
+        can skip a vetoed update on the device (or the policy never skips). Past one step, an optimizer that
+        can skips on the device; with another, a vetoed update is applied before it is read (rolled back or
+        the run stops), so policy 'skip' is refused."""
+        cfg, can_skip = self.cfg, skips_on_device(self.optimizer)
+        every = cfg.train.sync_every
+        if every == "auto":
+            every = 0 if device.type == "cuda" and (can_skip or cfg.fault.nonfinite != "skip") else 1
+        if every == 1:
+            return 1, None
+        if can_skip:
+            return every, DeviceStepGuard(cfg.fault.spike_factor, device)
+        if cfg.fault.nonfinite == "skip":
+            raise ConfigError(
+                f"train.sync_every = {every} with fault.nonfinite = 'skip' needs an optimizer that skips on the "
+                "device (fused AdamW, meshlm's default); use 'rollback' or 'stop', or sync_every 1"
+            )
+        return every, None
 
     def log(self, step: int, kind: str, **values: object) -> None:
         if self.logger is not None:
@@ -344,7 +426,9 @@ class Trainer:
         dist.broadcast_object_list(problem, src=0)
         if problem[0]:
             raise CheckpointError(problem[0])
-        self.checkpointer.load(path, training_entries(self.model))
+        entries = training_entries(self.model, frozen=True)
+        entries = {key: chunks for key, chunks in entries.items() if not key.endswith(LORA_KEYS)}  # not in a base
+        self.checkpointer.load(path, entries)
         self.model.after_load()
         self.say(f"fine-tuning from {path}")
 
@@ -407,11 +491,27 @@ class Trainer:
     def syncs_at(self, done: int) -> bool:
         """Whether step `done` reads its numbers on the host: every `train.sync_every` steps, the first and
         last, and wherever a log, evaluation, checkpoint or replica check is due (they need settled steps).
-        Only there are the guards run, SIGTERM and background saves checked."""
+        Only there are the steps' guard verdicts recorded, SIGTERM and background saves checked."""
         c = self.cfg
-        every = (c.train.sync_every, c.log.every, c.log.aggregate_every, c.train.eval_every, c.checkpoint.every)
+        every = (self.sync_every, c.log.every, c.log.aggregate_every, c.train.eval_every, c.checkpoint.every)
         every += (c.fault.desync_every,) if self.check_desync else ()
         return done in (1, c.train.steps) or any(k and done % k == 0 for k in every)
+
+    def check_batch_rows(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """The data's rows per replica agree with train.global_batch (which sets tokens/s, MFU and the
+        schedule), and its targets with its inputs: one line before the first step otherwise."""
+        rows, want = inputs.shape[0], self.cfg.train.global_batch // self.dp
+        if rows != want:
+            raise ConfigError(
+                f"train.global_batch = {self.cfg.train.global_batch}, but the data gave this dp rank {rows} rows "
+                f"(× dp={self.dp} = {rows * self.dp}); set train.global_batch = {rows * self.dp} or give global "
+                f"batches of {self.cfg.train.global_batch} rows"
+            )
+        if targets.shape != inputs.shape[:2]:
+            raise ConfigError(
+                f"data: targets of shape {tuple(targets.shape)} do not match inputs {tuple(inputs.shape)}; "
+                "each batch is (inputs, targets) with one target id per input token"
+            )
 
     def step(self) -> int:
         """One optimizer step and, at a sync step, everything that follows it; returns the steps done."""
@@ -422,14 +522,18 @@ class Trainer:
         self.observer.start_step()
         with self.observer.data_wait():
             inputs, targets = self.sampler.next_batch(self.dp_rank, self.dp)
+        if done == self.result.start_step + 1:
+            self.check_batch_rows(inputs, targets)
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         lr = lr_at(step, self.cfg.train)
         args = (self.model, self.optimizer, inputs, targets, lr, self.cfg.train.grad_clip)
-        if self.cfg.train.sync_every == 1:  # read at once, so a bad update is vetoed before it is applied
+        if self.sync_every == 1:  # read at once, so a bad update is vetoed before it is applied
             loss, grad_norm, applied = train_step(*args, self.guard.allow)
             self.pending.append((done, loss, grad_norm, lr, applied))
-        else:
-            self.pending.append((done, *device_train_step(*args), lr, None))
+        else:  # vetoed on the device, or (without a device guard) guarded late
+            veto = self.device_guard.allow if self.device_guard is not None else None
+            loss, grad_norm, applied = device_train_step(*args, veto)
+            self.pending.append((done, loss, grad_norm, lr, applied))
         metrics = self.observer.end_step(close=sync)
         self.watchdog.arm()
         fault_point("step", self.rank, done)
@@ -444,31 +548,46 @@ class Trainer:
         return done
 
     def settle(self, metrics: dict) -> list[tuple[int, float]]:
-        """The steps since the last sync, in order: their losses and norms read (one host sync for all of
-        them), guarded (under sync_every > 1 a rejected step is already applied: it is rolled back or the
-        run stops), recorded and logged with this window's metrics. Returns (step, loss) of each."""
+        """The steps since the last sync, in order: their losses, norms and device verdicts read (one host
+        sync for all of them), recorded (without a device guard, guarded now: a rejected step is already
+        applied, so it is rolled back or the run stops) and logged with this window's metrics. Returns
+        (step, loss) of each."""
         pending, self.pending = self.pending, []
-        unread = [torch.stack((loss.float(), norm.float())) for _, loss, norm, _, ok in pending if ok is None]
+        unread = [
+            torch.stack((loss.float(), norm.float(), (norm.new_ones(()) if ok is None else ok).float()))
+            for _, loss, norm, _, ok in pending
+            if not isinstance(ok, bool)
+        ]
         read = iter(torch.stack(unread).tolist() if unread else [])
         settled, rolled_back = [], False
         for done, loss, grad_norm, lr, applied in pending:
             if applied is None:
-                loss, grad_norm = next(read)
+                loss, grad_norm, _ = next(read)
                 applied = rolled_back or self.guard.allow(loss, grad_norm)
+            elif not isinstance(applied, bool):
+                loss, grad_norm, verdict = next(read)
+                applied = self.guard.decided(loss, grad_norm, verdict == 1.0) or rolled_back
             self.result.losses.append(loss)
             if not applied:
-                rolled_back = self.rejected(done, loss, grad_norm, already_applied=self.cfg.train.sync_every > 1)
+                late = self.sync_every != 1 and self.device_guard is None
+                rolled_back = self.rejected(done, loss, grad_norm, already_applied=late)
             if done % self.cfg.log.every == 0 or done == self.cfg.train.steps or done == 1:
-                self.log(done, "train", loss=loss, grad_norm=grad_norm, lr=lr, **metrics)
+                self.log(done, "train", loss=loss, grad_norm=grad_norm, lr=lr, **metrics, **self.moe_metrics())
             settled.append((done, loss))
         self.progress.update(done, loss, metrics["tokens_per_s"], extra=self.observer.mfu_label(metrics["mfu"]))
         return settled
 
+    def moe_metrics(self) -> dict[str, float]:
+        """The MoE auxiliary losses of this rank's last micro-batch, averaged over its MoE layers (none without)."""
+        per_chunk = [moe_losses(chunk) for chunk in self.model.chunks]
+        found = [values for values in per_chunk if values]
+        return {key: sum(v[key].item() for v in found) / len(found) for key in found[0]} if found else {}
+
     def rejected(self, done: int, loss: float, grad_norm: float, already_applied: bool = False) -> bool:
         """A vetoed update: skipped, or (policy 'rollback') weights and Adam state back to the newest
         checkpoint while the data position stays, so the batches since are not seen again. An update
-        `already_applied` (train.sync_every > 1) cannot be skipped: without a checkpoint the run stops.
-        Returns whether it rolled back."""
+        `already_applied` (train.sync_every > 1 without a device guard) cannot be skipped: without a
+        checkpoint the run stops. Returns whether it rolled back."""
         self.result.skipped_steps.append(done)
         action = "skipped"
         if self.cfg.fault.nonfinite == "rollback":
@@ -477,7 +596,7 @@ class Trainer:
             if path is None and already_applied:
                 raise TrainingFault(
                     f"stopping: {self.guard.last_reason} at step {done}, applied before it was read "
-                    f"(train.sync_every = {self.cfg.train.sync_every}) and no checkpoint to roll back to yet"
+                    f"(train.sync_every = {self.sync_every}) and no checkpoint to roll back to yet"
                 )
             if path is None:
                 action = "skipped (no checkpoint to roll back to yet)"
