@@ -61,9 +61,9 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         code = 0
     finally:
         signals.finish_run(release=owns_handler)  # the CLI's stays until the process exits: teardown is covered
+        signals.ignore_from_here()  # the exit code is decided, also when an error is on its way to its line
     if code == 0 and signals.received():
         launch.report_preempted()
-    signals.ignore_from_here()
     return code
 
 

@@ -96,12 +96,14 @@ def _preemption_outcome(directory: Path, nproc: int) -> int:
 
 
 def _failure_line(error: BaseException) -> str:
-    rank, failure = error.get_first_failure()  # type: ignore[attr-defined]
+    failures = error.failures  # type: ignore[attr-defined]
+    # the first that failed by itself: the others were then stopped by the agent's SIGTERM
+    own = sorted((f.timestamp, r) for r, f in failures.items() if f.exitcode > 0)
+    rank, failure = (own[0][1], failures[own[0][1]]) if own else error.get_first_failure()  # type: ignore[attr-defined]
     how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
-    failed = len(error.failures)  # type: ignore[attr-defined]
-    others = f" ({failed} ranks failed)" if failed > 1 else ""
-    # rank 0 printed its own line; another rank's error is printed only where it differs from rank 0's
-    said = 0 in error.failures  # type: ignore[attr-defined]
+    others = f" ({len(failures)} ranks failed)" if len(failures) > 1 else ""
+    # a rank 0 that failed by itself printed its own line; another rank's error is repeated only otherwise
+    said = 0 in failures and failures[0].exitcode > 0
     reason = failure.message if isinstance(failure.message, str) and failure.exitcode > 0 and not said else ""
     return f"meshlm launch: rank {rank} {how}{others}" + (f": {reason}" if reason else "")
 
