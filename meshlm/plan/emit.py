@@ -346,7 +346,8 @@ def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
     times after a failure, so a deterministic crash does not loop), the run directory on `site.bucket` in
     MOUNT_CACHED mode (local writes, so meshlm's atomic folder rename stays atomic, uploaded behind), meshlm
     installed from a wheel or a source tree, and a `run` command that starts one `meshlm launch` agent per
-    node from SkyPilot's node variables (static rendezvous on the first IP); `meshlm train` resumes from the
+    node from SkyPilot's node variables (c10d rendezvous on the first IP, so a worker that dies restarts the
+    group in place up to `--max-restarts` times per launch); `meshlm train` resumes from the
     newest valid checkpoint there. SkyPilot replaces the whole cluster when a node goes, so the job is rigid
     (`TARGET_SHAPES`). Written by hand as a plain subset of YAML (no anchors, flow collections or tags)."""
     name = job_name(launch.name)
@@ -379,8 +380,10 @@ NPROC=${{SKYPILOT_NUM_GPUS_PER_NODE:-0}}
 if [ "$NPROC" -lt 1 ]; then NPROC={launch.nproc_per_node}; fi
 mkdir -p "$MESHLM_RUN_DIR"
 # meshlm train resumes from the newest valid checkpoint in MESHLM_RUN_DIR by itself
-meshlm launch --nnodes="$SKYPILOT_NUM_NODES" --node-rank="$SKYPILOT_NODE_RANK" --nproc-per-node="$NPROC" \\
-  --master-addr="$HEAD_IP" --master-port="$MESHLM_PORT" --max-restarts={launch.max_restarts} \\
+# a worker that dies restarts the group in place (c10d rendezvous on the first node); a lost node, the cluster
+meshlm launch --nnodes="$SKYPILOT_NUM_NODES:$SKYPILOT_NUM_NODES" --nproc-per-node="$NPROC" \\
+  --max-restarts={launch.max_restarts} --rdzv-backend=c10d --rdzv-endpoint="$HEAD_IP:$MESHLM_PORT" \\
+  --rdzv-id="${{SKYPILOT_TASK_ID:-meshlm}}" --rdzv-conf=join_timeout={JOIN_TIMEOUT_S} \\
   {train} --data.source "$MESHLM_DATA" --data.cache_dir "$MESHLM_CACHE_DIR" \\
   --log.run_dir "$MESHLM_RUN_DIR" ${{MESHLM_TRAIN_ARGS:-}}"""
     lines = [

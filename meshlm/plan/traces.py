@@ -42,7 +42,8 @@ class TraceError(ValueError):
 class Trace:
     """Piecewise-constant spot capacity of a pool of `nodes` nodes: `values[i]` holds from `times[i]` until
     `times[i + 1]` (the last until `duration_s`). Absolute traces count nodes up; relative ones count nodes
-    down from all `nodes` up. `nodes` 0 (absolute traces only): the most ever up."""
+    down from all `nodes` up. `nodes` 0: the most ever up (absolute), the replaying pool's slots (relative;
+    `fitted` then takes the most ever down as the size)."""
 
     times: tuple[float, ...]
     values: tuple[int, ...]
@@ -53,29 +54,33 @@ class Trace:
     _lives: dict[int, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
     _caps: dict[int, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    @cached_property
-    def size(self) -> int:
-        """The nodes of the pool the trace was recorded on."""
+    def size(self, slots: int = 0) -> int:
+        """The nodes of the pool the trace was recorded on (`slots`: the replaying pool's, for a relative trace
+        of unknown size)."""
         if self.nodes:
             return self.nodes
-        return max(self.values) if not self.relative else max(1, max(self.values))
+        return max(1, slots or self.peak) if self.relative else self.peak
 
-    def up(self, value: int) -> int:
+    @cached_property
+    def peak(self) -> int:
+        """The largest value the trace reads."""
+        return max(self.values)
+
+    def up(self, value: int, slots: int = 0) -> int:
         """Nodes of the trace's own pool up while it reads `value`."""
-        return max(0, self.size - value) if self.relative else min(value, self.size)
-
-    def capacity(self, slots: int) -> tuple[int, ...]:
-        """Nodes up in every piece, scaled to a pool of `slots` when it is larger than the trace's own."""
-        if slots not in self._caps:
-            n = self.size
-            scale = self.relative and slots > n
-            self._caps[slots] = tuple(self.up(v) * slots // n if scale else self.up(v) for v in self.values)
-        return self._caps[slots]
+        return max(0, self.size(slots) - value) if self.relative else min(value, self.size())
 
     def live(self, value: int, slots: int) -> int:
-        """Spot nodes up, of a pool's `slots`, while the trace reads `value`."""
-        up = self.up(value)
-        return min(slots, up * slots // self.size if self.relative and slots > self.size else up)
+        """Nodes up while the trace reads `value`, seen by a pool of `slots`: scaled by slots/size for a larger
+        pool on an events trace, else as they are (min(up, slots) is what the pool holds)."""
+        n, up = self.size(slots), self.up(value, slots)
+        return up * slots // n if self.relative and slots > n else up
+
+    def capacity(self, slots: int) -> tuple[int, ...]:
+        """`live` of every piece for a pool of `slots` (before the pool's own min)."""
+        if slots not in self._caps:
+            self._caps[slots] = tuple(self.live(v, slots) for v in self.values)
+        return self._caps[slots]
 
     def lives(self, slots: int) -> tuple[int, ...]:
         """`live` of every piece for `slots`, computed once per pool size (each replayed run reads it)."""
@@ -97,7 +102,7 @@ class Trace:
         (nodes lost / node-hours up) and the mean time a lost node stays away (node-seconds down / nodes
         back); (0, 0) where nothing is ever lost, inf where nothing comes back. Independent of the pool that
         replays it."""
-        slots = self.size
+        slots = self.size()
         lost = back = 0
         up_s = down_s = 0.0
         lives = tuple(self.up(v) for v in self.values)
@@ -225,7 +230,7 @@ def write_csv(trace: Trace, path: Path) -> None:
     """A relative trace as an events CSV (the format `load_trace` reads back)."""
     if not trace.relative:
         raise ValueError("write_csv writes relative traces (nodes down); this one counts nodes up")
-    lines = [f"# nodes: {trace.size}", ",".join(CSV_HEADER)]
+    lines = [f"# nodes: {trace.size()}", ",".join(CSV_HEADER)]
     for t, before, after in zip(trace.times[1:], trace.values, trace.values[1:], strict=False):
         lines.append(f"{t:.1f},{max(0, after - before)},{max(0, before - after)}")
     lines.append(f"{trace.duration_s:.1f},0,0")
@@ -235,5 +240,5 @@ def write_csv(trace: Trace, path: Path) -> None:
 def write_spot_traces(trace: Trace, slots: int, gap_s: float, path: Path) -> None:
     """A trace sampled every `gap_s` as a spot-traces JSON of `slots` nodes (nodes up at each tick)."""
     ticks = int(trace.duration_s // gap_s)
-    data = [trace.live(trace.values[trace.index(i * gap_s)], slots) for i in range(ticks)]
+    data = [min(slots, trace.live(trace.values[trace.index(i * gap_s)], slots)) for i in range(ticks)]
     Path(path).write_text(json.dumps({"metadata": {"gap_seconds": gap_s}, "data": data}) + "\n")
