@@ -245,9 +245,18 @@ def evaluate(
     return Plan(strategy, strategy.micro_batches(w.global_batch), mem, step, cost, checkpoint_bytes=ckpt)
 
 
+# Kept free on a GPU beyond the predicted peak: the CUDA context's and NCCL's buffers grow with the job, and
+# the caching allocator needs slack to place a large block (a plan at 79.9 of 80 GiB dies on the first
+# unlucky fragmentation). A fraction, so it scales with the device.
+ALLOCATOR_RESERVE = 0.04
+
+
 def capacity(hw: Hardware, gpus: int, c: Constraints) -> float:
-    """Usable bytes per device: the constraint's, else the device's share."""
-    return c.memory_gb * GB if c.memory_gb is not None else hw.per_rank(gpus).memory_bytes
+    """Usable bytes per device: the constraint's, else the device's share less ALLOCATOR_RESERVE (GPUs)."""
+    if c.memory_gb is not None:
+        return c.memory_gb * GB
+    share = hw.per_rank(gpus).memory_bytes
+    return share if hw.shared_node else share * (1 - ALLOCATOR_RESERVE)
 
 
 def elastic_shrink(
