@@ -317,3 +317,61 @@ def test_sigterm_to_every_process_saves_once_exits_0_and_requeues(data_cache: st
     saved = read_trainer_state(list_checkpoints(tmp_path / "run")[-1])["step"]
     assert 0 < saved < 400
     assert (tmp_path / "requeued").read_text().split() == ["42", "42"]  # each node's batch shell asks once
+
+
+def wait_for_training(metrics: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+        time.sleep(0.2)
+
+
+@pytest.mark.slow  # two agents stopped by the time limit's warning: ~15 s
+@pytest.mark.skipif(not has_launch(), reason="needs `meshlm launch` (torchrun exits 1 after a clean SIGTERM save)")
+def test_the_time_limit_warning_to_the_batch_shell_saves_exits_0_and_requeues(data_cache: str, tmp_path: Path) -> None:
+    """`--signal=B:TERM@G`: only the batch shell gets SIGTERM; its trap forwards it to the step (srun's agent
+    and, through it, the workers), waits for the save and requeues."""
+    script = two_node_cpu_plan(tmp_path)
+    agents = start_agents(script, local_env(tmp_path), small_train(data_cache, 400))
+    wait_for_training(tmp_path / "run" / "metrics.jsonl")
+    for agent in agents:
+        agent.send_signal(signal.SIGTERM)  # the batch shell only
+    outputs = finish(agents)
+    for agent, out in zip(agents, outputs, strict=True):
+        assert agent.returncode == 0, out[-3000:]
+        assert "meshlm: SIGTERM: saving, then requeueing job 42" in out
+    assert 0 < read_trainer_state(list_checkpoints(tmp_path / "run")[-1])["step"] < 400
+    assert (tmp_path / "requeued").read_text().split() == ["42", "42"]
+
+
+@pytest.mark.slow  # two "pods" stopped by the kubelet's SIGTERM: ~15 s
+@pytest.mark.skipif(not has_launch(), reason="needs `meshlm launch` (torchrun exits 1 after a clean SIGTERM save)")
+def test_the_pytorchjob_command_saves_and_exits_0_on_the_kubelets_sigterm(data_cache: str, tmp_path: Path) -> None:
+    """The manifest's container command run as two pods: the rendezvous comes from the operator's PET_*
+    variables; the kubelet signals only the container's main process (the agent), which must bring its
+    workers to one save and exit 0 within terminationGracePeriodSeconds."""
+    plan = two_node_cpu_plan(tmp_path)  # the same plan, as a manifest
+    manifest = tmp_path / "job.json"
+    config = tmp_path / "run.toml"
+    argv = ("--model", str(config), "--gpu", "cpu", "--gpus", "2", "--calibration", str(tmp_path / "cal.json"))
+    assert run_plan(plan_args(*argv, "--top", "1", "--emit", "kubernetes", "--image", "i", "--emit-to",
+                              str(manifest))) == 0  # fmt: skip
+    job = json.loads(manifest.read_text())
+    assert plan.exists() and job["spec"]["elasticPolicy"]["minReplicas"] == 2
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    command = command[: command.index("--log.run_dir")] + ["--log.run_dir", str(tmp_path / "run")]
+    port = free_port()
+    env = {**local_env(tmp_path), "PATH": f"{tmp_path / 'venv' / 'bin'}:{os.environ['PATH']}", "PET_NNODES": "2:2",
+           "PET_NPROC_PER_NODE": "1", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
+           "PET_RDZV_ID": "k8s-test", "PET_MAX_RESTARTS": "3"}  # fmt: skip
+    pods = [subprocess.Popen([*command, *small_train(data_cache, 400)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True) for _ in range(2)]  # fmt: skip
+    wait_for_training(tmp_path / "run" / "metrics.jsonl")
+    for p in pods:
+        p.send_signal(signal.SIGTERM)  # the container's main process only
+    started = time.monotonic()
+    outputs = finish(pods)
+    assert time.monotonic() - started < pod["terminationGracePeriodSeconds"]
+    for p, out in zip(pods, outputs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    assert 0 < read_trainer_state(list_checkpoints(tmp_path / "run")[-1])["step"] < 400
