@@ -120,8 +120,9 @@ def _merged(pairs: list[tuple[str, object]]) -> dict:
 
 def test_an_elastic_range_is_valid_at_every_node_count_it_allows() -> None:
     """The issue's case: 70B on 8 nodes, `pp=1,tp=8`, batch 512 runs only at 4 and 8 nodes (dp 5-7 does not
-    divide 512), so the priced pool is not elastic 4-8; with batch 840 (= lcm(5, 6, 7, 8)) every count 4-8 is
-    valid and the launch ranges over exactly those, each a world `meshlm train` accepts."""
+    divide 512), so the priced pool is not elastic 4-8; with batch 840 (= lcm(5, 6, 7, 8)) every count from 5
+    (4 nodes' dp=4 does not fit in memory) to 8 is valid and the launch ranges over exactly those, each a world
+    `meshlm train` accepts."""
     hw = hardware("H100-SXM")
     for batch in (512, 840):
         w = Workload(PRESETS["llama3-70b"], 8192, batch, 1.4e12, name="llama3-70b")
@@ -138,7 +139,7 @@ def test_an_elastic_range_is_valid_at_every_node_count_it_allows() -> None:
         if batch == 512:
             assert speed(5) == speed(6) == speed(7) == 0 and not pool.elastic
         else:
-            assert pool.elastic and (pool.min_nodes, fewest) == (4, 4)
+            assert pool.elastic and pool.min_nodes == fewest < 8 and speed(fewest - 1) == 0
             assert launch.train_args[launch.train_args.index("--parallel.layout") + 1] == "pp=1,tp=8"
         assert 3 <= launch.max_restarts <= 50  # per allocation, not thousands
         steps = int(launch.train_args[launch.train_args.index("--train.steps") + 1])
@@ -359,13 +360,16 @@ def test_the_pytorchjob_command_saves_and_exits_0_on_the_kubelets_sigterm(data_c
     assert plan.exists() and job["spec"]["elasticPolicy"]["minReplicas"] == 2
     pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     command = pod["containers"][0]["command"]
-    command = command[: command.index("--log.run_dir")] + ["--log.run_dir", str(tmp_path / "run")]
+    command = [*command[: command.index("--log.run_dir")], "--log.run_dir", str(tmp_path / "run")]
     port = free_port()
     env = {**local_env(tmp_path), "PATH": f"{tmp_path / 'venv' / 'bin'}:{os.environ['PATH']}", "PET_NNODES": "2:2",
            "PET_NPROC_PER_NODE": "1", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
            "PET_RDZV_ID": "k8s-test", "PET_MAX_RESTARTS": "3"}  # fmt: skip
-    pods = [subprocess.Popen([*command, *small_train(data_cache, 400)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True) for _ in range(2)]  # fmt: skip
+    pods = [
+        subprocess.Popen([*command, *small_train(data_cache, 400)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for _ in range(2)
+    ]  # fmt: skip
     wait_for_training(tmp_path / "run" / "metrics.jsonl")
     for p in pods:
         p.send_signal(signal.SIGTERM)  # the container's main process only
