@@ -13,7 +13,7 @@ import pytest
 
 from meshlm.cli import build_parser, cmd_config_show, cmd_prepare_data, cmd_train
 from meshlm.cli import main as cli_main
-from meshlm.config import load_config, parse_overrides
+from meshlm.config import ConfigError, load_config, parse_overrides
 from meshlm.plan.cli import run_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +80,26 @@ def test_every_command_in_the_docs_parses(where: str, argv: list[str], tmp_path:
         args, extra = parser.parse_known_args(argv)
     except SystemExit:
         pytest.fail(f"{where}: `meshlm {shlex.join(argv)}` does not parse: {capsys.readouterr().err.strip()}")
+    check_overrides(where, args, extra)
+    if argv[0] not in CHEAP:
+        return
+    if argv[0] == "config":
+        assert cli_main(["config", "show", *[str(ROOT / a) if (ROOT / a).is_file() else a for a in argv[2:]]]) == 0
+        return
+    if args.emit:  # a launch file needs the corpus: --data-source, or a meshlm config that names one
+        assert args.data_source or str(args.model).endswith(".toml"), f"{where}: --emit without --data-source"
+    if any(not (ROOT / p).exists() for p in _paths(args)):
+        return  # needs a file the docs' reader has (a doctor.json, a downloaded config): parsed only
+    if args.emit:
+        args.emit_to = tmp_path / "launch"
+        args.image, args.bucket = args.image or "registry/meshlm:1", args.bucket or "s3://b/runs"
+    if args.model and (ROOT / args.model).exists():
+        args.model = str(ROOT / args.model)
+    assert run_plan(args) == 0, f"{where}: {capsys.readouterr().err}"
+
+
+def check_overrides(where: str, args: object, extra: list[str]) -> None:
+    """Trainer arguments are config fields with valid values (ConfigError otherwise); others take none."""
     takes_overrides = args.func in (cmd_train, cmd_config_show, cmd_prepare_data)
     assert takes_overrides or not extra, f"{where}: unknown arguments {extra}"
     if takes_overrides:
@@ -90,20 +110,21 @@ def test_every_command_in_the_docs_parses(where: str, argv: list[str], tmp_path:
             # the reader's own checkpoint: a long-context preset stands in for its model
             pairs = [("model.preset", "llama3-8b"), *((k, v) for k, v in pairs if k != "model.init_from")]
         load_config(config, pairs)  # unknown fields and bad values raise ConfigError
-    if argv[0] not in CHEAP:
-        return
-    if argv[0] == "config":
-        assert cli_main(["config", "show", *[str(ROOT / a) if (ROOT / a).is_file() else a for a in argv[2:]]]) == 0
-        return
-    if any(not (ROOT / p).exists() for p in _paths(args)):
-        return  # needs a file the docs' reader has (a doctor.json, a downloaded config): parsed only
-    if args.emit:
-        args.emit_to = tmp_path / "launch"
-        args.data_source = args.data_source or "stdlib"
-        args.image, args.bucket = args.image or "registry/meshlm:1", args.bucket or "s3://b/runs"
-    if args.model and (ROOT / args.model).exists():
-        args.model = str(ROOT / args.model)
-    assert run_plan(args) == 0, f"{where}: {capsys.readouterr().err}"
+
+
+def test_a_removed_field_in_a_shown_command_fails() -> None:
+    """Mutation check: the line docs/clusters.md used to show, with the removed
+    `--train.activation_checkpointing`, is caught; the same line with `--train.recompute` passes."""
+    line = ("srun meshlm launch --nnodes=4:8 -m meshlm.cli train --model.preset llama3-70b "
+            '--train.activation_checkpointing false --log.run_dir /shared/run "$@" &')  # fmt: skip
+    for old, ok in (("--train.activation_checkpointing false", False), ("--train.recompute none", True)):
+        argv = [a for a in meshlm_argv(line.replace("--train.activation_checkpointing false", old)) if a[0] != "$"]
+        args, extra = build_parser().parse_known_args(argv)
+        if ok:
+            check_overrides("line", args, extra)
+        else:
+            with pytest.raises(ConfigError, match=re.escape("train.activation_checkpointing: unknown field")):
+                check_overrides("line", args, extra)
 
 
 def _paths(args: object) -> list[str]:
