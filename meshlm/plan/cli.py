@@ -227,6 +227,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     out.add_argument("--time-limit", type=duration, default=TIME_LIMIT_S, help="Slurm --time of one allocation; "
                      "the job requeues itself at its end (default 1d)")  # fmt: skip
     out.add_argument("--partition", default="", help="Slurm partition (--emit slurm)")
+    out.add_argument("--spot-selector", default=Site.spot_selector, help="node label KEY=VALUE of spot nodes "
+                     "(--emit kubernetes; GKE: cloud.google.com/gke-spot=true)")  # fmt: skip
     p.set_defaults(func=run_plan)
     return p
 
@@ -276,6 +278,8 @@ def _request(args: argparse.Namespace) -> Request:
     if args.emit and not (args.data_source or source.data_source):
         raise PlanError(f"--emit {args.emit} needs --data-source (the corpus to train on: a path on shared storage, "
                         "'hf:NAME' or 'stdlib') or a --model config with data.source")  # fmt: skip
+    if args.emit == "kubernetes" and "=" not in args.spot_selector:
+        raise PlanError(f"--spot-selector {args.spot_selector!r}: expected a node label KEY=VALUE")
     if args.emit == "skypilot":
         if not (args.install or default_install()):
             raise PlanError("--emit skypilot needs --install (a meshlm wheel, or a source directory with a "
@@ -396,7 +400,8 @@ def _emit(args: argparse.Namespace, r: Request, plan: Plan, pick: Estimate | Non
     summary = f"{w.name} on {plan.strategy.gpus}× {r.hw.name}: {plan.strategy}, {pick.pool.describe()}"
     launch = dataclasses.replace(launch, summary=summary)
     site = Site(args.data_source or r.source.data_source or "", args.install or "", args.run_dir or "",
-                args.time_limit, partition=args.partition, pvc=args.pvc, bucket=args.bucket or "")  # fmt: skip
+                args.time_limit, partition=args.partition, pvc=args.pvc, bucket=args.bucket or "",
+                spot_selector=args.spot_selector)  # fmt: skip
     if args.emit == "slurm":
         text = slurm(launch, site)
     elif args.emit == "kubernetes":

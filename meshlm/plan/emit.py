@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import math
 import shlex
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.memory import Strategy
 from meshlm.plan.search import Plan, PlanError
-from meshlm.plan.spot import Estimate, Pool, Shapes
+from meshlm.plan.spot import Estimate, Pool, Shapes, duration_text
 
 RDZV_PORT = 29500
 JOIN_TIMEOUT_S = 900  # how long the first agents wait for the others (nodes can be slow to boot)
@@ -75,7 +76,6 @@ class Launch:
     gpu: bool = True
     wall_s: float = 0.0  # expected wall time (resubmissions of a time-limited allocation)
     summary: str = ""
-    extra: dict = field(default_factory=dict, compare=False)
 
     def agent_args(self, endpoint: str, rdzv_id: str, join_timeout: str = str(JOIN_TIMEOUT_S)) -> list[str]:
         """`meshlm launch`'s (= torchrun's) arguments for one agent, rendezvous at `endpoint` (host:port)."""
@@ -92,8 +92,6 @@ class Launch:
             "train",
             *self.train_args,
         ]
-
-    torchrun_args = agent_args
 
 
 def _mesh_override(s: Strategy, elastic: bool) -> str:
@@ -188,8 +186,6 @@ def _hms(seconds: float) -> str:
 
 
 def _duration(seconds: float) -> str:
-    from meshlm.plan.spot import duration_text
-
     return duration_text(seconds) if math.isfinite(seconds) else "unbounded"
 
 
@@ -271,8 +267,6 @@ exit "$RC"
 
 def site_venv() -> str:
     """The Python environment running this plan (its bin/ holds `meshlm`)."""
-    import sys
-
     return sys.prefix
 
 
