@@ -193,6 +193,9 @@ def test_pytorchjob_has_a_claim_shm_grace_spares_and_spot_nodes() -> None:
     assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in container["env"]
     assert container["image"] == "registry/meshlm:1" and container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert pod["nodeSelector"] == {"karpenter.sh/capacity-type": "spot"}
+    gke = Site("/shared/corpus", spot_selector="cloud.google.com/gke-spot=true")
+    gke_pod = json.loads(kubernetes(LAUNCH, gke, "i"))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert gke_pod["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
     on_demand = json.loads(kubernetes(Launch("m", 2, 2, 0, 8, 3, ()), SITE, "i"))
     assert "nodeSelector" not in on_demand["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
 
@@ -236,6 +239,9 @@ def test_emit_needs_an_image_a_data_source_and_says_where_it_wrote(
     base = ("--model", "test", "--gpu", "cpu", "--gpus", "2")
     assert run_plan(plan_args(*base, "--emit", "kubernetes", "--data-source", "d")) == 2
     assert "--emit kubernetes needs --image" in capsys.readouterr().err
+    assert run_plan(plan_args(*base, "--emit", "kubernetes", "--data-source", "d", "--image", "i",
+                              "--spot-selector", "spot")) == 2  # fmt: skip
+    assert "--spot-selector 'spot': expected a node label KEY=VALUE" in capsys.readouterr().err
     assert run_plan(plan_args(*base, "--emit", "slurm")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--emit slurm needs --data-source" in err
