@@ -47,7 +47,7 @@ from meshlm.model.moe import moe_losses
 from meshlm.model.pretrained import init_tokenizer, keep_tokenizer, meshlm_checkpoint, open_init_from
 from meshlm.observe import StepObserver, aggregate
 from meshlm.observe.env import environment
-from meshlm.observe.metrics import MetricsLogger, TrainProgress
+from meshlm.observe.metrics import MetricsLogger, TrainProgress, trackers
 from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.fp8 import apply_fp8, check_fp8_device
@@ -256,6 +256,23 @@ def _data_mismatch(saved: dict, current: dict) -> str | None:
     return None
 
 
+def with_absolute_cache(cfg: Config) -> Config:
+    """`cfg` with data.cache_dir made absolute (against this process's working directory)."""
+    cache = str(Path(cfg.data.cache_dir).expanduser().resolve())
+    return (
+        cfg
+        if cache == cfg.data.cache_dir
+        else cfg.model_copy(update={"data": cfg.data.model_copy(update={"cache_dir": cache})})
+    )
+
+
+def flat_config(cfg: Config) -> dict:
+    """{'train.lr': 0.003, ...}: the config as an experiment tracker's parameters."""
+    return {
+        f"{section}.{name}": value for section, fields in cfg.model_dump().items() for name, value in fields.items()
+    }
+
+
 def _differing_field(saved: dict, current: dict) -> str:
     name = next((k for k in current if saved.get(k) != current[k]), "?")
     return f"model.{name}: checkpoint {saved.get(name)!r}, config {current.get(name)!r}"
@@ -274,12 +291,13 @@ class Trainer:
         parts: TrainParts | None = None,
         model: nn.Module | None = None,
     ) -> None:
+        cfg = with_absolute_cache(cfg)  # saved in config.toml: `meshlm eval/generate RUN` from anywhere reuses it
         self.cfg, self.layout, self.device, self.watchdog = cfg, layout, device, watchdog
         self.parts = parts = parts or TrainParts()
         self.callbacks: list[Callback] = list(parts.callbacks)
         self.rank = dist.get_rank()
         self.run_dir = Path(cfg.log.run_dir)
-        self.say = print if self.rank == 0 else (lambda *_: None)
+        self.say = print if self.rank == 0 else (lambda *_, **__: None)
 
         init_from = cfg.model.init_from if model is None else None  # fine-tuning meshlm's own model
         init_source = open_init_from(init_from, cfg.model.build().vocab_size) if init_from else None
@@ -288,6 +306,8 @@ class Trainer:
         source = parts.batch_source()
         if source is None:
             watchdog.disarm()  # tokenizing the corpus is bounded by the barrier's own timeout
+            self.say(f"data: {cfg.data.source} (token cache {cfg.data.cache_dir}; tokenized once, then reused)",
+                     flush=True)  # fmt: skip
             self.data = prepare_data_shared(cfg.data, cfg.model.build().vocab_size, given_tokenizer)
             watchdog.arm()
             source = self.data.sampler(cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
@@ -355,7 +375,9 @@ class Trainer:
                     keep_tokenizer(self.run_dir, tokenizer)  # exported with the weights by meshlm convert
             except OSError as e:  # a full disk or a read-only run directory: one line naming the file
                 raise StorageError(f"run directory cannot be written: {storage_cause(e, self.run_dir)}") from None
-            self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, start_step=self.sampler.step)
+            sinks = trackers(self.run_dir, cfg.log.wandb_project, cfg.log.mlflow_experiment, flat_config(cfg))
+            self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, start_step=self.sampler.step,
+                                        sinks=sinks)  # fmt: skip
         tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         dist.barrier()  # ranks sharing a CPU measure its matmul peak together
         self.observer = StepObserver(
@@ -368,6 +390,7 @@ class Trainer:
             self.sampler.step, "env", **environment(device, str(layout)), peak_flops=self.observer.peak_flops,
             mfu_of=self.observer.mfu_basis,
         )  # fmt: skip
+        self.say(self.startup_summary(flops_per_tok), flush=True)
         self.preemption = Preemption()
         self.guard = StepGuard(cfg.fault.nonfinite, cfg.fault.spike_factor)
         self.check_desync = cfg.fault.desync_every and layout.dp > 1 and cfg.parallel.zero < 3
@@ -396,6 +419,26 @@ class Trainer:
             )
         return every, None
 
+    def startup_summary(self, flops_per_tok: float) -> str:
+        """What this run is, in a few plain lines for an operator's log: model, layout, batch, data,
+        checkpoints, and where it starts."""
+        cfg, params = self.cfg, sum(p.numel() for p in self.model.parameters())
+        model = self.model_identity.get("class") or cfg.model.init_from or cfg.model.preset
+        tokens = cfg.train.global_batch * cfg.data.seq_len
+        data = "user batches" if self.data is None else f"{cfg.data.source} (cache {cfg.data.cache_dir})"
+        start = (f"resumed from {self.resumed_from} at step {self.sampler.step}" if self.resumed_from
+                 else "fresh start at step 0")  # fmt: skip
+        return "\n".join([
+            f"model: {model}, {flops_per_tok * tokens / 1e12:.3g} TFLOP/step; parameters on rank 0: {params:,}",
+            f"layout: {self.layout} on {dist.get_world_size()} ranks ({self.device.type}), zero "
+            f"{cfg.parallel.zero}, schedule {cfg.parallel.schedule}, recompute {cfg.train.recompute}, dtype "
+            f"{cfg.train.dtype}",
+            f"batch: {cfg.train.global_batch} × {cfg.data.seq_len} tokens = {tokens:,} tokens/step, micro-batch "
+            f"{cfg.train.micro_batch or 'whole'}, {cfg.train.steps} steps",
+            f"data: {data}",
+            f"checkpoints: {self.run_dir} every {cfg.checkpoint.every or 'end'} steps; {start}",
+        ])  # fmt: skip
+
     def log(self, step: int, kind: str, **values: object) -> None:
         if self.logger is not None:
             self.logger.log(step, kind, **values)
@@ -408,6 +451,7 @@ class Trainer:
     def resume(self) -> None:
         """Leftovers of failed saves removed, corrupt checkpoints moved aside, then the newest valid one."""
         path = self.checkpointer.resume_point(self.cfg.checkpoint.resume, self.cfg.checkpoint.allow_fresh_start)
+        self.resumed_from = path
         if path is not None:
             saved = self.load(path, restore_data_position=True)
             self.say(f"resuming from {path} at step {self.sampler.step} (saved under {saved.get('layout')})")
@@ -465,7 +509,8 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         cfg = self.cfg
-        with TrainProgress(cfg.train.steps, self.sampler.step, enabled=cfg.log.progress and self.rank == 0) as bar:
+        with TrainProgress(cfg.train.steps, self.sampler.step, enabled=cfg.log.progress, rank0=self.rank == 0,
+                           every=cfg.log.every) as bar:  # fmt: skip
             self.progress = bar
             self.watchdog.arm()
             if self.result.start_step == 0 and cfg.train.eval_every:
