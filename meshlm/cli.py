@@ -1,4 +1,4 @@
-"""The `meshlm` command: train, eval, generate, convert, plan, prepare-data and config show.
+"""The `meshlm` command: train, launch, eval, generate, convert, plan, prepare-data and config show.
 
 Configuration errors, impossible layouts and bad data or checkpoints end with one line on stderr and exit
 code 2, before any work starts.
@@ -13,6 +13,11 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
+
+from meshlm.train import signals
+
+if sys.argv[1:2] == ["train"]:  # `meshlm train`: SIGTERM is caught from here on, before pydantic and torch load
+    signals.install(for_process=True, deferred=True)
 
 from meshlm.config import Config, ConfigError, load_config, parse_overrides, reference_markdown, to_toml
 from meshlm.errors import InputError
@@ -41,6 +46,28 @@ def _resume_point(run_dir: Path) -> str:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from meshlm import launch
+
+    owns_handler = signals.install()  # `meshlm train` installed it on import; an in-process call, here
+    launch.worker_started()
+    try:
+        signals.raise_from_here()
+        code = _train(args, extra)
+    except BaseException:
+        if not signals.stopped_start_up():
+            raise
+        if os.environ.get("RANK", "0") == "0":  # SIGTERM before the trainer began (config, imports): nothing to save
+            print(signals.PREEMPTED_BEFORE_START, flush=True)
+        code = 0
+    finally:
+        signals.finish_run(release=owns_handler)  # the CLI's stays until the process exits: teardown is covered
+        signals.ignore_from_here()  # the exit code is decided, also when an error is on its way to its line
+    if code == 0 and signals.received():
+        launch.report_preempted()
+    return code
+
+
+def _train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = _config_from(args, extra)  # before torch is imported: a bad config fails in well under a second
 
     from meshlm.train.distributed import env_rank, lost_peer
@@ -51,8 +78,12 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     except RuntimeError as e:  # a peer died mid-collective: one line, and what stays resumable
         if (reason := lost_peer(e)) is None:
             raise
-        print(f"meshlm: rank {env_rank()} lost a peer ({reason}): stopping without a new checkpoint; "
-              f"{_resume_point(Path(cfg.log.run_dir))}", file=sys.stderr)  # fmt: skip
+        line = (f"rank {env_rank()} lost a peer ({reason}): stopping without a new checkpoint; "
+                f"{_resume_point(Path(cfg.log.run_dir))}")  # fmt: skip
+        print(f"meshlm: {line}", file=sys.stderr)
+        from meshlm.launch import report_error
+
+        report_error(line)
         return 1
     if result.eval_losses and os.environ.get("RANK", "0") == "0":
         first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
@@ -208,7 +239,9 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     to_hf.add_argument("src", type=Path, metavar="SRC")
     to_hf.add_argument("out", type=Path, metavar="OUT_HF_DIR")
     to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    to_hf.add_argument("--max-shard-bytes", type=int, default=None, help="split weights into shards this size")
+    to_hf.add_argument(
+        "--max-shard-bytes", type=_integer(1), default=None, help="split weights into shards of at most this size"
+    )
     to_hf.add_argument(
         "--lora",
         choices=("merged", "peft"),
@@ -253,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train (or resume) a run; any config field: --section.field VALUE")
     p.add_argument("--config", help="TOML config file (defaults apply to everything it omits)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "launch",
+        help="torchrun with torchrun's own arguments, e.g. `meshlm launch --nproc-per-node 4 -m meshlm.cli train "
+        "--config run.toml`; exits 0 after a clean preemption and says a failure in one line",
+    )
+    p.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="exactly what torchrun takes")
 
     p = sub.add_parser("eval", help="validation loss of a run's newest checkpoint")
     p.add_argument("run_dir", type=Path)
@@ -303,6 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):  # torchrun's own arguments, verbatim
+        from meshlm.launch import main as launch
+
+        return launch(argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.func not in (cmd_train, cmd_config_show, cmd_prepare_data):
@@ -310,7 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, extra)
     except InputError as e:  # a config field, layout, data, checkpoint or plan request: one line
-        print(f"meshlm: {e}", file=sys.stderr)
+        # every rank of a job meets the same one (each checks the same config, rank 0's verdicts are broadcast):
+        # rank 0 says it; a rank whose error is its own says it too
+        if os.environ.get("RANK", "0") == "0" or e.rank_local:
+            print(f"meshlm: {e}", file=sys.stderr)
+        from meshlm.launch import report_error
+
+        report_error(str(e))
         return 2
 
 

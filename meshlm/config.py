@@ -284,6 +284,12 @@ class LogSection(Section):
     peak_flops: float = Field(0.0, ge=0, description="device peak FLOP/s for MFU; 0 = from the GPU table or measured")
     activation_memory: bool = Field(False, description="measure saved-activation bytes each step")
     profile_steps: str = Field("", description="torch profiler trace of steps 'A:B' into run_dir/profile")
+    wandb_project: str = Field(
+        "", description="also log to this Weights & Biases project (extra meshlm[wandb]); '' = off"
+    )
+    mlflow_experiment: str = Field(
+        "", description="also log to this MLflow experiment (extra meshlm[mlflow]); '' = off"
+    )
 
     @field_validator("profile_steps")
     @classmethod

@@ -4,4 +4,10 @@ prints it without a traceback; a library user can catch them all as `InputError`
 
 
 class InputError(ValueError):
-    """Bad input, phrased as one line that names the field or file and what would be valid."""
+    """Bad input, phrased as one line that names the field or file and what would be valid.
+
+    In a job every rank meets the same one (each checks the same config, rank 0's verdicts are broadcast), so
+    only rank 0 prints it; `rank_local` marks an error about one rank's own part, which every rank that
+    meets it prints."""
+
+    rank_local = False

@@ -120,10 +120,10 @@ def test_hung_rank_dumps_stack_and_exits_nonzero(tmp_path: Path) -> None:
         def stuck_in_collective():
             time.sleep(30)
         stuck_in_collective()
+        print("the watchdog let the hang run its course")
     """)
-    start = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and time.monotonic() - start < 15
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "its course" not in out.stdout  # it fired within the 30 s hang, not after
     assert "stuck_in_collective" in (tmp_path / "stacks" / "rank3.txt").read_text()
 
 

@@ -281,3 +281,93 @@ def test_mfu_always_says_what_it_is_a_fraction_of(tmp_path) -> None:
     assert _mfu_basis(hardware("H100-SXM"), plan_args(None)) == DATASHEET_PEAK
     assert _mfu_basis(hardware("cpu"), plan_args(None)) == ASSUMED_MATMUL
     assert _mfu_basis(hardware("cpu"), plan_args("doctor.json")) == MEASURED_MATMUL
+
+
+def test_a_measured_peak_below_the_achieved_rate_is_raised_so_mfu_never_exceeds_100_percent() -> None:
+    """The issue's 924.6 %: a CPU matmul rate measured while the CPU was busy. The observer raises such a
+    measured peak to the achieved rate and says so; a given peak (log.peak_flops) is left alone."""
+    clock = FakeClock()
+    for given in (False, True):
+        timers = Timers(clock)
+        observer = StepObserver(6e9, 1000, peak_flops=1e8, timers=timers)
+        if not given:
+            observer.mfu_basis = "measured matmul"  # as on CPU: the rate measured at start-up, here 1e8
+        observer.start_step()
+        clock.advance(3.0)  # 2e9 FLOP/s achieved: 20× the peak
+        m = observer.end_step()
+        observer.close()
+        if given:
+            assert m["mfu"] == pytest.approx(20.0) and observer.mfu_label(m["mfu"]).endswith("of log.peak_flops")
+        else:
+            assert m["mfu"] == pytest.approx(1.0) and observer.peak_flops == pytest.approx(2e9)
+            assert observer.mfu_label(m["mfu"]) == "MFU 100.0% of measured matmul, raised to the best achieved rate"
+
+
+def test_progress_in_a_batch_job_is_plain_lines_and_fault_lines_always_print() -> None:
+    """stdout not a terminal: a plain line every `every` steps with the whole ETA; `print` lines (faults)
+    appear even with log.progress false; other ranks print nothing."""
+    import io
+
+    from meshlm.observe.metrics import TrainProgress
+
+    out = io.StringIO()
+    with TrainProgress(20, 0, enabled=True, rank0=True, every=10, stream=out) as bar:
+        for step in range(1, 21):
+            bar.update(step, 2.5, 1234.0, extra="MFU 10.0% of measured matmul")
+        bar.print("step 20: update skipped: loss is nan")
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines[:3]] == ["1/20", "10/20", "20/20"]
+    assert lines[1].startswith("step 10/20 loss 2.5000 1,234 tok/s MFU 10.0% of measured matmul elapsed 0:00:0")
+    assert " ETA 0:00:0" in lines[1] and lines[-1] == "step 20: update skipped: loss is nan"
+    quiet = io.StringIO()
+    with TrainProgress(20, 0, enabled=False, rank0=True, stream=quiet) as bar:
+        bar.update(10, 2.5, 1.0)
+        bar.print("step 10: update skipped: gradient norm is inf")
+    assert quiet.getvalue() == "step 10: update skipped: gradient norm is inf\n"
+    other = io.StringIO()
+    with TrainProgress(20, 0, enabled=True, rank0=False, stream=other) as bar:
+        bar.update(10, 2.5, 1.0)
+        bar.print("step 10: update skipped")
+    assert other.getvalue() == ""
+
+
+class FakeTracker:
+    """Stands in for `wandb` or `mlflow` (never installed here): records what meshlm calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name: str):
+        def call(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            return self
+
+        return call
+
+
+def test_wandb_and_mlflow_get_the_scalars_beside_the_jsonl(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from meshlm.observe.metrics import MetricsLogger, TrackerError, trackers
+
+    assert trackers(tmp_path) == []  # off by default
+    wandb, mlflow = FakeTracker(), FakeTracker()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+    sinks = trackers(tmp_path / "run-7", "proj", "exp", {"train.lr": 0.003})
+    logger = MetricsLogger(tmp_path / "run-7", tensorboard=False, sinks=sinks)
+    logger.log(3, "train", loss=2.5, lr=0.001, layout="dp=2", ok=True)
+    logger.close()
+    assert wandb.calls[0][0] == "init" and wandb.calls[0][2]["project"] == "proj"
+    assert wandb.calls[0][2]["id"] == "run-7" and wandb.calls[0][2]["config"] == {"train.lr": 0.003}
+    assert ("log", ({"train/loss": 2.5, "train/lr": 0.001},), {"step": 3}) in wandb.calls
+    assert wandb.calls[-1][0] == "finish"
+    names = [c[0] for c in mlflow.calls]
+    assert names == ["set_experiment", "start_run", "log_params", "log_metrics", "end_run"]
+    assert mlflow.calls[3] == ("log_metrics", ({"train.loss": 2.5, "train.lr": 0.001},), {"step": 3})
+    assert json.loads((tmp_path / "run-7" / "metrics.jsonl").read_text())["layout"] == "dp=2"
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: one line naming the field and the extra
+    with pytest.raises(TrackerError) as e:
+        trackers(tmp_path, wandb_project="proj")
+    assert str(e.value) == ("log.wandb_project needs the wandb package: pip install 'meshlm[wandb]' (or leave "
+                            "log.wandb_project empty)")  # fmt: skip

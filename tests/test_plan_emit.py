@@ -1,7 +1,14 @@
-"""`meshlm plan --emit slurm|kubernetes` (meshlm/plan/emit.py, docs/clusters.md): the launch files carry the
-plan's layout, checkpoint interval, node range, spares and restarts, and the generated sbatch script really
-trains: run as two "nodes" on localhost (two torchrun agents, each started by the script through a stand-in
-`srun` and `scontrol`), the way tests/test_elastic.py runs agents."""
+"""`meshlm plan --emit slurm|kubernetes` (meshlm/plan/emit.py, docs/clusters.md): each file is parsed and its
+keys checked (shared run directory, data source, preemption wiring, restarts, spares, /dev/shm, node range
+valid at every count it allows); the priced pool is the emitted one, and a spot trace can change both. The
+generated sbatch script really trains: run as two "nodes" on localhost (two agents, each started by the
+script through stand-in `srun` and `scontrol`), one node's worker SIGKILLed mid-run, the group restarted by
+the agents and resumed from the newest checkpoint; and a SIGTERM to every process at once (how Slurm
+preempts) ends in one save, exit 0 and a requeue.
+
+`meshlm launch` (torchrun's agent that exits 0 after a clean SIGTERM save) is another change: where this
+branch's CLI lacks it, the tests put a `meshlm` on PATH that runs `torchrun` for `meshlm launch` (`shims`),
+and the all-processes SIGTERM test, which needs the real one, is skipped."""
 
 from __future__ import annotations
 
@@ -12,16 +19,23 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from distributed import free_port
 
 from meshlm.checkpoint import list_checkpoints
+from meshlm.checkpoint.store import read_trainer_state
+from meshlm.cli import build_parser
+from meshlm.config import Config, parse_overrides
 from meshlm.model.config import PRESETS
 from meshlm.plan import Workload, hardware, search
 from meshlm.plan.cli import add_plan_parser, run_plan
-from meshlm.plan.emit import Launch, kubernetes, launch_for, slurm
+from meshlm.plan.emit import TARGET_SHAPES, Launch, Site, kubernetes, launch_for, slurm
+from meshlm.plan.search import elastic_shrink
+from meshlm.plan.spot import Shapes
+from meshlm.train.trainer import check_config
 
 RUN_TOML = """[model]
 preset = "test"
@@ -33,12 +47,41 @@ seq_len = 64
 global_batch = 8
 steps = 4
 """
+LAUNCH = Launch("my model", 8, 4, 2, 8, 12, ("--model.preset", "llama3-8b", "--parallel.layout", "pp=1,tp=8"),
+                spot=True, wall_s=86400.0, summary="summary")  # fmt: skip
+SITE = Site("/shared/corpus", time_limit_s=4 * 3600)
 
 
 def plan_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_plan_parser(parser.add_subparsers())
     return parser.parse_args(["plan", *argv])
+
+
+def has_launch() -> bool:
+    """Whether this branch's CLI has `meshlm launch`."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return "launch" in sub.choices
+
+
+def shims(tmp_path: Path) -> Path:
+    """A MESHLM_VENV whose bin/ has stand-ins for Slurm (srun runs its command here, scontrol names this host
+    and records a requeue) and `meshlm` (this worktree's CLI; `meshlm launch` is torchrun where the CLI has no
+    launch subcommand)."""
+    venv = tmp_path / "venv"
+    bin_dir = venv / "bin"
+    bin_dir.mkdir(parents=True)
+    python = sys.executable
+    launch = (
+        "" if has_launch() else f'if [ "$1" = launch ]; then shift; exec {python} -m torch.distributed.run "$@"; fi\n'
+    )
+    (bin_dir / "srun").write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\nif [ "$1" = requeue ]; then echo "$2" >> {tmp_path}/requeued; '
+                                      'exit 0; fi\necho 127.0.0.1\n')  # fmt: skip
+    (bin_dir / "meshlm").write_text(f'#!/bin/sh\n{launch}exec {python} -m meshlm.cli "$@"\n')
+    for shim in bin_dir.iterdir():
+        shim.chmod(0o755)
+    return venv
 
 
 def two_node_cpu_plan(tmp_path: Path, *extra: str) -> Path:
@@ -52,100 +95,293 @@ def two_node_cpu_plan(tmp_path: Path, *extra: str) -> Path:
     return target
 
 
-def test_an_elastic_spot_plan_becomes_a_node_range_spares_and_a_dp_free_layout() -> None:
-    """llama3-8b on 64 H100: spot, elastic down to one node, is recommended; the launch lets dp follow the
-    world (`pp=1,tp=2`), ranges the agents over min:8 nodes and allows three times the expected restarts.
-    (llama3-70b's pick on 64 H100 no longer shrinks to 4 nodes since the planner counts ZeRO-2's fp32
-    master and gradient shards: 8.75B parameters per GPU at dp=4 need 6 bytes each, not 5.5.)"""
-    w = Workload(PRESETS["llama3-8b"], 8192, 512, 1.4e12, name="llama3-8b")
-    plan = search(w, 64, hardware("H100-SXM"), priced=1).plans[0]
-    pool = plan.cost.pool
-    assert pool.elastic and pool.spot == 8
-    launch = launch_for(plan, ["--model.preset", "llama3-8b"], 8192, 512, 1.4e12, "llama3-8b")
-    assert (launch.min_nodes, launch.nodes, launch.nproc_per_node) == (pool.min_nodes, 8, 8)
-    assert launch.max_restarts >= 3 * plan.cost.restarts
-    args = launch.torchrun_args("head:29500", "job")
-    assert args[:4] == [f"--nnodes={pool.min_nodes}:8", "--nproc-per-node=8", f"--max-restarts={launch.max_restarts}",
-                        "--rdzv-backend=c10d"]  # fmt: skip
-    train = list(launch.train_args)
-    assert train[train.index("--parallel.layout") + 1] == "pp=1,tp=2"
-    steps = int(train[train.index("--train.steps") + 1])
-    every = int(train[train.index("--checkpoint.every") + 1])
-    assert steps == -(-1.4e12 // (512 * 8192)) and every == round(plan.cost.interval_s / plan.step.total)
+def sbatch_options(script: str) -> dict[str, str]:
+    return dict(line.removeprefix("#SBATCH --").partition("=")[::2] for line in script.splitlines()
+                if line.startswith("#SBATCH --"))  # fmt: skip
 
 
-def test_sbatch_and_pytorchjob_carry_the_same_trainer_command() -> None:
-    launch = Launch("my model", 8, 4, 2, 8, 12, ("--model.preset", "llama3-8b", "--parallel.layout", "pp=1,tp=8"))
-    script = slurm(launch, "summary")
-    assert "#SBATCH --nodes=10\n" in script and "#SBATCH --gpus-per-node=8\n" in script  # 8 + 2 hot spares
+def agent_words(script: str) -> list[str]:
+    """The `meshlm launch ...` command of the sbatch script, shell variables replaced by stand-ins."""
+    start = script.index("  meshlm launch ")
+    line = script[start : script.index(" &\n", start)].replace("\\\n", " ")
+    for variable, value in (('"$HEAD_NODE:$RDZV_PORT"', "head:1"), ('"$RDZV_ID"', "id"), ('"$RDZV_JOIN_TIMEOUT"', "9"),
+                            ('"$MESHLM_CACHE_DIR"', "/cache"), ('"$MESHLM_RUN_DIR"', "/run")):  # fmt: skip
+        line = line.replace(variable, value)
+    return shlex.split(line)
+
+
+def _merged(pairs: list[tuple[str, object]]) -> dict:
+    data = Config().model_dump()
+    for key, value in pairs:
+        section, name = key.split(".")
+        data[section][name] = value
+    return data
+
+
+def test_an_elastic_range_is_valid_at_every_node_count_it_allows() -> None:
+    """The issue's case: 70B on 8 nodes, `pp=1,tp=8`, batch 512 runs only at 4 and 8 nodes (dp 5-7 does not
+    divide 512), so the priced pool is not elastic 4-8; with batch 840 (= lcm(5, 6, 7, 8)) every count from 5
+    (4 nodes' dp=4 does not fit in memory) to 8 is valid and the launch ranges over exactly those, each a world
+    `meshlm train` accepts."""
+    hw = hardware("H100-SXM")
+    for batch in (512, 840):
+        w = Workload(PRESETS["llama3-70b"], 8192, batch, 1.4e12, name="llama3-70b")
+        plan = search(w, 64, hw, priced=1).plans[0]
+        speed, fewest = elastic_shrink(w, plan.strategy, hw)
+        pool = plan.cost.pool
+        low = pool.min_nodes if pool.elastic else pool.nodes
+        launch = launch_for(plan, ["--model.preset", "llama3-70b"], 8192, batch, 1.4e12, "llama3-70b")
+        assert (launch.min_nodes, launch.nodes, launch.nproc_per_node) == (low, 8, 8)
+        for nodes in range(low, 9):
+            assert speed(nodes) > 0, (batch, nodes)
+            cfg = Config.model_validate(_merged(parse_overrides(list(launch.train_args))))
+            check_config(cfg, nodes * 8)  # raises a ConfigError where the trainer would refuse the world
+        if batch == 512:
+            assert speed(5) == speed(6) == speed(7) == 0 and not pool.elastic
+        else:
+            assert pool.elastic and pool.min_nodes == fewest < 8 and speed(fewest - 1) == 0
+            assert launch.train_args[launch.train_args.index("--parallel.layout") + 1] == "pp=1,tp=8"
+        assert 3 <= launch.max_restarts <= 50  # per allocation, not thousands
+        steps = int(launch.train_args[launch.train_args.index("--train.steps") + 1])
+        assert steps == -(-1.4e12 // (batch * 8192))
+
+
+def test_sbatch_script_has_shared_storage_preemption_requeue_and_spares() -> None:
+    script = slurm(LAUNCH, SITE)
+    options = sbatch_options(script)
+    assert options["nodes"] == "10" and options["gpus-per-node"] == "8"  # 8 + 2 hot spares
+    assert options["cpus-per-task"] == "64" and options["time"] == "0-04:00:00"
+    assert "no-kill" in options and "requeue" in options and options["job-name"] == "meshlm-my-model"
+    kind, _, warn = options["signal"].partition("@")
+    assert kind == "B:TERM" and int(warn) >= LAUNCH.grace_s  # time to save before the limit
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in script
     assert (
-        "#SBATCH --job-name=meshlm-my-model\n" in script and "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in script
+        "trap 'STOPPED=1;" in script and 'kill -TERM "$STEP"' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
     )
-    line = script.rstrip().splitlines()[-1]
-    words = shlex.split(line.replace('"$HEAD_NODE:$RDZV_PORT"', "head:1").replace('"$RDZV_ID"', "id"))
-    assert words[:3] == ["torchrun", "--nnodes=4:8", "--nproc-per-node=8"] and words[-1] == "$@"
-    assert words[words.index("train") + 1 : -1] == list(launch.train_args)
-    job = json.loads(kubernetes(launch, "summary", "registry/meshlm:1"))
+    words = agent_words(script)
+    assert words[:4] == ["meshlm", "launch", "--nnodes=4:8", "--nproc-per-node=8"] and words[-1] == "$@"
+    train = words[words.index("train") + 1 : -1]
+    assert train[: len(LAUNCH.train_args)] == list(LAUNCH.train_args)
+    assert train[len(LAUNCH.train_args) :] == ["--data.source", "/shared/corpus", "--data.cache_dir", "/cache",
+                                               "--log.run_dir", "/run"]  # fmt: skip
+    assert "MESHLM_RUN_DIR=${MESHLM_RUN_DIR:-$SLURM_SUBMIT_DIR/runs/meshlm-my-model}" in script
+
+
+def test_pytorchjob_has_a_claim_shm_grace_spares_and_spot_nodes() -> None:
+    job = json.loads(kubernetes(LAUNCH, SITE, "registry/meshlm:1"))
     assert job["kind"] == "PyTorchJob" and job["spec"]["nprocPerNode"] == "8"
     policy = job["spec"]["elasticPolicy"]
     assert (policy["rdzvBackend"], policy["minReplicas"], policy["maxReplicas"], policy["maxRestarts"]) == (
         "c10d", 4, 8, 12,
     )  # fmt: skip
-    container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["torchrun", "-m", "meshlm.cli", "train", *launch.train_args]
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 10  # the 2 spares' agents wait in the rendezvous
+    pod = worker["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= LAUNCH.grace_s
+    container = pod["containers"][0]
+    command = container["command"]
+    assert command[:5] == ["meshlm", "launch", "-m", "meshlm.cli", "train"]
+    train = command[5:]
+    assert train[train.index("--data.source") + 1] == "/shared/corpus"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["run"]["persistentVolumeClaim"]["claimName"] == "meshlm-runs"
+    assert train[train.index("--log.run_dir") + 1].startswith(mounts["run"] + "/")
+    assert train[train.index("--data.cache_dir") + 1].startswith(mounts["run"] + "/")
+    assert mounts["dshm"] == "/dev/shm" and volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["dshm"]["emptyDir"]["sizeLimit"] == "64Gi"
     assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in container["env"]
     assert container["image"] == "registry/meshlm:1" and container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert pod["nodeSelector"] == {"karpenter.sh/capacity-type": "spot"}
+    gke = Site("/shared/corpus", spot_selector="cloud.google.com/gke-spot=true")
+    gke_pod = json.loads(kubernetes(LAUNCH, gke, "i"))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert gke_pod["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
+    on_demand = json.loads(kubernetes(Launch("m", 2, 2, 0, 8, 3, ()), SITE, "i"))
+    assert "nodeSelector" not in on_demand["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
 
 
-def test_emit_needs_an_image_for_kubernetes_and_says_where_it_wrote(
+def test_each_launcher_is_priced_only_on_pools_it_can_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """70B, batch 840: Slurm and Kubernetes get the elastic spot pool; SkyPilot (rigid, no spares) is priced
+    without elastic shrink or spares; none is priced on a mixed pool, which no launcher runs."""
+    argv = ["--model", "llama3-70b", "--gpus", "64", "--seq-len", "8192", "--global-batch", "840", "--train-tokens",
+            "1.4T", "--top", "1", "--json", "--data-source", "/data", "--image", "i", "--bucket", "s3://b"]  # fmt: skip
+    for target, shapes in TARGET_SHAPES.items():
+        path = tmp_path / target
+        assert run_plan(plan_args(*argv, "--emit", target, "--emit-to", str(path))) == 0
+        offers = json.loads(capsys.readouterr().out)["plans"][0]["offerings"]
+        assert offers["mixed"] is None and shapes == Shapes(mixed=False, spares=shapes.spares, elastic=shapes.elastic)
+        assert (offers["spot"]["min_nodes"] < 8) == shapes.elastic
+        assert offers["spot"]["spares"] == 0 or shapes.spares
+        assert offers["recommended"] in path.read_text()  # the summary line names the pool it launches
+
+
+def test_a_spot_trace_changes_the_recommendation_and_the_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Without a trace spot is recommended and the manifest pins spot nodes; on a trace whose capacity never
+    comes back, on demand is recommended and written."""
+    argv = ["--model", "llama3-8b", "--gpus", "32", "--seq-len", "4096", "--global-batch", "256", "--train-tokens",
+            "3e10", "--top", "1", "--preemption-rate", "0.05", "--preemption-per", "node-hour", "--replay-runs", "5",
+            "--data-source", "/data", "--image", "i", "--emit", "kubernetes"]  # fmt: skip
+    plain = tmp_path / "plain.json"
+    assert run_plan(plan_args(*argv, "--emit-to", str(plain))) == 0
+    assert "#1 recommended: spot" in capsys.readouterr().out
+    scarce = tmp_path / "scarce.json"
+    scarce.write_text(json.dumps({"metadata": {"gap_seconds": 300, "nodes": 4}, "data": [0] * 200}))
+    traced = tmp_path / "traced.json"
+    assert run_plan(plan_args(*argv, "--emit-to", str(traced), "--spot-trace", str(scarce))) == 0
+    assert "#1 recommended on scarce.json: on demand" in capsys.readouterr().out
+    pod = lambda p: json.loads(p.read_text())["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]  # noqa: E731
+    assert "nodeSelector" in pod(plain) and "nodeSelector" not in pod(traced)
+
+
+def test_emit_needs_an_image_a_data_source_and_says_where_it_wrote(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    assert run_plan(plan_args("--model", "test", "--gpu", "cpu", "--gpus", "2", "--emit", "kubernetes")) == 2
+    base = ("--model", "test", "--gpu", "cpu", "--gpus", "2")
+    assert run_plan(plan_args(*base, "--emit", "kubernetes", "--data-source", "d")) == 2
     assert "--emit kubernetes needs --image" in capsys.readouterr().err
-    target = two_node_cpu_plan(tmp_path)
+    assert run_plan(plan_args(*base, "--emit", "kubernetes", "--data-source", "d", "--image", "i",
+                              "--spot-selector", "spot")) == 2  # fmt: skip
+    assert "--spot-selector 'spot': expected a node label KEY=VALUE" in capsys.readouterr().err
+    assert run_plan(plan_args(*base, "--emit", "slurm")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--emit slurm needs --data-source" in err
+    target = two_node_cpu_plan(tmp_path)  # a --model config brings its data.source
     assert f"wrote {target}" in capsys.readouterr().err and os.access(target, os.X_OK)
 
 
-@pytest.mark.slow  # two torchrun nodes: ~12 s
-def test_generated_sbatch_trains_as_two_nodes_on_localhost(data_cache: str, tmp_path: Path) -> None:
-    script = two_node_cpu_plan(tmp_path)
-    text = script.read_text()
-    assert "--nnodes=2:2 --nproc-per-node=1" in text and "--parallel.layout pp=1,dp=2,tp=1" in text
-    shims = tmp_path / "bin"  # stand-ins for Slurm: srun runs its command here, scontrol names this host
-    shims.mkdir()
-    (shims / "srun").write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n')
-    (shims / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
-    for shim in shims.iterdir():
-        shim.chmod(0o755)
-    run_dir = tmp_path / "run"
-    env = {
-        **os.environ, "PATH": f"{shims}:{Path(sys.executable).parent}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1",
-        "RDZV_PORT": str(free_port()), "RDZV_ID": "emit-test", "RDZV_JOIN_TIMEOUT": "60", "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
-    train = ["--data.max_chars", "1500000", "--data.cache_dir", data_cache, "--log.run_dir", str(run_dir),
-             "--log.progress", "false", "--log.tensorboard", "false", "--train.eval_every", "0", "--log.every", "1",
-             "--fault.watchdog_s", "60", "--parallel.timeout_s", "60"]  # fmt: skip
-    agents = [
-        subprocess.Popen(
-            ["bash", str(script), *train],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for _ in range(2)
-    ]
+def start_agents(script: Path, env: dict, train: list[str]) -> list[subprocess.Popen]:
+    return [subprocess.Popen(["bash", str(script), *train], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True) for _ in range(2)]  # fmt: skip
+
+
+def finish(agents: list[subprocess.Popen], timeout: float = 150) -> list[str]:
     outputs = []
     try:
         for agent in agents:
-            outputs.append(agent.communicate(timeout=120)[0])
+            outputs.append(agent.communicate(timeout=timeout)[0])
     except subprocess.TimeoutExpired:
         for agent in agents:
             os.killpg(agent.pid, signal.SIGKILL)
-        raise AssertionError("the two agents did not finish within 120 s") from None
+        raise AssertionError(f"the two agents did not finish within {timeout} s") from None
+    return outputs
+
+
+def local_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1",
+        "SLURM_JOB_ID": "42", "MESHLM_VENV": str(shims(tmp_path)), "RDZV_PORT": str(free_port()),
+        "RDZV_ID": "emit-test", "RDZV_JOIN_TIMEOUT": "60", "OMP_NUM_THREADS": "1",
+        "MESHLM_RUN_DIR": str(tmp_path / "run"), **extra,
+    }  # fmt: skip
+
+
+def small_train(data_cache: str, steps: int) -> list[str]:
+    return ["--data.max_chars", "1500000", "--data.cache_dir", data_cache, "--log.tensorboard", "false",
+            "--train.eval_every", "0", "--log.every", "1", "--fault.watchdog_s", "60", "--parallel.timeout_s", "60",
+            "--train.steps", str(steps), "--checkpoint.every", "2"]  # fmt: skip
+
+
+@pytest.mark.slow  # two agents, a killed worker and a restarted group: ~20 s
+def test_generated_sbatch_trains_as_two_nodes_and_resumes_after_a_node_dies(data_cache: str, tmp_path: Path) -> None:
+    """rank 1 (the second node's only worker) SIGKILLs itself after step 5 (MESHLM_INJECT_FAULT, first attempt
+    only); the agents restart the group, which resumes from the newest checkpoint and finishes with exit 0."""
+    script = two_node_cpu_plan(tmp_path)
+    text = script.read_text()
+    assert "--nnodes=2:2 --nproc-per-node=1" in text and "--parallel.layout pp=1,dp=2,tp=1" in text
+    assert "--data.source stdlib" in text  # the --model config's data source, passed through
+    env = local_env(tmp_path, MESHLM_INJECT_FAULT="1:5:kill")
+    agents = start_agents(script, env, small_train(data_cache, 8))
+    outputs = finish(agents)
     for agent, out in zip(agents, outputs, strict=True):
         assert agent.returncode == 0, out[-3000:]
-    env_records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"env"' in line]
-    assert env_records[0]["world_size"] == 2 and env_records[0]["layout"] == "pp=1,dp=2,tp=1"
-    assert list_checkpoints(run_dir)[-1].name == "step_00000004"
+    run_dir = tmp_path / "run"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert records[0]["kind"] == "env" and records[0]["world_size"] == 2
+    resume = next(r for r in records if r["kind"] == "resume")
+    assert resume["step"] in (2, 4)  # step 4's async save may not have committed before the kill
+    assert any(f"resuming from {run_dir}" in out for out in outputs)
+    final = list_checkpoints(run_dir)[-1]
+    assert final.name == "step_00000008" and read_trainer_state(final)["sampler"]["step"] == 8
+    assert not (tmp_path / "requeued").exists()  # finished: nothing to requeue
+
+
+@pytest.mark.slow  # two agents stopped by SIGTERM mid-run: ~15 s
+@pytest.mark.skipif(not has_launch(), reason="needs `meshlm launch` (torchrun exits 1 after a clean SIGTERM save)")
+def test_sigterm_to_every_process_saves_once_exits_0_and_requeues(data_cache: str, tmp_path: Path) -> None:
+    """Slurm's preemption: SIGTERM to the batch shells, the agents and the workers at once."""
+    script = two_node_cpu_plan(tmp_path)
+    agents = start_agents(script, local_env(tmp_path), small_train(data_cache, 400))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+        time.sleep(0.2)
+    for agent in agents:
+        os.killpg(agent.pid, signal.SIGTERM)  # every process of the "node": shell, srun stand-in, agent, workers
+    outputs = finish(agents)
+    for agent, out in zip(agents, outputs, strict=True):
+        assert agent.returncode == 0, out[-3000:]
+    assert any("SIGTERM: saved step" in out for out in outputs)
+    saved = read_trainer_state(list_checkpoints(tmp_path / "run")[-1])["step"]
+    assert 0 < saved < 400
+    assert (tmp_path / "requeued").read_text().split() == ["42", "42"]  # each node's batch shell asks once
+
+
+def wait_for_training(metrics: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+        time.sleep(0.2)
+
+
+@pytest.mark.slow  # two agents stopped by the time limit's warning: ~15 s
+@pytest.mark.skipif(not has_launch(), reason="needs `meshlm launch` (torchrun exits 1 after a clean SIGTERM save)")
+def test_the_time_limit_warning_to_the_batch_shell_saves_exits_0_and_requeues(data_cache: str, tmp_path: Path) -> None:
+    """`--signal=B:TERM@G`: only the batch shell gets SIGTERM; its trap forwards it to the step (srun's agent
+    and, through it, the workers), waits for the save and requeues."""
+    script = two_node_cpu_plan(tmp_path)
+    agents = start_agents(script, local_env(tmp_path), small_train(data_cache, 400))
+    wait_for_training(tmp_path / "run" / "metrics.jsonl")
+    for agent in agents:
+        agent.send_signal(signal.SIGTERM)  # the batch shell only
+    outputs = finish(agents)
+    for agent, out in zip(agents, outputs, strict=True):
+        assert agent.returncode == 0, out[-3000:]
+        assert "meshlm: SIGTERM: saving, then requeueing job 42" in out
+    assert 0 < read_trainer_state(list_checkpoints(tmp_path / "run")[-1])["step"] < 400
+    assert (tmp_path / "requeued").read_text().split() == ["42", "42"]
+
+
+@pytest.mark.slow  # two "pods" stopped by the kubelet's SIGTERM: ~15 s
+@pytest.mark.skipif(not has_launch(), reason="needs `meshlm launch` (torchrun exits 1 after a clean SIGTERM save)")
+def test_the_pytorchjob_command_saves_and_exits_0_on_the_kubelets_sigterm(data_cache: str, tmp_path: Path) -> None:
+    """The manifest's container command run as two pods: the rendezvous comes from the operator's PET_*
+    variables; the kubelet signals only the container's main process (the agent), which must bring its
+    workers to one save and exit 0 within terminationGracePeriodSeconds."""
+    plan = two_node_cpu_plan(tmp_path)  # the same plan, as a manifest
+    manifest = tmp_path / "job.json"
+    config = tmp_path / "run.toml"
+    argv = ("--model", str(config), "--gpu", "cpu", "--gpus", "2", "--calibration", str(tmp_path / "cal.json"))
+    assert run_plan(plan_args(*argv, "--top", "1", "--emit", "kubernetes", "--image", "i", "--emit-to",
+                              str(manifest))) == 0  # fmt: skip
+    job = json.loads(manifest.read_text())
+    assert plan.exists() and job["spec"]["elasticPolicy"]["minReplicas"] == 2
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    command = [*command[: command.index("--log.run_dir")], "--log.run_dir", str(tmp_path / "run")]
+    port = free_port()
+    env = {**local_env(tmp_path), "PATH": f"{tmp_path / 'venv' / 'bin'}:{os.environ['PATH']}", "PET_NNODES": "2:2",
+           "PET_NPROC_PER_NODE": "1", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
+           "PET_RDZV_ID": "k8s-test", "PET_MAX_RESTARTS": "3"}  # fmt: skip
+    pods = [
+        subprocess.Popen([*command, *small_train(data_cache, 400)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    wait_for_training(tmp_path / "run" / "metrics.jsonl")
+    for p in pods:
+        p.send_signal(signal.SIGTERM)  # the container's main process only
+    started = time.monotonic()
+    outputs = finish(pods)
+    assert time.monotonic() - started < pod["terminationGracePeriodSeconds"]
+    for p, out in zip(pods, outputs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    assert 0 < read_trainer_state(list_checkpoints(tmp_path / "run")[-1])["step"] < 400

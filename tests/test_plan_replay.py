@@ -136,10 +136,10 @@ def test_shipped_synthetic_traces_are_the_seeded_poisson_process(tmp_path: Path)
     assert not spot.relative and spot.duration_s == 14 * 86400 and spot.most(4) == 4 and spot.most(8) == 4
     events = load_trace(TRACES / "poisson-16node-0.05.csv")
     assert events.relative and events.duration_s == pytest.approx(14 * 86400) and events.most(16) == 16
-    rate, away = poisson_trace(16, 0.2, HOUR, 365 * 86400, seed=1).fitted(16)
+    rate, away = poisson_trace(16, 0.2, HOUR, 365 * 86400, seed=1).fitted()
     assert rate == pytest.approx(0.2, rel=0.01) and away == pytest.approx(HOUR, rel=0.02)  # a year: close to its inputs
-    hand = Trace((0.0, 1000.0, 4000.0), (0, 1, 0), 10000.0, relative=True)  # 1 of 2 lost for 3000 s of 17000 up
-    assert hand.fitted(2) == (pytest.approx(1 / (17000 / 3600)), 3000.0)
+    hand = Trace((0.0, 1000.0, 4000.0), (0, 1, 0), 10000.0, relative=True, nodes=2)  # 1 of 2 lost 3000 s of 17000 up
+    assert hand.fitted() == (pytest.approx(1 / (17000 / 3600)), 3000.0)
     original = poisson_trace(16, 0.05, HOUR, 14 * 86400, seed=7)
     assert events.values == original.values and events.times == pytest.approx(original.times, abs=0.05)
 
@@ -151,10 +151,13 @@ def test_shipped_synthetic_traces_are_the_seeded_poisson_process(tmp_path: Path)
         ("t.json", '{"data": [1, 2]}', "auto", "metadata.gap_seconds must be a number > 0"),
         ("t.json", '{"metadata": {"gap_seconds": 300}, "data": []}', "auto", "data must be a non-empty list"),
         ("t.json", '{"metadata": {"gap_seconds": 300}, "data": [1, -2]}', "auto", "data[1] is -2"),
-        ("t.csv", "time,lost\n1,1\n", "auto", "the first row must be the header time_s,lost,regained"),
-        ("t.csv", "time_s,lost,regained\n10,x,0\n", "auto", "row 2 '10,x,0': expected time_s"),
-        ("t.csv", "time_s,lost,regained\n10,0,1\n", "auto", "row 2: more nodes regained than were lost"),
-        ("t.csv", "time_s,lost,regained\n10,1,0\n5,0,1\n", "auto", "row 3: times must not decrease"),
+        ("t.csv", "# nodes: 2\ntime,lost\n1,1\n", "auto", "the first row must be the header time_s,lost,regained"),
+        ("t.csv", "# nodes: 2\ntime_s,lost,regained\n10,x,0\n", "auto", "row 2 '10,x,0': expected time_s"),
+        ("t.csv", "# nodes: 2\ntime_s,lost,regained\n10,0,1\n", "auto", "row 2: more nodes regained than were lost"),
+        ("t.csv", "# nodes: 2\ntime_s,lost,regained\n10,1,0\n5,0,1\n", "auto", "row 3: times must not decrease"),
+        ("t.csv", "# nodes: 1\ntime_s,lost,regained\n10,2,0\n", "auto", "row 2: 2 nodes down, more than"),
+        ("t.csv", "time_s,lost,regained\n10,1,0\n", "auto", "needs one comment line '# nodes: N'"),
+        ("t.json", '{"metadata": {"gap_seconds": 300, "nodes": 2}, "data": [3]}', "auto", "metadata.nodes is 2"),
         ("t.txt", "1,2\n", "auto", "unknown trace format (by its suffix); valid: a spot-traces .json"),
         ("t.csv", "", "parquet", "spot trace format 'parquet' is unknown; valid: auto, spot-traces, csv"),
     ],
@@ -204,12 +207,18 @@ def test_plan_replays_the_best_plans_pools_beside_the_closed_form(capsys: pytest
 def test_plan_says_in_one_line_when_spot_cannot_finish_on_the_trace(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture) -> None:  # fmt: skip
     scarce = tmp_path / "scarce.json"  # capacity never came back
-    scarce.write_text(json.dumps({"metadata": {"gap_seconds": 300}, "data": [0] * 200}))
+    scarce.write_text(json.dumps({"metadata": {"gap_seconds": 300, "nodes": 4}, "data": [0] * 200}))
     assert run_plan(plan_args(*PLAN, "--spot-trace", str(scarce), "--json")) == 0
     spot = json.loads(capsys.readouterr().out)["replay"]["spot"]
     assert spot["finished"] == 0 and spot["wall_days_p50"] is None
     assert spot["reason"].startswith("spot cannot finish on scarce.json: it never has ")
     assert "up together (at most 0 of" in spot["reason"]
+    assert run_plan(plan_args(*PLAN, "--spot-trace", str(scarce), "--json", "--deadline", "3d")) == 0
+    replayed = json.loads(capsys.readouterr().out)["replay"]
+    spot = replayed["spot"]  # with a deadline too: not a success on demand, but what the trace says
+    assert spot["finished"] == 0 and spot["reason"].startswith("spot cannot finish on scarce.json: it never has ")
+    assert "the deadline policy would run it on demand throughout" in spot["reason"]
+    assert replayed["recommended"] == "on demand"
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert run_plan(plan_args(*PLAN, "--spot-trace", str(bad))) == 2
@@ -217,3 +226,25 @@ def test_plan_says_in_one_line_when_spot_cannot_finish_on_the_trace(tmp_path: Pa
     assert err == f"meshlm plan: spot trace {bad}: " + (
         "metadata.gap_seconds must be a number > 0 (seconds between two ticks)\n"
     )
+
+
+def test_a_traces_rate_is_its_own_whatever_pool_replays_it(tmp_path: Path) -> None:
+    """The issue's numbers: one events CSV read as 0.499 preemptions/node-hour for a 2-node pool and 0.024 for
+    a 33-node one. Now the rate is per node-hour of the trace's own `# nodes`, and a pool of any size is hit
+    at that rate: the replayed restarts per node-hour of a 1-node and of an 8-node rigid pool on the same
+    16-node trace both match it (a 1-node pool on an absolute trace is no longer immune while capacity ≥ 1)."""
+    trace = poisson_trace(16, 0.2, HOUR, 365 * 86400, seed=3)
+    write_csv(trace, tmp_path / "t.csv")
+    events = load_trace(tmp_path / "t.csv")
+    assert events.nodes == 16 and events.fitted() == pytest.approx(trace.fitted(), rel=1e-3)
+    write_spot_traces(trace, 16, 300, tmp_path / "t.json")
+    counts = load_trace(tmp_path / "t.json")
+    # the JSON's own 16 nodes, by 5-minute ticks, which miss outages shorter than a tick: 0.159, not 0.2
+    assert counts.fitted()[0] == pytest.approx(0.2, rel=0.25)
+    rates = Rates(0.0, 0.2, HOUR, 60.0, 10.0, 10.0, 6.0, 2.0)
+    for t in (events, counts):
+        for nodes in (1, 8):  # ~200 (1 node) and ~2,000 (8 nodes) restarts: Poisson noise well inside 25 %
+            job = _Job(1000 * HOUR, Pool(nodes, 8, spot=nodes), rates, t, 1800.0, None, random.Random(1), None, 1.0)
+            run = job.play(0.0, 1e12)
+            per_node_hour = run.restarts / (run.training_s / HOUR) / nodes
+            assert per_node_hour == pytest.approx(t.fitted()[0], rel=0.25), (t.source, nodes)

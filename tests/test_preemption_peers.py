@@ -57,8 +57,9 @@ def test_sigterm_with_a_dead_peer_stops_in_one_line_and_leaves_the_last_checkpoi
             if p.poll() is None:
                 p.kill()
     newest = list_checkpoints(run_dir)[-1]
-    # 1, or SIGTERM's own code when the notice came after the line (the handler is gone by then): not 0
-    assert ranks[0].returncode in (1, -signal.SIGTERM), err[-3000:]
+    # 1 whenever the notice comes: the handler stays installed until the process exits (it was restored in
+    # Trainer.close once, and a SIGTERM landing between that and the line killed the rank silently, rc -15)
+    assert ranks[0].returncode == 1, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("meshlm: rank 0 lost a peer (") and "stopping without a new checkpoint" in last, last

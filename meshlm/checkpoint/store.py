@@ -90,6 +90,55 @@ def storage_cause(error: BaseException, where: Path, needed: int = 0) -> str:
     return f"{where}: {type(error).__name__}: {first_line}{rank}"
 
 
+def run_dir_problem(run_dir: Path, error: OSError) -> str:
+    """Why the run directory cannot be used, the same words on every rank (not the rank's own file)."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        words = "is a file, not a directory"
+    elif any(p.exists() and not p.is_dir() for p in run_dir.parents):
+        words = f"{next(p for p in run_dir.parents if p.exists() and not p.is_dir())} is a file, not a directory"
+    else:
+        words = STORAGE_ERRORS.get(error.errno, error.strerror or type(error).__name__)
+    return f"log.run_dir {run_dir}: {words}; give a directory this process can create and write"
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """Write `path` whole or not at all: into a temporary sibling, fsynced, then renamed over `path` (and the
+    rename fsynced into the directory). A reader never sees a partial file; a full disk leaves the old one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # fsync's full disk names no file: the message should
+        raise
+    _fsync_directory(path.parent)
+
+
+def atomic_copy(src: Path, dst: Path) -> None:
+    """Copy `src` to `dst` whole or not at all (as `atomic_write`)."""
+    atomic_write(dst, Path(src).read_bytes())
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform or file system that cannot open directories: the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -243,16 +292,14 @@ class RunCheckpoints:
 
     def commit(self, step: int, files: dict[str, dict[str, Any]], trainer_state: dict[str, Any]) -> Path:
         """Once every rank's files are in the staging folder: write trainer.json and the manifest (`files` are
-        the ranks' own records, the manifest is fsynced and written last) and rename the folder into place."""
+        the ranks' own records, both written atomically, the manifest last) and rename the folder into place."""
         tmp, final = staging_folder(self.run_dir, step), self.root / f"step_{step:08d}"
-        (tmp / TRAINER).write_text(json.dumps(trainer_state, indent=2))
+        atomic_write(tmp / TRAINER, json.dumps(trainer_state, indent=2))
         files = dict(files)
         for name in (".metadata", TRAINER):
             files[name] = file_record(tmp / name)
         manifest = tmp / MANIFEST
-        manifest.write_text(json.dumps({"step": step, "files": dict(sorted(files.items()))}, indent=2))
-        with manifest.open("rb") as f:
-            os.fsync(f.fileno())
+        atomic_write(manifest, json.dumps({"step": step, "files": dict(sorted(files.items()))}, indent=2))
         size = sum(r["bytes"] for r in files.values()) + manifest.stat().st_size
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

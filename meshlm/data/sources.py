@@ -16,6 +16,7 @@ from pathlib import Path
 
 from meshlm.config import DataSection
 from meshlm.errors import InputError
+from meshlm.train.faults import fault_point
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".md", ".py")
 VALID_SOURCES = "'stdlib', a .txt/.jsonl file, a folder of .txt/.jsonl/.md/.py files, or 'hf:NAME[:CONFIG]'"
@@ -70,6 +71,10 @@ def source_fingerprint(cfg: DataSection) -> str:
     return h.hexdigest()
 
 
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def iter_documents(cfg: DataSection) -> Iterator[str]:
     """All documents of the source in a fixed order, capped at cfg.max_chars characters in total."""
     docs = _hf_documents(cfg) if cfg.source.startswith("hf:") else _file_documents(cfg)
@@ -83,6 +88,7 @@ def iter_documents(cfg: DataSection) -> Iterator[str]:
             budget -= len(doc)
         found = True
         yield doc
+        fault_point("tokenize", env_rank(), 0)  # tests: a SIGTERM while the corpus is being read
         if budget == 0:
             return
     if not found:
@@ -131,7 +137,14 @@ def _hf_documents(cfg: DataSection) -> Iterator[str]:
     except ImportError:
         raise DataError(f"data.source: {cfg.source} needs Hugging Face datasets: pip install meshlm[hf]") from None
     name, _, config = cfg.source.removeprefix("hf:").partition(":")
-    ds = datasets.load_dataset(name, config or None, split=cfg.hf_split)
+    try:
+        ds = datasets.load_dataset(name, config or None, split=cfg.hf_split)
+    except Exception as e:  # unreachable hub, unknown name, config or split: the library's reason in one line
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(
+            f"data.source: {cfg.source} (split {cfg.hf_split!r}) cannot be loaded: {reason}; valid: an existing "
+            f"Hugging Face dataset 'hf:NAME[:CONFIG]' reachable from here or in the local cache, or a local file"
+        ) from None
     if cfg.text_field not in ds.column_names:
         raise DataError(
             f"data.text_field: {cfg.source} split {cfg.hf_split!r} has no field {cfg.text_field!r}; "

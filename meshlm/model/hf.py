@@ -193,12 +193,12 @@ def model_config_from_hf(hf_config: object) -> ModelConfig:
     def integer(field: str, default: int | None = None) -> int:
         return _positive_int(field, get(field, default))
 
+    model_type = get("model_type", "llama")  # first: another family's fields are named differently
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise _unsupported("model_type", model_type, " or ".join(repr(f) for f in FAMILIES))
     for field in _REQUIRED_FIELDS:
         if get(field) is None:
             raise ValueError(f"config.json: missing required field {field}")
-    model_type = get("model_type", "llama")
-    if not isinstance(model_type, str) or model_type not in FAMILIES:
-        raise _unsupported("model_type", model_type, " or ".join(repr(f) for f in FAMILIES))
     if get("hidden_act", "silu") != "silu":
         raise _unsupported("hidden_act", hf_config["hidden_act"], "'silu'")
     for field in ("attention_bias", "mlp_bias"):
@@ -602,7 +602,9 @@ def export_hf(
     directory.mkdir(parents=True, exist_ok=True)
     for stale in [directory / WEIGHTS_NAME, directory / INDEX_NAME, *directory.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
-    (directory / CONFIG_NAME).write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
+    from meshlm.checkpoint.store import atomic_write
+
+    atomic_write(directory / CONFIG_NAME, json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
     if len(shards) == 1:
         save_file(shards[0], directory / WEIGHTS_NAME, metadata={"format": "pt"})
         return
@@ -613,7 +615,7 @@ def export_hf(
         weight_map.update(dict.fromkeys(shard, file))
     total_size = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    atomic_write(directory / INDEX_NAME, json.dumps(index, indent=2) + "\n")
 
 
 def _save_meshlm_file(model: Transformer, path: Path) -> None:
@@ -706,10 +708,12 @@ def run_convert(args: argparse.Namespace) -> int:
             state, spec, base = _run_adapters(args.src)
             export_peft(state, spec, args.out, base)
         else:
+            from meshlm.model.pretrained import check_run_tokenizer, copy_run_tokenizer
+
+            if args.src.is_dir():
+                check_run_tokenizer(args.src)  # before anything is written
             export_hf(_load_meshlm_file(args.src), args.out, getattr(torch, args.dtype), args.max_shard_bytes)
             if args.src.is_dir():
-                from meshlm.model.pretrained import copy_run_tokenizer
-
                 copy_run_tokenizer(args.src, args.out)
     except (ValueError, OSError) as e:
         print(f"meshlm convert: error: {e}", file=sys.stderr)

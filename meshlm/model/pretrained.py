@@ -11,7 +11,6 @@ are cast on the copy into the working buffer.
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -163,18 +162,44 @@ def open_init_from(init_from: str, vocab_size: int) -> HFWeights | None:
 
 def keep_tokenizer(run_dir: Path, tokenizer_file: Path) -> None:
     """Copy the run's tokenizer (and, beside a given one, its tokenizer_config.json, special_tokens_map.json and
-    chat_template.jinja) into the run directory, where `meshlm convert meshlm-to-hf` finds it."""
+    chat_template.jinja) into the run directory, where `meshlm convert meshlm-to-hf` finds it; each copy whole or
+    not at all."""
+    from meshlm.checkpoint.store import atomic_copy
+
     for name in TOKENIZER_FILES:
         src = tokenizer_file.parent / name
         if src.is_file():
-            shutil.copyfile(src, run_dir / name)
+            atomic_copy(src, run_dir / name)
+
+
+def _run_of(src: Path) -> Path:
+    return src.parent.parent if (src / "trainer.json").is_file() else src
+
+
+def check_run_tokenizer(src: Path) -> None:
+    """Refuse, naming the file, a run's tokenizer.json that the tokenizers library cannot load (damaged on
+    disk): an export must not carry it silently."""
+    from tokenizers import Tokenizer
+
+    file = _run_of(src) / TOKENIZER_NAME
+    if file.is_file():
+        try:
+            Tokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises its own Exception for any damage
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(
+                f"{file} is not a loadable tokenizer ({reason}); restore it from the run's token cache "
+                f"(data.cache_dir/<key>/tokenizer.json) or the model it was fine-tuned from"
+            ) from None
 
 
 def copy_run_tokenizer(src: Path, out: Path) -> list[str]:
     """The tokenizer files of a run directory, or of the run a checkpoint folder belongs to, copied into
     `out`; the names copied."""
-    run_dir = src.parent.parent if (src / "trainer.json").is_file() else src
+    from meshlm.checkpoint.store import atomic_copy
+
+    run_dir = _run_of(src)
     copied = [name for name in TOKENIZER_FILES if (run_dir / name).is_file()]
     for name in copied:
-        shutil.copyfile(run_dir / name, out / name)
+        atomic_copy(run_dir / name, out / name)
     return copied

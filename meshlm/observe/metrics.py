@@ -1,4 +1,6 @@
-"""Where training numbers go: a JSONL file (the source of truth), TensorBoard, and a rich progress bar.
+"""Where training numbers go: a JSONL file (the source of truth), TensorBoard, optionally Weights & Biases and
+MLflow (`log.wandb_project`, `log.mlflow_experiment`; extras `meshlm[wandb]`, `meshlm[mlflow]`), and the
+console: a rich progress bar on a terminal, plain lines (`step 10/400 loss ... ETA ...`) in a batch job.
 
 `metrics.jsonl` survives crashes: a last line cut mid-write is ended on open (so the next record is not glued
 onto it), a run that appends to an existing file first writes a `resume` record (the steps after it replace
@@ -7,8 +9,11 @@ those the earlier run logged past that step), and readers skip and count lines t
 
 from __future__ import annotations
 
+import datetime
+import importlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +21,8 @@ from types import TracebackType
 from typing import Any
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from meshlm.errors import InputError
 
 TAIL = 1 << 20  # bytes searched for the last line's start
 
@@ -46,8 +53,63 @@ def end_torn_line(path: Path) -> int:
         return len(last)
 
 
+class TrackerError(InputError):
+    """An experiment tracker that cannot start (package missing), in one line naming the field."""
+
+
+def _module(name: str, field: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise TrackerError(f"{field} needs the {name} package: pip install 'meshlm[{name}]' (or leave {field} "
+                           "empty)") from None  # fmt: skip
+
+
+class WandbSink:
+    """Scalars to a Weights & Biases run (`log.wandb_project`), resumed under the run directory's name."""
+
+    def __init__(self, project: str, run_dir: Path, config: dict | None = None) -> None:
+        wandb = _module("wandb", "log.wandb_project")
+        self.run = wandb.init(project=project, name=run_dir.name, id=run_dir.name, resume="allow",
+                              dir=str(run_dir), config=config or {})  # fmt: skip
+
+    def log(self, step: int, kind: str, values: dict[str, float]) -> None:
+        self.run.log({f"{kind}/{k}": v for k, v in values.items()}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowSink:
+    """Scalars to an MLflow run in experiment `log.mlflow_experiment` (tracking URI from MLFLOW_TRACKING_URI)."""
+
+    def __init__(self, experiment: str, run_dir: Path, config: dict | None = None) -> None:
+        self.mlflow = _module("mlflow", "log.mlflow_experiment")
+        self.mlflow.set_experiment(experiment)
+        self.mlflow.start_run(run_name=run_dir.name)
+        if config:
+            self.mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
+
+    def log(self, step: int, kind: str, values: dict[str, float]) -> None:
+        self.mlflow.log_metrics({f"{kind}.{k}": v for k, v in values.items()}, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def trackers(run_dir: Path, wandb_project: str = "", mlflow_experiment: str = "", config: dict | None = None) -> list:
+    """The experiment trackers asked for (none by default)."""
+    sinks: list = []
+    if wandb_project:
+        sinks.append(WandbSink(wandb_project, run_dir, config))
+    if mlflow_experiment:
+        sinks.append(MlflowSink(mlflow_experiment, run_dir, config))
+    return sinks
+
+
 class MetricsLogger:
-    """Appends one JSON object per record to `run_dir/metrics.jsonl`; mirrors scalars to TensorBoard.
+    """Appends one JSON object per record to `run_dir/metrics.jsonl`; mirrors scalars to TensorBoard and to
+    the experiment trackers in `sinks` (`trackers`).
 
     `start_step`: where this run starts; when the file already has records, a `resume` record at that step
     marks the restart. A write that fails (disk full, permission) raises StorageError naming the file."""
@@ -58,7 +120,9 @@ class MetricsLogger:
         tensorboard: bool = True,
         start_step: int | None = None,
         say: Callable[[str], Any] = print,
+        sinks: list | None = None,
     ) -> None:
+        self._sinks = list(sinks or [])
         self.path = run_dir / "metrics.jsonl"
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,7 +137,10 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            try:
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            except OSError as e:  # a full disk or a read-only run directory
+                raise _storage_error(e, run_dir / "tensorboard") from None
         if resumed and start_step is not None:
             self.log(start_step, "resume", torn_line=int(bool(torn)))
 
@@ -82,14 +149,18 @@ class MetricsLogger:
         try:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+            scalars = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
             if self._tb is not None:
-                for name, value in values.items():
-                    if isinstance(value, int | float):
-                        self._tb.add_scalar(f"{kind}/{name}", value, step)
+                for name, value in scalars.items():
+                    self._tb.add_scalar(f"{kind}/{name}", value, step)
         except OSError as e:
             raise _storage_error(e, self.path) from None
+        for sink in self._sinks:
+            sink.log(step, kind, scalars)
 
     def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
         try:
             self._file.close()
             if self._tb is not None:
@@ -138,12 +209,25 @@ def latest_timeline(records: list[dict]) -> list[dict]:
     return out
 
 
-class TrainProgress:
-    """A rich progress bar showing step, loss, tokens/s and ETA; a no-op when disabled (tests, non-zero ranks)."""
+def _clock(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(seconds)))
 
-    def __init__(self, total_steps: int, start_step: int, enabled: bool) -> None:
+
+class TrainProgress:
+    """Training progress on rank 0 (`rank0`): with `enabled` (log.progress), a rich bar on a terminal, or a
+    plain line every `every` steps when stdout is not one (a batch job's log: step, loss, tokens/s, MFU,
+    elapsed, ETA); `print` lines (faults, evaluations, stragglers) always, bar or not."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, rank0: bool | None = None,
+                 every: int = 10, stream: Any = None) -> None:  # fmt: skip
         self._progress = None
-        if enabled:
+        self.rank0 = enabled if rank0 is None else rank0
+        self.stream = stream
+        out = stream or sys.stdout
+        self.plain = enabled and self.rank0 and not (hasattr(out, "isatty") and out.isatty())
+        self.total, self.start_step, self.every = total_steps, start_step, max(1, every)
+        self._t0 = time.monotonic()
+        if enabled and self.rank0 and not self.plain:
             self._progress = Progress(
                 TextColumn("[bold]step {task.completed}/{task.total}"),
                 BarColumn(),
@@ -157,6 +241,7 @@ class TrainProgress:
             )
 
     def __enter__(self) -> TrainProgress:
+        self._t0 = time.monotonic()
         if self._progress is not None:
             self._progress.start()
         return self
@@ -164,10 +249,21 @@ class TrainProgress:
     def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, loss=loss, tps=tokens_per_s, extra=extra)
+        elif self.plain and (step % self.every == 0 or step == self.total or step == self.start_step + 1):
+            elapsed = time.monotonic() - self._t0
+            done = step - self.start_step
+            eta = elapsed / done * (self.total - step) if done > 0 else 0.0
+            self._say(f"step {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s {extra} "
+                      f"elapsed {_clock(elapsed)} ETA {_clock(eta)}".replace("  ", " "))  # fmt: skip
 
     def print(self, message: str) -> None:
         if self._progress is not None:
             self._progress.console.print(message)
+        elif self.rank0:
+            self._say(message)
+
+    def _say(self, line: str) -> None:
+        print(line, file=self.stream or sys.stdout, flush=True)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -5,6 +5,7 @@ file for the best one."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -19,7 +20,19 @@ from meshlm.model.config import PRESETS, ModelConfig, preset
 from meshlm.model.flops import param_counts
 from meshlm.observe.peak import DATASHEET_PEAK, MEASURED_MATMUL
 from meshlm.plan.cost import CostModel, rates
-from meshlm.plan.emit import job_name, kubernetes, launch_for, skypilot, slurm
+from meshlm.plan.emit import (
+    PVC,
+    TARGET_SHAPES,
+    TIME_LIMIT_S,
+    Site,
+    default_install,
+    install_source,
+    job_name,
+    kubernetes,
+    launch_for,
+    skypilot,
+    slurm,
+)
 from meshlm.plan.hardware import GPUS, Hardware, hardware
 from meshlm.plan.memory import Assumptions, Workload
 from meshlm.plan.replay import RUNS, Replay, Replays, check_deadline, replay_offerings
@@ -90,6 +103,7 @@ class ModelSource:
     global_batch: int | None = None
     train_tokens: float | None = None
     precision: str | None = None
+    data_source: str | None = None  # a meshlm config's data.source
 
 
 def _shape_args(model: ModelConfig) -> tuple[str, ...]:
@@ -127,6 +141,7 @@ def resolve_model(text: str) -> ModelSource:
             cfg.train.global_batch,
             tokens,
             precision,
+            cfg.data.source,
         )
     from meshlm.model.hf import model_config_from_hf
 
@@ -205,6 +220,18 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                      " / .sky.yaml)")  # fmt: skip
     out.add_argument("--image", help="container image with meshlm installed (--emit kubernetes)")
     out.add_argument("--bucket", help="bucket for the run directory, e.g. s3://my-bucket/runs (--emit skypilot)")
+    out.add_argument("--data-source", help="the corpus the launch trains on (data.source; default: the --model "
+                     "config's); --emit needs one")  # fmt: skip
+    out.add_argument("--install", help="meshlm wheel or source directory the launch installs (--emit skypilot; "
+                     "default: this meshlm's source tree)")  # fmt: skip
+    out.add_argument("--run-dir", help="run directory on shared storage (--emit slurm; default: "
+                     "$SLURM_SUBMIT_DIR/runs/NAME)")  # fmt: skip
+    out.add_argument("--pvc", default=PVC, help="ReadWriteMany claim for the run directory (--emit kubernetes)")
+    out.add_argument("--time-limit", type=duration, default=TIME_LIMIT_S, help="Slurm --time of one allocation; "
+                     "the job requeues itself at its end (default 1d)")  # fmt: skip
+    out.add_argument("--partition", default="", help="Slurm partition (--emit slurm)")
+    out.add_argument("--spot-selector", default=Site.spot_selector, help="node label KEY=VALUE of spot nodes "
+                     "(--emit kubernetes; GKE: cloud.google.com/gke-spot=true)")  # fmt: skip
     p.set_defaults(func=run_plan)
     return p
 
@@ -251,6 +278,16 @@ def _request(args: argparse.Namespace) -> Request:
         raise PlanError("--emit kubernetes needs --image (the container image with meshlm installed)")
     if args.emit == "skypilot" and not args.bucket:
         raise PlanError("--emit skypilot needs --bucket (where the run directory lives, e.g. s3://my-bucket/runs)")
+    if args.emit and not (args.data_source or source.data_source):
+        raise PlanError(f"--emit {args.emit} needs --data-source (the corpus to train on: a path on shared storage, "
+                        "'hf:NAME' or 'stdlib') or a --model config with data.source")  # fmt: skip
+    if args.emit == "kubernetes" and "=" not in args.spot_selector:
+        raise PlanError(f"--spot-selector {args.spot_selector!r}: expected a node label KEY=VALUE")
+    if args.emit == "skypilot":
+        if not (args.install or default_install()):
+            raise PlanError("--emit skypilot needs --install (a meshlm wheel, or a source directory with a "
+                            "pyproject.toml, that every node installs)")  # fmt: skip
+        args.install = str(install_source(args.install or default_install()))
     trace = load_trace(args.spot_trace, args.trace_format) if args.spot_trace is not None else None
     c = Constraints(
         **parse_layout(args.layout),
@@ -280,6 +317,7 @@ def _request(args: argparse.Namespace) -> Request:
         restart_s=args.restart_s,
         storage_gbps=args.storage_gbps,
         deadline_s=args.deadline,
+        shapes=TARGET_SHAPES[args.emit] if args.emit else CostModel.shapes,
         **({} if args.failure_rate is None else {"failure_rate": args.failure_rate}),
     )
     return Request(source, w, hw, c, a, costs, trace)
@@ -299,7 +337,7 @@ def run_plan(args: argparse.Namespace) -> int:
             check_deadline(r.costs.deadline_s, fastest.on_demand, f" of the fastest plan ({fastest.strategy.layout})")
         replays = _replay(args, r, result.plans[0]) if r.trace is not None else None
         if args.emit:
-            _emit(args, r, result.plans[0])
+            _emit(args, r, result.plans[0], replays.recommended.closed if replays is not None else None)
     except (ValueError, OSError) as e:  # PlanError, ConfigError, unknown gpu / preset, bad calibration, unwritable
         print(f"meshlm plan: {e}", file=sys.stderr)
         return 2
@@ -338,6 +376,7 @@ def _print_replay(r: Request, args: argparse.Namespace, replays: Replays) -> Non
     for rp in (replays.on_demand, replays.spot, replays.mixed):
         if rp is not None:
             console.print(f"  {_replay_text(rp, base)}", soft_wrap=True)
+    console.print(f"#1 recommended on {r.trace.source}: {replays.recommended.pool.describe()}", soft_wrap=True)
 
 
 def _replay_text(rp: Replay, on_demand_per_token: float | None) -> str:
@@ -354,17 +393,24 @@ def _replay_text(rp: Replay, on_demand_per_token: float | None) -> str:
     return text
 
 
-def _emit(args: argparse.Namespace, r: Request, plan: Plan) -> None:
-    """Write the launch file of the best plan's recommended pool and say where, on stderr."""
+def _emit(args: argparse.Namespace, r: Request, plan: Plan, pick: Estimate | None = None) -> None:
+    """Write the launch file of the best plan on `pick` (the pool recommended on the spot trace, else by the
+    closed form) and say where, on stderr."""
     w = r.workload
-    launch = launch_for(plan, list(r.source.train_args), w.seq_len, w.global_batch, w.train_tokens, w.name)
-    summary = f"{w.name} on {plan.strategy.gpus}× {r.hw.name}: {plan.strategy}, {plan.cost.pool.describe()}"
+    pick = pick or plan.cost
+    launch = launch_for(plan, list(r.source.train_args), w.seq_len, w.global_batch, w.train_tokens, w.name, pick,
+                        w.precision, gpu=r.hw.name != "cpu", window_s=args.time_limit)  # fmt: skip
+    summary = f"{w.name} on {plan.strategy.gpus}× {r.hw.name}: {plan.strategy}, {pick.pool.describe()}"
+    launch = dataclasses.replace(launch, summary=summary)
+    site = Site(args.data_source or r.source.data_source or "", args.install or "", args.run_dir or "",
+                args.time_limit, partition=args.partition, pvc=args.pvc, bucket=args.bucket or "",
+                spot_selector=args.spot_selector)  # fmt: skip
     if args.emit == "slurm":
-        text = slurm(launch, summary)
+        text = slurm(launch, site)
     elif args.emit == "kubernetes":
-        text = kubernetes(launch, summary, args.image)
+        text = kubernetes(launch, site, args.image)
     else:
-        text = skypilot(launch, summary, plan.cost.pool, r.hw, args.bucket)
+        text = skypilot(launch, site, pick.pool, r.hw)
     path = args.emit_to or Path(job_name(w.name) + EMIT_SUFFIX[args.emit])
     path.write_text(text)
     if args.emit == "slurm":

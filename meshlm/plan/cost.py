@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from meshlm.plan.hardware import Hardware
-from meshlm.plan.spot import Offerings, Rates, compare
+from meshlm.plan.spot import ALL_SHAPES, Offerings, Rates, Shapes, compare
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class CostModel:
     restart_s: float = 600.0  # reschedule, re-initialise, warm up (plus reading the checkpoint back)
     storage_gbps: float = 20.0  # aggregate checkpoint write/read bandwidth, GB/s
     deadline_s: float | None = None  # wall-time limit: pools that miss it are not recommended
+    shapes: Shapes = ALL_SHAPES  # the pools priced: those the launcher (`meshlm plan --emit`) can run
 
 
 DEFAULT_COSTS = CostModel()
@@ -68,4 +69,4 @@ def run_cost(
         raise ValueError(f"run length must be > 0 s, got {solve_s}")
     nodes = nodes_of(gpus, hw.gpus_per_node)
     r = rates(gpus, checkpoint_bytes, hw, c)
-    return compare(solve_s, nodes, gpus / nodes, r, speed, min_nodes, c.deadline_s)
+    return compare(solve_s, nodes, gpus / nodes, r, speed, min_nodes, c.deadline_s, c.shapes)

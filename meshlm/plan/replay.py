@@ -30,6 +30,7 @@ from meshlm.plan.traces import Trace
 RUNS = 200
 HORIZON = 20  # a run that has not finished within this many times its work never will
 GIVE_UP = 10  # after this many unfinished runs and none finished, the rest are not played
+MEETS = 0.9  # with a deadline, a pool is recommended on a trace when this share of its runs meets it
 
 
 class ReplayError(ValueError):
@@ -135,11 +136,11 @@ class _Job:
         """The run from `start` into the trace. Runs step through millions of trace ticks, so the loop reads
         locals and skips `_capacity` where a tick cannot change anything (the same nodes up, not waiting)."""
         trace, r, g, pool = self.trace, self.r, self.pool.gpus_per_node, self.pool
-        times, ends, lives = trace.times, trace.ends, trace.lives(self.slots)
+        times, ends, lives, caps = trace.times, trace.ends, trace.lives(self.slots), trace.capacity(self.slots)
         ticks, expovariate, elastic = len(times), self.rng.expovariate, pool.elastic
         k = trace.index(start)
         seg_end = ends[k] - start
-        live = lives[k]
+        live, cap = lives[k], caps[k]
         if self.deadline is not None and pool.spot and self.must_lock(0.0, 0.0):
             self.od_mode = self.locked = True  # only on demand can make it: start there
         n = self.nodes(live)
@@ -184,9 +185,10 @@ class _Job:
             else:
                 k = (k + 1) % ticks
                 seg_end = t + ends[k] - times[k]
-                before, live = live, lives[k]
-                if live != before or phase == "wait" or elastic:
-                    phase, left, chunk, n = self._capacity(before, live, phase, left, chunk, n)
+                before, live, cap_before, cap = live, lives[k], cap, caps[k]
+                if live != before or cap < cap_before or phase == "wait" or elastic:
+                    lost = (cap_before, cap_before - cap)
+                    phase, left, chunk, n = self._capacity(before, live, phase, left, chunk, n, lost)
                 if phase == "wait" and self.deadline is not None:
                     phase, left, n = self._policy(t, committed, live, n, phase)
         wall = t if committed >= self.work else math.inf
@@ -201,8 +203,10 @@ class _Job:
         n = self.nodes(live)
         return ("restart" if n else "wait"), self.restart_s, 0.0, n
 
-    def _capacity(self, before: int, live: int, phase: str, left: float, chunk: float, n: int):
-        """The trace changed from `before` to `live` spot nodes up."""
+    def _capacity(self, before: int, live: int, phase: str, left: float, chunk: float, n: int,
+                  lost: tuple[int, int]):  # fmt: skip
+        """The pool changed from `before` to `live` spot nodes up; `lost`: (nodes the trace had up, nodes it
+        lost), each lost one of this pool's live nodes with probability (pool's live)/(trace's live)."""
         if self.od_mode:
             return phase, left, chunk, n
         if phase == "wait":
@@ -211,9 +215,10 @@ class _Job:
                 return phase, left, chunk, 0
             return ("restart", self.restart_s, 0.0, n) if self.started else ("work", 0.0, 0.0, n)
         active = min(before, self.pool.spot)
-        if live < before:
-            up, hit = before, False
-            for _ in range(before - live):  # which live node went: any of them, equally likely
+        up, gone = lost
+        if gone > 0:
+            hit = False
+            for _ in range(gone):  # which of the trace's live nodes went: any of them, equally likely
                 if self.rng.random() < active / up:
                     hit = True
                     break
@@ -275,10 +280,12 @@ def replay(
     interval = closed.interval_s or on_demand.interval_s
     slots = pool.spot + pool.spares
     probe = _Job(work_s, pool, rates, trace, interval, speed, random.Random(0), None, 1.0)
-    if pool.spot and deadline_s is None and not probe.nodes(trace.most(slots)):
+    if pool.spot and not probe.nodes(trace.most(slots)):
         need = f"{pool.min_nodes} of {pool.nodes} nodes" if pool.elastic else f"{pool.spot} spot nodes"
         reason = (f"spot cannot finish on {trace.source}: it never has {need} up together (at most "
                   f"{trace.most(slots)} of {slots} spot slots)")  # fmt: skip
+        if deadline_s is not None:
+            reason += "; the deadline policy would run it on demand throughout (the on-demand row)"
         return _summary(pool, closed, [], runs, reason, deadline_s, tokens)
     od_factor = on_demand.wall_s / work_s  # on demand's pace, at its own checkpoint interval (once locked there)
     starts = random.Random(seed)
@@ -330,11 +337,20 @@ class Replays:
     fitted: tuple[float, float] = (0.0, 0.0)  # the trace's preemptions per node-hour and mean time away (s)
     assumed: tuple[float, float] = (0.0, 0.0)  # the closed form's (Rates.preemption_per_node_hour, replace_s)
 
+    @property
+    def recommended(self) -> Replay:
+        """The pool to run on this trace: the cheapest median cost among those that finish (with a deadline,
+        in at least `MEETS` of runs within it); on demand when none does."""
+        pools = [rp for rp in (self.on_demand, self.spot, self.mixed) if rp is not None and rp.feasible]
+        pools = [rp for rp in pools if rp.met is None or rp.met >= MEETS]
+        return min(pools, key=lambda rp: (rp.usd_p50, rp.wall_p50), default=self.on_demand)
+
     def to_dict(self) -> dict:
         def finite(x: float) -> float | None:
             return x if math.isfinite(x) else None
 
         return {
+            "recommended": self.recommended.pool.describe(),
             "on_demand": self.on_demand.to_dict(),
             "spot": self.spot.to_dict(),
             "mixed": self.mixed.to_dict() if self.mixed else None,
@@ -375,6 +391,6 @@ def replay_offerings(
     def one(e: Estimate) -> Replay:
         return replay(work_s, e.pool, rates, trace, speed, runs, seed, deadline_s, tokens)
 
-    fitted = trace.fitted(offers.spot.pool.spot + offers.spot.pool.spares)
+    fitted = trace.fitted()
     return Replays(one(offers.on_demand), one(offers.spot), one(offers.mixed) if offers.mixed else None, fitted,
                    (rates.preemption_per_node_hour, rates.replace_s))  # fmt: skip

@@ -245,17 +245,29 @@ def evaluate(
     return Plan(strategy, strategy.micro_batches(w.global_batch), mem, step, cost, checkpoint_bytes=ckpt)
 
 
+# Kept free on a GPU beyond the predicted peak: the CUDA context's and NCCL's buffers grow with the job, and
+# the caching allocator needs slack to place a large block (a plan at 79.9 of 80 GiB dies on the first
+# unlucky fragmentation). A fraction, so it scales with the device.
+ALLOCATOR_RESERVE = 0.04
+
+
 def capacity(hw: Hardware, gpus: int, c: Constraints) -> float:
-    """Usable bytes per device: the constraint's, else the device's share."""
-    return c.memory_gb * GB if c.memory_gb is not None else hw.per_rank(gpus).memory_bytes
+    """Usable bytes per device: the constraint's, else the device's share less ALLOCATOR_RESERVE (GPUs)."""
+    if c.memory_gb is not None:
+        return c.memory_gb * GB
+    share = hw.per_rank(gpus).memory_bytes
+    return share if hw.shared_node else share * (1 - ALLOCATOR_RESERVE)
 
 
 def elastic_shrink(
     w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS, c: Constraints = Constraints()
 ) -> tuple[Callable[[int], float], int | None]:
     """What an elastic job keeps after losing nodes: (throughput on n nodes relative to the full strategy, the
-    fewest nodes anything fits on). On n nodes it runs the same strategy with the largest dp that fits the
-    surviving GPUs, divides the global batch and the schedule, and fits in memory."""
+    fewest nodes of the range it can run on). On n nodes torchrun starts n × gpus_per_node ranks and
+    `--parallel.layout pp=P,tp=T` makes dp = ranks / (P·T): n is a valid count only when that dp is whole,
+    divides the global batch and the schedule, and fits in memory (speed 0 otherwise, as the restart would
+    fail). The range is [fewest, nodes] with every count in it valid, since `--nnodes MIN:MAX` lets torchrun
+    start at any of them: the priced states are exactly the ones the emitted launch can run in."""
     s, g = strategy, hw.gpus_per_node
     unit = s.pp * s.tp
     full = step_time(w, s, hw, a).tokens_per_s
@@ -273,13 +285,20 @@ def elastic_shrink(
             return 0.0
         return step_time(w, shrunk, hw, a).tokens_per_s / full
 
+    full_nodes = nodes_of(s.gpus, g)
+    per_node = s.gpus / full_nodes  # the launch's --nproc-per-node
+
     @cache
     def speed(nodes: int) -> float:
-        most = min(s.dp, int(nodes * g) // unit)
-        return next((r for d in range(most, 0, -1) if (r := at(d)) > 0), 0.0)
+        ranks = round(nodes * per_node)
+        if nodes > full_nodes or nodes < 1 or ranks != nodes * per_node or ranks % unit:
+            return 0.0
+        return at(ranks // unit) if ranks // unit <= s.dp else 0.0
 
-    fewest = next((n for n in range(1, nodes_of(s.gpus, g) + 1) if speed(n) > 0), None)
-    return speed, fewest
+    fewest = full_nodes
+    while fewest > 1 and speed(fewest - 1) > 0:
+        fewest -= 1
+    return speed, (fewest if speed(full_nodes) > 0 else None)
 
 
 def price(plan: Plan, w: Workload, hw: Hardware, a: Assumptions, costs: CostModel, c: Constraints) -> Plan:

@@ -226,12 +226,25 @@ class Offerings:
         }
 
 
-def _pools(nodes: int, g: float, spot: int, min_nodes: int | None) -> list[Pool]:
+@dataclass(frozen=True)
+class Shapes:
+    """Which pools a launcher can run, so only those are priced: mixed spot + on-demand nodes, hot spares,
+    elastic shrink (meshlm.plan.emit.TARGET_SHAPES)."""
+
+    mixed: bool = True
+    spares: bool = True
+    elastic: bool = True
+
+
+ALL_SHAPES = Shapes()
+
+
+def _pools(nodes: int, g: float, spot: int, min_nodes: int | None, shapes: Shapes = ALL_SHAPES) -> list[Pool]:
     """The pools with `spot` spot nodes worth pricing: no spares or powers of two up to a quarter of the
-    nodes, rigid or (given a smallest layout) elastic."""
-    spares = [0, *(2**k for k in range(max(1, nodes // 4).bit_length()))]
-    shapes = [None] + ([min_nodes] if min_nodes is not None and min_nodes < nodes else [])
-    return [Pool(nodes, g, spot, s, m) for s in spares for m in shapes]
+    nodes, rigid or (given a smallest layout) elastic, as far as `shapes` allows."""
+    spares = [0, *(2**k for k in range(max(1, nodes // 4).bit_length()))] if shapes.spares else [0]
+    elastic = shapes.elastic and min_nodes is not None and min_nodes < nodes
+    return [Pool(nodes, g, spot, s, m) for s in spares for m in [None] + ([min_nodes] if elastic else [])]
 
 
 def _why_not(choice: Estimate, on_demand: Estimate) -> str:
@@ -264,11 +277,12 @@ def compare(
     speed: Callable[[int], float] | None = None,
     min_nodes: int | None = None,
     deadline_s: float | None = None,
+    shapes: Shapes = ALL_SHAPES,
 ) -> Offerings:
     """Price a job on demand, all spot and mixed (`SPOT_SHARES` of the nodes on spot), each with the spares and
     elastic shrink (to `min_nodes`, at `speed(nodes)`) that make it cheapest, and recommend the cheapest that
-    finishes within `deadline_s`. Where no pool of a kind finishes, the one that came closest (most available,
-    then most spares) gives the reason."""
+    finishes within `deadline_s`; only the pools `shapes` allows (a launcher's). Where no pool of a kind
+    finishes, the one that came closest (most available, then most spares) gives the reason."""
     g = gpus_per_node
     on_demand = estimate(work_s, Pool(nodes, g), rates, speed)
 
@@ -281,9 +295,9 @@ def compare(
             return min(ok, key=lambda e: (not in_time(e), e.usd, e.wall_s))
         return max(found, key=lambda e: (e.availability, e.pool.spares, e.pool.elastic))
 
-    spot = cheapest(_pools(nodes, g, nodes, min_nodes))
-    shares = sorted({round(f * nodes) for f in SPOT_SHARES} - {0, nodes})
-    mixed = cheapest([p for k in shares for p in _pools(nodes, g, k, min_nodes)]) if shares else None
+    spot = cheapest(_pools(nodes, g, nodes, min_nodes, shapes))
+    shares = sorted({round(f * nodes) for f in SPOT_SHARES} - {0, nodes}) if shapes.mixed else []
+    mixed = cheapest([p for k in shares for p in _pools(nodes, g, k, min_nodes, shapes)]) if shares else None
     meets = [e for e in (on_demand, spot, mixed) if e is not None and in_time(e)]
     recommended = min(meets, key=lambda e: (e.usd, e.wall_s)) if meets else on_demand
     spot_note, mixed_note = _why_not(spot, on_demand), _why_not(mixed, on_demand) if mixed else ""

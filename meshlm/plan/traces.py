@@ -4,12 +4,18 @@ Poisson process, for `meshlm.plan.replay`.
 Two file formats:
 
 - **spot-traces** (github.com/skypilot-org/spot-traces, Wu et al., NSDI 2024): JSON
-  `{"metadata": {"gap_seconds": 300}, "data": [4, 4, 3, ...]}`, the number of spot nodes up at each tick.
-  The counts are absolute: a pool that needs more spot nodes than the trace ever has cannot train on it.
-- **CSV** of events that hit the pool: a header `time_s,lost,regained`, then one row per change (seconds
-  since the start, nodes preempted, nodes back). The pool starts with every spot slot up; the last row's
-  time is the trace's length (a `T,0,0` row ends a quiet tail). Relative: it fits a pool of any size.
+  `{"metadata": {"gap_seconds": 300}, "data": [4, 4, 3, ...]}`, the number of spot nodes up at each tick,
+  of a pool of `metadata.nodes` (default: the most ever up) that was kept running while it was recorded.
+- **CSV** of events on a pool of N nodes: a comment `# nodes: N`, a header `time_s,lost,regained`, then one
+  row per change (seconds since the start, nodes preempted, nodes back). The pool starts with all N up; the
+  last row's time is the trace's length (a `T,0,0` row ends a quiet tail).
 
+Either way a trace is the capacity of its own N-node pool over time, so its preemption rate (nodes lost per
+node-hour up, `Trace.fitted`) is the trace's own, whatever pool replays it. A pool of S ≤ N slots holds
+min(S, capacity) nodes, and every node the trace loses is one of the pool's live ones with probability
+(pool's live)/(trace's live) (`meshlm.plan.replay` draws it): a small pool is hit at the trace's per-node
+rate, not only when capacity falls below S. A pool of S > N slots sees an events trace's capacity scaled by
+S/N; an absolute trace never hosts more than its most nodes up (it cannot say more capacity existed).
 A trace is replayed cyclically (a run longer than the trace wraps around to its start).
 """
 
@@ -34,24 +40,52 @@ class TraceError(ValueError):
 
 @dataclass(frozen=True)
 class Trace:
-    """Piecewise-constant spot capacity: `values[i]` holds from `times[i]` until `times[i + 1]` (the last
-    until `duration_s`). Absolute traces count nodes up; relative ones count nodes down from a full pool."""
+    """Piecewise-constant spot capacity of a pool of `nodes` nodes: `values[i]` holds from `times[i]` until
+    `times[i + 1]` (the last until `duration_s`). Absolute traces count nodes up; relative ones count nodes
+    down from all `nodes` up. `nodes` 0: the most ever up (absolute), the replaying pool's slots (relative;
+    `fitted` then takes the most ever down as the size)."""
 
     times: tuple[float, ...]
     values: tuple[int, ...]
     duration_s: float
     relative: bool
     source: str = "trace"
+    nodes: int = 0
     _lives: dict[int, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _caps: dict[int, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def size(self, slots: int = 0) -> int:
+        """The nodes of the pool the trace was recorded on (`slots`: the replaying pool's, for a relative trace
+        of unknown size)."""
+        if self.nodes:
+            return self.nodes
+        return max(1, slots or self.peak) if self.relative else self.peak
+
+    @cached_property
+    def peak(self) -> int:
+        """The largest value the trace reads."""
+        return max(self.values)
+
+    def up(self, value: int, slots: int = 0) -> int:
+        """Nodes of the trace's own pool up while it reads `value`."""
+        return max(0, self.size(slots) - value) if self.relative else min(value, self.size())
 
     def live(self, value: int, slots: int) -> int:
-        """Spot nodes up, of a pool's `slots`, while the trace reads `value`."""
-        return max(0, slots - value) if self.relative else min(value, slots)
+        """Nodes up while the trace reads `value`, seen by a pool of `slots`: scaled by slots/size for a larger
+        pool on an events trace, else as they are (min(up, slots) is what the pool holds)."""
+        n, up = self.size(slots), self.up(value, slots)
+        return up * slots // n if self.relative and slots > n else up
+
+    def capacity(self, slots: int) -> tuple[int, ...]:
+        """`live` of every piece for a pool of `slots` (before the pool's own min)."""
+        if slots not in self._caps:
+            self._caps[slots] = tuple(self.live(v, slots) for v in self.values)
+        return self._caps[slots]
 
     def lives(self, slots: int) -> tuple[int, ...]:
         """`live` of every piece for `slots`, computed once per pool size (each replayed run reads it)."""
         if slots not in self._lives:
-            self._lives[slots] = tuple(self.live(v, slots) for v in self.values)
+            self._lives[slots] = tuple(min(c, slots) for c in self.capacity(slots))
         return self._lives[slots]
 
     @cached_property
@@ -63,16 +97,15 @@ class Trace:
         """The most spot nodes of `slots` that are ever up together."""
         return max(self.lives(slots))
 
-    def fitted(self, slots: int) -> tuple[float, float]:
-        """The closed form's inputs as this trace shows them for `slots` spot slots: preemptions per node-hour
-        up (nodes lost / node-hours up) and the mean time a lost node stays away (node-seconds down / nodes
-        back), over the slots the trace can fill (an absolute trace never fills more than its most nodes up);
-        (0, 0) where nothing is ever lost, inf where nothing comes back."""
-        if not self.relative:
-            slots = min(slots, max(self.values))
+    def fitted(self) -> tuple[float, float]:
+        """The closed form's inputs as this trace shows them on its own pool: preemptions per node-hour up
+        (nodes lost / node-hours up) and the mean time a lost node stays away (node-seconds down / nodes
+        back); (0, 0) where nothing is ever lost, inf where nothing comes back. Independent of the pool that
+        replays it."""
+        slots = self.size()
         lost = back = 0
         up_s = down_s = 0.0
-        lives = self.lives(slots)
+        lives = tuple(self.up(v) for v in self.values)
         for i, (live, start, end) in enumerate(zip(lives, self.times, self.ends, strict=True)):
             up_s += live * (end - start)
             down_s += (slots - live) * (end - start)
@@ -106,11 +139,22 @@ def _spot_traces(path: Path, text: str) -> Trace:
     for i, v in enumerate(data):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise _fail(path, f"data[{i}] is {v!r}: every tick must be a count of nodes up (an integer ≥ 0)")
+    nodes = doc.get("metadata", {}).get("nodes", 0)
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 0 or (nodes and nodes < max(data)):
+        raise _fail(path, f"metadata.nodes is {nodes!r}: the pool's size, an integer ≥ the most nodes up "
+                          f"({max(data)}), or left out")  # fmt: skip
+    if not nodes and not max(data):
+        raise _fail(path, "data is all 0 and metadata.nodes is missing: the trace's pool size is unknown")
     return Trace(tuple(i * float(gap) for i in range(len(data))), tuple(data), len(data) * float(gap), False,
-                 path.name)  # fmt: skip
+                 path.name, nodes)  # fmt: skip
 
 
 def _csv(path: Path, text: str) -> Trace:
+    declared = [line.partition(":")[2].strip() for line in text.splitlines() if line.startswith("# nodes:")]
+    if len(declared) != 1 or not declared[0].isdigit() or int(declared[0]) < 1:
+        raise _fail(path, "needs one comment line '# nodes: N' (N ≥ 1: the size of the pool the events hit), so "
+                          "its preemption rate is per node-hour of the trace itself")  # fmt: skip
+    nodes = int(declared[0])
     rows = [r for r in csv.reader(text.splitlines()) if r and not r[0].startswith("#")]
     if not rows or tuple(c.strip() for c in rows[0]) != CSV_HEADER:
         raise _fail(path, f"the first row must be the header {','.join(CSV_HEADER)}")
@@ -126,6 +170,8 @@ def _csv(path: Path, text: str) -> Trace:
         down = down + lost - back
         if down < 0:
             raise _fail(path, f"row {n}: more nodes regained than were lost (the pool starts with all up)")
+        if down > nodes:
+            raise _fail(path, f"row {n}: {down} nodes down, more than the trace's '# nodes: {nodes}'")
         if t == times[-1]:
             values[-1] = down
         else:
@@ -135,7 +181,7 @@ def _csv(path: Path, text: str) -> Trace:
     if last <= 0:
         raise _fail(path, "needs at least one row with time_s > 0 (the last row's time is the trace's length)")
     times.pop(), values.pop()  # the last row only marks the end
-    return Trace(tuple(times), tuple(values), last, True, path.name)
+    return Trace(tuple(times), tuple(values), last, True, path.name, nodes)
 
 
 def load_trace(path: Path, fmt: str = "auto") -> Trace:
@@ -176,14 +222,15 @@ def poisson_trace(
         down += change
         times.append(t)
         values.append(down)
-    return Trace(tuple(times), tuple(values), duration_s, True, f"poisson({slots}, {preemption_per_node_hour}/h)")
+    return Trace(tuple(times), tuple(values), duration_s, True, f"poisson({slots}, {preemption_per_node_hour}/h)",
+                 slots)  # fmt: skip
 
 
 def write_csv(trace: Trace, path: Path) -> None:
     """A relative trace as an events CSV (the format `load_trace` reads back)."""
     if not trace.relative:
         raise ValueError("write_csv writes relative traces (nodes down); this one counts nodes up")
-    lines = [",".join(CSV_HEADER)]
+    lines = [f"# nodes: {trace.size()}", ",".join(CSV_HEADER)]
     for t, before, after in zip(trace.times[1:], trace.values, trace.values[1:], strict=False):
         lines.append(f"{t:.1f},{max(0, after - before)},{max(0, before - after)}")
     lines.append(f"{trace.duration_s:.1f},0,0")
@@ -193,5 +240,5 @@ def write_csv(trace: Trace, path: Path) -> None:
 def write_spot_traces(trace: Trace, slots: int, gap_s: float, path: Path) -> None:
     """A trace sampled every `gap_s` as a spot-traces JSON of `slots` nodes (nodes up at each tick)."""
     ticks = int(trace.duration_s // gap_s)
-    data = [trace.live(trace.values[trace.index(i * gap_s)], slots) for i in range(ticks)]
+    data = [min(slots, trace.live(trace.values[trace.index(i * gap_s)], slots)) for i in range(ticks)]
     Path(path).write_text(json.dumps({"metadata": {"gap_seconds": gap_s}, "data": data}) + "\n")

@@ -3,7 +3,13 @@
 MESHLM_INJECT_FAULT="RANK:STEP:KIND" makes global rank RANK, at step STEP:
   kill       SIGKILL itself right after finishing the step (a crashed node),
   hang       stop making progress after the step (a stuck collective or deadlock),
-  save-kill  SIGKILL itself halfway through writing that step's checkpoint (after its shard, before commit).
+  save-kill  SIGKILL itself halfway through writing that step's checkpoint (after its shard, before commit),
+  sigterm@POINT        SIGTERM itself, once, at POINT: `step` (after the step), `save` (its shard of that step's
+                       checkpoint written, the save still in flight), `tokenize` (STEP 0: reading the corpus to
+                       tokenize it) or `close` (teardown, after the loop: STEP is the last step),
+  sigterm-all@POINT    the same to the launcher's agent (its parent, under torchrun or `meshlm launch`) and
+                       every worker of that agent, itself included, as Slurm and a node shutdown signal all the
+                       job's processes together (the agent first, so the workers get its forwarded one too).
 Only the first attempt of a torchrun job injects (TORCHELASTIC_RESTART_COUNT 0), so the restarted group
 shows whether recovery works.
 """
@@ -13,8 +19,11 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
-KINDS = ("kill", "hang", "save-kill")
+KINDS = ("kill", "hang", "save-kill", "sigterm", "sigterm-all")
+POINTS = ("step", "save", "tokenize", "close")
+_fired: set[str] = set()
 
 
 def _planned() -> tuple[int, int, str] | None:
@@ -22,9 +31,25 @@ def _planned() -> tuple[int, int, str] | None:
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return None
     rank, step, kind = spec.split(":")
-    if kind not in KINDS:
-        raise ValueError(f"MESHLM_INJECT_FAULT kind {kind!r} is not one of {', '.join(KINDS)}")
+    if kind.partition("@")[0] not in KINDS or kind.partition("@")[2] not in ("", *POINTS):
+        raise ValueError(f"MESHLM_INJECT_FAULT kind {kind!r} is not one of {', '.join(KINDS)} (sigterm@{POINTS})")
     return int(rank), int(step), kind
+
+
+def _agent_and_workers() -> list[int]:
+    """The agent (the parent, when this process is a torchrun worker), then its children, this one last."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return [os.getpid()]
+    agent = os.getppid()
+    workers = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)": state, ppid, ...
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[1]) == agent and int(stat.parent.name) != os.getpid():
+            workers.append(int(stat.parent.name))
+    return [agent, *workers, os.getpid()]
 
 
 def fault_point(point: str, rank: int, step: int) -> None:
@@ -32,7 +57,12 @@ def fault_point(point: str, rank: int, step: int) -> None:
     planned = _planned()
     if planned is None or planned[:2] != (rank, step):
         return
-    kind = planned[2]
+    kind, _, at = planned[2].partition("@")
+    if kind.startswith("sigterm") and (at or "step") == point and kind not in _fired:
+        _fired.add(kind)
+        targets = _agent_and_workers() if kind == "sigterm-all" else [os.getpid()]
+        for pid in targets:
+            os.kill(pid, signal.SIGTERM)
     if (point, kind) in (("step", "kill"), ("save", "save-kill")):
         os.kill(os.getpid(), signal.SIGKILL)
     if point == "step" and kind == "hang":

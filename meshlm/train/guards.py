@@ -2,7 +2,8 @@
 
 - `Watchdog`: a rank that finishes no step within the timeout (stuck collective, deadlock) dumps every
   thread's Python stack to the run directory and exits non-zero, so torchrun's agent restarts the group.
-- `Preemption`: SIGTERM (a spot notice) sets a flag; the loop finishes its step, all ranks agree, save, exit 0.
+- `Preemption`: SIGTERM (a spot notice, however many times it arrives) is counted; the loop finishes its step,
+  all ranks agree, save once, exit 0 (the handler itself: meshlm.train.signals).
 - `StepGuard`: a non-finite gradient norm or a loss spike vetoes the update (the trainer then skips it or
   rolls back, by policy) or stops the run; always logged. `DeviceStepGuard` takes the same decision on the
   device, without a host sync.
@@ -13,16 +14,14 @@ from __future__ import annotations
 
 import faulthandler
 import math
-import os
-import signal
 from collections import deque
 from pathlib import Path
-from types import FrameType
 
 import torch
 import torch.distributed as dist
 
 from meshlm.parallel.engine import ParallelModel
+from meshlm.train import signals
 
 
 class TrainingFault(RuntimeError):
@@ -37,8 +36,13 @@ class Watchdog:
         self._file = None
         if timeout_s > 0:
             path = Path(run_dir) / "stacks" / f"rank{rank}.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("w")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = path.open("w")
+            except OSError as e:  # the first write into log.run_dir: a file there, a read-only mount
+                from meshlm.checkpoint.store import StorageError, run_dir_problem  # (imports DCP: only here)
+
+                raise StorageError(run_dir_problem(run_dir, e)) from None
 
     def arm(self, timeout_s: float | None = None) -> None:
         if self._file is not None:
@@ -57,29 +61,25 @@ class Watchdog:
 
 
 class Preemption:
-    """Catches SIGTERM; `requested()` is True on every rank as soon as any rank received it.
+    """SIGTERM for a training loop: `requested()` is True on every rank as soon as any rank received one.
 
-    A second SIGTERM is not a spot notice: it is someone (torchrun's agent tearing down a failed group, a
-    user) insisting, so the process dies at once instead of lingering in a collective with a dead peer."""
+    Schedulers signal every process at once and launchers forward their own SIGTERM, so a rank may get several:
+    each is the same notice and the loop saves once (meshlm.train.signals). The handler is the process's (the
+    CLI installs it before start-up) or, in a user's program, installed here and given back by `close()`."""
 
     def __init__(self) -> None:
-        self._flag = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._flag:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-        self._flag = True
+        self._owns_handler = signals.install()
+        signals.start_training()
 
     def requested(self, device: torch.device) -> bool:
-        flag = torch.tensor([float(self._flag)], device=device)
+        flag = torch.tensor([float(signals.received() > 0)], device=device)
         if dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def close(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        if self._owns_handler:
+            signals.finish_run(release=True)
 
 
 class StepGuard:

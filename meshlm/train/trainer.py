@@ -29,7 +29,7 @@ from meshlm.checkpoint import (
     training_entries,
     verify_checkpoint,
 )
-from meshlm.checkpoint.store import StorageError, storage_cause
+from meshlm.checkpoint.store import StorageError, atomic_write, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import SFTData, TokenData, prepare_data_shared
 from meshlm.lora import (
@@ -47,12 +47,13 @@ from meshlm.model.moe import moe_losses
 from meshlm.model.pretrained import init_tokenizer, keep_tokenizer, meshlm_checkpoint, open_init_from
 from meshlm.observe import StepObserver, aggregate
 from meshlm.observe.env import environment
-from meshlm.observe.metrics import MetricsLogger, TrainProgress
+from meshlm.observe.metrics import MetricsLogger, TrainProgress, trackers
 from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.fp8 import apply_fp8, check_fp8_device
 from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout, validate_layout
 from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
+from meshlm.train import signals
 from meshlm.train.compile import compile_blocks
 from meshlm.train.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.train.faults import fault_point
@@ -67,6 +68,7 @@ from meshlm.train.guards import (
 from meshlm.train.optim import build_optimizer, device_train_step, lr_at, skips_on_device, train_step
 from meshlm.train.parts import Batch, BatchSource, Callback, TrainParts
 from meshlm.train.prefetch import Prefetcher
+from meshlm.train.signals import PREEMPTED_BEFORE_START
 
 __all__ = ["BatchSource", "Callback", "TrainParts", "TrainResult", "Trainer", "fit", "train"]
 
@@ -195,6 +197,20 @@ def fit(cfg: Config, parts: TrainParts | None = None, **pieces: object) -> Train
     checkpoint, guard, metric and restart feature of `meshlm train` applies. Returns this invocation's
     losses."""
     parts = parts or TrainParts(**pieces)
+    owns_handler = signals.install()  # before any long start-up work (the CLI's is installed earlier still)
+    try:
+        return _fit(cfg, parts)
+    except BaseException:
+        if not signals.stopped_start_up():
+            raise
+        if env_rank() == 0:  # SIGTERM before the first step: start-up stopped where it was, nothing to save
+            print(PREEMPTED_BEFORE_START, flush=True)
+        return TrainResult(run_dir=Path(cfg.log.run_dir), preempted=True)
+    finally:
+        signals.finish_run(release=owns_handler)
+
+
+def _fit(cfg: Config, parts: TrainParts) -> TrainResult:
     world_size = env_world_size()
     model = parts.build_model(cfg.train.seed)
     if model is None:
@@ -208,9 +224,10 @@ def fit(cfg: Config, parts: TrainParts | None = None, **pieces: object) -> Train
     # Armed before the process group exists: a restarted rank can hang in rendezvous or set-up too.
     watchdog = Watchdog(Path(cfg.log.run_dir), env_rank(), cfg.fault.watchdog_s)
     watchdog.arm()
-    created_group = init_distributed(device, cfg.parallel.timeout_s)
+    created_group = False
     trainer = None
     try:
+        created_group = init_distributed(device, cfg.parallel.timeout_s)
         trainer = Trainer(cfg, layout, n_micro, device, watchdog, parts, model)
         return trainer.run()
     finally:
@@ -219,6 +236,41 @@ def fit(cfg: Config, parts: TrainParts | None = None, **pieces: object) -> Train
         watchdog.close()
         if created_group:
             dist.destroy_process_group()
+
+
+# The sampler's state that fixes the batch stream, and the config field each comes from
+_STREAM_FIELDS = {"global_batch": "train.global_batch", "seed": "train.seed", "seq_len": "data.seq_len"}
+
+
+def _data_mismatch(saved: dict, current: dict) -> str | None:
+    """How a checkpoint's batch stream differs from this run's, naming the config field, or None: resuming
+    with another batch, seed, sequence length or corpus would silently train on another stream."""
+    for key, name in _STREAM_FIELDS.items():
+        if key in saved and key in current and saved[key] != current[key]:
+            return f"with {name} = {saved[key]}, this run has {current[key]}: resume with the run's own config.toml"
+    if "n_tokens" in saved and "n_tokens" in current and saved["n_tokens"] != current["n_tokens"]:
+        return (
+            f"on {saved['n_tokens']} training tokens, this run's data has {current['n_tokens']} (data.source, "
+            f"data.max_chars, data.val_fraction or the tokenizer changed): resume with the run's own config.toml"
+        )
+    return None
+
+
+def with_absolute_cache(cfg: Config) -> Config:
+    """`cfg` with data.cache_dir made absolute (against this process's working directory)."""
+    cache = str(Path(cfg.data.cache_dir).expanduser().resolve())
+    return (
+        cfg
+        if cache == cfg.data.cache_dir
+        else cfg.model_copy(update={"data": cfg.data.model_copy(update={"cache_dir": cache})})
+    )
+
+
+def flat_config(cfg: Config) -> dict:
+    """{'train.lr': 0.003, ...}: the config as an experiment tracker's parameters."""
+    return {
+        f"{section}.{name}": value for section, fields in cfg.model_dump().items() for name, value in fields.items()
+    }
 
 
 def _differing_field(saved: dict, current: dict) -> str:
@@ -239,12 +291,13 @@ class Trainer:
         parts: TrainParts | None = None,
         model: nn.Module | None = None,
     ) -> None:
+        cfg = with_absolute_cache(cfg)  # saved in config.toml: `meshlm eval/generate RUN` from anywhere reuses it
         self.cfg, self.layout, self.device, self.watchdog = cfg, layout, device, watchdog
         self.parts = parts = parts or TrainParts()
         self.callbacks: list[Callback] = list(parts.callbacks)
         self.rank = dist.get_rank()
         self.run_dir = Path(cfg.log.run_dir)
-        self.say = print if self.rank == 0 else (lambda *_: None)
+        self.say = print if self.rank == 0 else (lambda *_, **__: None)
 
         init_from = cfg.model.init_from if model is None else None  # fine-tuning meshlm's own model
         init_source = open_init_from(init_from, cfg.model.build().vocab_size) if init_from else None
@@ -253,6 +306,8 @@ class Trainer:
         source = parts.batch_source()
         if source is None:
             watchdog.disarm()  # tokenizing the corpus is bounded by the barrier's own timeout
+            self.say(f"data: {cfg.data.source} (token cache {cfg.data.cache_dir}; tokenized once, then reused)",
+                     flush=True)  # fmt: skip
             self.data = prepare_data_shared(cfg.data, cfg.model.build().vocab_size, given_tokenizer)
             watchdog.arm()
             source = self.data.sampler(cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
@@ -312,7 +367,7 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             try:
-                (self.run_dir / "config.toml").write_text(to_toml(cfg))
+                atomic_write(self.run_dir / "config.toml", to_toml(cfg))  # a resume never reads half of it
                 tokenizer = given_tokenizer
                 if tokenizer is None and self.data is not None:
                     tokenizer = self.data.directory / "tokenizer.json"
@@ -320,7 +375,9 @@ class Trainer:
                     keep_tokenizer(self.run_dir, tokenizer)  # exported with the weights by meshlm convert
             except OSError as e:  # a full disk or a read-only run directory: one line naming the file
                 raise StorageError(f"run directory cannot be written: {storage_cause(e, self.run_dir)}") from None
-            self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, start_step=self.sampler.step)
+            sinks = trackers(self.run_dir, cfg.log.wandb_project, cfg.log.mlflow_experiment, flat_config(cfg))
+            self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, start_step=self.sampler.step,
+                                        sinks=sinks)  # fmt: skip
         tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         dist.barrier()  # ranks sharing a CPU measure its matmul peak together
         self.observer = StepObserver(
@@ -333,6 +390,7 @@ class Trainer:
             self.sampler.step, "env", **environment(device, str(layout)), peak_flops=self.observer.peak_flops,
             mfu_of=self.observer.mfu_basis,
         )  # fmt: skip
+        self.say(self.startup_summary(flops_per_tok), flush=True)
         self.preemption = Preemption()
         self.guard = StepGuard(cfg.fault.nonfinite, cfg.fault.spike_factor)
         self.check_desync = cfg.fault.desync_every and layout.dp > 1 and cfg.parallel.zero < 3
@@ -361,6 +419,26 @@ class Trainer:
             )
         return every, None
 
+    def startup_summary(self, flops_per_tok: float) -> str:
+        """What this run is, in a few plain lines for an operator's log: model, layout, batch, data,
+        checkpoints, and where it starts."""
+        cfg, params = self.cfg, sum(p.numel() for p in self.model.parameters())
+        model = self.model_identity.get("class") or cfg.model.init_from or cfg.model.preset
+        tokens = cfg.train.global_batch * cfg.data.seq_len
+        data = "user batches" if self.data is None else f"{cfg.data.source} (cache {cfg.data.cache_dir})"
+        start = (f"resumed from {self.resumed_from} at step {self.sampler.step}" if self.resumed_from
+                 else "fresh start at step 0")  # fmt: skip
+        return "\n".join([
+            f"model: {model}, {flops_per_tok * tokens / 1e12:.3g} TFLOP/step; parameters on rank 0: {params:,}",
+            f"layout: {self.layout} on {dist.get_world_size()} ranks ({self.device.type}), zero "
+            f"{cfg.parallel.zero}, schedule {cfg.parallel.schedule}, recompute {cfg.train.recompute}, dtype "
+            f"{cfg.train.dtype}",
+            f"batch: {cfg.train.global_batch} × {cfg.data.seq_len} tokens = {tokens:,} tokens/step, micro-batch "
+            f"{cfg.train.micro_batch or 'whole'}, {cfg.train.steps} steps",
+            f"data: {data}",
+            f"checkpoints: {self.run_dir} every {cfg.checkpoint.every or 'end'} steps; {start}",
+        ])  # fmt: skip
+
     def log(self, step: int, kind: str, **values: object) -> None:
         if self.logger is not None:
             self.logger.log(step, kind, **values)
@@ -373,6 +451,7 @@ class Trainer:
     def resume(self) -> None:
         """Leftovers of failed saves removed, corrupt checkpoints moved aside, then the newest valid one."""
         path = self.checkpointer.resume_point(self.cfg.checkpoint.resume, self.cfg.checkpoint.allow_fresh_start)
+        self.resumed_from = path
         if path is not None:
             saved = self.load(path, restore_data_position=True)
             self.say(f"resuming from {path} at step {self.sampler.step} (saved under {saved.get('layout')})")
@@ -409,6 +488,8 @@ class Trainer:
         set_optimizer_steps(self.optimizer, saved["optimizer_steps"])
         self.model.after_load()
         if restore_data_position:
+            if problem := _data_mismatch(saved["sampler"], self.sampler.state_dict()):
+                raise CheckpointError(f"checkpoint {path} was saved {problem}")
             self.sampler.load_state_dict(saved["sampler"])
         return saved
 
@@ -428,7 +509,8 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         cfg = self.cfg
-        with TrainProgress(cfg.train.steps, self.sampler.step, enabled=cfg.log.progress and self.rank == 0) as bar:
+        with TrainProgress(cfg.train.steps, self.sampler.step, enabled=cfg.log.progress, rank0=self.rank == 0,
+                           every=cfg.log.every) as bar:  # fmt: skip
             self.progress = bar
             self.watchdog.arm()
             if self.result.start_step == 0 and cfg.train.eval_every:
@@ -608,9 +690,11 @@ class Trainer:
         self.log(done, "eval", loss=val)
 
     def close(self) -> None:
-        """Release signal handlers, observers and logs. A save still in flight here means the run failed:
-        it is abandoned (its staging folder is never committed), the previous checkpoint stays valid."""
+        """Release observers and logs (the SIGTERM handler stays: meshlm.train.signals). A save still in
+        flight here means the run failed: it is abandoned (its staging folder is never committed), the previous
+        checkpoint stays valid."""
         self.result.final_step = self.sampler.step
+        fault_point("close", self.rank, self.result.final_step)
         for part in ("preemption", "observer", "logger", "sampler"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()

@@ -1,0 +1,137 @@
+"""Every `meshlm ...`, `python -m meshlm.cli ...` and `torchrun ... -m meshlm.cli ...` command shown in README.md
+and docs/*.md (code blocks) parses against the CLI's own parser, and every `--section.field` it passes to the
+trainer is a config field with a valid value, so a removed or renamed field fails here. The cheap ones (`plan`,
+`config show`) run for real."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from meshlm.cli import build_parser, cmd_config_show, cmd_prepare_data, cmd_train
+from meshlm.cli import main as cli_main
+from meshlm.config import ConfigError, load_config, parse_overrides
+from meshlm.plan.cli import run_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```([a-z]*)\n(.*?)^```", re.M | re.S)
+CHEAP = {"plan", "config"}  # run for real: no training, no processes
+
+
+def shown_commands() -> list[tuple[str, list[str]]]:
+    """(page:line, the meshlm argv) of every command in a bash/sh or untagged code block."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for block in FENCE.finditer(text):
+            if block[1] not in ("", "bash", "sh", "shell"):
+                continue
+            first = text[: block.start(2)].count("\n") + 1
+            joined = block[2].replace("\\\n", " ")
+            for offset, line in enumerate(joined.splitlines()):
+                argv = meshlm_argv(line)
+                if argv is not None:
+                    found.append((f"{page.relative_to(ROOT)}:{first + offset}", argv))
+    return found
+
+
+def meshlm_argv(line: str) -> list[str] | None:
+    """The arguments meshlm's CLI gets from one shell line, or None if it runs no meshlm command."""
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:
+        return None
+    ends = [i for i, w in enumerate(words) if w in ("&", "&&", "||", "|", ";", ">", ">>")]
+    words = words[: ends[0]] if ends else words  # the command, not what the shell does after it
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # VAR=value prefixes
+        words = words[1:]
+    if not words or words[0].endswith(":"):
+        return None
+    if words[0] == "sbatch" and len(words) > 1:  # arguments after the script go to `meshlm train`
+        return ["train", *words[2:]]
+    for i in range(len(words) - 1):
+        if words[i] == "-m" and words[i + 1] == "meshlm.cli":
+            return words[i + 2 :]
+    if Path(words[0]).name == "meshlm" and len(words) > 1 and not words[1].endswith(":"):
+        return words[1:]
+    return None
+
+
+COMMANDS = shown_commands()
+
+
+def test_the_docs_show_commands() -> None:
+    """The extraction works: the README's quick start and planner commands are among them."""
+    pages = {where.split(":")[0] for where, _ in COMMANDS}
+    assert {"README.md", "docs/planner.md", "docs/clusters.md", "docs/observability.md"} <= pages
+    assert len(COMMANDS) > 30
+
+
+@pytest.mark.parametrize(("where", "argv"), COMMANDS, ids=[where for where, _ in COMMANDS])
+def test_every_command_in_the_docs_parses(where: str, argv: list[str], tmp_path: Path,
+                                          capsys: pytest.CaptureFixture) -> None:  # fmt: skip
+    # Elisions and "$@" go; another shell variable stands for one value (e.g. --prompt "$PROMPT").
+    argv = ["x" if a.startswith("$") else a for a in argv if a not in ("...", "$@", "$*")]
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where}: `meshlm {shlex.join(argv)}` does not parse: {capsys.readouterr().err.strip()}")
+    check_overrides(where, args, extra)
+    if argv[0] not in CHEAP:
+        return
+    if argv[0] == "config":
+        assert cli_main(["config", "show", *[str(ROOT / a) if (ROOT / a).is_file() else a for a in argv[2:]]]) == 0
+        return
+    if args.emit:  # a launch file needs the corpus: --data-source, or a meshlm config that names one
+        assert args.data_source or str(args.model).endswith(".toml"), f"{where}: --emit without --data-source"
+    if any(not (ROOT / p).exists() for p in _paths(args)):
+        return  # needs a file the docs' reader has (a doctor.json, a downloaded config): parsed only
+    if args.emit:
+        args.emit_to = tmp_path / "launch"
+        args.image, args.bucket = args.image or "registry/meshlm:1", args.bucket or "s3://b/runs"
+    if args.model and (ROOT / args.model).exists():
+        args.model = str(ROOT / args.model)
+    assert run_plan(args) == 0, f"{where}: {capsys.readouterr().err}"
+
+
+def check_overrides(where: str, args: object, extra: list[str]) -> None:
+    """Trainer arguments are config fields with valid values (ConfigError otherwise); others take none."""
+    takes_overrides = args.func in (cmd_train, cmd_config_show, cmd_prepare_data)
+    assert takes_overrides or not extra, f"{where}: unknown arguments {extra}"
+    if takes_overrides:
+        config = getattr(args, "config", None)
+        config = ROOT / config if config is not None and (ROOT / config).is_file() else None
+        pairs = parse_overrides(extra)
+        if any(k == "model.init_from" and not Path(str(v)).exists() for k, v in pairs):
+            # the reader's own checkpoint: a long-context preset stands in for its model
+            pairs = [("model.preset", "llama3-8b"), *((k, v) for k, v in pairs if k != "model.init_from")]
+        load_config(config, pairs)  # unknown fields and bad values raise ConfigError
+
+
+def test_a_removed_field_in_a_shown_command_fails() -> None:
+    """Mutation check: the line docs/clusters.md used to show, with the removed
+    `--train.activation_checkpointing`, is caught; the same line with `--train.recompute` passes."""
+    line = ("srun meshlm launch --nnodes=4:8 -m meshlm.cli train --model.preset llama3-70b "
+            '--train.activation_checkpointing false --log.run_dir /shared/run "$@" &')  # fmt: skip
+    for old, ok in (("--train.activation_checkpointing false", False), ("--train.recompute none", True)):
+        argv = [a for a in meshlm_argv(line.replace("--train.activation_checkpointing false", old)) if a[0] != "$"]
+        args, extra = build_parser().parse_known_args(argv)
+        if ok:
+            check_overrides("line", args, extra)
+        else:
+            with pytest.raises(ConfigError, match=re.escape("train.activation_checkpointing: unknown field")):
+                check_overrides("line", args, extra)
+
+
+def _paths(args: object) -> list[str]:
+    """The files a plan command reads (calibration, a model path)."""
+    paths = [str(args.calibration)] if getattr(args, "calibration", None) else []
+    model = getattr(args, "model", "") or ""
+    if "/" in model or model.endswith((".toml", ".json")):
+        paths.append(model)
+    return paths
