@@ -5,3 +5,7 @@ prints it without a traceback; a library user can catch them all as `InputError`
 
 class InputError(ValueError):
     """Bad input, phrased as one line that names the field or file and what would be valid."""
+
+
+class ConfigError(InputError):
+    """A configuration problem, already phrased as one line naming the field."""

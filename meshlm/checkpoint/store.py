@@ -118,6 +118,16 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
 
 
+def meshlm_checkpoint(init_from: str | Path) -> Path | None:
+    """The checkpoint folder `init_from` names: itself (it holds trainer.json), or a meshlm run directory's
+    newest committed one (verified when loaded); None if it is neither."""
+    path = Path(init_from)
+    if (path / "trainer.json").is_file():
+        return path
+    found = list_checkpoints(path)
+    return found[-1] if found else None
+
+
 def verify_checkpoint(path: Path) -> None:
     """Raise CheckpointError naming the first file that is missing, truncated or altered."""
     manifest_path = path / MANIFEST
