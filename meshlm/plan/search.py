@@ -242,15 +242,21 @@ def checkpoint_bytes(w: Workload) -> float:
 
 
 def evaluate(
-    w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS, costs: CostModel = DEFAULT_COSTS
+    w: Workload,
+    strategy: Strategy,
+    hw: Hardware,
+    a: Assumptions = DEFAULTS,
+    costs: CostModel = DEFAULT_COSTS,
+    mem: Memory | None = None,
 ) -> Plan:
-    """Memory, step time and on-demand cost of one strategy (whether or not it fits)."""
+    """Memory (`mem` when the caller has it), step time and on-demand cost of one strategy (whether or not
+    it fits)."""
     step = step_time(w, strategy, hw, a)
     ckpt = checkpoint_bytes(w)
     nodes = nodes_of(strategy.gpus, hw.gpus_per_node)
     pool = Pool(nodes, strategy.gpus / nodes)
     cost = estimate(step.train_days * 86400, pool, rates(strategy.gpus, ckpt, hw, costs))
-    mem = memory(w, strategy, hw, a)
+    mem = mem or memory(w, strategy, hw, a)
     return Plan(strategy, strategy.micro_batches(w.global_batch), mem, step, cost, checkpoint_bytes=ckpt)
 
 
@@ -338,7 +344,7 @@ def search(
             elif memory_only:
                 result.plans.append(Plan(item, item.micro_batches(w.global_batch), mem, None, None))
             else:
-                result.plans.append(evaluate(w, item, hw, a, costs))
+                result.plans.append(evaluate(w, item, hw, a, costs, mem))
     if memory_only:
         result.plans.sort(key=lambda p: p.memory.total)
         return result
