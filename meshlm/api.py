@@ -35,11 +35,11 @@ from meshlm.checkpoint import (
     training_entries,
 )
 from meshlm.config import ConfigError, ParallelSection
+from meshlm.parallel.distributed import init_distributed, resolve_device
 from meshlm.parallel.engine import LossFn, ParallelModel
 from meshlm.parallel.materialize import is_meta_model
 from meshlm.parallel.mesh import Mesh, build_mesh, check_batch_and_schedule, parse_layout
 from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
-from meshlm.train.distributed import init_distributed, resolve_device
 
 __all__ = ["Checkpoints", "init_mesh", "parallelize", "shutdown"]
 
@@ -128,7 +128,16 @@ def parallelize(
     if device.type == "cuda" and not is_meta_model(model):
         model.to(torch.device("cuda", torch.cuda.current_device()))
     return ParallelModel(
-        model, mesh, parallel, micro_batches, autocast_dtype, plan, loss_fn, gather_logits, ignore_index, fused_loss
+        model,
+        mesh,
+        parallel.options(),
+        micro_batches,
+        autocast_dtype,
+        plan,
+        loss_fn,
+        gather_logits,
+        ignore_index,
+        fused_loss,
     )
 
 

@@ -70,7 +70,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = _config_from(args, extra)  # before torch is imported: a bad config fails in well under a second
 
-    from meshlm.train.distributed import env_rank, lost_peer
+    from meshlm.parallel.distributed import env_rank, lost_peer
     from meshlm.train.trainer import train
 
     try:
@@ -94,7 +94,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 def _load_run_model(run_dir: Path, cfg: Config) -> tuple[Transformer, Path]:
     """The newest valid checkpoint's model, which must be the model of the run's config.toml."""
     from meshlm.checkpoint import CheckpointError
-    from meshlm.model.hf import load_checkpoint_model
+    from meshlm.convert import load_checkpoint_model
 
     model, checkpoint = load_checkpoint_model(run_dir)
     expected = cfg.model.build()
@@ -125,9 +125,9 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
     from meshlm.data import prepare_data
     from meshlm.model.pretrained import init_tokenizer
+    from meshlm.parallel.distributed import autocast_dtype, init_distributed, resolve_device
     from meshlm.parallel.engine import ParallelModel
     from meshlm.parallel.mesh import build_mesh, parse_layout
-    from meshlm.train.distributed import autocast_dtype, init_distributed, resolve_device
     from meshlm.train.trainer import evaluate
 
     batches = [] if args.batches is None else [("train.eval_batches", args.batches)]
@@ -138,7 +138,9 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     created_group = init_distributed(device, cfg.parallel.timeout_s)
     try:
         mesh = build_mesh(parse_layout(cfg.parallel.layout, 1), device.type)
-        parallel = ParallelModel(model.to(device), mesh, cfg.parallel, 1, autocast_dtype(cfg.train.dtype, device))
+        parallel = ParallelModel(
+            model.to(device), mesh, cfg.parallel.options(), 1, autocast_dtype(cfg.train.dtype, device)
+        )
         loss = evaluate(parallel, data, cfg, dp_rank=0, dp=1)
     finally:
         if created_group:
@@ -213,7 +215,7 @@ def _prompt(text: str) -> str:
 
 
 def cmd_convert(args: argparse.Namespace, _extra: list[str]) -> int:
-    from meshlm.model.hf import run_convert
+    from meshlm.convert import run_convert
 
     return run_convert(args)
 
@@ -225,7 +227,7 @@ def cmd_doctor(args: argparse.Namespace, _extra: list[str]) -> int:
 
 
 def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `meshlm convert {hf-to-meshlm,meshlm-to-hf}`; `meshlm.model.hf.run_convert` runs it."""
+    """Add `meshlm convert {hf-to-meshlm,meshlm-to-hf}`; `meshlm.convert.run_convert` runs it."""
     parser = subparsers.add_parser(
         "convert", help="convert checkpoints between meshlm and Hugging Face Llama / Qwen2 / Mistral"
     )

@@ -13,17 +13,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from meshlm.errors import InputError
+from meshlm.errors import ConfigError
 from meshlm.model.config import FAMILY_FIELDS, PRESETS, ModelConfig
+from meshlm.parallel.options import ParallelOptions
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-class ConfigError(InputError):
-    """A configuration problem, already phrased as one line naming the field."""
 
 
 INT64 = 2**63
@@ -114,8 +111,6 @@ class ModelSection(Section):
         overrides = {k: v for k, v in self.model_dump().items() if k not in ("preset", "init_from") and v is not None}
         if self.init_from is None:
             return PRESETS[self.preset].replace(**overrides)
-        from meshlm.model.pretrained import init_from_config
-
         try:
             cfg = init_from_config(self.init_from)
         except ValueError as e:
@@ -240,6 +235,11 @@ class ParallelSection(Section):
     )
     timeout_s: float = Field(300.0, gt=0, le=7 * 24 * 3600, description="collective timeout before a rank gives up")
 
+    def options(self) -> ParallelOptions:
+        """The engine's options (meshlm.parallel.options): every field but the layout, which builds the mesh,
+        and the timeout, which sets up the process group."""
+        return ParallelOptions.of(self)
+
 
 class CheckpointSection(Section):
     every: int = Field(100, ge=0, description="save every N steps; 0 saves only at the end")
@@ -294,10 +294,22 @@ class LogSection(Section):
     @field_validator("profile_steps")
     @classmethod
     def _steps_range(cls, text: str) -> str:
-        from meshlm.observe.profile import parse_steps
-
         parse_steps(text)
         return text
+
+
+def parse_steps(text: str) -> tuple[int, int] | None:
+    """'5:7' -> (5, 7) (inclusive), '5' -> (5, 5), '' -> None (no profiling)."""
+    if not text.strip():
+        return None
+    first, _, last = text.partition(":")
+    try:
+        window = int(first), int(last or first)
+    except ValueError:
+        raise ValueError(f"log.profile_steps: {text!r} is not FIRST:LAST (e.g. 5:7)") from None
+    if not 1 <= window[0] <= window[1]:
+        raise ValueError(f"log.profile_steps: {text!r} needs 1 <= FIRST <= LAST")
+    return window
 
 
 class Config(Section):
@@ -455,6 +467,26 @@ def _toml_string(text: str) -> str:
     """A TOML basic string: quote, backslash and control characters escaped, so it reads back the same."""
     escaped = text.replace("\\", "\\\\").replace('"', '\\"')
     return '"' + re.sub(r"[\x00-\x1f\x7f]", lambda m: f"\\u{ord(m[0]):04x}", escaped) + '"'
+
+
+def init_from_config(init_from: str) -> ModelConfig:
+    """The model `init_from` defines: an HF directory's config.json, or the model config a meshlm checkpoint
+    records. One-line ValueError naming the file otherwise."""
+    from meshlm.checkpoint import meshlm_checkpoint, read_trainer_state
+    from meshlm.model.hf import read_hf_config
+    from meshlm.model.pretrained import is_hf_directory
+
+    checkpoint = None if is_hf_directory(init_from) else meshlm_checkpoint(init_from)
+    if checkpoint is not None:
+        state = read_trainer_state(checkpoint)
+        return model_config_from_dict(state.get("model") if isinstance(state, dict) else None, str(checkpoint))
+    try:
+        return read_hf_config(init_from)
+    except OSError as e:
+        raise ValueError(
+            f"{e.filename or init_from}: {e.strerror or e}; valid: a Hugging Face checkpoint directory with "
+            "config.json and *.safetensors, a meshlm run directory or one of its checkpoints"
+        ) from None
 
 
 def model_config_from_dict(values: object, where: str) -> ModelConfig:

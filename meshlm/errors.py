@@ -11,3 +11,7 @@ class InputError(ValueError):
     meets it prints."""
 
     rank_local = False
+
+
+class ConfigError(InputError):
+    """A configuration problem, already phrased as one line naming the field."""

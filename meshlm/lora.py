@@ -24,64 +24,19 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from meshlm.errors import InputError
+from meshlm.model.lora import LoRAError, LoRALinear, LoRASpec
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 ADAPTER_PARAMS = ("lora_A", "lora_B")
 LORA_STYLES = ("colwise", "colwise_heads", "rowwise")  # the plan's attention and MLP projections, not the head
-
-
-class LoRAError(InputError):
-    """A LoRA request that cannot be honoured (no target, bad rank, an adapter for another base), in one line."""
-
-
-@dataclass(frozen=True)
-class LoRASpec:
-    rank: int
-    alpha: float
-    dropout: float = 0.0
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-
-def lora_delta(module: nn.Module, x: torch.Tensor, lora_B: torch.Tensor | None = None) -> torch.Tensor:
-    """The adapter's output (dropout(x) Aᵀ) Bᵀ · scaling for a module holding lora_A, lora_B (B replaceable:
-    tensor parallel passes a replicated KV head's summed B)."""
-    h = F.linear(module.lora_dropout(x), module.lora_A)
-    return F.linear(h, module.lora_B if lora_B is None else lora_B) * module.lora_scaling
-
-
-class LoRALinear(nn.Linear):
-    """An nn.Linear (same `weight` and `bias` objects, frozen) with a trainable low-rank update."""
-
-    def __init__(self, base: nn.Linear, spec: LoRASpec, generator: torch.Generator) -> None:
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
-        self.bias = base.bias
-        device = torch.device("cpu") if base.weight.is_meta else base.weight.device
-        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=√5), PEFT's and nn.Linear's default
-        a = torch.rand(spec.rank, self.in_features, generator=generator, dtype=torch.float32) * (2 * bound) - bound
-        self.lora_A = nn.Parameter(a.to(device))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, spec.rank, device=device))
-        self.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
-        self.lora_scaling = spec.scaling
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + lora_delta(self, x)
 
 
 def default_targets(model: nn.Module, plan: object | None = None) -> list[str]:
@@ -319,47 +274,3 @@ def merge_lora(model: nn.Module) -> nn.Module:
             setattr(model.get_submodule(parent), attr, plain)
     model.__dict__.pop("lora_spec", None)
     return model
-
-
-def rebuild_run_model(checkpoint: Path, state: dict[str, torch.Tensor]) -> tuple[nn.Module, LoRASpec | None]:
-    """The model of a checkpoint that holds only what trained (a LoRA or train.freeze run): the base rebuilt
-    as the run built it (its model.init_from, else the seeded init of train.seed), the run's adapters
-    applied, then the checkpoint's tensors loaded. The run's config.toml says how; one-line error without it."""
-    from meshlm.config import load_config
-    from meshlm.model import Transformer
-    from meshlm.model.hf import load_checkpoint_model, load_hf_into_model
-    from meshlm.model.pretrained import is_hf_directory, meshlm_checkpoint
-
-    config_file = checkpoint.parent.parent / "config.toml"
-    if not config_file.is_file():
-        raise LoRAError(
-            f"{checkpoint} holds only the trained weights (LoRA or train.freeze); the run's config.toml, which "
-            f"names its base, is missing ({config_file})"
-        )
-    cfg = load_config(config_file)
-    init_from = cfg.model.init_from
-    if init_from is None:
-        model = Transformer(cfg.model.build(), init_seed=cfg.train.seed)
-    elif is_hf_directory(init_from):
-        model = load_hf_into_model(init_from)
-    else:
-        base = meshlm_checkpoint(init_from)
-        if base is None:
-            raise LoRAError(f"{config_file}: model.init_from {init_from} (the base of {checkpoint}) is gone")
-        model = load_checkpoint_model(base)[0]
-    spec = None
-    if cfg.lora.rank:
-        lora = cfg.lora
-        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, seed=cfg.train.seed)
-        spec = model.lora_spec
-    params = dict(model.named_parameters())
-    unknown = sorted(set(state) - set(params))
-    if unknown:
-        raise LoRAError(f"{checkpoint}: {unknown[0]} is not a parameter of the model its config.toml builds")
-    with torch.no_grad():
-        for name, value in state.items():
-            if tuple(value.shape) != tuple(params[name].shape):
-                shape = tuple(params[name].shape)
-                raise LoRAError(f"{checkpoint}: {name} has shape {tuple(value.shape)}, its model's is {shape}")
-            params[name].copy_(value)
-    return model, spec

@@ -6,7 +6,7 @@
   reports failure instead of hanging.
 - Elastic membership (`--nnodes 1:2`): a second node joining mid-run makes the agent restart the group at the
   new world size, which resumes from the checkpoint resharded from dp=1 to dp=2.
-Faults are injected with MESHLM_INJECT_FAULT (meshlm/train/faults.py), on the first attempt only.
+Faults are injected with MESHLM_INJECT_FAULT (meshlm/faults.py), on the first attempt only.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def _sigterm_after(proc: subprocess.Popen, delay: float) -> None:
         proc.send_signal(signal.SIGTERM)
 
 
-# How each kind of run is stopped: a fault injected at a step (MESHLM_INJECT_FAULT, meshlm/train/faults.py), or
+# How each kind of run is stopped: a fault injected at a step (MESHLM_INJECT_FAULT, meshlm/faults.py), or
 # SIGTERM sent from here. Every SIGTERM pattern must end with exit 0.
 SIGTERMS = ("sigterm", "sigterm-twice", "sigterm-start", "sigterm-save", "launch-sigterm-all")
 FAULTS = {"kill": "kill", "save-kill": "save-kill", "sigterm-save": "sigterm@save", "launch-sigterm-all": "sigterm-all"}

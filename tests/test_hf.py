@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from meshlm.cli import add_convert_parser  # noqa: E402
+from meshlm.convert import run_convert  # noqa: E402
 from meshlm.model.config import ModelConfig  # noqa: E402
 from meshlm.model.hf import (  # noqa: E402
     export_hf,
@@ -20,7 +21,6 @@ from meshlm.model.hf import (  # noqa: E402
     import_hf,
     load_hf_into_model,
     model_config_from_hf,
-    run_convert,
 )
 from meshlm.model.llama import Transformer  # noqa: E402
 

@@ -17,6 +17,7 @@ from equivalence import TEST_MODEL, assert_close_runs, reference, train_layout
 
 from meshlm.cli import add_convert_parser
 from meshlm.config import ConfigError, load_config
+from meshlm.convert import run_convert
 from meshlm.model import ModelConfig, Transformer, flops_per_token, param_counts
 from meshlm.model.config import LLAMA3_ROPE_FIELDS
 from meshlm.model.flops import matmul_params
@@ -24,7 +25,6 @@ from meshlm.model.hf import (
     hf_config_from_model,
     load_hf_into_model,
     model_config_from_hf,
-    run_convert,
 )
 
 transformers = pytest.importorskip("transformers")

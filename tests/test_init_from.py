@@ -26,11 +26,11 @@ from meshlm.data import DataError, prepare_data, train_tokenizer  # noqa: E402
 from meshlm.data.sampler import GlobalBatchSampler  # noqa: E402
 from meshlm.model.hf import read_hf_config  # noqa: E402
 from meshlm.model.llama import Transformer  # noqa: E402
-from meshlm.model.pretrained import HFWeights, open_init_from  # noqa: E402
+from meshlm.model.pretrained import HFWeights  # noqa: E402
 from meshlm.parallel.engine import ParallelModel  # noqa: E402
 from meshlm.parallel.mesh import build_mesh, parse_layout, validate_layout  # noqa: E402
 from meshlm.testing import global_batch  # noqa: E402
-from meshlm.train.trainer import fit  # noqa: E402
+from meshlm.train.trainer import fit, open_init_from  # noqa: E402
 
 VOCAB, TOKENIZER_VOCAB, SEQ, BATCH = 320, 300, 16, 8
 LOSS_RTOL = 1e-5  # the suite's loss criterion (tests/equivalence.py): same fp32 graph, other summation order
@@ -309,7 +309,7 @@ def test_fine_tune_run_uses_the_tokenizer_and_exports_to_transformers(
     exported = hf_state(out)
     original = hf_state(directory)
     assert any(not torch.equal(exported[k], original[k]) for k in original)  # the fine-tuned weights
-    from meshlm.model.hf import load_checkpoint_model
+    from meshlm.convert import load_checkpoint_model
 
     model, _ = load_checkpoint_model(run_dir)
     for name, tensor in model.state_dict().items():

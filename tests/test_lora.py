@@ -24,8 +24,9 @@ from equivalence import TEST_MODEL, assert_close_runs, criterion_failures, globa
 from torch import nn
 
 import meshlm
-from meshlm.lora import LoRAError, LoRALinear, apply_lora, freeze, lora_delta
+from meshlm.lora import LoRAError, LoRALinear, apply_lora, freeze
 from meshlm.model import Transformer
+from meshlm.model.lora import lora_delta
 from meshlm.parallel.mesh import build_mesh, parse_layout
 
 RANK, ALPHA = 4, 8.0

@@ -260,12 +260,13 @@ def test_search_rejects_non_dividing_layouts_with_reasons():
     w = Workload(TEST, 64, 6, 1e6)
     hw = hardware("H100-SXM")
     reasons = search(w, 8, hw).reasons()
-    assert reasons["tp does not divide n_heads"] == 1  # the one tp=8 mesh: pp=1, dp=1
-    assert reasons["dp does not divide global batch"] > 0
+    assert reasons["model.n_heads (N) is not divisible by tp=N"] == 1  # the one tp=8 mesh: pp=1, dp=1
+    assert reasons["train.global_batch (N) is not divisible by dp=N"] > 0
     fixed = search(w, 8, hw, constraints=Constraints(pp=3))
     assert not fixed.plans and fixed.rejected[0].reason == "layout does not match the GPU count"
     even = search(w, 8, hw, constraints=Constraints(pp=8, uneven_layers=False))
-    assert even.rejected[0].reason == "pp > n_layers"
+    assert even.rejected[0].reason == "pp×virtual_stages = N exceeds model.n_layers (N); each chunk needs a layer"
+    assert even.rejected[0].detail == "pp×virtual_stages = 8 exceeds model.n_layers (4); each chunk needs a layer"
 
 
 def test_search_rejects_memory_misfits_with_sizes():
@@ -277,12 +278,40 @@ def test_search_rejects_memory_misfits_with_sizes():
         best(w, 1, hardware("A100-40GB"))
 
 
+@pytest.mark.slow  # the full search of llama3-70b on 64 GPUs, with and without cp: ~12 s
 def test_llama3_70b_on_64_h100_keeps_tp_in_the_node():
     w = Workload(PRESETS["llama3-70b"], 8192, 512, 15e12, name="llama3-70b")
-    plan = best(w, 64, hardware("H100-SXM"))
-    assert plan.strategy.tp == 8 and plan.strategy.gpus == 64
+    hw = hardware("H100-SXM")
+    plan = best(w, 64, hw)  # the per-layer groups (tp, and cp next to it) stay on NVLink
+    assert plan.strategy.tp * plan.strategy.cp <= 8 and plan.strategy.gpus == 64
     assert plan.memory.total <= 80 * GB
     assert 0.2 < plan.step.mfu < 0.5
+    no_cp = best(w, 64, hw, constraints=Constraints(cp=1))
+    assert no_cp.strategy.tp == 8 and no_cp.memory.total <= 80 * GB and 0.2 < no_cp.step.mfu < 0.5
+
+
+def test_search_proposes_context_parallel_for_long_sequences():
+    """At 128K tokens per sequence the cost model prefers splitting the sequence (cp) to recomputing
+    everything under dp×tp: the search now offers cp layouts (its copy of the layout rules left them out)."""
+    w = Workload(PRESETS["llama3-8b"], 131072, 16, 1e12)
+    hw = hardware("H100-SXM")
+    with_cp, without = best(w, 64, hw), best(w, 64, hw, constraints=Constraints(cp=1))
+    assert with_cp.strategy.cp > 1 and with_cp.memory.total <= 80 * GB
+    assert with_cp.step.tokens_per_s > without.step.tokens_per_s
+    assert with_cp.strategy.overrides()["parallel.cp_attention"] == with_cp.strategy.cp_attention
+
+
+def test_search_proposes_zb1_where_its_bubble_wins():
+    """With the pipeline fixed, the zero-bubble schedule's smaller bubble wins over 1f1b; the megatron
+    runtime, which has no such schedule, is never offered it."""
+    w = Workload(PRESETS["llama3-8b"], 8192, 64, 1e12)
+    hw = hardware("H100-SXM")
+    fixed = Constraints(pp=4, tp=4, cp=1)
+    free = best(w, 16, hw, constraints=fixed)
+    one_f_one_b = best(w, 16, hw, constraints=dataclasses.replace(fixed, schedule="1f1b"))
+    assert free.strategy.schedule == "zb1" and free.step.tokens_per_s > one_f_one_b.step.tokens_per_s
+    megatron = search(w, 16, hw, constraints=fixed, a=Assumptions(runtime="megatron"))
+    assert megatron.plans and all(p.strategy.schedule != "zb1" for p in megatron.plans)
 
 
 def test_cost_objective_can_prefer_fewer_gpus():

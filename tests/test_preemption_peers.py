@@ -19,7 +19,7 @@ from distributed import free_port
 
 from meshlm.checkpoint import list_checkpoints, verify_checkpoint
 from meshlm.checkpoint.store import read_trainer_state
-from meshlm.train.distributed import lost_peer
+from meshlm.parallel.distributed import lost_peer
 
 
 def test_lost_peer_names_gloo_and_nccl_peer_failures_only() -> None:

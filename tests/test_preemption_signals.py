@@ -2,7 +2,7 @@
 to the launcher's agent and every worker together, to the workers only, during start-up, during a background
 save and during teardown. Each ends with exit 0, one promised line, and the newest checkpoint intact.
 
-Faults are timed by events, never by sleeps: `MESHLM_INJECT_FAULT=RANK:STEP:sigterm@POINT` (meshlm/train/faults.py)
+Faults are timed by events, never by sleeps: `MESHLM_INJECT_FAULT=RANK:STEP:sigterm@POINT` (meshlm/faults.py)
 signals at a named point of the run, and external signals wait for a record in metrics.jsonl. Every wait has a
 generous deadline, so the tests pass on a busy machine."""
 

@@ -255,7 +255,7 @@ def test_eval_generate_and_convert_of_a_tied_run(data_cache: str, tmp_path: Path
     transformers = pytest.importorskip("transformers")
     from conftest import small_run_args
 
-    from meshlm.model.hf import load_checkpoint_model
+    from meshlm.convert import load_checkpoint_model
 
     run_dir = tmp_path / "run"
     overrides = [*small_run_args(data_cache, run_dir), "--model.tie_embeddings", "true"]

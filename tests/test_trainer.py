@@ -73,7 +73,8 @@ def test_world_size_layout_mismatch_fails_before_any_work(small_run: list[str]) 
 
 def test_run_directory_converts_to_hugging_face(small_run: list[str], tmp_path: Path) -> None:
     from meshlm.cli import add_convert_parser
-    from meshlm.model.hf import load_hf_into_model, run_convert
+    from meshlm.convert import run_convert
+    from meshlm.model.hf import load_hf_into_model
 
     cfg = _cfg(small_run, "--train.steps", "2", "--train.eval_every", "0")
     train(cfg)

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from meshlm.checkpoint.shards import ChunkLoadPlanner, SafeReader
 from meshlm.errors import InputError
+from meshlm.files import atomic_write
 
 MANIFEST = "manifest.json"
 TRAINER = "trainer.json"
@@ -102,43 +103,6 @@ def run_dir_problem(run_dir: Path, error: OSError) -> str:
     return f"log.run_dir {run_dir}: {words}; give a directory this process can create and write"
 
 
-def atomic_write(path: Path, data: bytes | str) -> None:
-    """Write `path` whole or not at all: into a temporary sibling, fsynced, then renamed over `path` (and the
-    rename fsynced into the directory). A reader never sees a partial file; a full disk leaves the old one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.filename is None:
-            e.filename = str(path)  # fsync's full disk names no file: the message should
-        raise
-    _fsync_directory(path.parent)
-
-
-def atomic_copy(src: Path, dst: Path) -> None:
-    """Copy `src` to `dst` whole or not at all (as `atomic_write`)."""
-    atomic_write(dst, Path(src).read_bytes())
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # a platform or file system that cannot open directories: the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -165,6 +129,16 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+
+
+def meshlm_checkpoint(init_from: str | Path) -> Path | None:
+    """The checkpoint folder `init_from` names: itself (it holds trainer.json), or a meshlm run directory's
+    newest committed one (verified when loaded); None if it is neither."""
+    path = Path(init_from)
+    if (path / "trainer.json").is_file():
+        return path
+    found = list_checkpoints(path)
+    return found[-1] if found else None
 
 
 def verify_checkpoint(path: Path) -> None:

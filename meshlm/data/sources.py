@@ -16,7 +16,7 @@ from pathlib import Path
 
 from meshlm.config import DataSection
 from meshlm.errors import InputError
-from meshlm.train.faults import fault_point
+from meshlm.faults import fault_point
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".md", ".py")
 VALID_SOURCES = "'stdlib', a .txt/.jsonl file, a folder of .txt/.jsonl/.md/.py files, or 'hf:NAME[:CONFIG]'"

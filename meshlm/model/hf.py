@@ -16,7 +16,6 @@ The MoE families store each expert as its own tensors (`mlp.experts.3.gate_proj.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import json
@@ -28,12 +27,12 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model, save_file, save_model
+from safetensors.torch import save_file, save_model
 
-from meshlm.config import model_config_from_dict
+from meshlm.files import atomic_write
 from meshlm.model.config import ModelConfig
 from meshlm.model.llama import Transformer
-from meshlm.ties import canonical_state, load_state, tied_aliases, unique_state_names
+from meshlm.ties import load_state, tied_aliases, unique_state_names
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -602,8 +601,6 @@ def export_hf(
     directory.mkdir(parents=True, exist_ok=True)
     for stale in [directory / WEIGHTS_NAME, directory / INDEX_NAME, *directory.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
-    from meshlm.checkpoint.store import atomic_write
-
     atomic_write(directory / CONFIG_NAME, json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
     if len(shards) == 1:
         save_file(shards[0], directory / WEIGHTS_NAME, metadata={"format": "pt"})
@@ -622,101 +619,3 @@ def _save_meshlm_file(model: Transformer, path: Path) -> None:
     """Interim meshlm checkpoint: one safetensors file, the model config as JSON in its metadata."""
     path.parent.mkdir(parents=True, exist_ok=True)
     save_model(model, str(path), metadata={"format": "pt", MESHLM_CONFIG_KEY: json.dumps(model.cfg.to_dict())})
-
-
-def load_checkpoint_model(path: Path) -> tuple[Transformer, Path]:
-    """The model of a training checkpoint folder, or of a run directory's newest valid checkpoint, built
-    from the model config the checkpoint records. Checkpoints skipped as corrupt are printed to stderr,
-    or named in the error when none is valid."""
-    from meshlm.checkpoint import CheckpointError, latest_valid_checkpoint, load_model_state, read_trainer_state
-
-    checkpoint: Path | None = path
-    if not (path / "trainer.json").is_file():
-        skipped: list[str] = []
-        checkpoint = latest_valid_checkpoint(path, warn=skipped.append)
-        if checkpoint is None:
-            reasons = f" ({'; '.join(skipped)})" if skipped else ""
-            raise CheckpointError(f"{path}: no valid checkpoint under {path / 'checkpoints'}{reasons}")
-        for line in skipped:
-            print(line, file=sys.stderr)
-    trainer_state = read_trainer_state(checkpoint)
-    model_fields = trainer_state.get("model") if isinstance(trainer_state, dict) else None
-    model = Transformer(model_config_from_dict(model_fields, str(checkpoint / "trainer.json")))
-    state = load_model_state(checkpoint)
-    if any(".lora_A" in name for name in state) or not set(unique_state_names(model)) <= set(
-        canonical_state(model, state, str(checkpoint))
-    ):  # LoRA / train.freeze: the checkpoint holds the trained tensors only, rebuilt on their base
-        from meshlm.lora import merge_lora, rebuild_run_model
-
-        return merge_lora(rebuild_run_model(checkpoint, state)[0]), checkpoint
-    try:
-        load_state(model, state, str(checkpoint))  # a tied weight is saved once
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
-    return model, checkpoint
-
-
-def _load_meshlm_file(path: Path) -> Transformer:
-    """A meshlm safetensors file, a training checkpoint folder, or a run directory (its newest checkpoint)."""
-    if path.is_dir():
-        return load_checkpoint_model(path)[0]
-    with _open_safetensors(path) as f:
-        metadata = f.metadata() or {}
-        names = f.keys()
-        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names}
-    if MESHLM_CONFIG_KEY not in metadata:
-        raise ValueError(f"{path}: no {MESHLM_CONFIG_KEY} metadata; not a meshlm checkpoint file")
-    try:
-        fields = json.loads(metadata[MESHLM_CONFIG_KEY])
-    except ValueError as e:
-        raise ValueError(f"{path}: metadata {MESHLM_CONFIG_KEY} is not JSON ({_first_line(e)})") from None
-    cfg = model_config_from_dict(fields, f"{path}: metadata {MESHLM_CONFIG_KEY}")
-    aliases = tied_names(cfg)  # save_model stores a tied weight under one of its names
-    shapes = {aliases.get(name, name): shape for name, shape in shapes.items()}
-    _check_shapes(shapes, _expected_shapes(cfg), lambda _: str(path))
-    model = Transformer(cfg)
-    load_model(model, path, strict=True)
-    return model
-
-
-def _run_adapters(src: Path) -> tuple[dict[str, torch.Tensor], Any, str]:
-    """(adapter tensors, LoRASpec, the base's init_from) of a LoRA run directory or checkpoint folder."""
-    from meshlm.checkpoint import load_model_state
-    from meshlm.lora import LoRAError, rebuild_run_model
-    from meshlm.model.pretrained import meshlm_checkpoint
-
-    checkpoint = meshlm_checkpoint(src) if src.is_dir() else None
-    if checkpoint is None:
-        raise ValueError(f"{src}: --lora peft needs a meshlm LoRA run directory or checkpoint folder")
-    model, spec = rebuild_run_model(checkpoint, load_model_state(checkpoint))
-    if spec is None:
-        raise LoRAError(f"{checkpoint}: not a LoRA run (its config.toml has lora.rank = 0)")
-    from meshlm.config import load_config
-
-    base = load_config(checkpoint.parent.parent / "config.toml").model.init_from or ""
-    return model.state_dict(), spec, base
-
-
-def run_convert(args: argparse.Namespace) -> int:
-    """Run a parsed `meshlm convert` command; bad input gives a one-line error and exit code 1."""
-    try:
-        if args.convert_mode == "hf-to-meshlm":
-            _save_meshlm_file(load_hf_into_model(args.src), args.out)
-        elif getattr(args, "lora", "merged") == "peft":
-            from meshlm.lora import export_peft
-
-            state, spec, base = _run_adapters(args.src)
-            export_peft(state, spec, args.out, base)
-        else:
-            from meshlm.model.pretrained import check_run_tokenizer, copy_run_tokenizer
-
-            if args.src.is_dir():
-                check_run_tokenizer(args.src)  # before anything is written
-            export_hf(_load_meshlm_file(args.src), args.out, getattr(torch, args.dtype), args.max_shard_bytes)
-            if args.src.is_dir():
-                copy_run_tokenizer(args.src, args.out)
-    except (ValueError, OSError) as e:
-        print(f"meshlm convert: error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.out}")
-    return 0

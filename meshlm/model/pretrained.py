@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from meshlm.model.config import ModelConfig
+from meshlm.files import atomic_copy
 from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint, hf_tensor_names, tied_names
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -97,38 +97,6 @@ class HFWeights:
         self._open.clear()
 
 
-def meshlm_checkpoint(init_from: str | Path) -> Path | None:
-    """The checkpoint folder `init_from` names: itself (it holds trainer.json), or a meshlm run directory's
-    newest committed one (verified when loaded); None if it is neither."""
-    from meshlm.checkpoint import list_checkpoints
-
-    path = Path(init_from)
-    if (path / "trainer.json").is_file():
-        return path
-    found = list_checkpoints(path)
-    return found[-1] if found else None
-
-
-def init_from_config(init_from: str) -> ModelConfig:
-    """The model `init_from` defines: an HF directory's config.json, or the model config a meshlm checkpoint
-    records. One-line ValueError naming the file otherwise."""
-    from meshlm.checkpoint import read_trainer_state
-    from meshlm.config import model_config_from_dict
-    from meshlm.model.hf import read_hf_config
-
-    checkpoint = None if is_hf_directory(init_from) else meshlm_checkpoint(init_from)
-    if checkpoint is not None:
-        state = read_trainer_state(checkpoint)
-        return model_config_from_dict(state.get("model") if isinstance(state, dict) else None, str(checkpoint))
-    try:
-        return read_hf_config(init_from)
-    except OSError as e:
-        raise ValueError(
-            f"{e.filename or init_from}: {e.strerror or e}; valid: a Hugging Face checkpoint directory with "
-            "config.json and *.safetensors, a meshlm run directory or one of its checkpoints"
-        ) from None
-
-
 def init_tokenizer(init_from: str | None) -> Path | None:
     """The tokenizer.json of an `init_from` directory (of a meshlm run: the copy it keeps), which the data
     pipeline then uses instead of training one; None without init_from or when there is none."""
@@ -140,32 +108,10 @@ def init_tokenizer(init_from: str | None) -> Path | None:
     return path / TOKENIZER_NAME if (path / TOKENIZER_NAME).is_file() else None
 
 
-def open_init_from(init_from: str, vocab_size: int) -> HFWeights | None:
-    """`model.init_from`'s HF weights (None for a meshlm checkpoint, which the trainer loads through its
-    checkpointer) and tokenizer, checked (names, shapes, every listed shard present; the tokenizer loads, fits
-    the vocabulary and has a document separator) on every rank before any work starts; a problem is one
-    ConfigError or DataError line naming the file."""
-    from meshlm.config import ConfigError
-    from meshlm.data.dataset import check_tokenizer, document_separator
-
-    weights = None
-    if is_hf_directory(init_from):
-        try:
-            weights = HFWeights(init_from)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"model.init_from: {e}") from None
-    tokenizer_file = init_tokenizer(init_from)
-    if tokenizer_file is not None:
-        document_separator(tokenizer_file, check_tokenizer(tokenizer_file, vocab_size))
-    return weights
-
-
 def keep_tokenizer(run_dir: Path, tokenizer_file: Path) -> None:
     """Copy the run's tokenizer (and, beside a given one, its tokenizer_config.json, special_tokens_map.json and
     chat_template.jinja) into the run directory, where `meshlm convert meshlm-to-hf` finds it; each copy whole or
     not at all."""
-    from meshlm.checkpoint.store import atomic_copy
-
     for name in TOKENIZER_FILES:
         src = tokenizer_file.parent / name
         if src.is_file():
@@ -196,8 +142,6 @@ def check_run_tokenizer(src: Path) -> None:
 def copy_run_tokenizer(src: Path, out: Path) -> list[str]:
     """The tokenizer files of a run directory, or of the run a checkpoint folder belongs to, copied into
     `out`; the names copied."""
-    from meshlm.checkpoint.store import atomic_copy
-
     run_dir = _run_of(src)
     copied = [name for name in TOKENIZER_FILES if (run_dir / name).is_file()]
     for name in copied:

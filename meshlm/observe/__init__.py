@@ -24,13 +24,13 @@ if TYPE_CHECKING:
     from meshlm.observe.memory import ActivationMeter, MemoryProbe, tensor_bytes
     from meshlm.observe.peak import peak_flops
     from meshlm.observe.step import StepObserver, breakdown, mfu
-    from meshlm.observe.timers import TIMERS, Timers, bubble, comm, data_wait, timed_wait
+    from meshlm.parallel.timers import TIMERS, Timers, bubble, comm, data_wait, timed_wait
 
 _MODULE_OF = {
     **dict.fromkeys(("ActivationMeter", "MemoryProbe", "tensor_bytes"), "meshlm.observe.memory"),
     "peak_flops": "meshlm.observe.peak",
     **dict.fromkeys(("StepObserver", "breakdown", "mfu"), "meshlm.observe.step"),
-    **dict.fromkeys(("TIMERS", "Timers", "bubble", "comm", "data_wait", "timed_wait"), "meshlm.observe.timers"),
+    **dict.fromkeys(("TIMERS", "Timers", "bubble", "comm", "data_wait", "timed_wait"), "meshlm.parallel.timers"),
 }
 
 __all__ = [

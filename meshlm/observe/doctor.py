@@ -29,10 +29,9 @@ from rich.table import Table
 from meshlm.observe.bandwidth import OPS, busbw, fit_link
 from meshlm.observe.calibration import calibration
 from meshlm.observe.memory import process_memory
-from meshlm.observe.peak import copy_bandwidth, matmul_flops
+from meshlm.observe.peak import copy_bandwidth, cpu_cores, matmul_flops
+from meshlm.parallel.distributed import init_distributed, resolve_device
 from meshlm.parallel.mesh import DIMS, build_mesh, parse_layout
-from meshlm.plan.hardware import cpu_cores
-from meshlm.train.distributed import init_distributed, resolve_device
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

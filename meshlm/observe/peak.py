@@ -5,6 +5,7 @@ torch is imported by the functions that measure: the planner reads the table and
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,14 @@ GPU_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("H200", 989e12),
     ("A100", 312e12),
 )
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def gpu_peak_flops(name: str) -> float | None:

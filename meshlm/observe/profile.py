@@ -8,19 +8,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-
-def parse_steps(text: str) -> tuple[int, int] | None:
-    """'5:7' -> (5, 7) (inclusive), '5' -> (5, 5), '' -> None (no profiling)."""
-    if not text.strip():
-        return None
-    first, _, last = text.partition(":")
-    try:
-        window = int(first), int(last or first)
-    except ValueError:
-        raise ValueError(f"log.profile_steps: {text!r} is not FIRST:LAST (e.g. 5:7)") from None
-    if not 1 <= window[0] <= window[1]:
-        raise ValueError(f"log.profile_steps: {text!r} needs 1 <= FIRST <= LAST")
-    return window
+from meshlm.config import parse_steps
 
 
 class StepProfiler:

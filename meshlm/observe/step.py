@@ -5,7 +5,7 @@
     observer.start_step()
     with observer.data_wait():
         batch = sampler.next_batch(...)
-    ...  # forward, backward, optimizer: strategies time their own waits (meshlm.observe.timers)
+    ...  # forward, backward, optimizer: strategies time their own waits (meshlm.parallel.timers)
     metrics = observer.end_step()   # flat dict of floats, ready for MetricsLogger.log(**metrics)
 
 Compute is what remains of the step: step time − exposed communication − bubble − data wait, so the parts
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from meshlm.observe.memory import ActivationMeter, MemoryProbe, cuda_memory, process_memory
 from meshlm.observe.peak import MEASURED_MATMUL, mfu_basis
 from meshlm.observe.peak import peak_flops as device_peak_flops
-from meshlm.observe.timers import TIMERS, Timers
+from meshlm.parallel.timers import TIMERS, Timers
 
 
 def mfu(flops: float, seconds: float, peak_flops: float, n_devices: int = 1) -> float:

@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.model.llama import apply_rotary
-from meshlm.observe.timers import comm
 from meshlm.parallel.plan import ParallelPlan, PlanError
+from meshlm.parallel.timers import comm
 
 __all__ = [
     "ContextParallelAttention",

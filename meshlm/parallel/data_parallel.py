@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.observe.timers import comm, timed_wait
 from meshlm.parallel.expert_parallel import is_expert_param
 from meshlm.parallel.plan import ParallelPlan, plan_for, zero3_unit_groups
+from meshlm.parallel.timers import comm, timed_wait
 from meshlm.parallel.zero import (
     FlatBuffer,
     ParamSource,

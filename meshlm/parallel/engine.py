@@ -23,15 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.config import ParallelSection
 from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
 from meshlm.model.moe import MoE, set_aux_loss_scale
-from meshlm.observe.timers import comm
 from meshlm.parallel.data_parallel import ShardedTensor, squared_norm_sum
 from meshlm.parallel.fused_loss import HeadOutput, apply_fused_loss, fused_cross_entropy_sum
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
+from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import ParallelPlan, PlanError, check_plan, plan_for
+from meshlm.parallel.timers import comm
 from meshlm.parallel.tp_shard import tp_shard
 from meshlm.ties import is_pp_tied, tied_aliases
 
@@ -63,7 +63,7 @@ def mesh_device(mesh: Mesh) -> torch.device:
     return torch.device(mesh.device_mesh.device_type)
 
 
-def zero_param_dtype(parallel: ParallelSection, device_type: str, autocast_dtype: torch.dtype | None) -> torch.dtype:
+def zero_param_dtype(parallel: ParallelOptions, device_type: str, autocast_dtype: torch.dtype | None) -> torch.dtype:
     """The working weights' dtype over fp32 master shards: `parallel.zero_param_dtype`, where 'auto' is bf16
     under ZeRO ≥ 1 with bf16 autocast on CUDA (FSDP2's usual MixedPrecisionPolicy: the matmuls run in bf16
     anyway, so gathers of bf16 weights halve the traffic and memory), else fp32 (zero 0 steps the fp32
@@ -100,13 +100,14 @@ class ParallelModel:
     logits, at the cost of gathering them). `fused_loss` computes meshlm's cross-entropy together with the
     vocabulary head, chunk by chunk, never materialising the logits (meshlm.parallel.fused_loss; the head
     returns them again in eval). `model` may be built on the `meta` device: each rank then
-    materialises only its shard (see the module docstring), on the mesh's device."""
+    materialises only its shard (see the module docstring), on the mesh's device. `parallel` is a
+    ParallelOptions, or anything with its fields (the run config's ParallelSection)."""
 
     def __init__(
         self,
         model: nn.Module,
         mesh: Mesh,
-        parallel: ParallelSection,
+        parallel: ParallelOptions,
         n_micro: int,
         autocast_dtype: torch.dtype | None = None,
         plan: ParallelPlan | None = None,
@@ -115,6 +116,7 @@ class ParallelModel:
         ignore_index: int = IGNORE_INDEX,
         fused_loss: bool = False,
     ) -> None:
+        parallel = ParallelOptions.of(parallel)
         self.mesh = mesh
         self.n_micro = n_micro
         self.ignore_index = ignore_index

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.model.moe import GroupedExperts, MoE
-from meshlm.observe.timers import comm
 from meshlm.parallel.plan import PlanError
+from meshlm.parallel.timers import comm
 from meshlm.parallel.tp_shard import TPShard
 
 ATTR = "_meshlm_ep_shard"

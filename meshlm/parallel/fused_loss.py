@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Function
 
-from meshlm.observe.timers import comm
 from meshlm.parallel.plan import VOCAB_HEAD, ParallelPlan, tp_modules
+from meshlm.parallel.timers import comm
 
 CHUNK_ELEMENTS = 1 << 25  # logits per chunk: 32M (128 MiB in fp32), ~256 tokens at a 128k vocabulary slice
 

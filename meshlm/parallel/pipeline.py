@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.model.llama import cross_entropy_loss
-from meshlm.observe.timers import bubble, comm
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.plan import ParallelPlan, PipelineSplit, PlanError, check_pipeline_split, plan_for
 from meshlm.parallel.schedules import COMPUTE, SENDS, WAITS, Action, build_schedule
 from meshlm.parallel.stages import split_layers
+from meshlm.parallel.timers import bubble, comm
 from meshlm.ties import is_pp_tied, mark_pp_tied
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

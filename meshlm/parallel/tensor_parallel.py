@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.lora import LoRAError, LoRALinear, lora_delta
+from meshlm.model.lora import LoRAError, LoRALinear, lora_delta
 from meshlm.parallel.fused_loss import HeadOutput
 from meshlm.parallel.mesh import check_tensor_parallel
 from meshlm.parallel.plan import (

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
-from meshlm.observe.timers import comm
+from meshlm.parallel.timers import comm
 
 SEQ_DIM = 1
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.observe.timers import timed_wait
+from meshlm.parallel.timers import timed_wait
 
 # torch 2.13 renamed the flat collectives; fall back to the older names (same semantics) on earlier versions.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -97,7 +97,9 @@ class Launch:
 def _mesh_override(s: Strategy, elastic: bool) -> str:
     """The `parallel.layout` value: the full mesh, or without dp for an elastic job, whose dp is whatever
     the world it restarts with leaves."""
-    return f"pp={s.pp},tp={s.tp}" if elastic else s.layout
+    if not elastic:
+        return s.layout
+    return f"pp={s.pp},cp={s.cp},tp={s.tp}" if s.cp > 1 else f"pp={s.pp},tp={s.tp}"
 
 
 def restarts_allowed(expected: float, wall_s: float, window_s: float) -> int:

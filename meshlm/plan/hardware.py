@@ -15,6 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from meshlm.observe.peak import cpu_cores
+
 GB = 2**30  # memory sizes are GiB, the unit the product names (A100-40GB, ...) and nvidia-smi use
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
@@ -119,14 +121,6 @@ GPUS: dict[str, Hardware] = {
     )
 }
 ALIASES = {"h100": "H100-SXM", "h100sxm": "H100-SXM", "h200sxm": "H200"}
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on (its affinity mask, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def cpu_hardware() -> Hardware:

@@ -47,8 +47,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Strategy:
-    """How to run a workload: the runtime's device mesh (pp outer, dp, tp inner) plus every per-rank choice
-    the planner makes beside it."""
+    """How to run a workload: the runtime's device mesh (pp outer, dp, cp, tp inner) plus every per-rank
+    choice the planner makes beside it."""
 
     mesh: Layout = field(default_factory=Layout)
     zero: int = 0
@@ -107,7 +107,8 @@ class Strategy:
     def __str__(self) -> str:
         sched = f"{self.schedule}×{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
         sp = " sp" if self.sequence_parallel else ""
-        return f"{self.layout} zero={self.zero} mb={self.micro_batch} {sched} recompute={self.recompute}{sp}"
+        attention = f" {self.cp_attention}" if self.cp > 1 else ""
+        return f"{self.layout}{attention} zero={self.zero} mb={self.micro_batch} {sched} recompute={self.recompute}{sp}"
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -15,7 +16,13 @@ from typing import Literal
 from meshlm.config import Config
 from meshlm.errors import InputError
 from meshlm.model.flops import param_counts
-from meshlm.parallel.mesh import Layout
+from meshlm.parallel.mesh import (
+    Layout,
+    LayoutError,
+    check_batch_and_schedule,
+    check_context_parallel,
+    check_tensor_parallel,
+)
 from meshlm.plan.cost import DEFAULT_COSTS, CostModel, nodes_of, rates, run_cost
 from meshlm.plan.hardware import GB, Hardware, hardware
 from meshlm.plan.memory import (
@@ -24,6 +31,7 @@ from meshlm.plan.memory import (
     Assumptions,
     Memory,
     Recompute,
+    Runtime,
     Schedule,
     Strategy,
     Workload,
@@ -48,12 +56,14 @@ class Constraints:
     pp: int | None = None
     dp: int | None = None
     tp: int | None = None
+    cp: int | None = None
     zero: int | None = None
     micro_batch: int | None = None
     schedule: Schedule | None = None
     virtual_stages: int | None = None
     recompute: Recompute | None = None
     sequence_parallel: bool | None = None
+    cp_attention: Literal["ring", "ulysses"] | None = None
     uneven_layers: bool = True  # allow n_layers not divisible by the pipeline split (docs/planner.md)
     max_micro_batch: int = 16
     memory_gb: float | None = None  # usable memory per device; None: the device's
@@ -95,6 +105,8 @@ class Plan:
             "pp": s.pp,
             "dp": s.dp,
             "tp": s.tp,
+            "cp": s.cp,
+            "cp_attention": s.cp_attention if s.cp > 1 else None,
             "zero": s.zero,
             "micro_batch": s.micro_batch,
             "micro_batches": self.micro_batches,
@@ -141,88 +153,85 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _mesh_problem(
-    w: Workload, gpus_per_node: int, pp: int, dp: int, tp: int, uneven: bool, chunks: int
-) -> tuple[str, str] | None:
-    """Why a (pp, dp, tp) mesh cannot run this model, as (reason, detail), or None; `chunks` is the most
-    pipeline chunks the runtime can cut the model into."""
-    model = w.model
-    checks = [
-        (tp > gpus_per_node, "tp > GPUs per node", f"tp={tp} > {gpus_per_node} per node"),
-        (model.n_heads % tp, "tp does not divide n_heads", f"n_heads={model.n_heads}, tp={tp}"),
-        (
-            model.n_kv_heads % tp and tp % model.n_kv_heads,
-            "tp and n_kv_heads do not divide each other",
-            f"n_kv_heads={model.n_kv_heads}, tp={tp}",
-        ),
-        (model.intermediate_size % tp, "tp does not divide intermediate_size", f"{model.intermediate_size} % {tp}"),
-        (model.vocab_size % tp, "tp does not divide vocab_size", f"vocab_size={model.vocab_size}, tp={tp}"),
-        (pp > chunks, "pp > n_layers", f"pp={pp} > {model.n_layers} layers"),
-        (not uneven and model.n_layers % pp, "pp does not divide n_layers", f"{model.n_layers} layers, pp={pp}"),
-        (w.global_batch % dp, "dp does not divide global batch", f"global batch {w.global_batch}, dp={dp}"),
-    ]
-    return next(((reason, detail) for bad, reason, detail in checks if bad), None)
+def _loosest(mesh: Layout, micro_batch: int | None) -> Strategy:
+    """`mesh` with the choices that pass the most runtime checks: no sequence parallelism, ring attention,
+    gpipe without virtual stages, the fixed micro-batch or else the whole replica batch as one (0). A mesh
+    this fails fails with every choice, so it is rejected once."""
+    return Strategy(mesh, micro_batch=micro_batch or 0, schedule="gpipe")
 
 
-def _schedule_problem(w: Workload, lay: Strategy, m: int, uneven: bool, chunks: int) -> tuple[str, str] | None:
-    if lay.schedule in ("1f1b", "zb1") and lay.pp > 1 and m < lay.pp:
-        return f"{lay.schedule} needs micro-batches ≥ pp", f"m={m} < pp={lay.pp}"
-    if lay.schedule != "interleaved":
-        return None
-    n, layers = lay.pp * lay.virtual_stages, w.model.n_layers
-    limit = "n_layers" if chunks == layers else f"n_layers + {chunks - layers}"
-    checks = [
-        (lay.pp == 1 or lay.virtual_stages < 2, "interleaved needs pp ≥ 2 and virtual stages ≥ 2", str(lay)),
-        (m % lay.pp, "interleaved needs micro-batches divisible by pp", f"m={m}, pp={lay.pp}"),
-        (n > chunks, f"pp·v > {limit}", f"pp·v={n}, {layers} layers"),
-        (not uneven and layers % n, "pp·v does not divide n_layers", f"pp·v={n}, {layers} layers"),
-    ]
-    return next(((reason, detail) for bad, reason, detail in checks if bad), None)
+def layout_problem(w: Workload, s: Strategy, chunks: int, uneven: bool = True) -> tuple[str, str] | None:
+    """Why the runtime would refuse strategy `s` for this workload, as (reason, detail), or None. These are
+    the trainer's own checks (meshlm.parallel.mesh.validate_layout's three parts; `chunks`, the most pipeline
+    chunks the modelled runtime cuts the model into, is n_layers for meshlm's), so the planner never proposes
+    a layout the trainer refuses nor leaves out one it runs. `uneven=False` adds the planner-only preference
+    for n_layers divisible by the pipeline split. A micro_batch of 0 is the whole replica batch."""
+    try:
+        check_tensor_parallel(w.model, s.tp, w.seq_len, s.sequence_parallel)
+        check_context_parallel(w.model, s.cp, s.tp, w.seq_len, s.cp_attention, s.sequence_parallel)
+        check_batch_and_schedule(s.mesh, chunks, w.global_batch, s.micro_batch, s.virtual_stages, s.schedule)
+    except LayoutError as e:
+        return re.sub(r"(?<![A-Za-z])\d+(?![A-Za-z])", "N", str(e)), str(e)  # reason: the message, numbers as N
+    split = s.pp * s.virtual_stages
+    if not uneven and w.model.n_layers % split:
+        return "pipeline split does not divide n_layers", f"{w.model.n_layers} layers, pp·v={split}"
+    return None
 
 
 def enumerate_strategies(
     w: Workload, gpus: int, gpus_per_node: int, c: Constraints, a: Assumptions = DEFAULTS
 ) -> Iterator[Strategy | Rejection]:
-    """Every combination the constraints allow, each either a structurally valid Strategy or a Rejection.
-    Selective recompute is skipped with flash attention, where it recomputes nothing."""
+    """Every combination the constraints allow, each either a Strategy the runtime accepts or a Rejection
+    saying why it would not (`layout_problem`). tp stays within a node. Selective recompute is skipped with
+    flash attention, where it recomputes nothing."""
     flash, chunks = a.flash_attention, max_chunks(w.model, a.runtime)
-    meshes = [(pp, gpus // (tp * pp), tp) for tp in _divisors(gpus) for pp in _divisors(gpus // tp)]
-    meshes = [(pp, dp, tp) for pp, dp, tp in meshes if (c.pp or pp, c.dp or dp, c.tp or tp) == (pp, dp, tp)]
+    meshes = [
+        Layout(pp, gpus // (tp * cp * pp), tp, cp)
+        for tp in _divisors(gpus)
+        for cp in _divisors(gpus // tp)
+        for pp in _divisors(gpus // (tp * cp))
+    ]
+    fixed = {d: v for d in ("pp", "dp", "cp", "tp") if (v := getattr(c, d)) is not None}
+    meshes = [m for m in meshes if all(getattr(m, d) == v for d, v in fixed.items())]
     if not meshes:
-        fixed = ",".join(f"{k}={v}" for k, v in (("pp", c.pp), ("dp", c.dp), ("tp", c.tp)) if v is not None)
-        yield Rejection(fixed, "layout does not match the GPU count", f"{fixed} cannot make {gpus} GPUs")
+        named = ",".join(f"{d}={v}" for d, v in fixed.items())
+        yield Rejection(named, "layout does not match the GPU count", f"{named} cannot make {gpus} GPUs")
         return
     recomputes = [c.recompute] if c.recompute else [r for r in c.recompute_options if not (flash and r == "selective")]
-    for pp, dp, tp in meshes:
-        mesh = f"pp={pp},dp={dp},tp={tp}"
-        problem = _mesh_problem(w, gpus_per_node, pp, dp, tp, c.uneven_layers, chunks)
-        per_replica = w.global_batch // dp
-        if not problem and c.micro_batch and per_replica % c.micro_batch:
-            problem = "micro-batch does not divide per-replica batch", f"{per_replica} % {c.micro_batch}"
-        if problem:
-            yield Rejection(mesh, *problem)
+    for mesh in meshes:
+        if mesh.tp > gpus_per_node:
+            yield Rejection(str(mesh), "tp > GPUs per node", f"tp={mesh.tp} > {gpus_per_node} per node")
             continue
+        problem = layout_problem(w, _loosest(mesh, c.micro_batch), chunks)
+        if problem:
+            yield Rejection(str(mesh), *problem)
+            continue
+        per_replica = w.global_batch // mesh.dp
         choices = itertools.product(
             [c.micro_batch] if c.micro_batch else [b for b in _divisors(per_replica) if b <= c.max_micro_batch],
-            _schedules(pp, c),
-            [c.zero] if c.zero is not None else ([0] if dp == 1 else [0, 1, 2, 3]),
+            _schedules(mesh.pp, c, a.runtime),
+            [c.zero] if c.zero is not None else ([0] if mesh.dp * mesh.cp == 1 else [0, 1, 2, 3]),
             recomputes,
-            [c.sequence_parallel] if c.sequence_parallel is not None else ([False, True] if tp > 1 else [False]),
+            [c.sequence_parallel] if c.sequence_parallel is not None else ([False, True] if mesh.tp > 1 else [False]),
+            [c.cp_attention] if c.cp_attention else (["ring", "ulysses"] if mesh.cp > 1 else ["ring"]),
         )
-        for b, (schedule, v), zero, recompute, sp in choices:
-            lay = Strategy(Layout(pp, dp, tp), zero, b, schedule, v, recompute, sp)
-            problem = _schedule_problem(w, lay, per_replica // b, c.uneven_layers, chunks)
+        for b, (schedule, v), zero, recompute, sp, attention in choices:
+            lay = Strategy(mesh, zero, b, schedule, v, recompute, sp, attention)
+            problem = layout_problem(w, lay, chunks, c.uneven_layers)
             yield Rejection(str(lay), *problem) if problem else lay
 
 
-def _schedules(pp: int, c: Constraints) -> list[tuple[Schedule, int]]:
-    """(schedule, virtual stages) pairs to try; without a pipeline the schedule is moot."""
+def _schedules(pp: int, c: Constraints, runtime: Runtime = "meshlm") -> list[tuple[Schedule, int]]:
+    """(schedule, virtual stages) pairs to try; without a pipeline the schedule is moot. The Megatron-style
+    runtime (the published runs it models) has no zero-bubble schedule."""
     out: list[tuple[Schedule, int]] = []
-    for name in [c.schedule] if c.schedule else (["1f1b"] if pp == 1 else ["gpipe", "1f1b", "interleaved"]):
+    pipelined = ["gpipe", "1f1b", "interleaved"] + (["zb1"] if runtime == "meshlm" else [])
+    names = [c.schedule] if c.schedule else (["1f1b"] if pp == 1 else pipelined)
+    for name in names:
         if name == "interleaved":
             out += [(name, v) for v in ([c.virtual_stages] if c.virtual_stages else range(2, 9))]
         else:
-            out.append((name, 1))
+            out.append((name, c.virtual_stages or 1))
     return out
 
 
@@ -233,15 +242,21 @@ def checkpoint_bytes(w: Workload) -> float:
 
 
 def evaluate(
-    w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS, costs: CostModel = DEFAULT_COSTS
+    w: Workload,
+    strategy: Strategy,
+    hw: Hardware,
+    a: Assumptions = DEFAULTS,
+    costs: CostModel = DEFAULT_COSTS,
+    mem: Memory | None = None,
 ) -> Plan:
-    """Memory, step time and on-demand cost of one strategy (whether or not it fits)."""
+    """Memory (`mem` when the caller has it), step time and on-demand cost of one strategy (whether or not
+    it fits)."""
     step = step_time(w, strategy, hw, a)
     ckpt = checkpoint_bytes(w)
     nodes = nodes_of(strategy.gpus, hw.gpus_per_node)
     pool = Pool(nodes, strategy.gpus / nodes)
     cost = estimate(step.train_days * 86400, pool, rates(strategy.gpus, ckpt, hw, costs))
-    mem = memory(w, strategy, hw, a)
+    mem = mem or memory(w, strategy, hw, a)
     return Plan(strategy, strategy.micro_batches(w.global_batch), mem, step, cost, checkpoint_bytes=ckpt)
 
 
@@ -269,17 +284,14 @@ def elastic_shrink(
     fail). The range is [fewest, nodes] with every count in it valid, since `--nnodes MIN:MAX` lets torchrun
     start at any of them: the priced states are exactly the ones the emitted launch can run in."""
     s, g = strategy, hw.gpus_per_node
-    unit = s.pp * s.tp
+    unit = s.pp * s.cp * s.tp
     full = step_time(w, s, hw, a).tokens_per_s
     chunks = max_chunks(w.model, a.runtime)
 
     @cache
     def at(dp: int) -> float:
-        shrunk = dataclasses.replace(s, mesh=Layout(s.pp, dp, s.tp))
-        per_replica = w.global_batch // dp
-        if w.global_batch % dp or per_replica % s.micro_batch:
-            return 0.0
-        if _schedule_problem(w, shrunk, per_replica // s.micro_batch, c.uneven_layers, chunks):
+        shrunk = dataclasses.replace(s, mesh=Layout(s.pp, dp, s.tp, s.cp))
+        if layout_problem(w, shrunk, chunks, c.uneven_layers):
             return 0.0
         if memory(w, shrunk, hw, a).total > capacity(hw, shrunk.gpus, c):
             return 0.0
@@ -351,7 +363,7 @@ def search(
             elif memory_only:
                 result.plans.append(Plan(item, item.micro_batches(w.global_batch), mem, None, None))
             else:
-                result.plans.append(evaluate(w, item, hw, a, costs))
+                result.plans.append(evaluate(w, item, hw, a, costs, mem))
     if memory_only:
         result.plans.sort(key=lambda p: p.memory.total)
         return result
@@ -378,6 +390,15 @@ def best(
     return result.plans[0]
 
 
+def fits_somehow(w: Workload, gpus: int, hw: Hardware, c: Constraints, a: Assumptions = DEFAULTS) -> bool:
+    """Whether some strategy the constraints allow fits in memory on `gpus` devices (stops at the first;
+    ring attention only, as in a memory-only search)."""
+    limit = capacity(hw, gpus, c)
+    ring = c if c.cp_attention else dataclasses.replace(c, cp_attention="ring")
+    strategies = enumerate_strategies(w, gpus, hw.gpus_per_node, ring, a)
+    return any(memory(w, s, hw, a).total <= limit for s in strategies if isinstance(s, Strategy))
+
+
 def no_fit_message(
     w: Workload, gpus: int | list[int], hw: Hardware, c: Constraints, a: Assumptions, result: SearchResult
 ) -> str:
@@ -398,7 +419,7 @@ def no_fit_message(
     free = Constraints(uneven_layers=c.uneven_layers, memory_gb=c.memory_gb, recompute_options=c.recompute_options)
     m = n if free != c else 2 * n
     while m <= (MAX_GPUS if oom else n):  # more devices only help when memory is the problem
-        if search(w, m, hw, constraints=free, a=a, memory_only=True).plans:
+        if fits_somehow(w, m, hw, free, a):
             fastest = search(w, m, hw, constraints=free, a=a, priced=0).plans[0]
             example = f"{fastest.strategy} at {fastest.memory.total / GB:.1f} GB/GPU"
             return f"{msg}; {'fits as' if m == n else f'needs ≥ {m} GPUs, e.g.'} {example}"

@@ -23,6 +23,7 @@ from meshlm.checkpoint import (
     Checkpointer,
     CheckpointError,
     init_optimizer_state,
+    meshlm_checkpoint,
     optimizer_steps,
     read_trainer_state,
     set_optimizer_steps,
@@ -32,6 +33,8 @@ from meshlm.checkpoint import (
 from meshlm.checkpoint.store import StorageError, atomic_write, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import SFTData, TokenData, prepare_data_shared
+from meshlm.data.dataset import check_tokenizer, document_separator
+from meshlm.faults import fault_point
 from meshlm.lora import (
     apply_lora,
     cast_frozen_linears,
@@ -44,19 +47,18 @@ from meshlm.lora import (
 from meshlm.model import Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
 from meshlm.model.moe import moe_losses
-from meshlm.model.pretrained import init_tokenizer, keep_tokenizer, meshlm_checkpoint, open_init_from
+from meshlm.model.pretrained import HFWeights, init_tokenizer, is_hf_directory, keep_tokenizer
 from meshlm.observe import StepObserver, aggregate
 from meshlm.observe.env import environment
 from meshlm.observe.metrics import MetricsLogger, TrainProgress, trackers
 from meshlm.observe.profile import StepProfiler
+from meshlm.parallel.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.fp8 import apply_fp8, check_fp8_device
 from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout, validate_layout
 from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
 from meshlm.train import signals
 from meshlm.train.compile import compile_blocks
-from meshlm.train.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
-from meshlm.train.faults import fault_point
 from meshlm.train.guards import (
     DeviceStepGuard,
     Preemption,
@@ -145,6 +147,23 @@ def resolve_auto_layout(cfg: Config, world_size: int) -> Config:
         section, name = key.split(".")
         data[section][name] = value
     return Config.model_validate(data)
+
+
+def open_init_from(init_from: str, vocab_size: int) -> HFWeights | None:
+    """`model.init_from`'s HF weights (None for a meshlm checkpoint, which the trainer loads through its
+    checkpointer) and tokenizer, checked (names, shapes, every listed shard present; the tokenizer loads, fits
+    the vocabulary and has a document separator) on every rank before any work starts; a problem is one
+    ConfigError or DataError line naming the file."""
+    weights = None
+    if is_hf_directory(init_from):
+        try:
+            weights = HFWeights(init_from)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.init_from: {e}") from None
+    tokenizer_file = init_tokenizer(init_from)
+    if tokenizer_file is not None:
+        document_separator(tokenizer_file, check_tokenizer(tokenizer_file, vocab_size))
+    return weights
 
 
 def evaluate(model: ParallelModel, data: TokenData | SFTData, cfg: Config, dp_rank: int, dp: int) -> float:
@@ -338,7 +357,7 @@ class Trainer:
             model.to(device)
         self.mesh = build_mesh(layout, device.type)
         self.model = ParallelModel(
-            model, self.mesh, cfg.parallel, n_micro, autocast, parts.plan, parts.loss_fn, parts.gather_logits,
+            model, self.mesh, cfg.parallel.options(), n_micro, autocast, parts.plan, parts.loss_fn, parts.gather_logits,
             cfg.train.ignore_index, cfg.train.fused_loss,
         )  # fmt: skip
         if cfg.train.fp8:

@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from meshlm.config import ConfigError
+from meshlm.errors import ConfigError
 
 
 def env_world_size() -> int:

@@ -1,0 +1,170 @@
+"""meshlm's subpackages form layers: each imports only from layers below it, so none of them is held together by
+function-local imports and any layer can be read, tested and replaced without the ones above it.
+
+Bottom to top (a unit is a subpackage of meshlm or a top-level module):
+
+    errors, lazy, files, faults   one-line input errors; lazy package attributes; files written whole or not
+                     at all; fault injection points for the recovery tests (MESHLM_INJECT_FAULT)
+    ties             tied weights of any nn.Module
+    model            the single-device model, its shapes and FLOPs, the HF format of its weights
+    parallel         the mesh and the strategies (tp, cp, pp, dp/ZeRO), their options (parallel/options.py,
+                     not the run config), step timers and process-group set-up
+    lora             adapters and frozen parameters (their layer lives in model/lora.py, which tp shards)
+    checkpoint       a ParallelModel's state in DCP folders
+    config           the run config; `model.init_from` reads an HF directory (model) or a checkpoint's record
+    data             sources, tokenizer, token shards, the sampler
+    observe          metrics, memory, MFU, rank aggregation, doctor
+    plan             the memory / step-time / cost model and the layout search
+    train            the loop and its pieces
+    api, convert, launch, testing   library entry points, `meshlm convert`, `meshlm launch` around torchrun's
+                     agent, the spawned-rank helper
+    cli              the `meshlm` command
+    meshlm           the package's own __init__ (lazy names of everything)
+
+Every import counts, whether at module level, inside a function or under TYPE_CHECKING.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import meshlm
+
+PACKAGE = Path(meshlm.__file__).parent
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "lazy", "files", "faults"),
+    ("ties",),
+    ("model",),
+    ("parallel",),
+    ("lora",),
+    ("checkpoint",),
+    ("config",),
+    ("data",),
+    ("observe",),
+    ("plan",),
+    ("train",),
+    ("api", "convert", "launch", "testing"),
+    ("cli",),
+    ("meshlm",),
+]
+RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def unit(module: str) -> str:
+    """'meshlm.parallel.engine' -> 'parallel', 'meshlm.config' -> 'config', 'meshlm' -> 'meshlm'."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def imported_modules(source: str, name: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, module) of every meshlm import in the source of module `name`, `from meshlm import x` as
+    meshlm.x and relative imports resolved."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if base == "meshlm" or node.module is None:  # `from meshlm import x`, `from . import x`: modules
+                found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+            else:
+                found.append((node.lineno, base))
+    return [(line, module) for line, module in found if module == "meshlm" or module.startswith("meshlm.")]
+
+
+def unit_edges() -> dict[tuple[str, str], list[str]]:
+    """(importer unit, imported unit) -> 'file:line' of each import crossing units."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = unit(module_name(path))
+        for line, module in imported_modules(path.read_text(), module_name(path), path.name == "__init__.py"):
+            if unit(module) != importer:
+                edges.setdefault((importer, unit(module)), []).append(f"{path.relative_to(PACKAGE.parent)}:{line}")
+    return edges
+
+
+def find_cycle(edges: set[tuple[str, str]]) -> list[str] | None:
+    """A cycle of the directed graph as [a, b, ..., a], or None."""
+    succ: dict[str, list[str]] = {}
+    for a, b in edges:
+        succ.setdefault(a, []).append(b)
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return None
+        for nxt in sorted(succ.get(node, [])):
+            if (cycle := visit(nxt, [*path, node])) is not None:
+                return cycle
+        done.add(node)
+        return None
+
+    for start in sorted(succ):
+        if (cycle := visit(start, [])) is not None:
+            return cycle
+    return None
+
+
+def test_every_unit_has_a_layer() -> None:
+    units = {unit(module_name(path)) for path in PACKAGE.rglob("*.py")}
+    assert units - set(RANK) == set(), "add the new module or subpackage to LAYERS (and the docstring)"
+
+
+def test_package_graph_is_acyclic() -> None:
+    assert find_cycle(set(unit_edges())) is None
+
+
+def upward_imports(edges: dict[tuple[str, str], list[str]]) -> list[str]:
+    """'file:line: a imports b' for each import of a unit from the same or a higher layer."""
+    return [
+        f"{where}: {a} imports {b}" for (a, b), sites in sorted(edges.items()) for where in sites if RANK[a] <= RANK[b]
+    ]
+
+
+def test_each_layer_imports_only_layers_below() -> None:
+    assert upward_imports(unit_edges()) == []
+
+
+def test_upward_import_is_refused() -> None:
+    """The layer check is sharp: the engine importing the run config (what it did before ParallelOptions), or
+    two units of one layer importing each other, is reported; the reverse direction is not."""
+    assert upward_imports({("parallel", "config"): ["meshlm/parallel/engine.py:25"]}) == [
+        "meshlm/parallel/engine.py:25: parallel imports config"
+    ]
+    assert upward_imports({("errors", "lazy"): ["meshlm/errors.py:1"]}) != []
+    assert upward_imports({("config", "parallel"): ["meshlm/config.py:18"]}) == []
+
+
+def test_find_cycle_finds_one() -> None:
+    """The cycle check is sharp: the cycle this layering removed (config → model → checkpoint → parallel →
+    config) is found, and edges that only go down are not one."""
+    removed = {("config", "model"), ("model", "checkpoint"), ("checkpoint", "parallel"), ("parallel", "config")}
+    cycle = find_cycle(removed)
+    assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) == {"config", "model", "checkpoint", "parallel"}
+    assert find_cycle({("config", "model"), ("parallel", "model"), ("config", "parallel")}) is None
+
+
+def test_imports_are_parsed_function_local_and_relative() -> None:
+    """A function-local, a TYPE_CHECKING and a relative import count like module-level ones."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from meshlm.train import trainer\n"
+        "def f():\n    from meshlm.config import load_config\n    from . import llama\n    from .. import lora\n"
+    )
+    found = sorted(m for _, m in imported_modules(source, "meshlm.model.hf"))
+    assert found == ["meshlm.config", "meshlm.lora", "meshlm.model.llama", "meshlm.train"]
+    assert [m for _, m in imported_modules("from . import timers", "meshlm.parallel", is_package=True)] == [
+        "meshlm.parallel.timers"
+    ]

@@ -1,0 +1,129 @@
+"""The planner and the runtime check layouts with the same functions: over a generated grid of layouts (world
+sizes, pp/dp/cp/tp, schedules, virtual stages, micro-batches, sequence lengths, head counts, sequence parallel,
+cp attention) the planner's search accepts exactly the layouts the trainer's `validate_layout` accepts."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import random
+
+import pytest
+
+from meshlm.model import preset
+from meshlm.model.config import ModelConfig
+from meshlm.parallel.mesh import Layout, LayoutError, validate_layout
+from meshlm.plan import Workload
+from meshlm.plan.memory import Strategy
+from meshlm.plan.search import Constraints, enumerate_strategies
+
+search_module = importlib.import_module("meshlm.plan.search")  # meshlm.plan.search is also a function's name
+
+WORLDS = (1, 2, 4, 6, 8)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+HEADS = ((4, 2), (6, 3), (8, 8), (4, 4))  # (n_heads, n_kv_heads); dim 96 splits into each
+GRID_SIZE = 1500  # sampled from the full product (~10⁵), fixed seed: the same grid every run
+
+
+def meshes(world: int) -> list[Layout]:
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    return [
+        Layout(pp, world // (pp * cp * tp), tp, cp)
+        for pp, cp, tp in itertools.product(divisors, repeat=3)
+        if world % (pp * cp * tp) == 0
+    ]
+
+
+def grid() -> list[tuple[Layout, Strategy, ModelConfig, int, int]]:
+    """(mesh, strategy, model, seq_len, global_batch) samples."""
+    rng = random.Random(0)
+    full = [
+        (mesh, schedule, v, micro, seq, heads, sp, attention, batch)
+        for world in WORLDS
+        for mesh in meshes(world)
+        for schedule in SCHEDULES
+        for v in (1, 2)
+        for micro in (1, 2, 3)
+        for seq in (24, 32, 64)
+        for heads in HEADS
+        for sp in (False, True)
+        for attention in ("ring", "ulysses")
+        for batch in (6, 8)
+    ]
+    out = []
+    for mesh, schedule, v, micro, seq, (heads, kv), sp, attention, batch in rng.sample(full, GRID_SIZE):
+        model = preset("test").replace(dim=96, n_heads=heads, n_kv_heads=kv, max_seq_len=64)
+        strategy = Strategy(mesh, 0, micro, schedule, v, "none", sp, attention)
+        out.append((mesh, strategy, model, seq, batch))
+    return out
+
+
+def runtime_accepts(strategy: Strategy, model: ModelConfig, seq_len: int, global_batch: int) -> bool:
+    """What the trainer's check_config decides (meshlm.parallel.mesh.validate_layout)."""
+    s = strategy
+    try:
+        validate_layout(
+            s.mesh, model, global_batch, s.micro_batch, s.virtual_stages, s.schedule, seq_len, s.sequence_parallel,
+            s.cp_attention,
+        )  # fmt: skip
+    except LayoutError:
+        return False
+    return True
+
+
+def planner_accepts(strategy: Strategy, model: ModelConfig, seq_len: int, global_batch: int) -> bool:
+    """Whether the planner's search offers this strategy when every choice is fixed to it (the GPUs per node
+    set to the world, so its one planner-only preference, tp within a node, never applies)."""
+    s = strategy
+    c = Constraints(
+        pp=s.pp, dp=s.dp, tp=s.tp, cp=s.cp, zero=0, micro_batch=s.micro_batch, schedule=s.schedule,
+        virtual_stages=s.virtual_stages, recompute="none", sequence_parallel=s.sequence_parallel,
+        cp_attention=s.cp_attention,
+    )  # fmt: skip
+    found = list(enumerate_strategies(Workload(model, seq_len, global_batch, 1e6), s.gpus, s.gpus, c))
+    offered = [item for item in found if isinstance(item, Strategy)]
+    assert offered in ([], [s]), f"the search should try exactly {s}, it offered {offered}"
+    return bool(offered)
+
+
+def disagreements() -> list[str]:
+    out = []
+    for _, strategy, model, seq, batch in grid():
+        planner, runtime = planner_accepts(strategy, model, seq, batch), runtime_accepts(strategy, model, seq, batch)
+        if planner != runtime:
+            heads = f"heads {model.n_heads}/{model.n_kv_heads}"
+            out.append(f"{strategy} seq {seq} batch {batch} {heads}: planner {planner}, runtime {runtime}")
+    return out
+
+
+def test_grid_covers_both_verdicts_and_every_dimension() -> None:
+    """The grid is not trivially one-sided: it holds accepted and refused layouts, cp and pp and tp > 1, and
+    zb1 and interleaved layouts the runtime accepts."""
+    verdicts = [(s, runtime_accepts(s, m, seq, b)) for _, s, m, seq, b in grid()]
+    accepted = [s for s, ok in verdicts if ok]
+    assert 0.1 < len(accepted) / len(verdicts) < 0.9
+    for attribute in ("pp", "cp", "tp", "dp"):
+        assert any(getattr(s, attribute) > 1 for s in accepted), attribute
+    assert {s.schedule for s in accepted if s.pp > 1} == set(SCHEDULES)
+    assert any(s.cp > 1 and s.cp_attention == "ulysses" for s in accepted)
+
+
+def test_planner_accepts_exactly_what_the_runtime_accepts() -> None:
+    assert disagreements() == []
+
+
+def test_a_planner_only_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sharpness: a planner that skips the context-parallel check (as the search's own copy once did), or
+    adds a rule of its own, disagrees with the runtime on the grid."""
+    monkeypatch.setattr(search_module, "check_context_parallel", lambda *args, **kwargs: None)
+    assert disagreements() != []
+    monkeypatch.undo()
+
+    def stricter(layout: Layout, *args: object, **kwargs: object) -> int:
+        if layout.cp > 1 and layout.pp > 1:
+            raise LayoutError("cp with pp")
+        return check(layout, *args, **kwargs)
+
+    check = search_module.check_batch_and_schedule
+    monkeypatch.setattr(search_module, "check_batch_and_schedule", stricter)
+    assert disagreements() != []
