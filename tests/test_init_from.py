@@ -280,6 +280,20 @@ def test_fine_tuning_under_a_layout_matches_one_process(checkpoints: dict[str, P
     assert reference_again[0] != reference[0]  # the second starts from the first's trained weights
 
 
+@pytest.mark.slow  # a one-process and a two-rank LoRA fine-tune of three steps each: ~15 s
+def test_lora_on_a_tied_hf_checkpoint_under_pp(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """LoRA over a (tied) Hugging Face checkpoint's frozen base under pipeline parallel: the checkpoint trains
+    as meshlm's Llama (an HF object cannot be pipelined, its forward cannot skip a stage's parts), its adapters
+    on both stages, each step's loss as in one process."""
+    lora = {"lora.rank": 4, "lora.alpha": 8.0, "train.lr": 1e-2}
+    single = fit_overrides(checkpoints["tied"], tmp_path, tmp_path / "single", steps=3) | lora
+    reference = fit(load_config(None, list(single.items()))).losses
+    pp = single | {"log.run_dir": str(tmp_path / "pp"), "parallel.layout": "pp=2", "train.micro_batch": 2}
+    (got,) = run_shared(_fit_worker, 2, [pp], timeout=400)[0]
+    assert got == pytest.approx(reference, rel=LOSS_RTOL), (got, reference)
+    assert reference[-1] != reference[0]  # the adapters train
+
+
 def test_fine_tune_run_uses_the_tokenizer_and_exports_to_transformers(
     checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
