@@ -1,7 +1,7 @@
 """Expert parallelism: each ep rank holds E/ep of every MoE layer's experts; tokens travel to them by all-to-all.
 
-Rank r of the `ep` group keeps experts [r·E/ep, (r+1)·E/ep) of each stacked expert weight (dim 0 of
-gate_proj, up_proj, down_proj) and gets rows of its own, like a dp rank; the router, attention and every
+Rank r of the `ep` group keeps experts [r·E/ep, (r+1)·E/ep) of each stacked expert weight (dim 0 of each
+of the experts module's own parameters) and gets rows of its own, like a dp rank; the router, attention and every
 other weight stay whole. An MoE layer's dispatch (meshlm.model.moe.combine) sorts this rank's (token, slot)
 rows by expert and hands them to the experts with the rows per expert; `ShardedExperts` then
 
@@ -34,7 +34,6 @@ from meshlm.parallel.timers import comm
 from meshlm.parallel.tp_shard import TPShard
 
 ATTR = "_meshlm_ep_shard"
-EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
 def ep_shard(param: nn.Parameter) -> TPShard | None:
@@ -85,19 +84,19 @@ def expert_major_order(received: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedExperts(GroupedExperts):
-    """This ep rank's experts of one MoE layer, reached by all-to-all from every rank's dispatch. Same
-    parameter names as GroupedExperts (gate_proj, up_proj, down_proj), holding E/ep experts each."""
+    """This ep rank's experts of one MoE layer, reached by all-to-all from every rank's dispatch. The same
+    parameters as the GroupedExperts it replaces (its own, stacked along dim 0), holding E/ep experts each."""
 
     def __init__(self, full: GroupedExperts, group: dist.ProcessGroup) -> None:
         nn.Module.__init__(self)
         self.group = group
         self.ep, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.n_experts = full.gate_proj.shape[0]
+        weights = dict(full.named_parameters(recurse=False))  # each stacked along dim 0, one row per expert
+        self.n_experts = next(iter(weights.values())).shape[0]
         self.n_local = self.n_experts // self.ep
         self.use_grouped_mm = full.use_grouped_mm
         start = rank * self.n_local
-        for name in EXPERT_WEIGHTS:
-            weight = getattr(full, name)
+        for name, weight in weights.items():
             local = nn.Parameter(weight.detach()[start : start + self.n_local].clone(), weight.requires_grad)
             setattr(local, ATTR, TPShard(0, ((start, self.n_local),)))
             setattr(self, name, local)
