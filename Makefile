@@ -12,7 +12,8 @@ PY := $(VENV)/bin/python
 CAPABILITY ?= default
 THREADS ?= 1
 PARALLEL_TESTS := tests/test_tensor_parallel.py tests/test_data_parallel.py tests/test_pipeline.py \
-	tests/test_checkpoint_reshard.py tests/test_trainer_distributed.py tests/test_api.py tests/test_context_parallel.py
+	tests/test_checkpoint_reshard.py tests/test_trainer_distributed.py tests/test_api.py tests/test_context_parallel.py \
+	tests/test_loss_contract.py tests/test_tied.py tests/test_expert_parallel.py
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
