@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -107,17 +107,25 @@ def prepare_data(
         check_tokenizer(tokenizer_file, vocab_size)
     key = cache_key(cfg, vocab_size, tokenizer_file)
     directory = Path(cfg.cache_dir) / key
-    manifest = None
-    if directory.exists():
-        try:
-            manifest = _read_manifest(directory, key)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            if builder != PREPARED and built_by(directory) == PREPARED:
-                raise DataError(damaged_message(directory, e)) from None
-            log.warning("data cache %s is corrupt (%s); rebuilding it", directory, e)
+    manifest = cached_manifest(directory, key, builder, _read_manifest)
     if manifest is None:
         manifest = _build(cfg, vocab_size, directory, key, tokenizer_file, workers, builder, shard_tokens)
     return _open(cfg, directory, manifest)
+
+
+def cached_manifest(directory: Path, key: str, builder: str, read_manifest: Callable[[Path, str], dict]) -> dict | None:
+    """The manifest of the cache folder `directory` when it exists and reads back whole; None when it is absent
+    or corrupt (named in a warning: the caller rebuilds it). A cache `meshlm prepare-data` built is never
+    rebuilt by training (`builder` ≠ PREPARED): damaged, it is one line saying so."""
+    if not directory.exists():
+        return None
+    try:
+        return read_manifest(directory, key)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if builder != PREPARED and built_by(directory) == PREPARED:
+            raise DataError(damaged_message(directory, e)) from None
+        log.warning("data cache %s is corrupt (%s); rebuilding it", directory, e)
+        return None
 
 
 def built_by(directory: Path) -> str | None:

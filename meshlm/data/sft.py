@@ -47,12 +47,10 @@ from tokenizers import Encoding, Tokenizer
 
 from meshlm.config import DataSection
 from meshlm.data.dataset import (
-    PREPARED,
     _install,
     _sha256,
-    built_by,
+    cached_manifest,
     check_tokenizer,
-    damaged_message,
     document_separator,
     is_val_document,
     token_dtype,
@@ -425,14 +423,7 @@ def prepare_sft(
         check_tokenizer(tokenizer_file, vocab_size)
     key = sft_cache_key(cfg, vocab_size, tokenizer_file)
     directory = Path(cfg.cache_dir) / key
-    manifest = None
-    if directory.exists():
-        try:
-            manifest = _read_manifest(directory, key)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            if builder != PREPARED and built_by(directory) == PREPARED:
-                raise DataError(damaged_message(directory, e)) from None
-            log.warning("data cache %s is corrupt (%s); rebuilding it", directory, e)
+    manifest = cached_manifest(directory, key, builder, _read_manifest)
     if manifest is None:
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=directory.parent))
