@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -126,6 +126,20 @@ def cached_manifest(directory: Path, key: str, builder: str, read_manifest: Call
             raise DataError(damaged_message(directory, e)) from None
         log.warning("data cache %s is corrupt (%s); rebuilding it", directory, e)
         return None
+
+
+def cache_tokenizer(
+    out: Path, tokenizer_file: Path | None, vocab_size: int, texts: Iterable[str]
+) -> tuple[Tokenizer, int]:
+    """The cache's tokenizer.json in `out` and its document separator id: a copy of `tokenizer_file` (an HF
+    tokenizer), or a BPE tokenizer of `vocab_size` trained on `texts` (read only then)."""
+    if tokenizer_file is None:
+        tokenizer = train_tokenizer(texts, vocab_size)
+        tokenizer.save(str(out / "tokenizer.json"))
+        return tokenizer, eot_id(tokenizer)
+    shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    return tokenizer, document_separator(tokenizer_file, tokenizer)
 
 
 def built_by(directory: Path) -> str | None:
@@ -270,14 +284,8 @@ def _tokenize_into(
     start = time.perf_counter()
     if tokenizer_file is None:
         log.info("training a %d-token BPE tokenizer on %s", vocab_size, source)
-        train_docs = (doc for i, doc in enumerate(iter_documents(cfg)) if not is_val_document(i, cfg.val_fraction))
-        tokenizer = train_tokenizer(train_docs, vocab_size)
-        tokenizer.save(str(out / "tokenizer.json"))
-        eot = eot_id(tokenizer)
-    else:
-        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
-        tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-        eot = document_separator(tokenizer_file, tokenizer)
+    train_docs = (doc for i, doc in enumerate(iter_documents(cfg)) if not is_val_document(i, cfg.val_fraction))
+    tokenizer, eot = cache_tokenizer(out, tokenizer_file, vocab_size, train_docs)
 
     dtype = token_dtype(vocab_size)
     documents = (

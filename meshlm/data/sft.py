@@ -49,15 +49,14 @@ from meshlm.config import DataSection
 from meshlm.data.dataset import (
     _install,
     _sha256,
+    cache_tokenizer,
     cached_manifest,
     check_tokenizer,
-    document_separator,
     is_val_document,
     token_dtype,
 )
 from meshlm.data.sampler import GlobalBatchSampler, eval_windows
 from meshlm.data.sources import DataError, _walk
-from meshlm.data.tokenizer import eot_id, train_tokenizer
 from meshlm.errors import InputError
 from meshlm.model.llama import IGNORE_INDEX
 
@@ -491,20 +490,13 @@ def _build_into(
     out: Path, cfg: DataSection, vocab_size: int, key: str, tokenizer_file: Path | None, builder: str
 ) -> None:
     start = time.perf_counter()
-    if tokenizer_file is None:
-        texts = (
-            text
-            for i, (_, messages) in enumerate(iter_examples(cfg))
-            if not is_val_document(i, cfg.val_fraction)
-            for text, _ in PlainTemplate.pieces(messages)
-        )
-        tokenizer = train_tokenizer(texts, vocab_size)
-        tokenizer.save(str(out / "tokenizer.json"))
-        eos = eot_id(tokenizer)
-    else:
-        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
-        tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-        eos = document_separator(tokenizer_file, tokenizer)
+    texts = (
+        text
+        for i, (_, messages) in enumerate(iter_examples(cfg))
+        if not is_val_document(i, cfg.val_fraction)
+        for text, _ in PlainTemplate.pieces(messages)
+    )
+    tokenizer, eos = cache_tokenizer(out, tokenizer_file, vocab_size, texts)
     has_template = bool(chat_template_files(tokenizer_file))
     template = ChatTemplate(tokenizer_file, tokenizer) if has_template else PlainTemplate(tokenizer, eos)
 
