@@ -39,7 +39,8 @@ from meshlm.parallel.distributed import init_distributed, resolve_device
 from meshlm.parallel.engine import LossFn, ParallelModel
 from meshlm.parallel.materialize import is_meta_model
 from meshlm.parallel.mesh import Mesh, build_mesh, check_batch_and_schedule, parse_layout
-from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
+from meshlm.parallel.plan import ParallelPlan, plan_for
+from meshlm.parallel.strategies import check_model
 
 __all__ = ["Checkpoints", "init_mesh", "parallelize", "shutdown"]
 
@@ -121,7 +122,7 @@ def parallelize(
         raise ConfigError(f"parallelize: {error['loc'][0]}: {error['msg']}") from None
     plan = plan or plan_for(model)
     layout = mesh.layout
-    check_plan(model, plan, layout.tp, layout.pp, zero, sequence_parallel)
+    check_model(model, plan, layout, parallel.options())
     n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
     check_batch_and_schedule(layout, n_layers, micro_batches * layout.data_parallel, 1, virtual_stages, schedule)
     device = torch.device(mesh.device_mesh.device_type)

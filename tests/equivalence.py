@@ -55,7 +55,8 @@ from meshlm.checkpoint import (
 from meshlm.config import ParallelSection, TrainSection, load_config, parse_overrides
 from meshlm.model import ModelConfig, Transformer, preset
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.mesh import build_mesh, parse_layout, validate_layout
+from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.parallel.strategies import validate_layout
 from meshlm.testing import global_batch, mask_prompts, rank_threads
 from meshlm.train.optim import build_optimizer, lr_at, train_step
 from meshlm.train.trainer import train

@@ -36,10 +36,11 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.llama import causal_attention, rotary_tables
 from meshlm.observe.memory import ActivationMeter
 from meshlm.parallel import context_parallel as cpm
-from meshlm.parallel import engine
+from meshlm.parallel import data_parallel
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout, validate_layout
+from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
 from meshlm.parallel.plan import ParallelPlan, PlanError
+from meshlm.parallel.strategies import validate_layout
 from meshlm.plan.hardware import hardware
 from meshlm.plan.memory import Strategy, Workload, layer_activation_bytes, logits_bytes
 from meshlm.plan.step_time import cp_attention_factor, cp_layer_time, step_time
@@ -204,7 +205,7 @@ def cp_gradients_not_reduced() -> Iterator[list]:
         fired.append(1)
         return mesh.group("dp")
 
-    with _patched(engine, "replica_group", dp_only):
+    with _patched(data_parallel, "replica_group", dp_only):
         yield fired
 
 

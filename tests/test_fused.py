@@ -29,7 +29,7 @@ from torch import nn
 import meshlm
 from meshlm.model.init import fill_
 from meshlm.parallel.mesh import build_mesh, parse_layout
-from meshlm.parallel.plan import check_plan
+from meshlm.parallel.plan import check_tp_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt2 import GPT2, GPT2_PLAN
@@ -330,9 +330,9 @@ BAD_BLOCKS = [
 def test_wrong_block_spec_is_one_line(tp: int, style: object, message: str | None) -> None:
     model = Phi3()
     if message is None:
-        check_plan(model, _plan(style), tp=tp, pp=1, zero=0, sequence_parallel=False)
+        check_tp_plan(model, _plan(style), tp, False)
         return
     with pytest.raises(meshlm.PlanError) as err:
-        check_plan(model, _plan(style), tp=tp, pp=1, zero=0, sequence_parallel=False)
+        check_tp_plan(model, _plan(style), tp, False)
     assert re.search(message, str(err.value)) and "\n" not in str(err.value), str(err.value)
     assert "layers.0.self_attn.qkv_proj" in str(err.value) or "style" in str(err.value)

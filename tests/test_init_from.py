@@ -28,7 +28,8 @@ from meshlm.model.hf import read_hf_config  # noqa: E402
 from meshlm.model.llama import Transformer  # noqa: E402
 from meshlm.model.pretrained import HFWeights  # noqa: E402
 from meshlm.parallel.engine import ParallelModel  # noqa: E402
-from meshlm.parallel.mesh import build_mesh, parse_layout, validate_layout  # noqa: E402
+from meshlm.parallel.mesh import build_mesh, parse_layout  # noqa: E402
+from meshlm.parallel.strategies import validate_layout  # noqa: E402
 from meshlm.testing import global_batch  # noqa: E402
 from meshlm.train.trainer import fit, open_init_from  # noqa: E402
 

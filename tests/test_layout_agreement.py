@@ -12,7 +12,8 @@ import pytest
 
 from meshlm.model import preset
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.mesh import Layout, LayoutError, validate_layout
+from meshlm.parallel.mesh import Layout, LayoutError
+from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, check_layout, validate_layout
 from meshlm.plan import Workload
 from meshlm.plan.memory import Strategy
 from meshlm.plan.search import Constraints, enumerate_strategies
@@ -59,7 +60,7 @@ def grid() -> list[tuple[Layout, Strategy, ModelConfig, int, int]]:
 
 
 def runtime_accepts(strategy: Strategy, model: ModelConfig, seq_len: int, global_batch: int) -> bool:
-    """What the trainer's check_config decides (meshlm.parallel.mesh.validate_layout)."""
+    """What the trainer's check_config decides (meshlm.parallel.strategies.validate_layout)."""
     s = strategy
     try:
         validate_layout(
@@ -113,17 +114,23 @@ def test_planner_accepts_exactly_what_the_runtime_accepts() -> None:
 
 
 def test_a_planner_only_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sharpness: a planner that skips the context-parallel check (as the search's own copy once did), or
-    adds a rule of its own, disagrees with the runtime on the grid."""
-    monkeypatch.setattr(search_module, "check_context_parallel", lambda *args, **kwargs: None)
+    """Sharpness: a planner that skips the context-parallel strategy's check (as the search's own copy once did),
+    or adds a rule of its own, disagrees with the runtime on the grid."""
+
+    def skipping_cp(spec: LayoutSpec) -> int:
+        for strategy in STRATEGIES:
+            if strategy.dim != "cp":
+                strategy.check_layout(spec)
+        return spec.n_micro
+
+    monkeypatch.setattr(search_module, "check_layout", skipping_cp)
     assert disagreements() != []
     monkeypatch.undo()
 
-    def stricter(layout: Layout, *args: object, **kwargs: object) -> int:
-        if layout.cp > 1 and layout.pp > 1:
+    def stricter(spec: LayoutSpec) -> int:
+        if spec.layout.cp > 1 and spec.layout.pp > 1:
             raise LayoutError("cp with pp")
-        return check(layout, *args, **kwargs)
+        return check_layout(spec)
 
-    check = search_module.check_batch_and_schedule
-    monkeypatch.setattr(search_module, "check_batch_and_schedule", stricter)
+    monkeypatch.setattr(search_module, "check_layout", stricter)
     assert disagreements() != []

@@ -33,7 +33,10 @@ from meshlm.model.moe import (
     router_z_loss,
     set_aux_loss_scale,
 )
-from meshlm.parallel.plan import PlanError, check_plan, plan_for
+from meshlm.parallel.mesh import Layout
+from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.plan import PlanError, plan_for
+from meshlm.parallel.strategies import check_model
 
 # The `test` preset's shape with a Qwen2-MoE-style feed-forward in layers 1-3: every option on (shared expert
 # and its gate, a dense first layer) and aux coefficients large enough that a missing aux gradient shows.
@@ -280,10 +283,10 @@ def test_tensor_and_context_parallel_are_refused_in_one_line() -> None:
         model = Transformer(MOE_MODEL)
     plan = plan_for(model)
     with pytest.raises(PlanError, match=r"^tp=2: tensor parallelism does not split mixture-of-experts layers"):
-        check_plan(model, plan, tp=2, pp=1, zero=0, sequence_parallel=False)
+        check_model(model, plan, Layout(tp=2), ParallelOptions())
     with pytest.raises(PlanError, match="has no context_parallel pattern"):
         apply_context_parallel(model, plan, group=None)
-    check_plan(model, plan, tp=1, pp=2, zero=3, sequence_parallel=False)  # the rest is accepted
+    check_model(model, plan, Layout(pp=2), ParallelOptions(zero=3))  # the rest is accepted
 
 
 # ---- training like one process -----------------------------------------------------------------------------------

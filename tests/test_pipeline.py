@@ -25,7 +25,7 @@ from meshlm.model import Transformer
 from meshlm.model.flops import part_costs
 from meshlm.model.llama import cross_entropy_loss
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout, validate_layout
+from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
 from meshlm.parallel.pipeline import PipelineError, split_model
 from meshlm.parallel.schedules import (
     SCHEDULES,
@@ -42,6 +42,7 @@ from meshlm.parallel.schedules import (
     validate,
 )
 from meshlm.parallel.stages import stage_layers
+from meshlm.parallel.strategies import validate_layout
 
 EIGHT_LAYERS = TEST_MODEL.replace(n_layers=8)
 

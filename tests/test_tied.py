@@ -30,7 +30,7 @@ from equivalence import (
 from meshlm.cli import main
 from meshlm.model import Transformer
 from meshlm.parallel.pipeline import TiedStages, split_model
-from meshlm.parallel.plan import ParallelPlan, PipelineSplit, PlanError, check_plan, plan_for
+from meshlm.parallel.plan import ParallelPlan, PipelineSplit, PlanError, check_tp_plan, plan_for
 
 TIED = TEST_MODEL.replace(tie_embeddings=True)
 OPTIMIZERS = ("adamw", "sgd")
@@ -209,17 +209,17 @@ def test_a_tied_hf_llama_object_under_tp2_matches_one_process():
 def test_a_tp_plan_that_splits_one_side_of_a_tie_is_refused():
     model = Transformer(TIED)
     plan = plan_for(model)
-    check_plan(model, plan, tp=2, pp=1, zero=0, sequence_parallel=False)  # both vocab-parallel: one shard
+    check_tp_plan(model, plan, 2, False)  # both vocab-parallel: one shard
     only_head = {k: v for k, v in plan.tensor_parallel.items() if k != "model.embed_tokens"}
     other_style = {**plan.tensor_parallel, "lm_head": "colwise"}
     for table, styles in ((only_head, "not in tensor_parallel) and lm_head (vocab_head"), (other_style, "colwise")):
         with pytest.raises(PlanError) as e:
-            check_plan(model, dataclasses.replace(plan, tensor_parallel=table), 2, 1, 0, False)
+            check_tp_plan(model, dataclasses.replace(plan, tensor_parallel=table), 2, False)
         line = str(e.value)
         assert "\n" not in line and "model.embed_tokens (" in line and styles in line
         assert "valid: model.embed_tokens: vocab_embedding and lm_head: vocab_head, or neither" in line
     untied = Transformer(TEST_MODEL)  # the same tables are fine without a tie
-    check_plan(untied, dataclasses.replace(plan, tensor_parallel=only_head), 2, 1, 0, False)
+    check_tp_plan(untied, dataclasses.replace(plan, tensor_parallel=only_head), 2, False)
 
 
 class SharedBlocks(torch.nn.Module):

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.parallel.expert_parallel import is_expert_param
+from meshlm.parallel.mesh import Mesh
+from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import ParallelPlan, plan_for, zero3_unit_groups
 from meshlm.parallel.timers import comm, timed_wait
 from meshlm.parallel.zero import (
@@ -531,3 +533,22 @@ class DataParallel:
             "grads": unique_storage_bytes(grads),
             "optimizer": unique_storage_bytes(state),
         }
+
+
+def zero_param_dtype(parallel: ParallelOptions, device_type: str, autocast_dtype: torch.dtype | None) -> torch.dtype:
+    """The working weights' dtype over fp32 master shards: `parallel.zero_param_dtype`, where 'auto' is bf16
+    under ZeRO ≥ 1 with bf16 autocast on CUDA (FSDP2's usual MixedPrecisionPolicy: the matmuls run in bf16
+    anyway, so gathers of bf16 weights halve the traffic and memory), else fp32 (zero 0 steps the fp32
+    weights themselves)."""
+    choice = parallel.zero_param_dtype
+    if choice == "auto":
+        cuda_bf16 = device_type == "cuda" and autocast_dtype == torch.bfloat16
+        choice = "bf16" if parallel.zero >= 1 and cuda_bf16 else "fp32"
+    return torch.bfloat16 if choice == "bf16" else torch.float32
+
+
+def replica_group(mesh: Mesh) -> dist.ProcessGroup:
+    """The ranks that hold the same (dense) weights and reduce gradients together: dp, and under context
+    parallel dp × cp (each cp rank's gradient covers only its tokens of the sequences), under expert parallel
+    dp × ep × cp (the experts' gradients are reduced over dp × cp only: meshlm.parallel.expert_parallel)."""
+    return mesh.group("replicas")

@@ -1,17 +1,15 @@
 """ParallelModel: a plain model as one rank holds it under a layout — what a training loop sees of parallelism.
 
-Composition order (each step transforms the output of the previous one, none touches the model code), each
-driven by the model's ParallelPlan (meshlm.parallel.plan), never by its attribute names:
-  1. tensor parallel  swaps the Linear/Embedding modules the plan names for sharded ones on the `tp` group;
-  2. pipeline         keeps only this rank's stage(s) of the plan's layers on the `pp` group;
-     expert parallel  keeps this rank's experts of every MoE layer, reached by all-to-all, on the `ep` group;
-  3. data parallel    / ZeRO owns gradient reduction and parameter / optimizer sharding on `dp`.
-Every gradient is correct after `forward_backward` (or `backward`) returns, so clipping and the optimizer
+Composition: each parallelism is a strategy (meshlm.parallel.strategies) with one contract — check the layout,
+check the model against its plan, apply — and `ParallelModel` runs every strategy's check, then applies them in
+order (tensor parallel, the fused loss, context parallel, expert parallel, pipeline, data parallel / ZeRO), each
+driven by the model's ParallelPlan (meshlm.parallel.plan), never by its attribute names. None touches the model
+code. Every gradient is correct after `forward_backward` (or `backward`) returns, so clipping and the optimizer
 are layout-agnostic, and any torch.optim optimizer steps what `parameters()` returns.
 
-A model built on the `meta` device goes through steps 1 and 2 as meta tensors; then each rank allocates
-only what it keeps (its tp slice of its stage, under ZeRO-3 only its flat shard), directly in the working
-dtype, and initialises it element by element (meshlm.parallel.materialize): set-up memory is the shard.
+A model built on the `meta` device goes through the module swaps and the pipeline split as meta tensors; then
+each rank allocates only what it keeps (its tp slice of its stage, under ZeRO-3 only its flat shard), directly
+in the working dtype, and initialises it element by element (meshlm.parallel.materialize): set-up memory is the shard.
 """
 
 from __future__ import annotations
@@ -24,13 +22,14 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
-from meshlm.model.moe import MoE, set_aux_loss_scale
+from meshlm.model.moe import set_aux_loss_scale
 from meshlm.parallel.data_parallel import ShardedTensor, squared_norm_sum
-from meshlm.parallel.fused_loss import HeadOutput, apply_fused_loss, fused_cross_entropy_sum
+from meshlm.parallel.fused_loss import HeadOutput, fused_cross_entropy_sum
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.plan import ParallelPlan, PlanError, check_plan, plan_for
+from meshlm.parallel.plan import ParallelPlan, PlanError, plan_for
+from meshlm.parallel.strategies import Build, apply_strategies, check_model
 from meshlm.parallel.timers import comm
 from meshlm.parallel.tp_shard import tp_shard
 from meshlm.ties import is_pp_tied, tied_aliases
@@ -61,25 +60,6 @@ def mesh_device(mesh: Mesh) -> torch.device:
     if mesh.device_mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_mesh.device_type)
-
-
-def zero_param_dtype(parallel: ParallelOptions, device_type: str, autocast_dtype: torch.dtype | None) -> torch.dtype:
-    """The working weights' dtype over fp32 master shards: `parallel.zero_param_dtype`, where 'auto' is bf16
-    under ZeRO ≥ 1 with bf16 autocast on CUDA (FSDP2's usual MixedPrecisionPolicy: the matmuls run in bf16
-    anyway, so gathers of bf16 weights halve the traffic and memory), else fp32 (zero 0 steps the fp32
-    weights themselves)."""
-    choice = parallel.zero_param_dtype
-    if choice == "auto":
-        cuda_bf16 = device_type == "cuda" and autocast_dtype == torch.bfloat16
-        choice = "bf16" if parallel.zero >= 1 and cuda_bf16 else "fp32"
-    return torch.bfloat16 if choice == "bf16" else torch.float32
-
-
-def replica_group(mesh: Mesh) -> dist.ProcessGroup:
-    """The ranks that hold the same (dense) weights and reduce gradients together: dp, and under context
-    parallel dp × cp (each cp rank's gradient covers only its tokens of the sequences), under expert parallel
-    dp × ep × cp (the experts' gradients are reduced over dp × cp only: meshlm.parallel.expert_parallel)."""
-    return mesh.group("replicas")
 
 
 class LossShapeError(PlanError):
@@ -125,11 +105,7 @@ class ParallelModel:
         self.autocast_dtype = autocast_dtype
         self.plan = plan = plan or plan_for(model)
         layout = mesh.layout
-        check_plan(model, plan, layout.tp, layout.pp, parallel.zero, parallel.sequence_parallel)
-        if layout.cp > 1:
-            from meshlm.parallel.context_parallel import check_cp_plan
-
-            check_cp_plan(model, plan)  # before tensor parallelism changes anything
+        check_model(model, plan, layout, parallel)  # every strategy's, before anything changes
         if layout.tp > 1 and loss_fn is not None and not gather_logits:
             raise PlanError(
                 "loss_fn: under tp the model's logits are sharded over the vocabulary; pass gather_logits=True "
@@ -139,103 +115,27 @@ class ParallelModel:
         self.tied_aliases = tied_aliases(model)  # a tied weight is named by its canonical name (meshlm.ties)
         meta_init = MetaInit(model, mesh_device(mesh)) if is_meta_model(model) else None
         self.device_type = meta_init.device.type if meta_init else next(model.parameters()).device.type
-        if layout.pp > 1:
-            from meshlm.parallel.pipeline import hidden_size
-
-            width = hidden_size(model, plan.pipeline)  # read before tp swaps the embedding
-        self.token_loss: LossFn = loss_fn or self._cross_entropy
-
-        if layout.tp > 1:
-            from meshlm.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
-
-            tp_state = apply_tensor_parallel(model, mesh.group("tp"), parallel.sequence_parallel, plan)
-            for m in model.modules():
-                if getattr(m, "vocab_head", False):
-                    m.gather_output = gather_logits
-            if loss_fn is None and not gather_logits:
-
-                def tp_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
-                    logits = getattr(output, "logits", output)
-                    return vocab_parallel_cross_entropy(logits, targets, tp_state.group, ignore_index)
-
-                self.token_loss = tp_loss
-
-        # ZeRO-3 frees the head's gathered weight when its unit's forward ends, before the loss runs: there the
-        # head keeps returning logits (docs/zero.md).
-        if fused_loss and loss_fn is None and not gather_logits and parallel.zero < 3:
-            apply_fused_loss(model, plan)
-
-        if layout.cp > 1:
-            from meshlm.parallel.context_parallel import apply_context_parallel
-
-            apply_context_parallel(model, plan, mesh.group("cp"), parallel.cp_attention)
-
-        if layout.ep > 1:
-            from meshlm.parallel.expert_parallel import apply_expert_parallel
-
-            for dim in ("tp", "pp", "cp"):
-                if mesh.size(dim) > 1:
-                    raise PlanError(f"ep={layout.ep} with {dim}={mesh.size(dim)} is not supported yet")
-            if parallel.zero_shard_size is not None:
-                raise PlanError(f"ep={layout.ep} does not compose with hybrid sharding (parallel.zero_shard_size) yet")
-            experts = [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
-            if parallel.zero == 3 and any(not p.requires_grad for p in experts):
-                raise PlanError(f"ep={layout.ep} with parallel.zero 3 does not support frozen experts yet")
-            apply_expert_parallel(model, mesh.group("ep"))
-
-        self.pipeline = None
-        if layout.pp > 1:
-            from meshlm.parallel.pipeline import split_model
-
-            self.chunks: list[nn.Module] = split_model(
-                model, mesh.rank("pp"), layout.pp, parallel.virtual_stages, plan=plan
-            )
-        else:
-            self.chunks = [model]
-        for chunk in self.chunks:  # MoE aux losses: each micro-batch's share, like the loss's / n_micro below
+        build = Build(
+            model,
+            mesh,
+            parallel,
+            plan,
+            n_micro,
+            engine=self,
+            meta_init=meta_init,
+            device_type=self.device_type,
+            autocast_dtype=autocast_dtype,
+            token_loss=loss_fn or self._cross_entropy,
+            loss_fn=loss_fn,
+            gather_logits=gather_logits,
+            fused_loss=fused_loss,
+            ignore_index=ignore_index,
+        )
+        apply_strategies(build)
+        self.chunks, self.token_loss = build.chunks, build.token_loss
+        self.pipeline, self.dp, self.tied = build.pipeline, build.dp, build.tied
+        for chunk in self.chunks:  # MoE aux losses: each micro-batch's share, like the loss's / n_micro
             set_aux_loss_scale(chunk, 1.0 / n_micro)
-        packed = self.replicas > 1 or parallel.zero > 0  # data parallel / ZeRO lays the parameters out
-        if meta_init is not None:
-            meta_init.replace_params(model, self.chunks, packed, packs_frozen=parallel.zero == 3)
-
-        if layout.pp > 1:
-            from meshlm.parallel.pipeline import PipelineSchedule
-
-            self.pipeline = PipelineSchedule(
-                self.chunks,
-                mesh.group("pp"),
-                schedule=parallel.schedule,
-                n_micro=n_micro,
-                loss_fn=self._scaled_loss,
-                autocast=self.autocast,
-                set_grad_sync=self.set_grad_sync,
-                seq_shards=layout.tp if parallel.sequence_parallel else 1,
-                hidden_size=width,
-            )
-
-        self.dp = None
-        if packed:
-            from meshlm.parallel.data_parallel import DataParallel
-
-            self.dp = DataParallel(
-                self.chunks,
-                replica_group(mesh),
-                zero=parallel.zero,
-                bucket_mb=parallel.bucket_mb,
-                shard_group_size=parallel.zero_shard_size,
-                param_dtype=zero_param_dtype(parallel, self.device_type, autocast_dtype),
-                reduce_dtype=torch.bfloat16 if parallel.zero_reduce_dtype == "bf16" else torch.float32,
-                plan=plan,
-                source=meta_init,
-                expert_group=mesh.group("dp_cp") if layout.ep > 1 else None,
-            )
-        if meta_init is not None:
-            meta_init.check_done()
-        self.tied = None
-        if layout.pp > 1:
-            from meshlm.parallel.pipeline import TiedStages
-
-            self.tied = TiedStages.build(model, self.chunks, plan.pipeline, mesh)
 
     # ---- the loss: per-token losses over the kept tokens of the global batch ---------------------------
     def count_tokens(self, targets: torch.Tensor) -> torch.Tensor:

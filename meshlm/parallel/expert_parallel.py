@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.model.moe import GroupedExperts, MoE
+from meshlm.parallel.mesh import Layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import PlanError
 from meshlm.parallel.timers import comm
 from meshlm.parallel.tp_shard import TPShard
@@ -122,15 +124,30 @@ class ShardedExperts(GroupedExperts):
         return out
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> int:
-    """Shard every MoE layer's experts of `model` over `group` (in place); return the number of MoE layers."""
-    ep = dist.get_world_size(group)
+def check_ep_model(model: nn.Module, layout: Layout, options: ParallelOptions) -> None:
+    """One-line PlanErrors for what expert parallelism cannot do exactly yet, before anything changes."""
+    ep = layout.ep
+    for dim in ("tp", "pp", "cp"):
+        if getattr(layout, dim) > 1:
+            raise PlanError(f"ep={ep} with {dim}={getattr(layout, dim)} is not supported yet")
+    if options.zero_shard_size is not None:
+        raise PlanError(f"ep={ep} does not compose with hybrid sharding (parallel.zero_shard_size) yet")
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise PlanError(f"ep={ep}: the model has no mixture-of-experts layers (meshlm.model.moe.MoE) to shard")
     for moe in layers:
         if moe.n_experts % ep:
             raise PlanError(f"model.n_experts ({moe.n_experts}) is not divisible by ep={ep}")
+    experts = [p for moe in layers for p in moe.experts.parameters()]
+    if options.zero == 3 and any(not p.requires_grad for p in experts):
+        raise PlanError(f"ep={ep} with parallel.zero 3 does not support frozen experts yet")
+
+
+def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> int:
+    """Shard every MoE layer's experts of `model` over `group` (in place); return the number of MoE layers.
+    The model is checked first (check_ep_model)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in layers:
         moe.experts = ShardedExperts(moe.experts, group)
     return len(layers)
 

@@ -86,24 +86,6 @@ def product(sizes: dict[str, int], *dims: str) -> str:
     return "×".join(d for d in dims if d != "ep" or d in sizes)
 
 
-def validate_layout(
-    layout: Layout,
-    model: ModelConfig,
-    global_batch: int,
-    micro_batch: int = 0,
-    virtual_stages: int = 1,
-    schedule: str = "1f1b",
-    seq_len: int = 0,
-    sequence_parallel: bool = False,
-    cp_attention: str = "ring",
-) -> int:
-    """Check that the model and batch split evenly over the layout; return micro-batches per replica."""
-    check_tensor_parallel(model, layout.tp, seq_len, sequence_parallel)
-    check_expert_parallel(model, layout)
-    check_context_parallel(model, layout.cp, layout.tp, seq_len, cp_attention, sequence_parallel)
-    return check_batch_and_schedule(layout, model.n_layers, global_batch, micro_batch, virtual_stages, schedule)
-
-
 def check_batch_and_schedule(
     layout: Layout,
     n_layers: int,
@@ -114,13 +96,17 @@ def check_batch_and_schedule(
 ) -> int:
     """The model-independent half of the layout checks (any nn.Module): the batch splits over dp × ep and
     micro-batches, the layers over pipeline chunks, and the schedule has enough micro-batches."""
-    pp, dp = layout.pp, layout.data_parallel
+    check_pipeline_chunks(layout, n_layers, virtual_stages, schedule)
+    n_micro = check_batch_split(layout, global_batch, micro_batch)
+    check_pipeline_schedule(layout, n_micro, schedule)
+    return n_micro
+
+
+def check_batch_split(layout: Layout, global_batch: int, micro_batch: int = 0) -> int:
+    """The batch splits over the data replicas (dp × ep) and each replica's rows into micro-batches of
+    `micro_batch` (0: one); return the micro-batches per replica."""
+    dp = layout.data_parallel
     name = "dp×ep" if layout.ep > 1 else "dp"
-    chunks = pp * virtual_stages
-    if chunks > n_layers:
-        raise LayoutError(f"pp×virtual_stages = {chunks} exceeds model.n_layers ({n_layers}); each chunk needs a layer")
-    if virtual_stages > 1 and schedule != "interleaved":
-        raise LayoutError(f"parallel.virtual_stages={virtual_stages} needs parallel.schedule = 'interleaved'")
     if global_batch % dp:
         raise LayoutError(f"train.global_batch ({global_batch}) is not divisible by {name}={dp}")
     local = global_batch // dp
@@ -129,7 +115,21 @@ def check_batch_and_schedule(
         raise LayoutError(
             f"train.micro_batch ({micro}) must divide the per-replica batch global_batch/{name} = {local}"
         )
-    n_micro = local // micro
+    return local // micro
+
+
+def check_pipeline_chunks(layout: Layout, n_layers: int, virtual_stages: int = 1, schedule: str = "1f1b") -> None:
+    """Each pipeline chunk gets a layer; virtual stages need the interleaved schedule."""
+    chunks = layout.pp * virtual_stages
+    if chunks > n_layers:
+        raise LayoutError(f"pp×virtual_stages = {chunks} exceeds model.n_layers ({n_layers}); each chunk needs a layer")
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise LayoutError(f"parallel.virtual_stages={virtual_stages} needs parallel.schedule = 'interleaved'")
+
+
+def check_pipeline_schedule(layout: Layout, n_micro: int, schedule: str = "1f1b") -> None:
+    """Enough micro-batches per replica for the schedule."""
+    pp = layout.pp
     if pp > 1 and schedule in ("1f1b", "interleaved", "zb1") and n_micro < pp:
         raise LayoutError(
             f"schedule {schedule} needs at least pp={pp} micro-batches per replica, got {n_micro} "
@@ -137,7 +137,6 @@ def check_batch_and_schedule(
         )
     if schedule == "interleaved" and pp > 1 and n_micro % pp:
         raise LayoutError(f"interleaved schedule needs micro-batches per replica ({n_micro}) divisible by pp={pp}")
-    return n_micro
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool) -> None:

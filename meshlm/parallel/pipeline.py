@@ -198,7 +198,7 @@ def hidden_size(model: nn.Module, split: PipelineSplit) -> int:
         return split.hidden_size
     for name in split.first:
         for m in model.get_submodule(name).modules():
-            if isinstance(m, nn.Embedding):
+            if isinstance(getattr(m, "embedding_dim", None), int):  # nn.Embedding, or tp's vocab-parallel one
                 return m.embedding_dim
     raise PlanError(
         f"pipeline split of {type(model).__name__}: set PipelineSplit.hidden_size (no first-stage embedding)"

@@ -14,8 +14,9 @@ modules only the first or the last stage runs. A new model family is one `Parall
 
 Patterns are `fnmatch` globs over module names (`model.layers.*.self_attn.q_proj`); ZeRO-3 units match a
 module name or a class name, and a tuple of patterns makes one unit of several modules. `plan_for(model)`
-picks the registered plan of a model's class, else a generic data-parallel / ZeRO plan. `check_plan`
-validates a plan against a model and a layout before anything is changed, so nothing is ever trained on a
+picks the registered plan of a model's class, else a generic data-parallel / ZeRO plan. The strategies'
+`check`s (meshlm.parallel.strategies.check_model) validate a plan against a model and a layout before anything
+is changed, so nothing is ever trained on a
 half-applied plan.
 """
 
@@ -156,45 +157,48 @@ def _matches(name: str, module: nn.Module, patterns: tuple[str, ...]) -> bool:
 
 
 # ---- checking a plan against a model and a layout -----------------------------------------------------
-def check_plan(model: nn.Module, plan: ParallelPlan, tp: int, pp: int, zero: int, sequence_parallel: bool) -> None:
-    """Raise a one-line PlanError naming the module if `plan` cannot be applied to `model` at this layout."""
+def check_tp_plan(model: nn.Module, plan: ParallelPlan, tp: int, sequence_parallel: bool) -> None:
+    """The plan's tensor_parallel table applies to `model` at `tp` (> 1): every pattern matches, every style
+    fits its module, ties are sharded alike; then the plan's own `check`."""
     cls = type(model).__name__
     names = dict(model.named_modules())
-    if tp > 1:
-        if not plan.tensor_parallel:
-            raise PlanError(f"plan {plan.name!r} for {cls} has no tensor_parallel table; tp={tp} needs one")
-        if sequence_parallel and not plan.sequence_parallel:
+    if not plan.tensor_parallel:
+        raise PlanError(f"plan {plan.name!r} for {cls} has no tensor_parallel table; tp={tp} needs one")
+    if sequence_parallel and not plan.sequence_parallel:
+        raise PlanError(
+            f"plan {plan.name!r}: {cls} does not support parallel.sequence_parallel (its forward needs the "
+            "full sequence, e.g. learned positions); use sequence_parallel = false"
+        )
+    for pattern, style in plan.tensor_parallel.items():
+        if not isinstance(style, FUSED_STYLES) and style not in TP_STYLES:
             raise PlanError(
-                f"plan {plan.name!r}: {cls} does not support parallel.sequence_parallel (its forward needs the "
-                "full sequence, e.g. learned positions); use sequence_parallel = false"
+                f"plan {plan.name!r}: style {style!r} for {pattern!r}; valid: {', '.join(TP_STYLES)}, "
+                "FusedColwise(blocks), InterleavedColwise(per_head)"
             )
-        for pattern, style in plan.tensor_parallel.items():
-            if not isinstance(style, FUSED_STYLES) and style not in TP_STYLES:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names if n):
+            raise PlanError(
+                f"plan {plan.name!r}: tensor_parallel pattern {pattern!r} matches no module of {cls} "
+                f"(modules: {_examples(names)})"
+            )
+    for name, module, style in tp_modules(model, plan):
+        _check_tp_module(plan, model, name, module, style, tp)
+    _check_tp_ties(model, plan, tp)
+    if plan.check is not None:
+        plan.check(model, tp)
+
+
+def check_zero3_units(model: nn.Module, plan: ParallelPlan) -> None:
+    """Every entry of the plan's zero3_units matches a module name or class of `model`."""
+    cls = type(model).__name__
+    names = dict(model.named_modules())
+    for entry in plan.zero3_units:
+        patterns = entry if isinstance(entry, tuple) else (entry,)
+        for pattern in patterns:
+            if not any(_matches(n, m, (pattern,)) for n, m in names.items() if n):
                 raise PlanError(
-                    f"plan {plan.name!r}: style {style!r} for {pattern!r}; valid: {', '.join(TP_STYLES)}, "
-                    "FusedColwise(blocks), InterleavedColwise(per_head)"
+                    f"plan {plan.name!r}: zero3_units entry {pattern!r} matches no module name or class of "
+                    f"{cls} (modules: {_examples(names)})"
                 )
-            if not any(fnmatch.fnmatchcase(n, pattern) for n in names if n):
-                raise PlanError(
-                    f"plan {plan.name!r}: tensor_parallel pattern {pattern!r} matches no module of {cls} "
-                    f"(modules: {_examples(names)})"
-                )
-        for name, module, style in tp_modules(model, plan):
-            _check_tp_module(plan, model, name, module, style, tp)
-        _check_tp_ties(model, plan, tp)
-        if plan.check is not None:
-            plan.check(model, tp)
-    if zero == 3:
-        for entry in plan.zero3_units:
-            patterns = entry if isinstance(entry, tuple) else (entry,)
-            for pattern in patterns:
-                if not any(_matches(n, m, (pattern,)) for n, m in names.items() if n):
-                    raise PlanError(
-                        f"plan {plan.name!r}: zero3_units entry {pattern!r} matches no module name or class of "
-                        f"{cls} (modules: {_examples(names)})"
-                    )
-    if pp > 1:
-        check_pipeline_split(model, plan, pp)
 
 
 def _check_tp_module(

@@ -91,7 +91,7 @@ HF_DECODER = ParallelPlan(
 # DP, ZeRO 0-3 (a layer, experts included, is one ZeRO-3 unit) and pipeline stages take MoE layers as they are.
 # Tensor parallelism does not split routed experts yet and context parallelism would cut the sequences the
 # balancing loss is defined over: both are refused in one line. The attention-only table below only lets the
-# refusal name the reason (check_plan matches every pattern before it calls `check`).
+# refusal name the reason (check_tp_plan matches every pattern before it calls `check`).
 MOE_ATTENTION_TP = {pattern: style for pattern, style in DECODER_TP.items() if ".mlp." not in pattern}
 
 

@@ -48,7 +48,7 @@ from meshlm.parallel.plan import (
     FusedColwise,
     InterleavedColwise,
     ParallelPlan,
-    check_plan,
+    check_tp_plan,
     fused_widths,
     plan_for,
     tp_modules,
@@ -185,6 +185,10 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * weight.shape[0]
         local_pad = None if padding_idx is None else padding_idx - self.vocab_start
         self.padding_idx = local_pad if local_pad is not None and 0 <= local_pad < weight.shape[0] else None
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.weight.shape[1]  # whole on every rank: the rows (the vocabulary) are what is sharded
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         sp = self.tp.sequence_parallel
@@ -325,7 +329,7 @@ def apply_tensor_parallel(
     anything changes."""
     plan = plan or plan_for(model)
     tp = TPState(group, dist.get_rank(group), dist.get_world_size(group), sequence_parallel)
-    check_plan(model, plan, tp=tp.size, pp=1, zero=0, sequence_parallel=sequence_parallel)
+    check_tp_plan(model, plan, tp.size, sequence_parallel)
     sharder = _Sharder(model, plan, tp)
     for name, module, style in list(tp_modules(model, plan)):
         parallel = sharder.build(name, module, style)

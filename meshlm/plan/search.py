@@ -16,13 +16,8 @@ from typing import Literal
 from meshlm.config import Config
 from meshlm.errors import InputError
 from meshlm.model.flops import param_counts
-from meshlm.parallel.mesh import (
-    Layout,
-    LayoutError,
-    check_batch_and_schedule,
-    check_context_parallel,
-    check_tensor_parallel,
-)
+from meshlm.parallel.mesh import Layout, LayoutError
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.plan.cost import DEFAULT_COSTS, CostModel, nodes_of, rates, run_cost
 from meshlm.plan.hardware import GB, Hardware, hardware
 from meshlm.plan.memory import (
@@ -162,14 +157,16 @@ def _loosest(mesh: Layout, micro_batch: int | None) -> Strategy:
 
 def layout_problem(w: Workload, s: Strategy, chunks: int, uneven: bool = True) -> tuple[str, str] | None:
     """Why the runtime would refuse strategy `s` for this workload, as (reason, detail), or None. These are
-    the trainer's own checks (meshlm.parallel.mesh.validate_layout's three parts; `chunks`, the most pipeline
+    the trainer's own checks (every strategy's check_layout, meshlm.parallel.strategies; `chunks`, the most pipeline
     chunks the modelled runtime cuts the model into, is n_layers for meshlm's), so the planner never proposes
     a layout the trainer refuses nor leaves out one it runs. `uneven=False` adds the planner-only preference
     for n_layers divisible by the pipeline split. A micro_batch of 0 is the whole replica batch."""
+    spec = LayoutSpec(
+        w.model, s.mesh, w.global_batch, s.micro_batch, s.virtual_stages, s.schedule, w.seq_len,
+        s.sequence_parallel, s.cp_attention, n_layers=chunks,
+    )  # fmt: skip
     try:
-        check_tensor_parallel(w.model, s.tp, w.seq_len, s.sequence_parallel)
-        check_context_parallel(w.model, s.cp, s.tp, w.seq_len, s.cp_attention, s.sequence_parallel)
-        check_batch_and_schedule(s.mesh, chunks, w.global_batch, s.micro_batch, s.virtual_stages, s.schedule)
+        check_layout(spec)
     except LayoutError as e:
         return re.sub(r"(?<![A-Za-z])\d+(?![A-Za-z])", "N", str(e)), str(e)  # reason: the message, numbers as N
     split = s.pp * s.virtual_stages

@@ -55,8 +55,9 @@ from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.fp8 import apply_fp8, check_fp8_device
-from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout, validate_layout
-from meshlm.parallel.plan import ParallelPlan, check_plan, plan_for
+from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout
+from meshlm.parallel.plan import ParallelPlan, plan_for
+from meshlm.parallel.strategies import check_model, validate_layout
 from meshlm.train import signals
 from meshlm.train.compile import compile_blocks
 from meshlm.train.guards import (
@@ -126,7 +127,7 @@ def check_user_layout(cfg: Config, world_size: int, model: nn.Module, parts: Tra
     layout = parse_layout(cfg.parallel.layout, world_size)
     plan = parts.plan or plan_for(model)
     check_adaptation(model, cfg, plan)
-    check_plan(model, plan, layout.tp, layout.pp, cfg.parallel.zero, cfg.parallel.sequence_parallel)
+    check_model(model, plan, layout, cfg.parallel.options())
     n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
     n_micro = check_batch_and_schedule(
         layout, n_layers, cfg.train.global_batch, cfg.train.micro_batch, cfg.parallel.virtual_stages,

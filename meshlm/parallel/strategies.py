@@ -1,0 +1,361 @@
+"""The parallel layer's contract: each parallelism is a Strategy, and ParallelModel composes them in a loop.
+
+A strategy owns one mesh dimension and three steps, each a call into its own module:
+
+  check_layout(spec)                   sizes only — the model's shape, the batch, the sequence; no model, no
+                                       torch. The run config's validation (`check_layout`) and the planner's
+                                       search (meshlm.plan.search) call exactly these, so they accept the same
+                                       layouts (tests/test_layout_agreement.py).
+  check(model, plan, layout, options)  the model in hand against its plan, before anything changes: a one-line
+                                       PlanError naming the module (`check_model`: trainer, `parallelize`,
+                                       ParallelModel).
+  apply(build)                         transforms this rank's model in place (`build.model`, `build.chunks`)
+                                       and records, on every parameter it cuts, its placement (a TPShard,
+                                       meshlm.parallel.tp_shard: along which dim, which runs of the full tensor).
+
+STRATEGIES lists them in composition order: tensor parallel swaps the modules its plan names for sharded ones;
+the fused loss (not a mesh dimension, but a transform of the head that must see tp's) fuses the head with the
+cross-entropy; context parallel swaps the attention cores; expert parallel keeps this rank's experts; pipeline
+parallel keeps this rank's stages; data parallel / ZeRO lays out what is left (materialising a meta-built
+model's shard on the device) and owns gradient reduction. A new strategy is one class here and one module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from meshlm.model.config import ModelConfig
+from meshlm.parallel.mesh import (
+    Layout,
+    check_batch_split,
+    check_context_parallel,
+    check_expert_parallel,
+    check_pipeline_chunks,
+    check_pipeline_schedule,
+    check_tensor_parallel,
+)
+from meshlm.parallel.options import ParallelOptions
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from meshlm.parallel.data_parallel import DataParallel
+    from meshlm.parallel.engine import ParallelModel
+    from meshlm.parallel.materialize import MetaInit
+    from meshlm.parallel.mesh import Mesh
+    from meshlm.parallel.pipeline import PipelineSchedule, TiedStages
+    from meshlm.parallel.plan import ParallelPlan
+
+LossFn = Callable[[object, "torch.Tensor"], "torch.Tensor"]
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """What a layout is checked against without a model in hand. `n_layers` bounds the pipeline chunks (the
+    model's layers; the planner passes the chunks its modelled runtime cuts)."""
+
+    model: ModelConfig
+    layout: Layout
+    global_batch: int
+    micro_batch: int = 0
+    virtual_stages: int = 1
+    schedule: str = "1f1b"
+    seq_len: int = 0
+    sequence_parallel: bool = False
+    cp_attention: str = "ring"
+    n_layers: int = 0
+
+    @property
+    def n_micro(self) -> int:
+        """Micro-batches per replica; a one-line LayoutError if the batch does not split over dp × ep."""
+        return check_batch_split(self.layout, self.global_batch, self.micro_batch)
+
+
+@dataclass
+class Build:
+    """One ParallelModel being assembled: what the strategies read, and what they leave for the engine."""
+
+    model: nn.Module
+    mesh: Mesh
+    options: ParallelOptions
+    plan: ParallelPlan
+    n_micro: int
+    engine: ParallelModel  # the pipeline schedule's callbacks: the scaled loss, autocast, the grad-sync switch
+    meta_init: MetaInit | None
+    device_type: str
+    autocast_dtype: torch.dtype | None
+    token_loss: LossFn  # per-token losses; tensor parallel makes it vocabulary-parallel
+    loss_fn: LossFn | None = None  # the user's, if any
+    gather_logits: bool = False
+    fused_loss: bool = False
+    ignore_index: int = -100
+    chunks: list[nn.Module] = field(default_factory=list)
+    pipeline: PipelineSchedule | None = None
+    dp: DataParallel | None = None
+    tied: TiedStages | None = None
+
+
+class Strategy(Protocol):
+    dim: str  # the mesh dimension it owns ("" for a transform that is not one)
+
+    def enabled(self, layout: Layout, options: ParallelOptions) -> bool: ...
+
+    def check_layout(self, spec: LayoutSpec) -> None: ...
+
+    def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None: ...
+
+    def apply(self, build: Build) -> None: ...
+
+
+class TensorParallel:
+    """meshlm.parallel.tensor_parallel: the plan's Linear/Embedding modules sharded over `tp` (TPShard)."""
+
+    dim = "tp"
+
+    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
+        return layout.tp > 1
+
+    def check_layout(self, spec: LayoutSpec) -> None:
+        check_tensor_parallel(spec.model, spec.layout.tp, spec.seq_len, spec.sequence_parallel)
+
+    def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
+        from meshlm.parallel.plan import check_tp_plan
+
+        check_tp_plan(model, plan, layout.tp, options.sequence_parallel)
+
+    def apply(self, build: Build) -> None:
+        from meshlm.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+
+        tp = apply_tensor_parallel(build.model, build.mesh.group("tp"), build.options.sequence_parallel, build.plan)
+        for m in build.model.modules():
+            if getattr(m, "vocab_head", False):
+                m.gather_output = build.gather_logits
+        if build.loss_fn is None and not build.gather_logits:
+            ignore_index = build.ignore_index
+
+            def tp_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
+                logits = getattr(output, "logits", output)
+                return vocab_parallel_cross_entropy(logits, targets, tp.group, ignore_index)
+
+            build.token_loss = tp_loss
+
+
+class FusedLoss:
+    """meshlm.parallel.fused_loss: the vocabulary head and meshlm's cross-entropy computed together, chunk by
+    chunk (vocabulary-parallel after tensor parallel). Only for meshlm's own loss on logits it never returns.
+    ZeRO-3 frees the head's gathered weight when its unit's forward ends, before the loss runs: there the head
+    keeps returning logits (docs/zero.md)."""
+
+    dim = ""
+
+    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
+        return options.zero < 3
+
+    def check_layout(self, spec: LayoutSpec) -> None:
+        pass
+
+    def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
+        pass
+
+    def apply(self, build: Build) -> None:
+        from meshlm.parallel.fused_loss import apply_fused_loss
+
+        if build.fused_loss and build.loss_fn is None and not build.gather_logits:
+            apply_fused_loss(build.model, build.plan)
+
+
+class ContextParallel:
+    """meshlm.parallel.context_parallel: each rank holds part of every sequence; ring or Ulysses attention."""
+
+    dim = "cp"
+
+    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
+        return layout.cp > 1
+
+    def check_layout(self, spec: LayoutSpec) -> None:
+        lay = spec.layout
+        check_context_parallel(spec.model, lay.cp, lay.tp, spec.seq_len, spec.cp_attention, spec.sequence_parallel)
+
+    def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
+        from meshlm.parallel.context_parallel import check_cp_plan
+
+        check_cp_plan(model, plan)
+
+    def apply(self, build: Build) -> None:
+        from meshlm.parallel.context_parallel import apply_context_parallel
+
+        apply_context_parallel(build.model, build.plan, build.mesh.group("cp"), build.options.cp_attention)
+
+
+class ExpertParallel:
+    """meshlm.parallel.expert_parallel: each rank keeps E/ep of every MoE layer's experts, reached by all-to-all."""
+
+    dim = "ep"
+
+    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
+        return layout.ep > 1
+
+    def check_layout(self, spec: LayoutSpec) -> None:
+        check_expert_parallel(spec.model, spec.layout)
+
+    def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
+        from meshlm.parallel.expert_parallel import check_ep_model
+
+        check_ep_model(model, layout, options)
+
+    def apply(self, build: Build) -> None:
+        from meshlm.parallel.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(build.model, build.mesh.group("ep"))
+
+
+class PipelineParallel:
+    """meshlm.parallel.pipeline: this rank keeps its stage(s) of the plan's layers; a schedule runs them."""
+
+    dim = "pp"
+
+    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
+        return layout.pp > 1
+
+    def check_layout(self, spec: LayoutSpec) -> None:
+        n_layers = spec.n_layers or spec.model.n_layers
+        check_pipeline_chunks(spec.layout, n_layers, spec.virtual_stages, spec.schedule)
+        check_pipeline_schedule(spec.layout, spec.n_micro, spec.schedule)
+
+    def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
+        from meshlm.parallel.pipeline import hidden_size
+        from meshlm.parallel.plan import check_pipeline_split
+
+        check_pipeline_split(model, plan, layout.pp)
+        hidden_size(model, plan.pipeline)
+
+    def apply(self, build: Build) -> None:
+        from meshlm.parallel.pipeline import PipelineSchedule, TiedStages, hidden_size, split_model
+
+        mesh, options, engine = build.mesh, build.options, build.engine
+        layout = mesh.layout
+        build.chunks = split_model(build.model, mesh.rank("pp"), layout.pp, options.virtual_stages, plan=build.plan)
+        build.pipeline = PipelineSchedule(
+            build.chunks,
+            mesh.group("pp"),
+            schedule=options.schedule,
+            n_micro=build.n_micro,
+            loss_fn=engine._scaled_loss,
+            autocast=engine.autocast,
+            set_grad_sync=engine.set_grad_sync,
+            seq_shards=layout.tp if options.sequence_parallel else 1,
+            hidden_size=hidden_size(build.model, build.plan.pipeline),
+        )
+        build.tied = TiedStages.build(build.model, build.chunks, build.plan.pipeline, mesh)
+
+
+class DataParallelism:
+    """meshlm.parallel.data_parallel: replicas average their gradients (overlapped, bucketed); ZeRO 1-3 shards
+    optimizer state, gradients and weights. Always applied: at one replica without ZeRO it only materialises a
+    meta-built model on the device."""
+
+    dim = "dp"
+
+    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
+        return True
+
+    def check_layout(self, spec: LayoutSpec) -> None:
+        spec.n_micro  # noqa: B018 — the property raises the one-line LayoutError
+
+    def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
+        from meshlm.parallel.plan import check_zero3_units
+
+        if options.zero == 3:
+            check_zero3_units(model, plan)
+
+    def apply(self, build: Build) -> None:
+        import torch
+
+        from meshlm.parallel.data_parallel import DataParallel, replica_group, zero_param_dtype
+
+        mesh, options = build.mesh, build.options
+        replicas = mesh.size("data") * mesh.size("cp")
+        packed = replicas > 1 or options.zero > 0  # data parallel / ZeRO lays the parameters out
+        if build.meta_init is not None:
+            build.meta_init.replace_params(build.model, build.chunks, packed, packs_frozen=options.zero == 3)
+        if packed:
+            build.dp = DataParallel(
+                build.chunks,
+                replica_group(mesh),
+                zero=options.zero,
+                bucket_mb=options.bucket_mb,
+                shard_group_size=options.zero_shard_size,
+                param_dtype=zero_param_dtype(options, build.device_type, build.autocast_dtype),
+                reduce_dtype=torch.bfloat16 if options.zero_reduce_dtype == "bf16" else torch.float32,
+                plan=build.plan,
+                source=build.meta_init,
+                expert_group=mesh.group("dp_cp") if mesh.layout.ep > 1 else None,
+            )
+        if build.meta_init is not None:
+            build.meta_init.check_done()
+
+
+STRATEGIES: tuple[Strategy, ...] = (
+    TensorParallel(),
+    FusedLoss(),
+    ContextParallel(),
+    ExpertParallel(),
+    PipelineParallel(),
+    DataParallelism(),
+)
+
+
+def check_layout(spec: LayoutSpec) -> int:
+    """Every strategy's size checks (one-line LayoutErrors); the micro-batches per replica."""
+    for strategy in STRATEGIES:
+        strategy.check_layout(spec)
+    return spec.n_micro
+
+
+def validate_layout(
+    layout: Layout,
+    model: ModelConfig,
+    global_batch: int,
+    micro_batch: int = 0,
+    virtual_stages: int = 1,
+    schedule: str = "1f1b",
+    seq_len: int = 0,
+    sequence_parallel: bool = False,
+    cp_attention: str = "ring",
+) -> int:
+    """Check that the model and batch split evenly over the layout; return micro-batches per replica."""
+    return check_layout(
+        LayoutSpec(
+            model, layout, global_batch, micro_batch, virtual_stages, schedule, seq_len, sequence_parallel, cp_attention
+        )
+    )
+
+
+def check_model(model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
+    """Every enabled strategy's check of `model` against `plan`, before anything changes (one-line PlanErrors)."""
+    for strategy in STRATEGIES:
+        if strategy.enabled(layout, options):
+            strategy.check(model, plan, layout, options)
+
+
+def apply_strategies(build: Build) -> None:
+    """Every enabled strategy's transform, in composition order."""
+    build.chunks = [build.model]
+    for strategy in STRATEGIES:
+        if strategy.enabled(build.mesh.layout, build.options):
+            strategy.apply(build)
+
+
+__all__ = [
+    "STRATEGIES",
+    "Build",
+    "LayoutSpec",
+    "Strategy",
+    "apply_strategies",
+    "check_layout",
+    "check_model",
+    "validate_layout",
+]
