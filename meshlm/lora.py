@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from meshlm.files import atomic_write
 from meshlm.model.lora import LoRAError, LoRALinear, LoRASpec
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -195,7 +196,7 @@ def export_peft(state: dict[str, torch.Tensor], spec: LoRASpec, directory: str |
         "init_lora_weights": True,
         "inference_mode": True,
     }
-    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    atomic_write(directory / ADAPTER_CONFIG, json.dumps(config, indent=2) + "\n")
     return directory
 
 

@@ -29,6 +29,7 @@ from meshlm.config import DataSection
 from meshlm.data.shards import SHARD_TOKENS, TokenShards, check_shards, open_split, write_shards
 from meshlm.data.sources import DataError, describe_source, iter_documents, source_files, source_fingerprint
 from meshlm.data.tokenizer import EOT, eot_id, train_tokenizer
+from meshlm.files import atomic_write
 
 if TYPE_CHECKING:
     import torch
@@ -317,7 +318,7 @@ def _tokenize_into(
         "builder": builder,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    atomic_write(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")  # last: the cache's commit
     log.info(
         "tokenized %s in %.1fs with %d process(es): %s tokens", source, time.perf_counter() - start, workers, tokens
     )

@@ -58,6 +58,7 @@ from meshlm.data.dataset import (
 from meshlm.data.sampler import GlobalBatchSampler, eval_windows
 from meshlm.data.sources import DataError, _walk
 from meshlm.errors import InputError
+from meshlm.files import atomic_write
 from meshlm.model.llama import IGNORE_INDEX
 
 FORMAT = "sft-1"
@@ -543,7 +544,7 @@ def _build_into(
         "builder": builder,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    atomic_write(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")  # last: the cache's commit
     log.info(
         "tokenized %d + %d examples of %s (%s) in %.1fs",
         counts["train"], counts["val"], cfg.source, template.name, time.perf_counter() - start,
