@@ -158,11 +158,12 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 
     cfg = _run_config(args.run_dir)
     model, _ = _load_run_model(args.run_dir, cfg)
-    tokenizer = prepare_data(cfg.data, model.cfg.vocab_size, init_tokenizer(cfg.model.init_from)).tokenizer
-    prompt = torch.tensor([encode(tokenizer, args.prompt)], dtype=torch.long)
+    data = prepare_data(cfg.data, model.cfg.vocab_size, init_tokenizer(cfg.model.init_from))
+    prompt = torch.tensor([encode(data.tokenizer, args.prompt)], dtype=torch.long)
     generator = torch.Generator().manual_seed(args.seed)
-    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, generator)
-    print(decode(tokenizer, out[0].tolist()))
+    stop = data.manifest.get("eos_id", data.manifest.get("eot_id"))  # what ends an SFT turn / a document
+    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, generator, stop)
+    print(decode(data.tokenizer, out[0].tolist()))
     return 0
 
 

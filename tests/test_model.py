@@ -120,6 +120,21 @@ def test_greedy_generation_is_deterministic_and_extends_prompt() -> None:
     assert a[0, 3] == expected_next[0]
 
 
+def test_generation_stops_at_the_stop_token() -> None:
+    """A row that samples the stop token keeps it; sampling ends when every row has (greedy: the token the
+    model picks first is made the stop token, so row 0 ends at once, row 1 later or never)."""
+    torch.manual_seed(0)
+    model = Transformer(SMALL)
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    free = generate(model, prompt, 6, temperature=0)
+    stop = int(free[0, 3])
+    out = generate(model, prompt, 6, temperature=0, stop_token=stop)
+    assert torch.equal(out[0, 3:], torch.full_like(out[0, 3:], stop))
+    row1 = free[1, 3:].tolist()
+    ends = row1.index(stop) + 1 if stop in row1 else 6
+    assert out.shape[1] == 3 + ends and out[1, 3:].tolist() == row1[:ends]
+
+
 def test_cross_entropy_matches_torch() -> None:
     logits, targets = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
     assert cross_entropy_loss(logits, targets).item() == pytest.approx(

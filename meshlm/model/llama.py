@@ -278,11 +278,17 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    stop_token: int | None = None,
 ) -> torch.Tensor:
-    """Sample continuations of `prompt` (batch, seq). temperature 0 means greedy."""
+    """Sample continuations of `prompt` (batch, seq). temperature 0 means greedy. With `stop_token` (the end of a
+    document or of a chat turn) a row that has sampled it keeps repeating it, and sampling ends once every row
+    has: the result is then shorter than prompt + max_new_tokens."""
     model.eval()
     tokens = prompt
+    done = torch.zeros(prompt.shape[0], 1, dtype=torch.bool, device=prompt.device)
     for _ in range(max_new_tokens):
+        if stop_token is not None and bool(done.all()):
+            break
         context = tokens[:, -model.cfg.max_seq_len :]
         logits = model(context)[:, -1, :].float()
         if temperature == 0:
@@ -293,5 +299,8 @@ def generate(
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             next_token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+        if stop_token is not None:
+            next_token = next_token.masked_fill(done, stop_token)
+            done |= next_token == stop_token
         tokens = torch.cat([tokens, next_token], dim=1)
     return tokens

@@ -157,10 +157,16 @@ class TiedStages:
     one-process model gets, so both take the same optimizer step. The last stage's copy is the `replica`:
     the gradient norm and checkpoints count the first stage's only."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, replica: bool) -> None:
-        self.params = params
+    def __init__(self, chunks: list[nn.Module], group: dist.ProcessGroup, replica: bool) -> None:
+        self.chunks = chunks
         self.group = group
         self.replica = replica
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """This end's trainable tied weights, read off its chunks when asked: a meta-built model's parameters
+        are replaced by real ones after the stages are cut."""
+        return tied_params(self.chunks)
 
     @classmethod
     def build(cls, model: nn.Module, chunks: list[nn.Module], split: PipelineSplit, mesh: Mesh) -> TiedStages | None:
@@ -168,11 +174,9 @@ class TiedStages:
         if not stage_ties(model, split):
             return None
         group = embedding_group(mesh)
-        held = (p for chunk in chunks for p in chunk.parameters() if is_pp_tied(p) and p.requires_grad)
-        params = list({id(p): p for p in held}.values())
-        if group is None or not params:
+        if group is None or not tied_params(chunks):
             return None
-        return cls(params, group, replica=mesh.rank("pp") == mesh.size("pp") - 1)
+        return cls(chunks, group, replica=mesh.rank("pp") == mesh.size("pp") - 1)
 
     @torch.no_grad()
     def all_reduce_grads(self, grads: list[torch.Tensor]) -> None:
@@ -180,6 +184,11 @@ class TiedStages:
         with comm("all_reduce"):
             for grad in grads:
                 dist.all_reduce(grad, group=self.group)
+
+
+def tied_params(chunks: list[nn.Module]) -> list[nn.Parameter]:
+    held = (p for chunk in chunks for p in chunk.parameters() if is_pp_tied(p) and p.requires_grad)
+    return list({id(p): p for p in held}.values())
 
 
 def _param_costs(model: nn.Module, split: PipelineSplit) -> tuple[float, float, float]:
@@ -249,10 +258,18 @@ class PipelineSchedule:
         self.seq_shards = seq_shards
         self.actions = build_schedule(schedule, self.size, n_micro, len(chunks))[self.rank]
         self.eval_actions = build_schedule(schedule, self.size, n_micro, len(chunks), forward_only=True)[self.rank]
-        param = next(chunks[0].parameters())
-        self.dtype, self.device = param.dtype, param.device
         self.dim = hidden_size or chunks[0].cfg.dim
         self.stats = StepStats()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype between stages: the working weights' (read when running: a meta-built model
+        is materialised, and ZeRO may hold bf16 working weights, after the schedule is made)."""
+        return next(self.chunks[0].parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.chunks[0].parameters()).device
 
     def stage(self, chunk: int) -> int:
         return chunk * self.size + self.rank
