@@ -160,9 +160,7 @@ class ParallelModel:
 
                 self.token_loss = tp_loss
 
-        # ZeRO-3 frees the head's gathered weight when its unit's forward ends, before the loss runs: there the
-        # head keeps returning logits (docs/zero.md).
-        if fused_loss and loss_fn is None and not gather_logits and parallel.zero < 3:
+        if fused_loss and loss_fn is None and not gather_logits:
             apply_fused_loss(model, plan)
 
         if layout.cp > 1:
