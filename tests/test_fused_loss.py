@@ -126,16 +126,22 @@ def _fused_runs(runs: list) -> list[tuple[int, list[float]]]:
 RUNS = [("", {}, {}), ("tp=2", {"sequence_parallel": True}, {}), ("pp=2", {}, {"micro_batch": 2}),
         ("dp=2", {"zero": 2}, {"micro_batch": 2}), ("dp=2", {"zero": 3}, {})]  # fmt: skip
 ZERO3_RUNS = [("dp=2", {"zero": 3}, {"micro_batch": 2}), ("pp=2", {"zero": 3}, {"micro_batch": 2})]  # accumulation
+TIED = TEST_MODEL.replace(tie_embeddings=True)
 ZERO3_RUNS_4 = [
     ("dp=2,tp=2", {"zero": 3, "sequence_parallel": True}, {}),
     ("pp=2,dp=2", {"zero": 3}, {"micro_batch": 2}),
+    ("pp=2,dp=2", {"schedule": "zb1", "zero": 3}, {"micro_batch": 1, "model_cfg": TIED}),  # the tie across stages
 ]
 
 
 def _assert_fused_runs_match(ref: dict, per_rank: list[list[tuple[int, list[float]]]], runs: list) -> None:
-    for i, (layout, par, _) in enumerate(runs):
+    tied_ref = None
+    for i, (layout, par, kw) in enumerate(runs):
+        if kw.get("model_cfg") == TIED:
+            tied_ref = tied_ref or train_layout("", masked=0.3, model_cfg=TIED)
         assert sum(rank[i][0] for rank in per_rank) > 0, f"{layout} {par}: the fused loss never ran"
-        assert_same_losses(ref, {"losses": per_rank[-1][i][1]})  # the last rank holds the pipeline's loss
+        losses = per_rank[-1][i][1]  # the last rank holds the pipeline's loss
+        assert_same_losses(tied_ref if kw.get("model_cfg") == TIED else ref, {"losses": losses})
 
 
 def test_training_with_the_fused_loss_matches_one_unfused_process() -> None:
@@ -144,7 +150,7 @@ def test_training_with_the_fused_loss_matches_one_unfused_process() -> None:
     _assert_fused_runs_match(ref, run_shared(_fused_runs, 2, RUNS[1:]), RUNS[1:])
 
 
-@pytest.mark.slow  # four more layouts, two of them on four gloo ranks: ~10 s on two cores
+@pytest.mark.slow  # five more layouts, three of them on four gloo ranks: ~20 s on two cores
 def test_fused_loss_under_zero3_with_accumulation_tp_and_pp_matches_one_unfused_process() -> None:
     ref = train_layout("", masked=0.3)
     _assert_fused_runs_match(ref, run_shared(_fused_runs, 2, ZERO3_RUNS), ZERO3_RUNS)
