@@ -14,10 +14,16 @@ logit are all-reduced over tp (three numbers per token, as in the vocabulary-par
 weight gradient is this rank's slice, and the hidden-state gradient is this rank's partial sum, which the
 head's own input region (Megatron's f operator, whose backward all-reduces) completes, as for the unfused head.
 The same FLOPs as the unfused head: one logits GEMM and two gradient GEMMs per token.
+
+Under ZeRO-3 the head's gathered weight outlives the head's forward: the unit's post-forward hook hands the
+HeadOutput a `release` (meshlm.parallel.zero.Zero3Hooks) instead of freeing the weight, and the loss calls it
+once its forward has run. Backward needs no weight (only the gradients computed in forward), so the weight is
+not gathered again for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +39,13 @@ CHUNK_ELEMENTS = 1 << 25  # logits per chunk: 32M (128 MiB in fp32), ~256 tokens
 
 @dataclass
 class HeadOutput:
-    """What a fused head returns instead of logits: its input (after the head's tp region) and weight."""
+    """What a fused head returns instead of logits: its input (after the head's tp region) and weight, and
+    under ZeRO-3 `release`, which frees the weight's gathered unit(s) once the loss has used it."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
     group: dist.ProcessGroup | None = None  # tp group: the weight is a vocabulary slice
+    release: Callable[[], None] | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -99,8 +107,14 @@ class _FusedLinearCrossEntropy(Function):
 
 def fused_cross_entropy_sum(head: HeadOutput, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Σ over kept targets of the cross-entropy of `head`'s logits (fp32), computed chunk by chunk without
-    materialising them; equal to `token_cross_entropy(logits, targets).sum()` on the full logits."""
-    return _FusedLinearCrossEntropy.apply(head.hidden, head.weight, targets, ignore_index, head.group)
+    materialising them; equal to `token_cross_entropy(logits, targets).sum()` on the full logits. Then the
+    head's weight is released (ZeRO-3 frees its gathered unit): backward does not read it."""
+    try:
+        return _FusedLinearCrossEntropy.apply(head.hidden, head.weight, targets, ignore_index, head.group)
+    finally:
+        if head.release is not None:
+            head.release()
+            head.release = None
 
 
 class FusedLinearHead(nn.Linear):

@@ -146,13 +146,12 @@ class TensorParallel:
 class FusedLoss:
     """meshlm.parallel.fused_loss: the vocabulary head and meshlm's cross-entropy computed together, chunk by
     chunk (vocabulary-parallel after tensor parallel). Only for meshlm's own loss on logits it never returns.
-    ZeRO-3 frees the head's gathered weight when its unit's forward ends, before the loss runs: there the head
-    keeps returning logits (docs/zero.md)."""
+    Under ZeRO-3 the head's unit stays gathered until the fused loss has run (docs/zero.md)."""
 
     dim = ""
 
     def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
-        return options.zero < 3
+        return True
 
     def check_layout(self, spec: LayoutSpec) -> None:
         pass

@@ -9,6 +9,7 @@ a whole buffer moves in one collective.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Protocol
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshlm.parallel.fused_loss import HeadOutput
 from meshlm.parallel.timers import timed_wait
 
 # torch 2.13 renamed the flat collectives; fall back to the older names (same semantics) on earlier versions.
@@ -243,6 +245,14 @@ class Unit:
         self.reshard()
 
 
+def _free_after_loss(units: list[Unit]) -> None:
+    """HeadOutput.release: free the units a fused head's forward finished with once its loss has run (unless
+    a backward has gathered them since)."""
+    for unit in units:
+        if not unit.in_backward:
+            unit.reshard()
+
+
 class Zero3Hooks:
     """Gather a unit just before its forward and its backward, prefetch the next one, free it just after.
 
@@ -286,8 +296,11 @@ class Zero3Hooks:
         if self.own[module].in_backward:
             return
         next_module = self.next_module[module]
-        for unit in self.needed[module]:
-            if next_module is None or unit not in self.needed[next_module]:
+        done = [u for u in self.needed[module] if next_module is None or u not in self.needed[next_module]]
+        if isinstance(output, HeadOutput):  # the fused loss computes with the weight after this forward
+            output.release = functools.partial(_free_after_loss, done)
+        else:
+            for unit in done:
                 unit.reshard()
         if torch.is_grad_enabled():
             outputs = output if isinstance(output, (tuple, list)) else (output,)
