@@ -378,7 +378,7 @@ def _compositions(runs: list) -> list[dict]:
     return [_train_both(*run) for run in runs]
 
 
-@pytest.mark.slow  # four compositions on four ranks: ~10 s
+@pytest.mark.slow  # five compositions on four ranks: ~12 s
 def test_pp_with_dp_and_zero():
     pytest.importorskip("meshlm.parallel.data_parallel")
     runs = [
@@ -386,6 +386,8 @@ def test_pp_with_dp_and_zero():
         ("pp=2,dp=2", {"schedule": "gpipe", "zero": 1}, 1),
         ("pp=2,dp=2", {"schedule": "zb1", "zero": 2}, 1),  # dp's reduce hooks fire in the W pass
         ("pp=2,dp=2", {"schedule": "zb1", "zero": 3}, 1),  # and ZeRO-3's re-gathers run in both passes
+        # 2 micro-batches: F0 B0 F1 B1 W0 W1 on the last stage; W0 frees the units, W1 must gather them again
+        ("pp=2,dp=2", {"schedule": "zb1", "zero": 3}, 2),
     ]
     for run, got in zip(runs, run_shared(_compositions, 4, runs)[0], strict=True):
         _assert_matches_reference(got, TEST_MODEL, run)

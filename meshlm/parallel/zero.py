@@ -293,15 +293,17 @@ class Zero3Hooks:
             following.unshard()
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
-        if self.own[module].in_backward:
-            return
-        next_module = self.next_module[module]
-        done = [u for u in self.needed[module] if next_module is None or u not in self.needed[next_module]]
-        if isinstance(output, HeadOutput):  # the fused loss computes with the weight after this forward
-            output.release = functools.partial(_free_after_loss, done)
-        else:
-            for unit in done:
-                unit.reshard()
+        # A unit in backward stays gathered: an activation-checkpointed block recomputing its forward, or (zb1)
+        # the next micro-batch's forward before this one's deferred weight gradients. Its outputs still get the
+        # pre-backward hook: that micro-batch's backward must find the unit gathered again if it was freed.
+        if not self.own[module].in_backward:
+            next_module = self.next_module[module]
+            done = [u for u in self.needed[module] if next_module is None or u not in self.needed[next_module]]
+            if isinstance(output, HeadOutput):  # the fused loss computes with the weight after this forward
+                output.release = functools.partial(_free_after_loss, done)
+            else:
+                for unit in done:
+                    unit.reshard()
         if torch.is_grad_enabled():
             outputs = output if isinstance(output, (tuple, list)) else (output,)
             for t in outputs:
