@@ -173,7 +173,7 @@ class ParallelModel:
         if layout.ep > 1:
             from meshlm.parallel.expert_parallel import apply_expert_parallel
 
-            for dim in ("tp", "pp", "cp"):
+            for dim in ("pp", "cp"):
                 if mesh.size(dim) > 1:
                     raise PlanError(f"ep={layout.ep} with {dim}={mesh.size(dim)} is not supported yet")
             if parallel.zero_shard_size is not None:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from meshlm.model.lora import LoRALinear
+from meshlm.model.moe import MoE
 from meshlm.parallel.mesh import LayoutError
 
 # ---- tensor-parallel styles ---------------------------------------------------------------------------
@@ -36,7 +38,8 @@ ROWWISE = "rowwise"  # Linear: input features split; partial outputs summed over
 VOCAB_EMBEDDING = "vocab_embedding"  # Embedding: vocabulary rows split; lookups summed over tp
 VOCAB_HEAD = "vocab_head"  # output Linear: vocabulary rows split; logits vocab-sharded or gathered
 SEQUENCE_PARALLEL = "sequence_parallel"  # a module run on sequence shards under SP (norms): its grads summed
-TP_STYLES = (COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, SEQUENCE_PARALLEL)
+MOE = "moe"  # meshlm MoE layer: experts' hidden units split, router whole, output summed over tp (parallel.tp_moe)
+TP_STYLES = (COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, SEQUENCE_PARALLEL, MOE)
 LINEAR_STYLES = (COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_HEAD)
 
 
@@ -215,6 +218,8 @@ def _check_tp_module(
         raise PlanError(f"{where}: {style} splits an nn.Linear; this module is not one")
     if style == VOCAB_EMBEDDING and not isinstance(module, nn.Embedding):
         raise PlanError(f"{where}: {style} splits an nn.Embedding; this module is not one")
+    if style == MOE:
+        _check_moe_module(where, module, tp)
     if style in (COLWISE, VOCAB_HEAD) and module.out_features % tp:
         raise PlanError(f"{where}: out_features {module.out_features} is not divisible by tp={tp}")
     if style == ROWWISE and module.in_features % tp:
@@ -231,6 +236,22 @@ def _check_tp_module(
                 f"{where}: {module.out_features} outputs = {heads} heads of {head_dim}; the head count must "
                 f"divide or be divisible by tp={tp}"
             )
+
+
+def _check_moe_module(where: str, module: nn.Module, tp: int) -> None:
+    """The `moe` style splits meshlm's MoE layer: each expert's hidden units (and the shared expert's) over tp."""
+    if not isinstance(module, MoE):
+        raise PlanError(f"{where}: {MOE} splits a mixture-of-experts layer (meshlm.model.moe.MoE); this is not one")
+    widths = {"experts' hidden size (model.moe_intermediate_size)": module.experts.gate_proj.shape[1]}
+    if module.shared_expert is not None:
+        widths["shared expert's hidden size (model.shared_expert_intermediate_size)"] = (
+            module.shared_expert.gate_proj.out_features
+        )
+    for what, width in widths.items():
+        if width % tp:
+            raise PlanError(f"{where}: the {what} {width} is not divisible by tp={tp}")
+    if any(isinstance(m, LoRALinear) for m in module.modules()):
+        raise PlanError(f"{where}: a LoRA adapter inside a mixture-of-experts layer is not supported under tp")
 
 
 # The dimension of a module's weight and bias that each style splits (None: every tp rank holds it whole).

@@ -11,6 +11,7 @@ keeps every parameter name, so state dicts keep their names (HF names for meshlm
     rowwise           RowParallelLinear        columns = the same slice; partial outputs summed, bias added once
     vocab_head        ColumnParallelLinear     vocabulary-sharded logits (or gathered, for inference)
     sequence_parallel the module itself        under SP its parameters' gradients are summed over tp
+    moe               TensorParallelMoE        each expert's hidden units split (parallel.tp_moe); output summed
 
 A column-parallel linear opens the tensor-parallel region on its input (copy_to_tp, or an all-gather along
 the sequence under SP), once per input tensor: q/k/v (or gate/up) reading one normed activation share one
@@ -41,6 +42,7 @@ from meshlm.parallel.plan import (
     COLWISE,
     COLWISE_HEADS,
     FUSED_STYLES,
+    MOE,
     ROWWISE,
     SEQUENCE_PARALLEL,
     VOCAB_EMBEDDING,
@@ -53,6 +55,7 @@ from meshlm.parallel.plan import (
     plan_for,
     tp_modules,
 )
+from meshlm.parallel.tp_moe import TensorParallelMoE
 from meshlm.parallel.tp_ops import (
     _all_reduce,
     copy_to_tp,
@@ -308,6 +311,8 @@ class _Sharder:
             if bias is not None and tp.sequence_parallel:
                 _sum_grad_over_tp(bias, tp)
             return RowParallelLinear(weight, bias, tp)
+        if style == MOE:
+            return TensorParallelMoE(module, tp, self.shard)
         if style == SEQUENCE_PARALLEL:
             if tp.sequence_parallel:
                 for p in module.parameters(recurse=False):
