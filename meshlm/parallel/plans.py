@@ -109,9 +109,9 @@ def _moe_tensor_parallel(cfg: ModelConfig) -> dict[str, str]:
 
 def _refuse_hf_moe_tp(model: nn.Module, tp: int) -> None:
     raise PlanError(
-        f"tp={tp}: tensor parallelism does not split Hugging Face mixture-of-experts layers yet "
-        f"({type(model).__name__} has routed experts); use tp=1 with dp / ZeRO, or meshlm's own model "
-        "(model.init_from) under tp (docs/moe.md)"
+        f"tp={tp}: tensor parallelism does not split mixture-of-experts layers of Hugging Face models yet "
+        f"({type(model).__name__} has routed experts); use tp=1 with dp / ZeRO, or meshlm's own model under tp "
+        "(docs/moe.md)"
     )
 
 
