@@ -16,9 +16,11 @@ from test_expert_parallel import meta_built
 from test_moe import MOE_MODEL
 
 from meshlm.model import Transformer
+from meshlm.model import init as element_init
 from meshlm.model.init import Normal, fill_
 from meshlm.parallel.mesh import LayoutError, parse_layout, validate_layout
-from meshlm.parallel.plan import MOE, PlanError, check_plan, plan_for
+from meshlm.parallel.plan import PlanError, SplitMoE, check_plan, plan_for
+from meshlm.parallel.plans import MOE_LAYER
 
 SAVED_AT = 5  # the ep=2×tp=2 checkpoint's step, resumed in one process
 
@@ -28,12 +30,13 @@ def test_moe_layers_get_the_moe_style_and_dense_layers_the_mlp_pair() -> None:
     with torch.device("meta"):
         model = Transformer(MOE_MODEL)  # layer 0 dense (first_k_dense=1), layers 1-3 MoE
     table = plan_for(model).tensor_parallel
-    assert [p for p, style in table.items() if style == MOE] == [f"model.layers.{i}.mlp" for i in (1, 2, 3)]
+    split = [pattern for pattern, style in table.items() if isinstance(style, SplitMoE)]
+    assert split == [f"model.layers.{i}.mlp" for i in (1, 2, 3)]
     assert "model.layers.*.mlp.gate_proj" in table  # the dense layer's colwise/rowwise pair
     check_plan(model, plan_for(model), tp=2, pp=2, zero=3, sequence_parallel=True)
     with torch.device("meta"):
         all_moe = Transformer(MOE_MODEL.replace(first_k_dense=0))
-    assert plan_for(all_moe).tensor_parallel["model.layers.*.mlp"] == MOE
+    assert plan_for(all_moe).tensor_parallel["model.layers.*.mlp"] == MOE_LAYER
     assert not any(".mlp." in p for p in plan_for(all_moe).tensor_parallel)  # no pattern matching nothing
 
 
@@ -61,18 +64,28 @@ def test_expert_widths_not_divisible_by_tp_are_one_line(changes: dict, message: 
     assert "is not divisible by tp=4" in str(e.value)
 
 
-def test_moe_style_on_another_module_is_one_line() -> None:
+@pytest.mark.parametrize(
+    ("pattern", "style", "message"),
+    [
+        ("model.layers.0.mlp", MOE_LAYER, r"module model.layers.0.mlp \(MLP, moe\): SplitMoE splits a mixture-of-exp"),
+        ("model.layers.1.mlp", SplitMoE((("experts.gate", 1),)), r"SplitMoE names 'experts.gate', which is no param"),
+        ("model.layers.1.mlp", SplitMoE((("router.weight", 0),)), r"SplitMoE names 'router.weight', which is no par"),
+    ],
+)
+def test_bad_moe_styles_are_one_line(pattern: str, style: SplitMoE, message: str) -> None:
     with torch.device("meta"):
         model = Transformer(MOE_MODEL)
     plan = plan_for(model)
-    bad = dataclasses.replace(plan, tensor_parallel={"model.layers.0.mlp": MOE, **plan.tensor_parallel})
-    with pytest.raises(PlanError, match=r"module model.layers.0.mlp \(MLP, moe\): moe splits a mixture-of-experts"):
+    bad = dataclasses.replace(plan, tensor_parallel={**plan.tensor_parallel, pattern: style})
+    with pytest.raises(PlanError, match=message) as e:
         check_plan(model, bad, tp=2, pp=1, zero=0, sequence_parallel=False)
+    assert "\n" not in str(e.value)
 
 
-def test_expert_init_slices_over_ep_and_tp_are_the_full_tensors_slices() -> None:
+def test_expert_init_slices_over_ep_and_tp_are_the_full_tensors_slices(monkeypatch: pytest.MonkeyPatch) -> None:
     """fill_ of an expert weight's slice along dim 0 (ep) and dim 1 or 2 (tp), from any flat start: the same
     elements as the whole tensor's."""
+    monkeypatch.setattr(element_init, "BLOCK_ELEMENTS", 64)  # two experts (rows of 30) per generated block
     shape, rule = (4, 6, 5), Normal(0.02)
     whole = fill_(torch.empty(120), rule, 3, "w", shape).view(shape)
     for tp_dim, local in ((1, (2, 3, 5)), (2, (2, 6, 2))):  # experts 2-3, and 3 of 6 or 2 of 5 hidden units

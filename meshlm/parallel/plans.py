@@ -17,7 +17,6 @@ from meshlm.parallel.mesh import LayoutError, check_tensor_parallel
 from meshlm.parallel.plan import (
     COLWISE,
     COLWISE_HEADS,
-    MOE,
     ROWWISE,
     SEQUENCE_PARALLEL,
     VOCAB_EMBEDDING,
@@ -25,6 +24,7 @@ from meshlm.parallel.plan import (
     ParallelPlan,
     PipelineSplit,
     PlanError,
+    SplitMoE,
     register_plan,
 )
 
@@ -91,20 +91,30 @@ HF_DECODER = ParallelPlan(
 
 # ---- mixture of experts (meshlm.model.moe; docs/moe.md) ------------------------------------------------------
 # DP, ZeRO 0-3 (a layer, experts included, is one ZeRO-3 unit), pipeline stages and expert parallelism take MoE
-# layers as they are. Under tp each MoE layer is one `moe` entry (meshlm.parallel.tp_moe: every expert's hidden
+# layers as they are. Under tp each MoE layer is one SplitMoE entry (meshlm.parallel.tp_moe: every expert's hidden
 # units split, the router whole, the output summed over tp), dense layers keep the MLP's colwise/rowwise pair.
 # Context parallelism would cut the sequences the balancing loss is defined over: refused (no context_parallel).
 MOE_ATTENTION_TP = {pattern: style for pattern, style in DECODER_TP.items() if ".mlp." not in pattern}
 DENSE_MLP_TP = {pattern: style for pattern, style in DECODER_TP.items() if ".mlp." in pattern}
+MOE_LAYER = SplitMoE(  # each parameter's dim of hidden units: stacked experts (E, h, dim) / (E, dim, h), shared MLP
+    hidden=(
+        ("experts.gate_proj", 1),
+        ("experts.up_proj", 1),
+        ("experts.down_proj", 2),
+        ("shared_expert.gate_proj.weight", 0),
+        ("shared_expert.up_proj.weight", 0),
+        ("shared_expert.down_proj.weight", 1),
+    )
+)
 
 
-def _moe_tensor_parallel(cfg: ModelConfig) -> dict[str, str]:
+def _moe_tensor_parallel(cfg: ModelConfig) -> dict[str, str | SplitMoE]:
     """The tp table of a meshlm MoE model: its MoE layers by index (every layer: one glob), the dense MLP's
     entries only when some layers are dense (every pattern must match a module)."""
     moe = cfg.moe_layers
     if len(moe) == cfg.n_layers:
-        return {**MOE_ATTENTION_TP, "model.layers.*.mlp": MOE}
-    return {**MOE_ATTENTION_TP, **DENSE_MLP_TP, **{f"model.layers.{i}.mlp": MOE for i in moe}}
+        return {**MOE_ATTENTION_TP, "model.layers.*.mlp": MOE_LAYER}
+    return {**MOE_ATTENTION_TP, **DENSE_MLP_TP, **{f"model.layers.{i}.mlp": MOE_LAYER for i in moe}}
 
 
 def _refuse_hf_moe_tp(model: nn.Module, tp: int) -> None:
