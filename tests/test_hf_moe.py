@@ -140,6 +140,26 @@ def test_init_from_reads_flat_ranges_across_experts(family: str, saved: dict[str
     weights.close()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_init_from_reads_expert_slices_over_ep_and_tp(family: str, saved: dict[str, Path]) -> None:
+    """Under ep × tp a rank holds some experts (dim 0) and a tp-th of their hidden units (dim 1 of gate/up,
+    dim 2 of down): the source reads exactly that slice, from any flat start."""
+    _, state = import_hf(saved[family])
+    weights = HFWeights(saved[family])
+    stacked = {name: t for name, t in state.items() if t.ndim == 3}
+    assert stacked
+    for name, tensor in stacked.items():
+        hidden_dim = 2 if name.endswith("down_proj") else 1
+        experts, width = tensor.shape[0] // 2, tensor.shape[hidden_dim] // 2
+        part = tensor.narrow(0, experts, experts).narrow(hidden_dim, width, width)
+        flat = part.reshape(-1)
+        for start in (0, flat.numel() // 3):
+            out = torch.empty(flat.numel() - start)
+            weights.fill(name, tensor.shape, part.shape, ((0, experts), (hidden_dim, width)), start, out)
+            assert torch.equal(out, flat[start:]), name
+    weights.close()
+
+
 def hf_config(family: str, **changes: object) -> dict:
     config_class, fields = FAMILIES[family]
     config = getattr(transformers, config_class)(**COMMON, **fields).to_dict()

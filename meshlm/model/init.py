@@ -43,6 +43,13 @@ InitRule = Normal | Constant
 TensorSlice = tuple[int, int] | tuple[tuple[int, int], ...]
 
 
+def slice_offsets(tp_slice: TensorSlice | None) -> tuple[tuple[int, int], ...]:
+    """A TensorSlice as one (dim, offset) pair per sliced dim; () for the whole tensor."""
+    if tp_slice is None:
+        return ()
+    return (tp_slice,) if isinstance(tp_slice[0], int) else tuple(tp_slice)
+
+
 def block_seed(seed: int, name: str, block: int) -> int:
     """A stable 63-bit seed for one block (Python's hash() is salted per process, so not that)."""
     digest = hashlib.blake2b(f"{seed}\0{name}\0{block}".encode(), digest_size=8).digest()
@@ -81,7 +88,7 @@ def fill_(
     local_shape = tuple(shape if local_shape is None else local_shape)
     rows, cols = _as_matrix(shape)
     local_cols = _as_matrix(local_shape)[1]
-    slices = () if tp_slice is None else (tp_slice,) if isinstance(tp_slice[0], int) else tuple(tp_slice)
+    slices = slice_offsets(tp_slice)
     row0 = sum(offset for dim, offset in slices if dim == 0)
     inner = [(dim, offset) for dim, offset in slices if dim > 0]  # narrowed within each generated row
     if len(local_shape) != len(shape) or any(
