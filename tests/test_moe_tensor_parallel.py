@@ -70,6 +70,7 @@ def test_expert_widths_not_divisible_by_tp_are_one_line(changes: dict, message: 
         ("model.layers.0.mlp", MOE_LAYER, r"module model.layers.0.mlp \(MLP, moe\): SplitMoE splits a mixture-of-exp"),
         ("model.layers.1.mlp", SplitMoE((("experts.gate", 1),)), r"SplitMoE names 'experts.gate', which is no param"),
         ("model.layers.1.mlp", SplitMoE((("router.weight", 0),)), r"SplitMoE names 'router.weight', which is no par"),
+        ("model.layers.1.mlp", SplitMoE((("gate.weight", 2),)), r"gate.weight \(4, 64\) has no dim 2; valid: 0..1$"),
     ],
 )
 def test_bad_moe_styles_are_one_line(pattern: str, style: SplitMoE, message: str) -> None:

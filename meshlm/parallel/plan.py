@@ -259,9 +259,11 @@ def _check_moe_module(where: str, module: nn.Module, style: SplitMoE, tp: int) -
     if not isinstance(module, MoE):
         raise PlanError(f"{where}: SplitMoE splits a mixture-of-experts layer (meshlm.model.moe.MoE); this is not one")
     for name, owner, attr, dim in moe_split_params(where, module, style):
-        shape = getattr(owner, attr).shape
-        if not 0 <= dim < len(shape) or shape[dim] % tp:
-            raise PlanError(f"{where}: {name} {tuple(shape)}: dim {dim} is not divisible by tp={tp}")
+        shape = tuple(getattr(owner, attr).shape)
+        if not 0 <= dim < len(shape):
+            raise PlanError(f"{where}: {name} {shape} has no dim {dim}; valid: 0..{len(shape) - 1}")
+        if shape[dim] % tp:
+            raise PlanError(f"{where}: {name} {shape}: dim {dim} ({shape[dim]}) is not divisible by tp={tp}")
     if any(isinstance(m, LoRALinear) for m in module.modules()):
         raise PlanError(f"{where}: a LoRA adapter inside a mixture-of-experts layer is not supported under tp")
 
