@@ -215,13 +215,13 @@ def _reference(kwargs: dict) -> dict:  # one process, no accumulation: the aux l
     return reference(model_cfg=MOE_MODEL, **{k: v for k, v in kwargs.items() if k != "micro_batch"})
 
 
-@pytest.mark.slow  # four 10-step runs, a meta build and three mutated runs on two ranks: ~70 s on 2 cores
+@pytest.mark.slow  # seven 10-step runs and a meta build on two spawned ranks: ~9 s on an idle 2-core VM, more loaded
 @pytest.mark.parametrize("name", list(RUNS2))
 def test_tp2_moe_trains_like_one_process(world2: dict, name: str) -> None:
     assert_close_runs(_reference(RUNS2[name][2]), world2[name])
 
 
-@pytest.mark.slow  # four runs, a meta build and a 5-step save on four ranks: ~2 min on 2 cores
+@pytest.mark.slow  # four runs, a meta build and a 5-step save on four spawned ranks: ~9 s idle, more loaded
 @pytest.mark.parametrize("name", list(RUNS4))
 def test_ep2_tp2_trains_like_one_process(world4: dict, name: str) -> None:
     assert_close_runs(_reference(RUNS4[name][2]), world4[name])
