@@ -46,7 +46,6 @@ def test_layouts_with_ep() -> None:
         ("ep=2", 2, preset("test"), 8, "parallel.layout ep=2 needs a mixture-of-experts model (model.n_experts > 0)"),
         ("dp=2,ep=2", 8, MOE_MODEL, 8, "pp×dp×ep×cp×tp = 4 but the world size is 8"),
         ("ep=4", 6, MOE_MODEL, 8, "pp×ep×cp×tp = 4 does not divide the world size 6"),
-        ("ep=2,tp=2", 4, MOE_MODEL, 8, "ep=2 with tp=2 is not supported yet"),
         ("ep=2,pp=2", 4, MOE_MODEL, 8, "ep=2 with pp=2 is not supported yet"),
         ("ep=2,cp=2", 4, MOE_MODEL, 8, "ep=2 with cp=2 is not supported yet"),
         ("dp=2,ep=2", 4, MOE_MODEL, 6, "train.global_batch (6) is not divisible by dp×ep=4"),

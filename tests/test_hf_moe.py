@@ -14,7 +14,10 @@ from distributed import run_shared
 from meshlm.model import Transformer
 from meshlm.model.hf import export_hf, import_hf, load_hf_into_model, model_config_from_hf, read_hf_config
 from meshlm.model.pretrained import HFWeights
-from meshlm.parallel.plan import PlanError, check_plan, plan_for
+from meshlm.parallel.mesh import Layout
+from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.plan import PlanError, plan_for
+from meshlm.parallel.strategies import check_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -140,6 +143,26 @@ def test_init_from_reads_flat_ranges_across_experts(family: str, saved: dict[str
     weights.close()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_init_from_reads_expert_slices_over_ep_and_tp(family: str, saved: dict[str, Path]) -> None:
+    """Under ep × tp a rank holds some experts (dim 0) and a tp-th of their hidden units (dim 1 of gate/up,
+    dim 2 of down): the source reads exactly that slice, from any flat start."""
+    _, state = import_hf(saved[family])
+    weights = HFWeights(saved[family])
+    stacked = {name: t for name, t in state.items() if t.ndim == 3}
+    assert stacked
+    for name, tensor in stacked.items():
+        hidden_dim = 2 if name.endswith("down_proj") else 1
+        experts, width = tensor.shape[0] // 2, tensor.shape[hidden_dim] // 2
+        part = tensor.narrow(0, experts, experts).narrow(hidden_dim, width, width)
+        flat = part.reshape(-1)
+        for start in (0, flat.numel() // 3):
+            out = torch.empty(flat.numel() - start)
+            weights.fill(name, tensor.shape, part.shape, ((0, experts), (hidden_dim, width)), start, out)
+            assert torch.equal(out, flat[start:]), name
+    weights.close()
+
+
 def hf_config(family: str, **changes: object) -> dict:
     config_class, fields = FAMILIES[family]
     config = getattr(transformers, config_class)(**COMMON, **fields).to_dict()
@@ -187,8 +210,8 @@ def test_hf_moe_plans_refuse_tensor_parallel_in_one_line() -> None:
         plan = plan_for(model)
         assert plan.name == "hf-moe"
         with pytest.raises(PlanError, match=r"^tp=2: tensor parallelism does not split mixture-of-experts layers"):
-            check_plan(model, plan, tp=2, pp=1, zero=3, sequence_parallel=False)
-        check_plan(model, plan, tp=1, pp=1, zero=3, sequence_parallel=False)
+            check_model(model, plan, Layout(tp=2, pp=1), ParallelOptions(zero=3, sequence_parallel=False))
+        check_model(model, plan, Layout(tp=1, pp=1), ParallelOptions(zero=3, sequence_parallel=False))
 
 
 # ---- the HF module trees under data parallel / ZeRO --------------------------------------------------------------

@@ -276,17 +276,15 @@ def test_moe_fields_need_experts(changes: dict, message: str) -> None:
         preset("test").replace(**changes)
 
 
-def test_tensor_and_context_parallel_are_refused_in_one_line() -> None:
+def test_context_parallel_is_refused_in_one_line_and_tensor_parallel_accepted() -> None:
     from meshlm.parallel.context_parallel import apply_context_parallel
 
     with torch.device("meta"):
         model = Transformer(MOE_MODEL)
     plan = plan_for(model)
-    with pytest.raises(PlanError, match=r"^tp=2: tensor parallelism does not split mixture-of-experts layers"):
-        check_model(model, plan, Layout(tp=2), ParallelOptions())
     with pytest.raises(PlanError, match="has no context_parallel pattern"):
         apply_context_parallel(model, plan, group=None)
-    check_model(model, plan, Layout(pp=2), ParallelOptions(zero=3))  # the rest is accepted
+    check_model(model, plan, Layout(tp=2, pp=2), ParallelOptions(zero=3, sequence_parallel=True))  # tp: test_moe_tp
 
 
 # ---- training like one process -----------------------------------------------------------------------------------

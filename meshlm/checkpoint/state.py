@@ -4,8 +4,7 @@ Keys are layout-free (`model/<name>`, `optim/<state>/<name>` for each per-elemen
 AdamW's exp_avg and exp_avg_sq, each of the full model's shape), so any layout can load what any other
 layout saved. This rank contributes the boxes it
 holds: ZeRO flat pieces cut into row boxes (shards.flat_range_boxes), placed by its TPShard (one box per run)
-or, for an expert-parallel rank's slice of stacked experts, by its EP placement (dim 0; never both: ep does not
-compose with tp).
+and, for an expert-parallel rank's slice of stacked experts, by its EP placement (dim 0; under ep × tp both).
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ import torch
 
 from meshlm.checkpoint.shards import Chunks, flat_range_boxes
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.expert_parallel import ep_shard
-from meshlm.parallel.tp_shard import tp_shard
+from meshlm.parallel.expert_parallel import placements
 
 
 def key_of(kind: str, name: str) -> str:
@@ -35,7 +33,7 @@ def training_entries(
     entries: dict[str, Chunks] = {}
     for kind, pieces in model.local_shards(optimizer, writer, frozen).items():
         for piece in pieces:
-            shard = tp_shard(params[piece.name]) or ep_shard(params[piece.name])
+            shards = placements(params[piece.name])
             entry = entries.setdefault(key_of(kind, piece.name), Chunks(shapes[piece.name], [], []))
             start = 0
             for offsets, sizes in flat_range_boxes(
@@ -44,15 +42,18 @@ def training_entries(
                 n = math.prod(sizes)
                 view = piece.local[start : start + n].view(sizes)
                 start += n
-                if shard is None:
-                    entry.views.append(view)
-                    entry.offsets.append(offsets)
-                    continue
-                # Along the tp dim the box may cross runs (a fused projection's blocks): one box per run.
-                d = shard.dim
-                for local, full, length in shard.runs(offsets[d], sizes[d]):
-                    entry.views.append(view.narrow(d, local - offsets[d], length))
-                    entry.offsets.append(tuple(full if i == d else o for i, o in enumerate(offsets)))
+                boxes = [(view, offsets)]  # local offsets, made full along each sharded dim in turn
+                for shard in shards:
+                    # Along the sharded dim a box may cross runs (a fused projection's blocks): one box per run.
+                    d = shard.dim
+                    boxes = [
+                        (v.narrow(d, local - o[d], length), tuple(full if i == d else x for i, x in enumerate(o)))
+                        for v, o in boxes
+                        for local, full, length in shard.runs(o[d], v.shape[d])
+                    ]
+                for v, o in boxes:
+                    entry.views.append(v)
+                    entry.offsets.append(o)
     return entries
 
 

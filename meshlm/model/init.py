@@ -38,6 +38,16 @@ class Constant:
 
 
 InitRule = Normal | Constant
+# Where a rank's slice begins in the full tensor: (dim, offset), or one such pair per sliced dim (a stacked
+# expert weight under expert and tensor parallelism: its experts along dim 0, its hidden units along another).
+TensorSlice = tuple[int, int] | tuple[tuple[int, int], ...]
+
+
+def slice_offsets(tp_slice: TensorSlice | None) -> tuple[tuple[int, int], ...]:
+    """A TensorSlice as one (dim, offset) pair per sliced dim; () for the whole tensor."""
+    if tp_slice is None:
+        return ()
+    return (tp_slice,) if isinstance(tp_slice[0], int) else tuple(tp_slice)
 
 
 def block_seed(seed: int, name: str, block: int) -> int:
@@ -64,29 +74,27 @@ def fill_(
     name: str,
     shape: Sequence[int],
     local_shape: Sequence[int] | None = None,
-    tp_slice: tuple[int, int] | None = None,
+    tp_slice: TensorSlice | None = None,
     start: int = 0,
 ) -> torch.Tensor:
     """Write elements [start, start + out.numel()) of the flattened tensor `local_shape` into `out` (1-D, any
     dtype and device): the slice of parameter `name` (full shape `shape`) that begins at `tp_slice = (dim,
-    offset)` (dim 0 or, for matrices, 1), or the whole parameter."""
+    offset)` (or at one such offset per sliced dim), or the whole parameter. A slice of dim 0 generates only
+    its rows; a slice of another dim generates its rows whole and keeps its part of each."""
     if out.numel() == 0:
         return out
     if isinstance(rule, Constant):
         return out.fill_(rule.value)
+    local_shape = tuple(shape if local_shape is None else local_shape)
     rows, cols = _as_matrix(shape)
-    local_rows, local_cols = _as_matrix(shape if local_shape is None else local_shape)
-    row0 = col0 = 0
-    if tp_slice is not None:
-        dim, offset = tp_slice
-        if dim == 0:
-            row0 = offset
-        elif dim == 1 and len(shape) == 2:
-            col0 = offset
-        else:
-            raise ValueError(f"{name}: element init slices dim 0, or dim 1 of a matrix; got dim {dim} of {shape}")
-    if row0 + local_rows > rows or col0 + local_cols > cols:
-        raise ValueError(f"{name}: slice {tuple(local_shape)} at {tp_slice} is outside the parameter {tuple(shape)}")
+    local_cols = _as_matrix(local_shape)[1]
+    slices = slice_offsets(tp_slice)
+    row0 = sum(offset for dim, offset in slices if dim == 0)
+    inner = [(dim, offset) for dim, offset in slices if dim > 0]  # narrowed within each generated row
+    if len(local_shape) != len(shape) or any(
+        not 0 <= dim < len(shape) or offset + local_shape[dim] > shape[dim] for dim, offset in slices
+    ):
+        raise ValueError(f"{name}: slice {local_shape} at {tp_slice} is outside the parameter {tuple(shape)}")
     end = start + out.numel()
     per_block = max(1, BLOCK_ELEMENTS // cols)
     row, last = start // local_cols, (end - 1) // local_cols  # local rows touched
@@ -96,7 +104,12 @@ def fill_(
         block_rows = min(per_block, rows - first_row)
         tile = _normal_block(seed, name, block, block_rows, cols, rule.std)
         stop = min(last + 1, first_row + block_rows - row0)  # local rows this block covers: [row, stop)
-        part = tile[row + row0 - first_row : stop + row0 - first_row, col0 : col0 + local_cols].reshape(-1)
+        part = tile[row + row0 - first_row : stop + row0 - first_row]
+        if inner:
+            part = part.view(-1, *shape[1:])
+            for dim, offset in inner:
+                part = part.narrow(dim, offset, local_shape[dim])
+        part = part.reshape(-1)
         lo, hi = max(start, row * local_cols), min(end, stop * local_cols)
         out[lo - start : hi - start].copy_(part[lo - row * local_cols : hi - row * local_cols])
         row = stop

@@ -138,6 +138,9 @@ class MoE(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False) if cfg.shared_expert_gate else None
         self.aux_loss_scale = 1.0  # gradient scale of this micro-batch's aux losses: 1/n_micro (set_aux_loss_scale)
+        # Ranks that each measure this layer's aux losses from the same routing and whose router gradients are
+        # summed (tensor parallel: tp, meshlm.parallel.tp_moe): each adds 1/aux_loss_split of the aux gradient.
+        self.aux_loss_split = 1
         self.last_aux_loss: torch.Tensor | None = None  # measured in the last training forward (detached)
         self.last_z_loss: torch.Tensor | None = None
 
@@ -170,7 +173,7 @@ class MoE(nn.Module):
             self.last_aux_loss, self.last_z_loss = aux.detach(), z.detach()
             if self.aux_loss_coef or self.z_loss_coef:
                 penalty = self.aux_loss_coef * aux + self.z_loss_coef * z
-                out = MoEAuxLossAutoScaler.apply(out, penalty, self.aux_loss_scale)
+                out = MoEAuxLossAutoScaler.apply(out, penalty, self.aux_loss_scale / self.aux_loss_split)
         return out
 
 

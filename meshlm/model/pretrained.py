@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from meshlm.files import atomic_copy
 from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint, hf_tensor_names, tied_names
+from meshlm.model.init import TensorSlice, slice_offsets
 
 TOKENIZER_NAME = "tokenizer.json"
 # What an HF directory's tokenizer consists of (recent transformers save a chat template as chat_template.jinja);
@@ -64,26 +65,32 @@ class HFWeights:
         name: str,
         shape: Sequence[int],
         local_shape: Sequence[int],
-        tp_slice: tuple[int, int] | None,
+        tp_slice: TensorSlice | None,
         start: int,
         out: torch.Tensor,
     ) -> None:
         """Write elements [start, start + out.numel()) of the flattened `local_shape` slice of parameter `name`
-        (full shape `shape`, tensor-parallel slice at `tp_slice = (dim, offset)` or whole) into `out`."""
+        (full shape `shape`, tensor-parallel slice at `tp_slice = (dim, offset)` or whole; a stacked expert
+        weight may be sliced along its experts and its hidden units at once) into `out`."""
         if out.numel() == 0:
             return
         stored = self.tensor_name(name)
-        dim, offset = tp_slice if tp_slice is not None else (0, 0)
         cols = math.prod(local_shape[1:]) if len(local_shape) > 1 else 1
         end = start + out.numel()
         first, last = start // cols, (end - 1) // cols  # local rows the range touches
         experts = hf_tensor_names(self.cfg, name)
         if len(experts) > 1:  # a stacked MoE weight: its rows are experts, each stored whole as its own tensor
-            if tp_slice is not None:
-                raise ValueError(f"{name}: stacked expert weights have no tensor-parallel slice to read")
-            rows = torch.stack([self.read(experts[e], (slice(None),)) for e in range(first, last + 1)]).reshape(-1)
+            slices = slice_offsets(tp_slice)  # experts (ep) along dim 0, hidden units (tp) along another
+            expert0 = sum(offset for d, offset in slices if d == 0)
+            index = [slice(None)] * (len(shape) - 1)
+            for d, offset in slices:
+                if d > 0:
+                    index[d - 1] = slice(offset, offset + local_shape[d])
+            parts = [self.read(experts[expert0 + e], tuple(index)) for e in range(first, last + 1)]
+            rows = torch.stack(parts).reshape(-1)
             out.copy_(rows[start - first * cols : end - first * cols])
             return
+        dim, offset = tp_slice if tp_slice is not None else (0, 0)
         if dim == 0:
             index = (slice(offset + first, offset + last + 1),)
         elif dim == 1 and len(shape) == 2:

@@ -19,7 +19,9 @@ mesh group "dp_cp"), the dense gradients over all data replicas (dp × ep × cp)
 
 Each sharded weight carries an `EPShard` placement (a TPShard along dim 0 under its own attribute, so tensor
 parallelism's readers never mistake it for theirs): checkpoints write it as a box of the full stacked
-tensor, so a checkpoint saved at one ep size loads at any other (meshlm.checkpoint.state).
+tensor, so a checkpoint saved at one ep size loads at any other (meshlm.checkpoint.state). Under ep × tp
+(meshlm.parallel.tp_moe) an expert weight also keeps its tp placement along its hidden dim: `placements`
+gives both, and the ep group is the ranks with the same tp rank, each exchanging its identical rows.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import PlanError
 from meshlm.parallel.timers import comm
-from meshlm.parallel.tp_shard import TPShard
+from meshlm.parallel.tp_shard import TPShard, set_tp_shard, tp_shard
 
 ATTR = "_meshlm_ep_shard"
 
@@ -46,6 +48,12 @@ def ep_shard(param: nn.Parameter) -> TPShard | None:
 
 def is_expert_param(param: nn.Parameter) -> bool:
     return ep_shard(param) is not None
+
+
+def placements(param: nn.Parameter) -> tuple[TPShard, ...]:
+    """Where this rank's tensor sits in the full one, one placement per sharded dim: its ep slice (dim 0 of
+    stacked experts) and its tp slice (any dim; under ep × tp an expert weight has both)."""
+    return tuple(shard for shard in (ep_shard(param), tp_shard(param)) if shard is not None)
 
 
 class AllToAll(torch.autograd.Function):
@@ -101,6 +109,8 @@ class ShardedExperts(GroupedExperts):
         for name, weight in weights.items():
             local = nn.Parameter(weight.detach()[start : start + self.n_local].clone(), weight.requires_grad)
             setattr(local, ATTR, TPShard(0, ((start, self.n_local),)))
+            if tp_shard(weight) is not None:  # under ep × tp: this tp rank's hidden units of each expert
+                set_tp_shard(local, tp_shard(weight))
             setattr(self, name, local)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -127,7 +137,7 @@ class ShardedExperts(GroupedExperts):
 def check_ep_model(model: nn.Module, layout: Layout, options: ParallelOptions) -> None:
     """One-line PlanErrors for what expert parallelism cannot do exactly yet, before anything changes."""
     ep = layout.ep
-    for dim in ("tp", "pp", "cp"):
+    for dim in ("pp", "cp"):
         if getattr(layout, dim) > 1:
             raise PlanError(f"ep={ep} with {dim}={getattr(layout, dim)} is not supported yet")
     if options.zero_shard_size is not None:

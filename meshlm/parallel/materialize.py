@@ -37,9 +37,9 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.errors import InputError
-from meshlm.model.init import InitRule, block_seed, fill_
-from meshlm.parallel.expert_parallel import ep_shard
-from meshlm.parallel.tp_shard import TPShard, tp_shard
+from meshlm.model.init import InitRule, TensorSlice, block_seed, fill_
+from meshlm.parallel.expert_parallel import placements
+from meshlm.parallel.tp_shard import TPShard
 from meshlm.ties import tied_aliases
 
 
@@ -102,9 +102,9 @@ class MetaInit:
         shard) into `out`; `name` defaults to the placeholder's."""
         name = self.pending[id(param)] if name is None else name
         name = self.aliases.get(name, name)
-        shard = tp_shard(param) or ep_shard(param)  # an expert-parallel slice of stacked experts: along dim 0
+        shards = placements(param)  # its tp slice, and an expert-parallel slice of stacked experts (dim 0)
         if self.source is not None or self.rules is not None:
-            for tp_slice, shape, first, part in _flat_runs(shard, param.shape, start, out):
+            for tp_slice, shape, first, part in _flat_runs(shards, param.shape, start, out):
                 if self.source is not None:
                     self.source.fill(name, self.shapes[name], shape, tp_slice, first, part)
                 else:
@@ -115,7 +115,7 @@ class MetaInit:
         else:
             path, _, attr = name.rpartition(".")
             full = self._module_tensors(path)[attr]
-        if shard is not None:
+        for shard in shards:
             full = torch.cat(
                 [full.narrow(shard.dim, f, n) for _, f, n in shard.runs(0, param.shape[shard.dim])], shard.dim
             )
@@ -219,13 +219,17 @@ class MetaInit:
 
 
 def _flat_runs(
-    shard: TPShard | None, local_shape: torch.Size, start: int, out: torch.Tensor
-) -> list[tuple[tuple[int, int] | None, tuple[int, ...], int, torch.Tensor]]:
+    shards: tuple[TPShard, ...], local_shape: torch.Size, start: int, out: torch.Tensor
+) -> list[tuple[TensorSlice | None, tuple[int, ...], int, torch.Tensor]]:
     """Elements [start, start + out.numel()) of a tp-local tensor as pieces of contiguous slices of the full
-    tensor: (tp_slice (dim, full offset) or None, the slice's shape, the first element within it, its part of
-    `out`). One piece unless the shard is several runs (a fused projection's blocks, always along dim 0)."""
-    if shard is None:
+    tensor: (tp_slice (dim, full offset), or one such pair per dim for an expert weight sliced over ep and tp,
+    or None; the slice's shape, the first element within it, its part of `out`). One piece unless the shard
+    is several runs (a fused projection's blocks, always along dim 0)."""
+    if not shards:
         return [(None, tuple(local_shape), start, out)]
+    if len(shards) > 1:  # ep × tp: contiguous along each dim (experts, hidden units)
+        return [(tuple((s.dim, s.pieces[0][0]) for s in shards), tuple(local_shape), start, out)]
+    (shard,) = shards
     if shard.contiguous:
         return [((shard.dim, shard.pieces[0][0]), tuple(local_shape), start, out)]
     row = math.prod(local_shape[1:])

@@ -144,7 +144,8 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int, sequence_para
     Needs no process group: call it while validating the config."""
     if tp == 1:
         return
-    for field in ("n_heads", "intermediate_size", "vocab_size"):
+    moe = ("moe_intermediate_size", "shared_expert_intermediate_size") if cfg.n_experts else ()
+    for field in ("n_heads", "intermediate_size", "vocab_size", *moe):
         if getattr(cfg, field) % tp:
             raise LayoutError(f"model.{field} ({getattr(cfg, field)}) is not divisible by tp={tp}")
     if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
@@ -157,7 +158,8 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int, sequence_para
 
 def check_expert_parallel(cfg: ModelConfig, layout: Layout) -> None:
     """Raise a one-line LayoutError if the experts do not split over ep, or ep meets what it does not compose
-    with yet (meshlm.parallel.expert_parallel). Needs no process group."""
+    with yet (meshlm.parallel.expert_parallel; ep × tp composes: check_tensor_parallel splits the experts'
+    hidden units). Needs no process group."""
     ep = layout.ep
     if ep == 1:
         return
@@ -165,7 +167,7 @@ def check_expert_parallel(cfg: ModelConfig, layout: Layout) -> None:
         raise LayoutError(f"parallel.layout ep={ep} needs a mixture-of-experts model (model.n_experts > 0)")
     if cfg.n_experts % ep:
         raise LayoutError(f"model.n_experts ({cfg.n_experts}) is not divisible by ep={ep}")
-    for dim in ("tp", "pp", "cp"):
+    for dim in ("pp", "cp"):
         if getattr(layout, dim) > 1:
             raise LayoutError(f"parallel.layout: ep={ep} with {dim}={getattr(layout, dim)} is not supported yet")
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from meshlm.model.lora import LoRALinear
+from meshlm.model.moe import MoE
 from meshlm.parallel.mesh import LayoutError
 
 # ---- tensor-parallel styles ---------------------------------------------------------------------------
@@ -77,6 +79,25 @@ class InterleavedColwise:
 FUSED_STYLES = (FusedColwise, InterleavedColwise)
 
 
+@dataclass(frozen=True)
+class SplitMoE:
+    """A mixture-of-experts layer (meshlm.model.moe.MoE) split over tp as Megatron-Core's expert tensor
+    parallelism does (meshlm.parallel.tp_moe): each parameter in `hidden` — a name inside the layer and the
+    dim that indexes its hidden units — keeps this rank's tp-th along that dim (every expert's gate/up rows
+    and down columns, and the shared expert's); every other parameter of the layer (the router, the shared
+    expert's gate) stays whole and sums its gradient over tp. The layer's input opens the tensor-parallel
+    region once and its output is reduced once. A name under a part the layer does not have (None: no
+    shared expert) is skipped."""
+
+    hidden: tuple[tuple[str, int], ...]
+
+    def __str__(self) -> str:
+        return "moe"
+
+
+Style = str | FusedColwise | InterleavedColwise | SplitMoE
+
+
 class PlanError(LayoutError):
     """A plan that does not fit the model or the layout, phrased as one line naming the module."""
 
@@ -101,7 +122,7 @@ class ParallelPlan:
     """One model family's table for every strategy (see the module docstring)."""
 
     name: str
-    tensor_parallel: dict[str, str | FusedColwise | InterleavedColwise] = field(default_factory=dict)
+    tensor_parallel: dict[str, Style] = field(default_factory=dict)
     zero3_units: tuple[str | tuple[str, ...], ...] = ()
     pipeline: PipelineSplit | None = None
     sequence_parallel: bool = False  # whether the family's forward runs on sequence shards (rotary, no abs. pos.)
@@ -112,16 +133,14 @@ class ParallelPlan:
     stage_costs: Callable[[nn.Module], tuple[float, float, float]] | None = None  # (first, per layer, last)
     check: Callable[[nn.Module, int], None] | None = None  # family-specific tp checks (one-line LayoutError)
 
-    def tp_style(self, module_name: str) -> str | FusedColwise | InterleavedColwise | None:
+    def tp_style(self, module_name: str) -> Style | None:
         for pattern, style in self.tensor_parallel.items():
             if fnmatch.fnmatchcase(module_name, pattern):
                 return style
         return None
 
 
-def tp_modules(
-    model: nn.Module, plan: ParallelPlan
-) -> Iterator[tuple[str, nn.Module, str | FusedColwise | InterleavedColwise]]:
+def tp_modules(model: nn.Module, plan: ParallelPlan) -> Iterator[tuple[str, nn.Module, Style]]:
     """(name, module, style) of every module the plan splits, in registration order."""
     for name, module in model.named_modules():
         style = plan.tp_style(name) if name else None
@@ -170,10 +189,10 @@ def check_tp_plan(model: nn.Module, plan: ParallelPlan, tp: int, sequence_parall
             "full sequence, e.g. learned positions); use sequence_parallel = false"
         )
     for pattern, style in plan.tensor_parallel.items():
-        if not isinstance(style, FUSED_STYLES) and style not in TP_STYLES:
+        if not isinstance(style, (*FUSED_STYLES, SplitMoE)) and style not in TP_STYLES:
             raise PlanError(
                 f"plan {plan.name!r}: style {style!r} for {pattern!r}; valid: {', '.join(TP_STYLES)}, "
-                "FusedColwise(blocks), InterleavedColwise(per_head)"
+                "FusedColwise(blocks), InterleavedColwise(per_head), SplitMoE(hidden)"
             )
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names if n):
             raise PlanError(
@@ -206,10 +225,13 @@ def _check_tp_module(
     model: nn.Module,
     name: str,
     module: nn.Module,
-    style: str | FusedColwise | InterleavedColwise,
+    style: Style,
     tp: int,
 ) -> None:
     where = f"plan {plan.name!r}: module {name} ({type(module).__name__}, {style})"
+    if isinstance(style, SplitMoE):
+        _check_moe_module(where, module, style, tp)
+        return
     if isinstance(style, FUSED_STYLES):
         if not isinstance(module, nn.Linear):
             raise PlanError(f"{where}: {type(style).__name__} splits an nn.Linear; this module is not one")
@@ -235,6 +257,38 @@ def _check_tp_module(
                 f"{where}: {module.out_features} outputs = {heads} heads of {head_dim}; the head count must "
                 f"divide or be divisible by tp={tp}"
             )
+
+
+def _check_moe_module(where: str, module: nn.Module, style: SplitMoE, tp: int) -> None:
+    if not isinstance(module, MoE):
+        raise PlanError(f"{where}: SplitMoE splits a mixture-of-experts layer (meshlm.model.moe.MoE); this is not one")
+    for name, owner, attr, dim in moe_split_params(where, module, style):
+        shape = tuple(getattr(owner, attr).shape)
+        if not 0 <= dim < len(shape):
+            raise PlanError(f"{where}: {name} {shape} has no dim {dim}; valid: 0..{len(shape) - 1}")
+        if shape[dim] % tp:
+            raise PlanError(f"{where}: {name} {shape}: dim {dim} ({shape[dim]}) is not divisible by tp={tp}")
+    if any(isinstance(m, LoRALinear) for m in module.modules()):
+        raise PlanError(f"{where}: a LoRA adapter inside a mixture-of-experts layer is not supported under tp")
+
+
+def moe_split_params(where: str, module: nn.Module, style: SplitMoE) -> list[tuple[str, nn.Module, str, int]]:
+    """(name, owning module, attribute, dim) of each parameter of the layer that `style` splits; a name under a
+    part the layer does not have (None) is skipped, one that is no parameter is a one-line PlanError."""
+    out = []
+    for name, dim in style.hidden:
+        path, _, attr = name.rpartition(".")
+        owner: object = module
+        for part in filter(None, path.split(".")):
+            if owner is None:
+                break
+            owner = getattr(owner, part, "missing")
+        if owner is None:  # a part the layer does not have
+            continue
+        if not isinstance(owner, nn.Module) or not isinstance(owner._parameters.get(attr), nn.Parameter):
+            raise PlanError(f"{where}: SplitMoE names {name!r}, which is no parameter of this layer")
+        out.append((name, owner, attr, dim))
+    return out
 
 
 # The dimension of a module's weight and bias that each style splits (None: every tp rank holds it whole).

@@ -11,6 +11,7 @@ import dataclasses
 
 from torch import nn
 
+from meshlm.model.config import ModelConfig
 from meshlm.model.llama import Transformer
 from meshlm.parallel.mesh import LayoutError, check_tensor_parallel
 from meshlm.parallel.plan import (
@@ -23,6 +24,7 @@ from meshlm.parallel.plan import (
     ParallelPlan,
     PipelineSplit,
     PlanError,
+    SplitMoE,
     register_plan,
 )
 
@@ -88,28 +90,49 @@ HF_DECODER = ParallelPlan(
 
 
 # ---- mixture of experts (meshlm.model.moe; docs/moe.md) ------------------------------------------------------
-# DP, ZeRO 0-3 (a layer, experts included, is one ZeRO-3 unit) and pipeline stages take MoE layers as they are.
-# Tensor parallelism does not split routed experts yet and context parallelism would cut the sequences the
-# balancing loss is defined over: both are refused in one line. The attention-only table below only lets the
-# refusal name the reason (check_tp_plan matches every pattern before it calls `check`).
+# DP, ZeRO 0-3 (a layer, experts included, is one ZeRO-3 unit), pipeline stages and expert parallelism take MoE
+# layers as they are. Under tp each MoE layer is one SplitMoE entry (meshlm.parallel.tp_moe: every expert's hidden
+# units split, the router whole, the output summed over tp), dense layers keep the MLP's colwise/rowwise pair.
+# Context parallelism would cut the sequences the balancing loss is defined over: refused (no context_parallel).
 MOE_ATTENTION_TP = {pattern: style for pattern, style in DECODER_TP.items() if ".mlp." not in pattern}
+DENSE_MLP_TP = {pattern: style for pattern, style in DECODER_TP.items() if ".mlp." in pattern}
+MOE_LAYER = SplitMoE(  # each parameter's dim of hidden units: stacked experts (E, h, dim) / (E, dim, h), shared MLP
+    hidden=(
+        ("experts.gate_proj", 1),
+        ("experts.up_proj", 1),
+        ("experts.down_proj", 2),
+        ("shared_expert.gate_proj.weight", 0),
+        ("shared_expert.up_proj.weight", 0),
+        ("shared_expert.down_proj.weight", 1),
+    )
+)
 
 
-def _refuse_moe_tp(model: nn.Module, tp: int) -> None:
+def _moe_tensor_parallel(cfg: ModelConfig) -> dict[str, str | SplitMoE]:
+    """The tp table of a meshlm MoE model: its MoE layers by index (every layer: one glob), the dense MLP's
+    entries only when some layers are dense (every pattern must match a module)."""
+    moe = cfg.moe_layers
+    if len(moe) == cfg.n_layers:
+        return {**MOE_ATTENTION_TP, "model.layers.*.mlp": MOE_LAYER}
+    return {**MOE_ATTENTION_TP, **DENSE_MLP_TP, **{f"model.layers.{i}.mlp": MOE_LAYER for i in moe}}
+
+
+def _refuse_hf_moe_tp(model: nn.Module, tp: int) -> None:
     raise PlanError(
-        f"tp={tp}: tensor parallelism does not split mixture-of-experts layers yet ({type(model).__name__} has "
-        "routed experts); use tp=1 with dp / ZeRO / pp (docs/moe.md)"
+        f"tp={tp}: tensor parallelism does not split mixture-of-experts layers of Hugging Face models yet "
+        f"({type(model).__name__} has routed experts); use tp=1 with dp / ZeRO, or meshlm's own model under tp "
+        "(docs/moe.md)"
     )
 
 
-LLAMA_MOE = dataclasses.replace(
-    LLAMA, name="llama-moe", tensor_parallel=MOE_ATTENTION_TP, context_parallel="", check=_refuse_moe_tp
-)
-HF_MOE = dataclasses.replace(HF_DECODER, name="hf-moe", tensor_parallel=MOE_ATTENTION_TP, check=_refuse_moe_tp)
+LLAMA_MOE = dataclasses.replace(LLAMA, name="llama-moe", context_parallel="")
+HF_MOE = dataclasses.replace(HF_DECODER, name="hf-moe", tensor_parallel=MOE_ATTENTION_TP, check=_refuse_hf_moe_tp)
 
 
 def _llama_plan(model: nn.Module) -> ParallelPlan:
-    return LLAMA_MOE if model.cfg.n_experts else LLAMA
+    if not model.cfg.n_experts:
+        return LLAMA
+    return dataclasses.replace(LLAMA_MOE, tensor_parallel=_moe_tensor_parallel(model.cfg))
 
 
 register_plan(Transformer, _llama_plan)

@@ -11,6 +11,7 @@ keeps every parameter name, so state dicts keep their names (HF names for meshlm
     rowwise           RowParallelLinear        columns = the same slice; partial outputs summed, bias added once
     vocab_head        ColumnParallelLinear     vocabulary-sharded logits (or gathered, for inference)
     sequence_parallel the module itself        under SP its parameters' gradients are summed over tp
+    SplitMoE          TensorParallelMoE        each expert's hidden units split (parallel.tp_moe); output summed
 
 A column-parallel linear opens the tensor-parallel region on its input (copy_to_tp, or an all-gather along
 the sequence under SP), once per input tensor: q/k/v (or gate/up) reading one normed activation share one
@@ -45,14 +46,16 @@ from meshlm.parallel.plan import (
     SEQUENCE_PARALLEL,
     VOCAB_EMBEDDING,
     VOCAB_HEAD,
-    FusedColwise,
-    InterleavedColwise,
     ParallelPlan,
+    SplitMoE,
+    Style,
     check_tp_plan,
     fused_widths,
+    moe_split_params,
     plan_for,
     tp_modules,
 )
+from meshlm.parallel.tp_moe import TensorParallelMoE
 from meshlm.parallel.tp_ops import (
     _all_reduce,
     copy_to_tp,
@@ -264,7 +267,7 @@ class _Sharder:
         parallel.lora_dropout, parallel.lora_scaling = plain.lora_dropout, plain.lora_scaling
         parallel.adapted = True
 
-    def build(self, name: str, module: nn.Module, style: str | FusedColwise | InterleavedColwise) -> nn.Module:
+    def build(self, name: str, module: nn.Module, style: Style) -> nn.Module:
         parallel = self._build(name, module, style)
         if isinstance(module, LoRALinear) and parallel is not module:
             if style == VOCAB_HEAD:
@@ -272,7 +275,7 @@ class _Sharder:
             self.attach_adapter(module, parallel, style)
         return parallel
 
-    def _build(self, name: str, module: nn.Module, style: str | FusedColwise | InterleavedColwise) -> nn.Module:
+    def _build(self, name: str, module: nn.Module, style: Style) -> nn.Module:
         tp = self.tp
         if isinstance(style, FUSED_STYLES):
             # This rank's tp-th of every block (an interleaved layout is one block of whole heads).
@@ -312,6 +315,9 @@ class _Sharder:
             if bias is not None and tp.sequence_parallel:
                 _sum_grad_over_tp(bias, tp)
             return RowParallelLinear(weight, bias, tp)
+        if isinstance(style, SplitMoE):
+            splits = [(owner, attr, dim) for _, owner, attr, dim in moe_split_params(name, module, style)]
+            return TensorParallelMoE(module, tp, self.shard, splits)
         if style == SEQUENCE_PARALLEL:
             if tp.sequence_parallel:
                 for p in module.parameters(recurse=False):

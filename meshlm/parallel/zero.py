@@ -306,6 +306,9 @@ class Zero3Hooks:
                     unit.reshard()
         if torch.is_grad_enabled():
             outputs = output if isinstance(output, (tuple, list)) else (output,)
+            head = getattr(output, "logits", output)
+            if isinstance(head, HeadOutput):  # a fused head: the loss's gradient reaches the unit through its input
+                outputs = (head.hidden,)
             for t in outputs:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, m=module: self._pre_backward(m))
