@@ -173,11 +173,8 @@ class ParallelModel:
         if layout.ep > 1:
             from meshlm.parallel.expert_parallel import apply_expert_parallel
 
-            for dim in ("tp", "pp", "cp"):
-                if mesh.size(dim) > 1:
-                    raise PlanError(f"ep={layout.ep} with {dim}={mesh.size(dim)} is not supported yet")
-            if parallel.zero_shard_size is not None:
-                raise PlanError(f"ep={layout.ep} does not compose with hybrid sharding (parallel.zero_shard_size) yet")
+            if mesh.size("tp") > 1:
+                raise PlanError(f"ep={layout.ep} with tp={mesh.size('tp')} is not supported yet")
             experts = [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
             if parallel.zero == 3 and any(not p.requires_grad for p in experts):
                 raise PlanError(f"ep={layout.ep} with parallel.zero 3 does not support frozen experts yet")

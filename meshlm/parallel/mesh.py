@@ -166,9 +166,8 @@ def check_expert_parallel(cfg: ModelConfig, layout: Layout) -> None:
         raise LayoutError(f"parallel.layout ep={ep} needs a mixture-of-experts model (model.n_experts > 0)")
     if cfg.n_experts % ep:
         raise LayoutError(f"model.n_experts ({cfg.n_experts}) is not divisible by ep={ep}")
-    for dim in ("tp", "pp", "cp"):
-        if getattr(layout, dim) > 1:
-            raise LayoutError(f"parallel.layout: ep={ep} with {dim}={getattr(layout, dim)} is not supported yet")
+    if layout.tp > 1:
+        raise LayoutError(f"parallel.layout: ep={ep} with tp={layout.tp} is not supported yet")
 
 
 def check_context_parallel(

@@ -88,10 +88,10 @@ HF_DECODER = ParallelPlan(
 
 
 # ---- mixture of experts (meshlm.model.moe; docs/moe.md) ------------------------------------------------------
-# DP, ZeRO 0-3 (a layer, experts included, is one ZeRO-3 unit) and pipeline stages take MoE layers as they are.
-# Tensor parallelism does not split routed experts yet and context parallelism would cut the sequences the
-# balancing loss is defined over: both are refused in one line. The attention-only table below only lets the
-# refusal name the reason (check_plan matches every pattern before it calls `check`).
+# DP, ZeRO 0-3 (a layer, experts included, is one ZeRO-3 unit) and pipeline stages take MoE layers as they are;
+# context parallelism too: meshlm's MoE layers sum their balancing statistics over the cp group.
+# Tensor parallelism does not split routed experts yet: refused in one line. The attention-only table below only
+# lets the refusal name the reason (check_plan matches every pattern before it calls `check`).
 MOE_ATTENTION_TP = {pattern: style for pattern, style in DECODER_TP.items() if ".mlp." not in pattern}
 
 
@@ -102,9 +102,7 @@ def _refuse_moe_tp(model: nn.Module, tp: int) -> None:
     )
 
 
-LLAMA_MOE = dataclasses.replace(
-    LLAMA, name="llama-moe", tensor_parallel=MOE_ATTENTION_TP, context_parallel="", check=_refuse_moe_tp
-)
+LLAMA_MOE = dataclasses.replace(LLAMA, name="llama-moe", tensor_parallel=MOE_ATTENTION_TP, check=_refuse_moe_tp)
 HF_MOE = dataclasses.replace(HF_DECODER, name="hf-moe", tensor_parallel=MOE_ATTENTION_TP, check=_refuse_moe_tp)
 
 
