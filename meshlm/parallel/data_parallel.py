@@ -138,13 +138,21 @@ def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(sizes.values())
 
 
+# The CPU kernel of `_foreach_norm` accumulates a tensor's squares in one fp32 running sum, whose relative error
+# grows with its length: 2e-5 on a 233k-element flat gradient buffer, 2e-8 on 4096-element pieces (measured).
+CPU_NORM_PIECE = 4096
+
+
 def squared_norm_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Σ‖t‖² in float64 on `device`, without a float64 copy of any tensor: one fused `_foreach_norm` gives each
-    tensor's norm in fp32 (fp32 accumulation, as exact as the fp32 gradients themselves up to rounding), whose
-    squares are summed in float64 (so a model of any size adds no error across tensors)."""
+    tensor's norm in fp32, whose squares are summed in float64 (so a model of any size adds no error across
+    tensors). On the CPU each tensor is cut into CPU_NORM_PIECE-element views first, so that the fp32
+    accumulation stays as exact as the gradients themselves (CUDA's kernel reduces in a tree already)."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in tensors])
+    tensors = [t if t.dtype == torch.float32 else t.float() for t in tensors]
+    tensors = [piece for t in tensors for piece in (t.reshape(-1).split(CPU_NORM_PIECE) if t.is_cpu else (t,))]
+    norms = torch._foreach_norm(tensors)
     return torch.stack(norms).to(device=device, dtype=torch.float64).square().sum()
 
 
