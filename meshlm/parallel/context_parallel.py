@@ -363,8 +363,8 @@ def apply_context_parallel(
 ) -> int:
     """Swap the `core` of every module the plan's `context_parallel` pattern names, replace every module its
     `attention` pattern names by a ContextParallelCore, hook its `positions` modules and give its MoE layers
-    the group (set_sequence_group); return how many
-    attention modules changed. Checked first (check_cp_plan): a refusal changes nothing."""
+    the group (set_sequence_group); return how many attention modules changed. Checked first (check_cp_plan):
+    a refusal changes nothing."""
     check_cp_plan(model, plan)
     matched = _matching(model, plan.context_parallel) if plan.context_parallel else []
     if matched:
