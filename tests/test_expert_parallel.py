@@ -46,8 +46,6 @@ def test_layouts_with_ep() -> None:
         ("ep=2", 2, preset("test"), 8, "parallel.layout ep=2 needs a mixture-of-experts model (model.n_experts > 0)"),
         ("dp=2,ep=2", 8, MOE_MODEL, 8, "pp×dp×ep×cp×tp = 4 but the world size is 8"),
         ("ep=4", 6, MOE_MODEL, 8, "pp×ep×cp×tp = 4 does not divide the world size 6"),
-        ("ep=2,pp=2", 4, MOE_MODEL, 8, "ep=2 with pp=2 is not supported yet"),
-        ("ep=2,cp=2", 4, MOE_MODEL, 8, "ep=2 with cp=2 is not supported yet"),
         ("dp=2,ep=2", 4, MOE_MODEL, 6, "train.global_batch (6) is not divisible by dp×ep=4"),
     ],
 )
@@ -55,6 +53,35 @@ def test_bad_ep_layouts_are_one_line(layout: str, world: int, model: object, bat
     with pytest.raises(LayoutError) as e:
         validate_layout(parse_layout(layout, world), model, global_batch=batch, seq_len=32)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_ep_composes_with_pp_and_cp() -> None:
+    assert validate_layout(Layout(pp=2, ep=2), MOE_MODEL, global_batch=8, micro_batch=2, seq_len=32) == 2
+    assert validate_layout(Layout(ep=2, cp=2), MOE_MODEL, global_batch=8, micro_batch=1, seq_len=32) == 4
+
+
+def test_hybrid_shard_blocks_nest_the_expert_groups() -> None:
+    """dp=2 × ep=2, ranks (dp, ep) dp-major; expert groups {0, 2} and {1, 3}. Blocks of 2 ({0, 1}, {2, 3}):
+    each expert group has one rank per block, so experts are replicated over dp and all-reduced; one block of
+    4: sharded over the whole group, no replicas."""
+    from meshlm.parallel.zero import nested_shard_lists
+
+    assert nested_shard_lists([(0, 2), (1, 3)], [(0, 1), (2, 3)]) == ([[0], [2], [1], [3]], [[0, 2], [1, 3]])
+    assert nested_shard_lists([(0, 2), (1, 3)], [(0, 1, 2, 3)]) == ([[0, 2], [1, 3]], [])
+    # dp=4 × ep=2, blocks of 4: each expert group of 4 is cut into shards of 2, replicated twice
+    groups, blocks = [(0, 2, 4, 6), (1, 3, 5, 7)], [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert nested_shard_lists(groups, blocks) == ([[0, 2], [4, 6], [1, 3], [5, 7]], [[0, 4], [2, 6], [1, 5], [3, 7]])
+
+
+def test_hybrid_shard_blocks_that_cut_expert_groups_unevenly_are_one_line() -> None:
+    """dp=3 × ep=2 with zero_shard_size 3: blocks {0, 1, 2} and {3, 4, 5} hold 2 and 1 ranks of expert group
+    {0, 2, 4}, so its shards could not be equal."""
+    from meshlm.parallel.zero import nested_shard_lists
+
+    with pytest.raises(ValueError) as e:
+        nested_shard_lists([(0, 2, 4), (1, 3, 5)], [(0, 1, 2), (3, 4, 5)])
+    assert str(e.value).startswith("parallel.zero_shard_size (3) cuts the ranks that hold the same experts")
+    assert "\n" not in str(e.value)
 
 
 def test_top_k_above_the_experts_is_one_line() -> None:
@@ -143,17 +170,29 @@ RUNS4 = {
     "dp2 ep2 sgd": ("dp=2,ep=2", {}, {"optimizer": "sgd"}),
     "dp2 ep2 zero3": ("dp=2,ep=2", {"zero": 3}, {}),
     "dp2 ep2 zero3 sgd": ("dp=2,ep=2", {"zero": 3}, {"optimizer": "sgd"}),
+    # the all-to-all among the ranks of one stage; each micro-batch's aux losses through the pipeline
+    "pp2 ep2 zero1": ("pp=2,ep=2", {"zero": 1}, {"micro_batch": 2}),
+    "pp2 ep2 sgd": ("pp=2,ep=2", {}, {"micro_batch": 2, "optimizer": "sgd"}),
+    "pp2 ep2 zero3": ("pp=2,ep=2", {"zero": 3}, {"micro_batch": 2}),
+    # each cp rank routes its shard of the sequences; the balancing statistics are summed over cp
+    "ep2 cp2 zero1": ("ep=2,cp=2", {"zero": 1}, {}),
+    "ep2 cp2 sgd": ("ep=2,cp=2", {}, {"optimizer": "sgd"}),
+    "ep2 cp2 ulysses zero3": ("ep=2,cp=2", {"zero": 3, "cp_attention": "ulysses"}, {}),
+    # hybrid sharding: dense weights sharded over the ep pair of a block, experts replicated over dp
+    "dp2 ep2 hybrid zero1": ("dp=2,ep=2", {"zero": 1, "zero_shard_size": 2}, {}),
+    "dp2 ep2 hybrid zero3 sgd": ("dp=2,ep=2", {"zero": 3, "zero_shard_size": 2}, {"optimizer": "sgd"}),
 }
 
 
 def meta_built(layout: str, zero: int) -> dict[str, torch.Tensor]:
     """The full weights of a meta-built MoE model right after set-up under `layout` (each rank fills only its
-    experts, by their ep placement)."""
+    experts, by their ep placement; under pp only those of its stage)."""
     torch.manual_seed(11)
     with torch.device("meta"):
         model = Transformer(MOE_MODEL)
-    mesh = build_mesh(parse_layout(layout, dist.get_world_size()), "cpu")
-    return ParallelModel(model, mesh, ParallelSection(layout=layout, zero=zero), 1).full_state_dict()
+    lay = parse_layout(layout, dist.get_world_size())
+    mesh = build_mesh(lay, "cpu")
+    return ParallelModel(model, mesh, ParallelSection(layout=layout, zero=zero), lay.pp).full_state_dict()
 
 
 def world2_job(checkpoint_dir: str) -> dict:
@@ -176,7 +215,11 @@ def world2_job(checkpoint_dir: str) -> dict:
 def world4_job(checkpoint_dir: str) -> dict:
     out = {name: train_layout(lay, par, **{"model_cfg": MOE_MODEL, **kw}) for name, (lay, par, kw) in RUNS4.items()}
     out["meta dp2 ep2 zero1"] = meta_built("dp=2,ep=2", 1)
+    out["meta pp2 ep2 zero3"] = meta_built("pp=2,ep=2", 3)
     out["resumed ep4"] = train_layout("ep=4", {}, model_cfg=MOE_MODEL, start=SAVED_AT, resume_from=checkpoint_dir)
+    out["resumed pp2 ep2"] = train_layout(
+        "pp=2,ep=2", {"zero": 1}, model_cfg=MOE_MODEL, micro_batch=2, start=SAVED_AT, resume_from=checkpoint_dir
+    )
     return out
 
 
@@ -206,14 +249,14 @@ def test_ep2_trains_like_one_process(world2: dict, name: str) -> None:
     assert_close_runs(_reference(RUNS2[name][2]), world2[name])
 
 
-@pytest.mark.slow  # four 10-step runs and a 5-step resume on four ranks: ~60 s on 2 cores
+@pytest.mark.slow  # twelve 10-step runs and two 5-step resumes on four ranks: ~2 min on 2 cores
 @pytest.mark.parametrize("name", list(RUNS4))
-def test_dp2_ep2_trains_like_one_process(world4: dict, name: str) -> None:
+def test_ep2_with_dp_pp_cp_and_hybrid_sharding_trains_like_one_process(world4: dict, name: str) -> None:
     assert_close_runs(_reference(RUNS4[name][2]), world4[name])
 
 
 @pytest.mark.slow  # shares the fixtures above
-@pytest.mark.parametrize("name", ["meta ep2 zero0", "meta ep2 zero3", "meta dp2 ep2 zero1"])
+@pytest.mark.parametrize("name", ["meta ep2 zero0", "meta ep2 zero3", "meta dp2 ep2 zero1", "meta pp2 ep2 zero3"])
 def test_meta_built_model_starts_bit_identical_to_one_process(world2: dict, world4: dict, name: str) -> None:
     torch.manual_seed(11)
     want = Transformer(MOE_MODEL).state_dict()
@@ -244,7 +287,9 @@ def test_ep2_checkpoint_resumes_in_one_process(world2: dict, checkpoint_dir: str
 
 
 @pytest.mark.slow  # shares the world4 fixture
-def test_ep2_checkpoint_resumes_at_ep4(world2: dict, world4: dict) -> None:
-    resumed = world4["resumed ep4"]
+@pytest.mark.parametrize("name", ["resumed ep4", "resumed pp2 ep2"])
+def test_ep2_checkpoint_resumes_at_ep4_and_pp2_ep2(world2: dict, world4: dict, name: str) -> None:
+    """At pp=2 × ep=2 each rank loads only its stage's share of its experts."""
+    resumed = world4[name]
     assert_identical_weights(world2["saved"]["state"], resumed["resumed_state"])
     assert_close_runs(tail(_reference({}), SAVED_AT), resumed)

@@ -1,5 +1,5 @@
 """Mixture of experts in meshlm's model (meshlm.model.moe): routing, dropless dispatch, the auxiliary losses
-and their gradient, counts, bad input, and training under dp / ZeRO / pp like one process."""
+and their gradient, counts, bad input, and training under dp / ZeRO / pp / cp like one process."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from meshlm.model.moe import (
 )
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.plan import PlanError, plan_for
+from meshlm.parallel.plan import plan_for
 from meshlm.parallel.strategies import check_model
 
 # The `test` preset's shape with a Qwen2-MoE-style feed-forward in layers 1-3: every option on (shared expert
@@ -276,14 +276,13 @@ def test_moe_fields_need_experts(changes: dict, message: str) -> None:
         preset("test").replace(**changes)
 
 
-def test_context_parallel_is_refused_in_one_line_and_tensor_parallel_accepted() -> None:
-    from meshlm.parallel.context_parallel import apply_context_parallel
+def test_tensor_and_context_parallel_are_accepted_for_meshlms_moe_model() -> None:
+    from meshlm.parallel.context_parallel import check_cp_plan
 
     with torch.device("meta"):
         model = Transformer(MOE_MODEL)
     plan = plan_for(model)
-    with pytest.raises(PlanError, match="has no context_parallel pattern"):
-        apply_context_parallel(model, plan, group=None)
+    check_cp_plan(model, plan)  # the balancing statistics are summed over the cp group
     check_model(model, plan, Layout(tp=2, pp=2), ParallelOptions(zero=3, sequence_parallel=True))  # tp: test_moe_tp
 
 
@@ -295,6 +294,9 @@ RUNS = {  # name -> (layout, parallel, train_layout kwargs); every one compared 
     "pp2": ("pp=2", {}, {"micro_batch": 2}),
     "dp2 zero3 sgd": ("dp=2", {"zero": 3}, {"optimizer": "sgd"}),
     "dp2 sigmoid": ("dp=2", {"zero": 1}, {"model_cfg": SIGMOID_MODEL}),
+    # each cp rank routes its shard of every sequence; the balancing statistics are summed over cp
+    "cp2 ring zero1": ("cp=2", {"zero": 1}, {}),
+    "cp2 ulysses sgd": ("cp=2", {"cp_attention": "ulysses"}, {"optimizer": "sgd"}),
 }
 
 
@@ -335,6 +337,25 @@ def aux_scale_not_per_micro_batch() -> Iterator[list]:
         engine.set_aux_loss_scale = original
 
 
+@contextlib.contextmanager
+def balancing_statistics_per_cp_shard() -> Iterator[list]:
+    """The bug: under cp each rank's balancing loss is built from its own shard of the sequences (the
+    statistics are not summed over the cp group), so the aux term and its gradient differ."""
+    from meshlm.parallel import context_parallel
+
+    fired: list = []
+    original = context_parallel.set_sequence_group
+
+    def not_set(model: torch.nn.Module, group: object) -> None:
+        fired.append(1)
+
+    context_parallel.set_sequence_group = not_set
+    try:
+        yield fired
+    finally:
+        context_parallel.set_sequence_group = original
+
+
 def world2_job(checkpoint_dir: str) -> dict:
     out = {"saved": train_layout("dp=2", {"zero": 3}, model_cfg=MOE_MODEL, stop=5, save_to=checkpoint_dir)}
     for name, (layout, parallel, kwargs) in RUNS.items():
@@ -345,6 +366,9 @@ def world2_job(checkpoint_dir: str) -> dict:
     with aux_scale_not_per_micro_batch() as fired:
         out["unscaled"] = train_layout("dp=2", {"zero": 1}, model_cfg=MOE_MODEL, micro_batch=2)
     out["unscaled"]["fired"] = len(fired)
+    with balancing_statistics_per_cp_shard() as fired:
+        out["cp per shard"] = train_layout("cp=2", {"zero": 1}, model_cfg=MOE_MODEL)
+    out["cp per shard"]["fired"] = len(fired)
     return out
 
 
@@ -363,16 +387,17 @@ def _reference(kwargs: dict) -> dict:
     return reference(**args)
 
 
-@pytest.mark.slow  # six 10-step runs on two ranks of a 4-expert model: ~30 s on 2 cores
+@pytest.mark.slow  # eight 10-step runs on two ranks of a 4-expert model: ~40 s on 2 cores
 @pytest.mark.parametrize("name", list(RUNS))
 def test_moe_trains_like_one_process(world2: dict, name: str) -> None:
     assert_close_runs(_reference(RUNS[name][2]), world2[name])
 
 
 @pytest.mark.slow  # shares the fixture above
-@pytest.mark.parametrize("bug", ["mutated", "unscaled"])
+@pytest.mark.parametrize("bug", ["mutated", "unscaled", "cp per shard"])
 def test_aux_gradient_bugs_fail_the_loss_criterion(world2: dict, bug: str) -> None:
-    """A missing aux-loss gradient, and one not divided by the micro-batch count, change the loss curve."""
+    """A missing aux-loss gradient, one not divided by the micro-batch count, and under cp a balancing loss
+    built from each rank's shard of the sequences change the loss curve."""
     got = world2[bug]
     assert got["fired"]
     assert "losses" in criterion_failures(_reference({}), got)

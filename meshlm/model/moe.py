@@ -28,11 +28,18 @@ and data parallel's mean over replicas — does not depend on how the batch is c
 statistic changes with the micro-batch size: f·P is a product of means, not a mean.) On one sequence it is
 exactly transformers' `load_balancing_loss_func` (Mixtral, Qwen-MoE), which pools all the rows it is given.
 Padding is routed and counted like any token. Each MoE layer adds `aux_loss_coef · aux + z_loss_coef · z`.
+
+Under context parallelism each rank routes its shard of every sequence (`set_sequence_group`): the balancing
+loss's per-sequence sums — choices per expert and routing probability per expert — are summed over the cp
+group by an all-reduce whose backward all-reduces the gradient (`SumOverShards`), so every cp rank holds the
+full sequence's loss and, once data parallel has averaged the cp ranks' gradients, the gradient of one
+process. The z-loss needs nothing: it is a per-token mean, and the cp ranks hold equally many tokens.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -56,13 +63,39 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         return grad_output, torch.full_like(aux_loss, ctx.scale), None
 
 
-def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+class SumOverShards(torch.autograd.Function):
+    """all_reduce(sum) over `group` in forward and, in backward, of the gradient: every rank's loss is a
+    function of the sum, so each input's gradient is the sum of what every rank's loss sends back."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def load_balancing_loss(
+    probs: torch.Tensor, experts: torch.Tensor, n_experts: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Switch/Mixtral balancing loss per sequence, averaged over sequences. `probs` (batch, seq, n_experts)
-    are routing probabilities summing to 1 per token, `experts` (batch, seq, k) the chosen experts."""
+    are routing probabilities summing to 1 per token, `experts` (batch, seq, k) the chosen experts. With
+    `group` (context parallel) each rank holds an equal shard of every sequence: the per-sequence sums are
+    taken over the whole group, so every rank returns the loss of the full sequences."""
     b, s, k = experts.shape
     counts = torch.zeros(b, n_experts, dtype=probs.dtype, device=probs.device)
     counts.scatter_add_(1, experts.reshape(b, s * k), torch.ones(b, s * k, dtype=probs.dtype, device=probs.device))
-    per_sequence = n_experts * ((counts / s) * probs.mean(1)).sum(-1)
+    sums = torch.stack([counts, probs.sum(1)])  # choices and probability mass per expert, per sequence
+    if group is not None:
+        sums = SumOverShards.apply(sums, group)
+        s *= dist.get_world_size(group)
+    per_sequence = n_experts * ((sums[0] / s) * (sums[1] / s)).sum(-1)
     return per_sequence.mean()
 
 
@@ -137,6 +170,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.moe_intermediate_size)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False) if cfg.shared_expert_gate else None
+        self.sequence_group: dist.ProcessGroup | None = None  # cp: ranks holding shards of the same sequences
         self.aux_loss_scale = 1.0  # gradient scale of this micro-batch's aux losses: 1/n_micro (set_aux_loss_scale)
         # Ranks that each measure this layer's aux losses from the same routing and whose router gradients are
         # summed (tensor parallel: tp, meshlm.parallel.tp_moe): each adds 1/aux_loss_split of the aux gradient.
@@ -168,7 +202,7 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled():
             # sigmoid scores are normalised per token into probabilities first, as DeepSeek-V3's balancing loss does
             probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-            aux = load_balancing_loss(probs.view(b, s, -1), experts.view(b, s, -1), self.n_experts)
+            aux = load_balancing_loss(probs.view(b, s, -1), experts.view(b, s, -1), self.n_experts, self.sequence_group)
             z = router_z_loss(logits)
             self.last_aux_loss, self.last_z_loss = aux.detach(), z.detach()
             if self.aux_loss_coef or self.z_loss_coef:
@@ -203,6 +237,14 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     for module in model.modules():
         if isinstance(module, MoE):
             module.aux_loss_scale = scale
+
+
+def set_sequence_group(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Context parallelism: every MoE layer of `model` sees one shard of each sequence, the other shards on
+    the ranks of `group`; their balancing statistics are summed over it (see the module docstring)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.sequence_group = group
 
 
 def moe_losses(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -24,7 +24,8 @@ pre-hook hands them the tokens' global positions instead.
 Everything outside attention is per token, so it runs unchanged on the local tokens; the loss of each cp
 rank is the mean over its (equally many) tokens, and cp ranks reduce gradients and losses together with
 dp (the flattened "dp_cp" group, meshlm.parallel.mesh.build_mesh), which makes the mean over ranks the
-global-token mean.
+global-token mean. The one per-sequence quantity, the mixture-of-experts balancing loss, sums its statistics
+over the cp group (meshlm.model.moe.set_sequence_group).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.model.llama import apply_rotary
+from meshlm.model.moe import set_sequence_group
 from meshlm.parallel.plan import ParallelPlan, PlanError
 from meshlm.parallel.timers import comm
 
@@ -360,8 +362,9 @@ def apply_context_parallel(
     model: nn.Module, plan: ParallelPlan, group: dist.ProcessGroup, attention: str = "ring"
 ) -> int:
     """Swap the `core` of every module the plan's `context_parallel` pattern names, replace every module its
-    `attention` pattern names by a ContextParallelCore, and hook its `positions` modules; return how many
-    attention modules changed. Checked first (check_cp_plan): a refusal changes nothing."""
+    `attention` pattern names by a ContextParallelCore, hook its `positions` modules and give its MoE layers
+    the group (set_sequence_group); return how many attention modules changed. Checked first (check_cp_plan):
+    a refusal changes nothing."""
     check_cp_plan(model, plan)
     matched = _matching(model, plan.context_parallel) if plan.context_parallel else []
     if matched:
@@ -374,4 +377,5 @@ def apply_context_parallel(
         setattr(model.get_submodule(parent), attr, ContextParallelCore(group, attention))
     for _, module in _matching(model, plan.positions) if plan.positions else ():
         module.register_forward_pre_hook(_global_positions(dist.get_world_size(group), dist.get_rank(group)))
+    set_sequence_group(model, group)  # MoE layers: balancing statistics over the whole sequences
     return len(matched) + len(cores)

@@ -137,11 +137,6 @@ class ShardedExperts(GroupedExperts):
 def check_ep_model(model: nn.Module, layout: Layout, options: ParallelOptions) -> None:
     """One-line PlanErrors for what expert parallelism cannot do exactly yet, before anything changes."""
     ep = layout.ep
-    for dim in ("pp", "cp"):
-        if getattr(layout, dim) > 1:
-            raise PlanError(f"ep={ep} with {dim}={getattr(layout, dim)} is not supported yet")
-    if options.zero_shard_size is not None:
-        raise PlanError(f"ep={ep} does not compose with hybrid sharding (parallel.zero_shard_size) yet")
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise PlanError(f"ep={ep}: the model has no mixture-of-experts layers (meshlm.model.moe.MoE) to shard")

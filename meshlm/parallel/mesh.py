@@ -157,9 +157,9 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int, sequence_para
 
 
 def check_expert_parallel(cfg: ModelConfig, layout: Layout) -> None:
-    """Raise a one-line LayoutError if the experts do not split over ep, or ep meets what it does not compose
-    with yet (meshlm.parallel.expert_parallel; ep × tp composes: check_tensor_parallel splits the experts'
-    hidden units). Needs no process group."""
+    """Raise a one-line LayoutError if the model has no experts to split over ep or they do not split evenly
+    (meshlm.parallel.expert_parallel; ep composes with dp, pp, cp and tp: check_tensor_parallel splits the
+    experts' hidden units). Needs no process group."""
     ep = layout.ep
     if ep == 1:
         return
@@ -167,9 +167,6 @@ def check_expert_parallel(cfg: ModelConfig, layout: Layout) -> None:
         raise LayoutError(f"parallel.layout ep={ep} needs a mixture-of-experts model (model.n_experts > 0)")
     if cfg.n_experts % ep:
         raise LayoutError(f"model.n_experts ({cfg.n_experts}) is not divisible by ep={ep}")
-    for dim in ("pp", "cp"):
-        if getattr(layout, dim) > 1:
-            raise LayoutError(f"parallel.layout: ep={ep} with {dim}={getattr(layout, dim)} is not supported yet")
 
 
 def check_context_parallel(

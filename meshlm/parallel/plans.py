@@ -93,7 +93,7 @@ HF_DECODER = ParallelPlan(
 # DP, ZeRO 0-3 (a layer, experts included, is one ZeRO-3 unit), pipeline stages and expert parallelism take MoE
 # layers as they are. Under tp each MoE layer is one SplitMoE entry (meshlm.parallel.tp_moe: every expert's hidden
 # units split, the router whole, the output summed over tp), dense layers keep the MLP's colwise/rowwise pair.
-# Context parallelism would cut the sequences the balancing loss is defined over: refused (no context_parallel).
+# Context parallelism too: meshlm's MoE layers sum their balancing statistics over the cp group.
 MOE_ATTENTION_TP = {pattern: style for pattern, style in DECODER_TP.items() if ".mlp." not in pattern}
 DENSE_MLP_TP = {pattern: style for pattern, style in DECODER_TP.items() if ".mlp." in pattern}
 MOE_LAYER = SplitMoE(  # each parameter's dim of hidden units: stacked experts (E, h, dim) / (E, dim, h), shared MLP
@@ -125,7 +125,7 @@ def _refuse_hf_moe_tp(model: nn.Module, tp: int) -> None:
     )
 
 
-LLAMA_MOE = dataclasses.replace(LLAMA, name="llama-moe", context_parallel="")
+LLAMA_MOE = dataclasses.replace(LLAMA, name="llama-moe")
 HF_MOE = dataclasses.replace(HF_DECODER, name="hf-moe", tensor_parallel=MOE_ATTENTION_TP, check=_refuse_hf_moe_tp)
 
 

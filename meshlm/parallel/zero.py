@@ -179,6 +179,51 @@ def hybrid_shard_groups(
     return shard_group, replicate_group
 
 
+def nested_shard_groups(
+    group: dist.ProcessGroup, block: dist.ProcessGroup
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(shard group, replicate group) of parameters held by the ranks of `group` (expert parallel: the
+    expert-data group, dp × cp) under hybrid sharding, whose shard blocks are `block` (this rank's shard
+    group of the dense weights): shard over the ranks of `group` inside this rank's block, replicate across
+    blocks, so their gathers stay inside a block like the dense weights'. Without a replica outside the block:
+    (group, None).
+
+    Every rank of the world must call this together: it creates the sub-groups of every group in one order.
+    """
+    every: list[tuple | None] = [None] * dist.get_world_size()
+    mine = (tuple(dist.get_process_group_ranks(group)), tuple(sorted(dist.get_process_group_ranks(block))))
+    dist.all_gather_object(every, mine)
+    shard_lists, replicate_lists = nested_shard_lists([g for g, _ in every], [b for _, b in every])
+    if not replicate_lists:
+        return group, None
+    shard_group, _ = dist.new_subgroups_by_enumeration(shard_lists)
+    replicate_group, _ = dist.new_subgroups_by_enumeration(replicate_lists)
+    return shard_group, replicate_group
+
+
+def nested_shard_lists(
+    groups: list[tuple[int, ...]], blocks: list[tuple[int, ...]]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The rank lists of nested_shard_groups, from every rank's group and shard block: each group cut by the
+    blocks into equal parts (the shard lists), and the replicate lists (the j-th rank of every part of a
+    group); no replicate lists when each group lies inside one block. A one-line ValueError if the blocks cut
+    a group into unequal parts."""
+    groups, blocks = sorted(set(groups)), sorted(set(blocks))
+    split = [[[r for r in g if r in b] for b in blocks if set(g) & set(b)] for g in groups]
+    sizes = {len(part) for parts in split for part in parts}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"parallel.zero_shard_size ({len(blocks[0])}) cuts the ranks that hold the same experts "
+            f"({len(groups[0])}: dp×cp) into unequal parts {sorted(sizes)}; use a shard size that divides cp, "
+            "or a multiple of ep×cp"
+        )
+    size = sizes.pop()
+    if size == len(groups[0]):
+        return [list(g) for g in groups], []
+    shard_lists = [part for parts in split for part in parts]
+    return shard_lists, [[part[j] for part in parts] for parts in split for j in range(size)]
+
+
 def direct_params(module: nn.Module, hooked: set[nn.Module]) -> list[nn.Parameter]:
     """Parameters reachable from `module` without entering another unit's module."""
     params, stack = [], [module]
