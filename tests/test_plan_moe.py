@@ -14,10 +14,11 @@ import pytest
 import torch
 from test_layout_agreement import runtime_accepts
 
+from meshlm.config import load_config, parse_overrides
 from meshlm.model import Transformer, cross_entropy_loss, param_counts, preset
 from meshlm.model.llama import set_recompute
 from meshlm.observe.memory import ActivationMeter
-from meshlm.parallel.mesh import DIMS, Layout
+from meshlm.parallel.mesh import DIMS, Layout, parse_layout
 from meshlm.plan import Workload, hardware, search
 from meshlm.plan.cli import add_plan_parser, run_plan
 from meshlm.plan.memory import (
@@ -27,6 +28,7 @@ from meshlm.plan.memory import (
     moe_stage_params,
     rank_moe_layers,
 )
+from meshlm.plan.search import plan_for_config
 from meshlm.plan.step_time import GROUPS, collective_time, crosses_nodes, ep_layer_time, step_time
 
 PRESETS = ("tiny-moe", "mixtral-8x7b", "qwen3-30b-a3b")
@@ -193,3 +195,16 @@ def test_the_search_offers_only_what_the_runtime_runs() -> None:
     assert any(s.ep > 1 for s in strategies) and any(s.ep == 1 and s.pp > 1 for s in strategies)
     assert all(runtime_accepts(s, w.model, w.seq_len, w.global_batch) for s in strategies)
     assert all(s.pp == s.tp == s.cp == 1 for s in strategies if s.ep > 1)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_auto_layout_of_tiny_moe_is_one_the_trainer_runs(world: int) -> None:
+    """`--parallel.layout auto` on tiny-moe picks a layout (ep among the choices) that the trainer's checks
+    accept as its config overrides say it."""
+    overrides = ["--model.preset", "tiny-moe", "--train.global_batch", "8", "--data.seq_len", "64"]
+    cfg = load_config(None, parse_overrides(overrides))
+    strategy = plan_for_config(cfg, world)
+    assert strategy.gpus == world
+    assert runtime_accepts(strategy, cfg.model.build(), 64, 8)
+    picked = load_config(None, parse_overrides([*overrides, *(f"--{k}={v}" for k, v in strategy.overrides().items())]))
+    assert parse_layout(picked.parallel.layout, world) == strategy.mesh
