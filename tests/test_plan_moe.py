@@ -185,6 +185,16 @@ def test_meshlm_plan_proposes_ep_for_mixtral_on_64_h100s(capsys: pytest.CaptureF
     assert all(p["step_parts_s"]["ep_comm"] > 0 for p in with_ep)
 
 
+def test_every_mixtral_plan_on_64_h100s_is_one_the_runtime_runs() -> None:
+    """All the layouts that fit Mixtral 8x7B on 64 H100s (dp, pp, ep 2/4/8: what the runtime composes today)
+    pass the trainer's checks; none pairs ep with tp, pp or cp, which the runtime refuses yet."""
+    w = Workload(preset("mixtral-8x7b"), 4096, 256, 1e12)
+    strategies = [p.strategy for p in search(w, 64, hardware("H100-SXM"), priced=0).plans]
+    assert {s.ep for s in strategies} == {1, 2, 4, 8}
+    assert all(runtime_accepts(s, w.model, w.seq_len, w.global_batch) for s in strategies)
+    assert all(s.pp == s.tp == s.cp == 1 for s in strategies if s.ep > 1)
+
+
 def test_the_search_offers_only_what_the_runtime_runs() -> None:
     """Every plan of a tiny-moe search on 8 ranks (ep, dp, pp, tp, cp and ZeRO free) is a layout the trainer
     accepts (its layout checks and ParallelModel's plan checks), ep among them; what the runtime does not
