@@ -467,7 +467,8 @@ def _offer(e: Estimate | None, recommended: Estimate | None) -> str:
 
 def _print_table(r: Request, args: argparse.Namespace, result: SearchResult) -> None:
     w, hw = r.workload, r.hw
-    params = _si(param_counts(w.model)["total"])
+    counts = param_counts(w.model)
+    params = _si(counts["total"]) + (f", {_si(counts['active'])} active" if w.model.n_experts else "")
     gpus = ",".join(map(str, args.gpus))
     title = (
         f"{w.name} ({params} params) on {gpus}× {hw.name}: seq {w.seq_len}, batch {w.global_batch} "
