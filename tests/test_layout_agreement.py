@@ -1,19 +1,25 @@
 """The planner and the runtime check layouts with the same functions: over a generated grid of layouts (world
-sizes, pp/dp/cp/tp, schedules, virtual stages, micro-batches, sequence lengths, head counts, sequence parallel,
-cp attention) the planner's search accepts exactly the layouts the trainer's `validate_layout` accepts."""
+sizes, pp/dp/ep/cp/tp, schedules, virtual stages, micro-batches, sequence lengths, head counts, dense and
+mixture-of-experts models, sequence parallel, cp attention) the planner's search accepts exactly the layouts
+the trainer accepts: its `validate_layout`, then the checks ParallelModel makes of the model against its parallel
+plan before any work (`check_model`: every enabled strategy's `check`)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import random
 
 import pytest
+import torch
 
-from meshlm.model import preset
+from meshlm.model import Transformer, preset
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.mesh import Layout, LayoutError
-from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, check_layout, validate_layout
+from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.plan import PlanError, plan_for
+from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, check_layout, check_model, validate_layout
 from meshlm.plan import Workload
 from meshlm.plan.memory import Strategy
 from meshlm.plan.search import Constraints, enumerate_strategies
@@ -23,15 +29,16 @@ search_module = importlib.import_module("meshlm.plan.search")  # meshlm.plan.sea
 WORLDS = (1, 2, 4, 6, 8)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
 HEADS = ((4, 2), (6, 3), (8, 8), (4, 4))  # (n_heads, n_kv_heads); dim 96 splits into each
-GRID_SIZE = 1500  # sampled from the full product (~10⁵), fixed seed: the same grid every run
+EXPERTS = (0, 4)  # a dense model, or every layer a mixture of 4 experts (top-2): ep 1, 2 and 4 divide it
+GRID_SIZE = 2000  # sampled from the full product (~10⁶), fixed seed: the same grid every run
 
 
 def meshes(world: int) -> list[Layout]:
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     return [
-        Layout(pp, world // (pp * cp * tp), tp, cp)
-        for pp, cp, tp in itertools.product(divisors, repeat=3)
-        if world % (pp * cp * tp) == 0
+        Layout(pp, world // (pp * cp * tp * ep), tp, cp, ep)
+        for pp, cp, tp, ep in itertools.product(divisors, repeat=4)
+        if world % (pp * cp * tp * ep) == 0
     ]
 
 
@@ -39,7 +46,7 @@ def grid() -> list[tuple[Layout, Strategy, ModelConfig, int, int]]:
     """(mesh, strategy, model, seq_len, global_batch) samples."""
     rng = random.Random(0)
     full = [
-        (mesh, schedule, v, micro, seq, heads, sp, attention, batch)
+        (mesh, schedule, v, micro, seq, heads, experts, sp, attention, batch)
         for world in WORLDS
         for mesh in meshes(world)
         for schedule in SCHEDULES
@@ -47,27 +54,40 @@ def grid() -> list[tuple[Layout, Strategy, ModelConfig, int, int]]:
         for micro in (1, 2, 3)
         for seq in (24, 32, 64)
         for heads in HEADS
+        for experts in EXPERTS
         for sp in (False, True)
         for attention in ("ring", "ulysses")
         for batch in (6, 8)
     ]
     out = []
-    for mesh, schedule, v, micro, seq, (heads, kv), sp, attention, batch in rng.sample(full, GRID_SIZE):
+    for mesh, schedule, v, micro, seq, (heads, kv), experts, sp, attention, batch in rng.sample(full, GRID_SIZE):
         model = preset("test").replace(dim=96, n_heads=heads, n_kv_heads=kv, max_seq_len=64)
+        if experts:
+            model = model.replace(hf_model_type="mixtral", n_experts=experts, top_k=2, moe_intermediate_size=64)
         strategy = Strategy(mesh, 0, micro, schedule, v, "none", sp, attention)
         out.append((mesh, strategy, model, seq, batch))
     return out
 
 
+@functools.cache
+def meta_model(model: ModelConfig) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(model)
+
+
 def runtime_accepts(strategy: Strategy, model: ModelConfig, seq_len: int, global_batch: int) -> bool:
-    """What the trainer's check_config decides (meshlm.parallel.strategies.validate_layout)."""
+    """What the trainer decides before any work: check_config (meshlm.parallel.strategies.validate_layout), then
+    ParallelModel's checks of the model against its parallel plan at this layout (check_model)."""
     s = strategy
     try:
         validate_layout(
             s.mesh, model, global_batch, s.micro_batch, s.virtual_stages, s.schedule, seq_len, s.sequence_parallel,
             s.cp_attention,
         )  # fmt: skip
-    except LayoutError:
+        net = meta_model(model)
+        options = ParallelOptions(zero=s.zero, sequence_parallel=s.sequence_parallel, cp_attention=s.cp_attention)
+        check_model(net, plan_for(net), s.mesh, options)
+    except (LayoutError, PlanError):
         return False
     return True
 
@@ -77,7 +97,7 @@ def planner_accepts(strategy: Strategy, model: ModelConfig, seq_len: int, global
     set to the world, so its one planner-only preference, tp within a node, never applies)."""
     s = strategy
     c = Constraints(
-        pp=s.pp, dp=s.dp, tp=s.tp, cp=s.cp, zero=0, micro_batch=s.micro_batch, schedule=s.schedule,
+        pp=s.pp, dp=s.dp, tp=s.tp, cp=s.cp, ep=s.ep, zero=0, micro_batch=s.micro_batch, schedule=s.schedule,
         virtual_stages=s.virtual_stages, recompute="none", sequence_parallel=s.sequence_parallel,
         cp_attention=s.cp_attention,
     )  # fmt: skip
@@ -92,19 +112,21 @@ def disagreements() -> list[str]:
     for _, strategy, model, seq, batch in grid():
         planner, runtime = planner_accepts(strategy, model, seq, batch), runtime_accepts(strategy, model, seq, batch)
         if planner != runtime:
-            heads = f"heads {model.n_heads}/{model.n_kv_heads}"
+            heads = f"heads {model.n_heads}/{model.n_kv_heads} experts {model.n_experts}"
             out.append(f"{strategy} seq {seq} batch {batch} {heads}: planner {planner}, runtime {runtime}")
     return out
 
 
 def test_grid_covers_both_verdicts_and_every_dimension() -> None:
-    """The grid is not trivially one-sided: it holds accepted and refused layouts, cp and pp and tp > 1, and
-    zb1 and interleaved layouts the runtime accepts."""
-    verdicts = [(s, runtime_accepts(s, m, seq, b)) for _, s, m, seq, b in grid()]
-    accepted = [s for s, ok in verdicts if ok]
+    """The grid is not trivially one-sided: it holds accepted and refused layouts, cp and pp and tp and ep
+    > 1, MoE models accepted and refused, and zb1 and interleaved layouts the runtime accepts."""
+    verdicts = [(s, m, runtime_accepts(s, m, seq, b)) for _, s, m, seq, b in grid()]
+    accepted = [s for s, _, ok in verdicts if ok]
     assert 0.1 < len(accepted) / len(verdicts) < 0.9
-    for attribute in ("pp", "cp", "tp", "dp"):
+    for attribute in ("pp", "cp", "tp", "dp", "ep"):
         assert any(getattr(s, attribute) > 1 for s in accepted), attribute
+    moe = [ok for s, m, ok in verdicts if m.n_experts]
+    assert sum(moe) >= 20 and len(moe) - sum(moe) >= 20
     assert {s.schedule for s in accepted if s.pp > 1} == set(SCHEDULES)
     assert any(s.cp > 1 and s.cp_attention == "ulysses" for s in accepted)
 
@@ -113,17 +135,22 @@ def test_planner_accepts_exactly_what_the_runtime_accepts() -> None:
     assert disagreements() == []
 
 
-def test_a_planner_only_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sharpness: a planner that skips the context-parallel strategy's check (as the search's own copy once did),
-    or adds a rule of its own, disagrees with the runtime on the grid."""
+def skipping(dim: str) -> object:
+    """check_layout without the `dim` strategy's check."""
 
-    def skipping_cp(spec: LayoutSpec) -> int:
+    def check(spec: LayoutSpec) -> int:
         for strategy in STRATEGIES:
-            if strategy.dim != "cp":
+            if strategy.dim != dim:
                 strategy.check_layout(spec)
         return spec.n_micro
 
-    monkeypatch.setattr(search_module, "check_layout", skipping_cp)
+    return check
+
+
+def test_a_planner_only_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sharpness: a planner that skips the context-parallel strategy's check (as the search's own copy once did),
+    or adds a rule of its own, disagrees with the runtime on the grid."""
+    monkeypatch.setattr(search_module, "check_layout", skipping("cp"))
     assert disagreements() != []
     monkeypatch.undo()
 
@@ -133,4 +160,10 @@ def test_a_planner_only_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
         return check_layout(spec)
 
     monkeypatch.setattr(search_module, "check_layout", stricter)
+    assert disagreements() != []
+
+
+def test_a_planner_without_the_expert_parallel_check_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sharpness: a planner that skips the expert-parallel strategy's layout check disagrees with the runtime."""
+    monkeypatch.setattr(search_module, "check_layout", skipping("ep"))
     assert disagreements() != []

@@ -425,15 +425,6 @@ def test_tiny_moe_preset_trains_and_logs_its_aux_losses(small_run: list[str]) ->
     assert logged and all(line["moe_aux_loss"] >= 1.0 and line["moe_z_loss"] > 0 for line in logged)
 
 
-def test_planner_refuses_moe_models_in_one_line() -> None:
-    """Its formulas are the dense model's: an MoE plan would be silently wrong, so it is refused."""
-    from meshlm.plan import PlanError as PlannerError
-    from meshlm.plan import Workload, best, hardware
-
-    with pytest.raises(PlannerError, match=r"does not model mixture-of-experts layers yet \(model.n_experts=8"):
-        best(Workload(preset("mixtral-8x7b"), 4096, 512, 1e12), 64, hardware("H100-SXM"))
-
-
 @pytest.mark.slow  # shares the fixture above
 def test_zero3_checkpoint_of_stacked_experts_resumes_in_one_process(world2: dict, checkpoint_dir: str) -> None:
     """Saved at dp=2 ZeRO-3 after 5 steps (experts flat-sharded over both ranks), resumed in one process: the

@@ -81,12 +81,12 @@ def gpu_counts(text: str) -> list[int]:
 
 
 def parse_layout(text: str) -> dict[str, int]:
-    """'tp=8,pp=16,dp=8' -> {'tp': 8, 'pp': 16, 'dp': 8}; dims left out (of pp, dp, cp, tp) are searched."""
+    """'tp=8,pp=16,dp=8' -> {'tp': 8, 'pp': 16, 'dp': 8}; dims left out (of pp, dp, ep, cp, tp) are searched."""
     dims: dict[str, int] = {}
     for part in filter(None, text.replace(" ", "").split(",")):
         name, _, value = part.partition("=")
-        if name not in ("pp", "dp", "cp", "tp") or not value.isdigit() or int(value) < 1 or name in dims:
-            raise PlanError(f"layout {text!r}: expected comma-separated pp=N, dp=N, cp=N, tp=N")
+        if name not in ("pp", "dp", "ep", "cp", "tp") or not value.isdigit() or int(value) < 1 or name in dims:
+            raise PlanError(f"layout {text!r}: expected comma-separated pp=N, dp=N, ep=N, cp=N, tp=N")
         dims[name] = int(value)
     return dims
 
@@ -175,7 +175,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--calibration", type=Path, help="JSON from `meshlm doctor` (docs/planner.md)")
     p.add_argument("--precision", choices=["bf16", "fp32"], help="default: fp32 on cpu, bf16 on GPUs")
     fixed = p.add_argument_group("fix part of the layout (the rest is searched)")
-    fixed.add_argument("--layout", default="", help="e.g. tp=8,pp=16,dp=8 (cp=N too)")
+    fixed.add_argument("--layout", default="", help="e.g. tp=8,pp=16,dp=8 (cp=N, ep=N too)")
     fixed.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     fixed.add_argument("--micro-batch", type=positive, help="sequences per micro-batch per replica")
     fixed.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb1"])
@@ -467,7 +467,8 @@ def _offer(e: Estimate | None, recommended: Estimate | None) -> str:
 
 def _print_table(r: Request, args: argparse.Namespace, result: SearchResult) -> None:
     w, hw = r.workload, r.hw
-    params = _si(param_counts(w.model)["total"])
+    counts = param_counts(w.model)
+    params = _si(counts["total"]) + (f", {_si(counts['active'])} active" if w.model.n_experts else "")
     gpus = ",".join(map(str, args.gpus))
     title = (
         f"{w.name} ({params} params) on {gpus}× {hw.name}: seq {w.seq_len}, batch {w.global_batch} "

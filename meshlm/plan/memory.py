@@ -8,6 +8,7 @@ micro-batches that actually run. Every formula and its source is in docs/planner
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
@@ -47,7 +48,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class Strategy:
-    """How to run a workload: the runtime's device mesh (pp outer, dp, cp, tp inner) plus every per-rank
+    """How to run a workload: the runtime's device mesh (pp outer, dp, ep, cp, tp inner) plus every per-rank
     choice the planner makes beside it."""
 
     mesh: Layout = field(default_factory=Layout)
@@ -76,8 +77,18 @@ class Strategy:
         return self.mesh.cp
 
     @property
+    def ep(self) -> int:
+        return self.mesh.ep
+
+    @property
     def replicas(self) -> int:
-        """Ranks holding the same weights, which reduce gradients and shard ZeRO state together: dp × cp."""
+        """Ranks holding the same dense weights, which reduce their gradients and shard their ZeRO state
+        together: dp × ep × cp (without ep, dp × cp)."""
+        return self.mesh.dp * self.mesh.ep * self.mesh.cp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same expert shards (the expert-data-parallel group): dp × cp."""
         return self.mesh.dp * self.mesh.cp
 
     @property
@@ -90,7 +101,7 @@ class Strategy:
         return str(self.mesh)
 
     def micro_batches(self, global_batch: int) -> int:
-        return global_batch // (self.dp * self.micro_batch)
+        return global_batch // (self.mesh.data_parallel * self.micro_batch)
 
     def overrides(self) -> dict[str, object]:
         """The meshlm config fields (`section.field`) that select this strategy in the trainer."""
@@ -342,30 +353,126 @@ class Memory:
 
 
 def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS) -> Memory:
-    """Peak memory per device: the maximum over pipeline stages."""
+    """Peak memory per device: the maximum over pipeline stages. An MoE model's stages hold their dense and
+    expert parameters apart (`moe_stage_params`, `moe_state_bytes`) and a mixture of dense and MoE
+    layer-activations (`moe_layer_activation_bytes`)."""
     model, s = w.model, strategy
     chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
+    moe = rank_moe_layers(model, s.pp, s.virtual_stages, a.runtime)
     m = s.micro_batches(w.global_batch)
     act_args = (model, w.seq_len, s.micro_batch, s.tp, s.sequence_parallel)
     per_layer = layer_activation_bytes(*act_args, s.recompute, w.precision, a.flash_attention, a.runtime, s.cp)
+    per_moe_layer = moe_layer_activation_bytes(*act_args, s.recompute, w.precision, a.flash_attention, a.runtime, s.cp)
     buffers = 0.0
     if s.recompute == "full":  # backward re-runs one layer at a time: its full activations are live
-        buffers += layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention, a.runtime, s.cp)
-    if s.zero == 3:
-        buffers += 2 * layer_params(model, s.tp) * BYTES[w.precision][0]  # current and prefetched layer
+        buffers += max(
+            layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention, a.runtime, s.cp),
+            moe_layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention, a.runtime, s.cp),
+        )
+    if s.zero == 3:  # current and prefetched layer
+        buffers += 2 * max(layer_params(model, s.tp), sum(moe_layer_params(model, s.tp, s.ep))) * BYTES[w.precision][0]
     fixed = hw.framework_bytes if a.overhead_gb is None else a.overhead_gb * GB
     worst = None
     for i in representative_stages(chunks):
-        psi = stage_params(model, s.tp, sum(chunks[i]), i == 0, i == s.pp - 1)
+        layers = sum(chunks[i])
+        psi = stage_params(model, s.tp, layers, i == 0, i == s.pp - 1)
         if w.lora_rank:
-            psi_lora = sum(chunks[i]) * layer_lora_params(model, s.tp, w.lora_rank)
+            psi_lora = layers * layer_lora_params(model, s.tp, w.lora_rank)
             params, grads, optimizer = lora_state_bytes(psi, psi_lora, s.replicas, s.zero, w.precision)
+        elif model.n_experts:
+            dense, experts = moe_stage_params(model, s.tp, s.ep, layers, moe[i], i == 0, i == s.pp - 1)
+            params, grads, optimizer = moe_state_bytes(dense, experts, s, w.precision, a.runtime)
         else:
             params, grads, optimizer = model_state_bytes(psi, s.replicas, s.zero, w.precision, a.runtime)
-        activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks[i]) * per_layer
+        mean_layer = (per_layer * (layers - moe[i]) + per_moe_layer * moe[i]) / layers if layers else per_layer
+        activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks[i]) * mean_layer
         logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
         rest = params + grads + optimizer + activations + logits + buffers
         mem = Memory(params, grads, optimizer, activations, logits, buffers, fixed + a.overhead_fraction * rest, i)
         if worst is None or mem.total > worst.total:
             worst = mem
     return worst
+
+
+# ---- mixture of experts (meshlm.model.moe, meshlm.parallel.expert_parallel; docs/planner.md) -----------------
+
+
+@lru_cache(maxsize=4096)
+def rank_moe_layers(model: ModelConfig, pp: int, virtual_stages: int = 1, runtime: Runtime = "meshlm") -> tuple:
+    """MoE layers each pipeline rank holds (all 0 for a dense model): of the runtime's contiguous chunks
+    (`chunk_layers`), rank i holds chunks i, i+pp, ...; `model.moe_layers` says which layers are MoE."""
+    if not model.n_experts:
+        return (0,) * pp
+    chunks = chunk_layers(model, pp * virtual_stages, runtime)
+    moe = set(model.moe_layers)
+    starts = itertools.accumulate(chunks, initial=0)
+    per_chunk = [len(moe.intersection(range(start, start + n))) for start, n in zip(starts, chunks, strict=False)]
+    return tuple(sum(per_chunk[i::pp]) for i in range(pp))
+
+
+@lru_cache(maxsize=1024)
+def moe_layer_params(model: ModelConfig, tp: int, ep: int) -> tuple[float, float]:
+    """(dense, expert) parameters of one MoE layer on one rank. Dense: attention and norms as a dense layer's
+    (`layer_params` less its SwiGLU), the router (d·E) and the shared expert's gate replicated, the shared
+    expert split over tp like a dense SwiGLU. Expert: E/ep routed experts of 3·d·moe_intermediate_size each,
+    split over tp as well (Megatron's expert tensor parallelism: each expert's hidden width over tp)."""
+    d = model.dim
+    mlp = 3 * d * model.intermediate_size // tp
+    shared = 3 * d * model.shared_expert_intermediate_size // tp + (d if model.shared_expert_gate else 0)
+    dense = layer_params(model, tp) - mlp + d * model.n_experts + shared
+    return dense, model.n_experts // ep * 3 * d * model.moe_intermediate_size / tp
+
+
+def moe_stage_params(
+    model: ModelConfig, tp: int, ep: int, layers: int, moe_layers: int, first: bool, last: bool
+) -> tuple[float, float]:
+    """(dense, expert) Ψ of one rank holding `layers` layers of which `moe_layers` are MoE: `stage_params`
+    with each MoE layer's SwiGLU replaced by its router, shared expert and E/ep experts (`moe_layer_params`),
+    plus Qwen3's q/k norms (2·head_dim per layer, replicated). At tp = pp = ep = 1 the two sum to
+    `param_counts(cfg)["total"]`."""
+    dense_moe, experts = moe_layer_params(model, tp, ep)
+    dense = stage_params(model, tp, layers, first, last) + moe_layers * (dense_moe - layer_params(model, tp))
+    dense += layers * (2 * model.head_dim if model.qk_norm else 0)
+    return dense, moe_layers * experts
+
+
+def moe_state_bytes(
+    dense: float, experts: float, s: Strategy, precision: Precision, runtime: Runtime = "meshlm"
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of a rank holding `dense` and `experts` parameters: data
+    parallel reduces (and ZeRO shards) the dense ones over all data replicas dp × ep × cp and the expert shards
+    over the ranks holding the same experts, dp × cp (meshlm.parallel.data_parallel: a flat buffer per kind,
+    each with its own group)."""
+    dense_bytes = model_state_bytes(dense, s.replicas, s.zero, precision, runtime)
+    expert_bytes = model_state_bytes(experts, s.expert_replicas, s.zero, precision, runtime)
+    return tuple(a + b for a, b in zip(dense_bytes, expert_bytes, strict=True))
+
+
+def moe_layer_activation_bytes(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    recompute: Recompute,
+    precision: Precision,
+    flash: bool = True,
+    runtime: Runtime = "meshlm",
+    cp: int = 1,
+) -> float:
+    """Bytes one MoE layer stores for backward for one micro-batch (0 for a dense model). Each token is
+    k rows through the routed experts' SwiGLU (moe_intermediate_size wide) and one through the shared expert,
+    so the layer stores what a dense layer of SwiGLU width k·moe_intermediate_size + shared width stores
+    (`layer_activation_bytes`: the rows a rank's experts receive from every ep rank are, balanced, k per
+    local token), plus the dispatch: the experts' permuted input rows and their outputs before the weighted
+    combine (2·k·h per token), and the router's fp32 logits and scores (2·E·4 bytes per token). Full
+    recompute keeps only the layer input, as a dense layer."""
+    if not model.n_experts:
+        return 0.0
+    width = model.top_k * model.moe_intermediate_size + model.shared_expert_intermediate_size
+    args = (seq_len, micro_batch, tp, sp, recompute, precision, flash, runtime, cp)
+    layer = layer_activation_bytes(model.replace(intermediate_size=width), *args)
+    if recompute == "full":
+        return layer
+    tokens = seq_len * micro_batch / cp
+    return layer + tokens * (2 * model.top_k * model.dim * BYTES[precision][3] + 2 * model.n_experts * 4)

@@ -16,7 +16,7 @@ from typing import Literal
 from meshlm.config import Config
 from meshlm.errors import InputError
 from meshlm.model.flops import param_counts
-from meshlm.parallel.mesh import Layout, LayoutError
+from meshlm.parallel.mesh import Layout, LayoutError, check_expert_parallel
 from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.plan.cost import DEFAULT_COSTS, CostModel, nodes_of, rates, run_cost
 from meshlm.plan.hardware import GB, Hardware, hardware
@@ -52,6 +52,7 @@ class Constraints:
     dp: int | None = None
     tp: int | None = None
     cp: int | None = None
+    ep: int | None = None
     zero: int | None = None
     micro_batch: int | None = None
     schedule: Schedule | None = None
@@ -101,6 +102,7 @@ class Plan:
             "dp": s.dp,
             "tp": s.tp,
             "cp": s.cp,
+            "ep": s.ep,
             "cp_attention": s.cp_attention if s.cp > 1 else None,
             "zero": s.zero,
             "micro_batch": s.micro_batch,
@@ -155,18 +157,27 @@ def _loosest(mesh: Layout, micro_batch: int | None) -> Strategy:
     return Strategy(mesh, micro_batch=micro_batch or 0, schedule="gpipe")
 
 
-def layout_problem(w: Workload, s: Strategy, chunks: int, uneven: bool = True) -> tuple[str, str] | None:
+def layout_problem(
+    w: Workload, s: Strategy, chunks: int, uneven: bool = True, runtime: Runtime = "meshlm"
+) -> tuple[str, str] | None:
     """Why the runtime would refuse strategy `s` for this workload, as (reason, detail), or None. These are
-    the trainer's own checks (every strategy's check_layout, meshlm.parallel.strategies; `chunks`, the most pipeline
-    chunks the modelled runtime cuts the model into, is n_layers for meshlm's), so the planner never proposes
-    a layout the trainer refuses nor leaves out one it runs. `uneven=False` adds the planner-only preference
-    for n_layers divisible by the pipeline split. A micro_batch of 0 is the whole replica batch."""
+    the trainer's own checks (every strategy's check_layout, meshlm.parallel.strategies; `chunks`, the most
+    pipeline chunks the modelled runtime cuts the model into, is n_layers for meshlm's), so the planner never
+    proposes a layout the trainer refuses nor leaves out one it runs (for meshlm's model, the strategies' checks
+    of the model against its plan refuse nothing the size checks accept: tests/test_layout_agreement.py runs
+    both on the runtime side). The Megatron-style runtime composes ep with tp,
+    pp and cp: its layout is checked with the ep ranks counted as data replicas, plus the experts' split over
+    ep. `uneven=False` adds the planner-only preference for n_layers divisible by the pipeline split. A
+    micro_batch of 0 is the whole replica batch."""
+    mesh = s.mesh if runtime == "meshlm" else dataclasses.replace(s.mesh, dp=s.dp * s.ep, ep=1)
     spec = LayoutSpec(
-        w.model, s.mesh, w.global_batch, s.micro_batch, s.virtual_stages, s.schedule, w.seq_len,
+        w.model, mesh, w.global_batch, s.micro_batch, s.virtual_stages, s.schedule, w.seq_len,
         s.sequence_parallel, s.cp_attention, n_layers=chunks,
     )  # fmt: skip
     try:
         check_layout(spec)
+        if runtime != "meshlm":
+            check_expert_parallel(w.model, Layout(ep=s.ep))
     except LayoutError as e:
         return re.sub(r"(?<![A-Za-z])\d+(?![A-Za-z])", "N", str(e)), str(e)  # reason: the message, numbers as N
     split = s.pp * s.virtual_stages
@@ -180,15 +191,18 @@ def enumerate_strategies(
 ) -> Iterator[Strategy | Rejection]:
     """Every combination the constraints allow, each either a Strategy the runtime accepts or a Rejection
     saying why it would not (`layout_problem`). tp stays within a node. Selective recompute is skipped with
-    flash attention, where it recomputes nothing."""
+    flash attention, where it recomputes nothing. ep is searched for MoE models only (every divisor of the
+    device count; the checks keep those that divide n_experts), or where the constraints fix it."""
     flash, chunks = a.flash_attention, max_chunks(w.model, a.runtime)
+    eps = _divisors(gpus) if w.model.n_experts or c.ep else [1]
     meshes = [
-        Layout(pp, gpus // (tp * cp * pp), tp, cp)
-        for tp in _divisors(gpus)
-        for cp in _divisors(gpus // tp)
-        for pp in _divisors(gpus // (tp * cp))
+        Layout(pp, gpus // (tp * cp * pp * ep), tp, cp, ep)
+        for ep in eps
+        for tp in _divisors(gpus // ep)
+        for cp in _divisors(gpus // (ep * tp))
+        for pp in _divisors(gpus // (ep * tp * cp))
     ]
-    fixed = {d: v for d in ("pp", "dp", "cp", "tp") if (v := getattr(c, d)) is not None}
+    fixed = {d: v for d in ("pp", "dp", "cp", "tp", "ep") if (v := getattr(c, d)) is not None}
     meshes = [m for m in meshes if all(getattr(m, d) == v for d, v in fixed.items())]
     if not meshes:
         named = ",".join(f"{d}={v}" for d, v in fixed.items())
@@ -199,22 +213,22 @@ def enumerate_strategies(
         if mesh.tp > gpus_per_node:
             yield Rejection(str(mesh), "tp > GPUs per node", f"tp={mesh.tp} > {gpus_per_node} per node")
             continue
-        problem = layout_problem(w, _loosest(mesh, c.micro_batch), chunks)
+        problem = layout_problem(w, _loosest(mesh, c.micro_batch), chunks, runtime=a.runtime)
         if problem:
             yield Rejection(str(mesh), *problem)
             continue
-        per_replica = w.global_batch // mesh.dp
+        per_replica = w.global_batch // mesh.data_parallel
         choices = itertools.product(
             [c.micro_batch] if c.micro_batch else [b for b in _divisors(per_replica) if b <= c.max_micro_batch],
             _schedules(mesh.pp, c, a.runtime),
-            [c.zero] if c.zero is not None else ([0] if mesh.dp * mesh.cp == 1 else [0, 1, 2, 3]),
+            [c.zero] if c.zero is not None else ([0] if mesh.dp * mesh.ep * mesh.cp == 1 else [0, 1, 2, 3]),
             recomputes,
             [c.sequence_parallel] if c.sequence_parallel is not None else ([False, True] if mesh.tp > 1 else [False]),
             [c.cp_attention] if c.cp_attention else (["ring", "ulysses"] if mesh.cp > 1 else ["ring"]),
         )
         for b, (schedule, v), zero, recompute, sp, attention in choices:
             lay = Strategy(mesh, zero, b, schedule, v, recompute, sp, attention)
-            problem = layout_problem(w, lay, chunks, c.uneven_layers)
+            problem = layout_problem(w, lay, chunks, c.uneven_layers, a.runtime)
             yield Rejection(str(lay), *problem) if problem else lay
 
 
@@ -281,14 +295,14 @@ def elastic_shrink(
     fail). The range is [fewest, nodes] with every count in it valid, since `--nnodes MIN:MAX` lets torchrun
     start at any of them: the priced states are exactly the ones the emitted launch can run in."""
     s, g = strategy, hw.gpus_per_node
-    unit = s.pp * s.cp * s.tp
+    unit = s.pp * s.ep * s.cp * s.tp
     full = step_time(w, s, hw, a).tokens_per_s
     chunks = max_chunks(w.model, a.runtime)
 
     @cache
     def at(dp: int) -> float:
-        shrunk = dataclasses.replace(s, mesh=Layout(s.pp, dp, s.tp, s.cp))
-        if layout_problem(w, shrunk, chunks, c.uneven_layers):
+        shrunk = dataclasses.replace(s, mesh=dataclasses.replace(s.mesh, dp=dp))
+        if layout_problem(w, shrunk, chunks, c.uneven_layers, a.runtime):
             return 0.0
         if memory(w, shrunk, hw, a).total > capacity(hw, shrunk.gpus, c):
             return 0.0
@@ -341,10 +355,10 @@ def search(
     `priced` (by the objective, on demand) also get spot, mixed and elastic offerings, and under the cost
     objective are re-ranked by the recommended pool's dollars. With memory_only, plans carry no step time or
     cost (used to find what would fit)."""
-    if w.model.n_experts:  # its memory and time formulas are the dense model's: a silently wrong plan
+    if w.model.n_experts and w.lora_rank:  # LoRA's formulas count a dense layer's projections
         raise PlanError(
-            f"the planner does not model mixture-of-experts layers yet (model.n_experts={w.model.n_experts}: "
-            "total vs active parameters, all-to-all); choose the layout yourself (docs/moe.md)"
+            f"the planner does not model LoRA on mixture-of-experts layers (model.n_experts={w.model.n_experts}, "
+            f"lora rank {w.lora_rank}); plan full training, or choose the layout yourself (docs/moe.md)"
         )
     result = SearchResult()
     for n in [gpus] if isinstance(gpus, int) else gpus:

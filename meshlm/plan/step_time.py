@@ -8,13 +8,14 @@ Formulas and sources: docs/planner.md.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from meshlm.model.config import ModelConfig
 from meshlm.model.flops import flops_per_token, matmul_params
-from meshlm.parallel.mesh import Layout
+from meshlm.parallel.mesh import DIMS, Layout
 from meshlm.plan.hardware import Hardware, Link
 from meshlm.plan.memory import (
     BYTES,
@@ -25,7 +26,10 @@ from meshlm.plan.memory import (
     Workload,
     layer_lora_params,
     model_state_bytes,
+    moe_stage_params,
+    moe_state_bytes,
     rank_chunks,
+    rank_moe_layers,
     representative_stages,
     stage_params,
 )
@@ -56,17 +60,33 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
     raise ValueError(f"unknown collective {op!r}")
 
 
+# Flattened groups of several mesh dims (meshlm.parallel.mesh.Mesh): the expert-data-parallel group that
+# reduces expert gradients, and the data replicas that reduce dense ones.
+GROUPS = {"dp_cp": ("dp", "cp"), "replicas": ("dp", "ep", "cp")}
+
+
+@lru_cache(maxsize=65536)
 def crosses_nodes(mesh: Layout, dim: str, gpus_per_node: int) -> bool:
-    """Whether some group of mesh dim `dim` spans two nodes. Ranks are numbered pp outermost, then dp, cp,
-    tp innermost (rank = ((i_pp·dp + i_dp)·cp + i_cp)·tp + i_tp) and fill nodes in order; "dp_cp" is the
-    flattened dp × cp group that reduces gradients under context parallel."""
-    size = mesh.dp * mesh.cp if dim == "dp_cp" else getattr(mesh, dim)
-    stride = {"tp": 1, "cp": mesh.tp, "dp_cp": mesh.tp, "dp": mesh.tp * mesh.cp, "pp": mesh.tp * mesh.cp * mesh.dp}[dim]
-    span = (size - 1) * stride
-    for block in range(0, mesh.world_size, stride * size)[:gpus_per_node]:
-        for first in range(block, block + min(stride, gpus_per_node)):
-            if first // gpus_per_node != (first + span) // gpus_per_node:
-                return True
+    """Whether some group of mesh dim `dim` (or flattened group, `GROUPS`) spans two nodes. Ranks are numbered
+    pp outermost, then dp, ep, cp, tp innermost (rank = (((i_pp·dp + i_dp)·ep + i_ep)·cp + i_cp)·tp + i_tp)
+    and fill nodes in order. A group's members are its first rank plus offsets up to `span`; it crosses when
+    the first rank's offset within its node plus the span reaches the next node, which depends only on that
+    offset, so each offset is checked once."""
+    dims = GROUPS.get(dim, (dim,))
+    strides, stride = {}, 1
+    for d in reversed(DIMS):
+        strides[d] = stride
+        stride *= getattr(mesh, d)
+    span = sum((getattr(mesh, d) - 1) * strides[d] for d in dims)
+    others = [d for d in DIMS if d not in dims and getattr(mesh, d) > 1]
+    seen: set[int] = set()
+    for coords in itertools.product(*(range(getattr(mesh, d)) for d in others)):
+        offset = sum(c * strides[d] for c, d in zip(coords, others, strict=True)) % gpus_per_node
+        if offset + span >= gpus_per_node:
+            return True
+        seen.add(offset)
+        if len(seen) == gpus_per_node:
+            break
     return False
 
 
@@ -88,7 +108,14 @@ def bubble_fraction(schedule: str, pp: int, micro_batches: int, virtual_stages: 
 @lru_cache(maxsize=1024)
 def _flops_split(model: ModelConfig, seq_len: int) -> tuple[float, float, float]:
     """Training FLOPs per token of one layer and of the head, and forward attention-core FLOPs of one
-    layer, all read off `flops_per_token` by differencing model sizes and sequence lengths."""
+    layer, all read off `flops_per_token` by differencing model sizes and sequence lengths. An MoE model's
+    layer is its mean layer (`flops_per_token` counts active weights: router, top_k experts, shared expert),
+    the head's 6·V·d taken off the whole."""
+    if model.n_experts:
+        head = 6.0 * model.vocab_size * model.dim
+        forward = flops_per_token(model, seq_len, training=False)
+        attention = (forward - flops_per_token(model, 0, training=False)) / model.n_layers
+        return (flops_per_token(model, seq_len) - head) / model.n_layers, head, attention
     one, two = (flops_per_token(model.replace(n_layers=n), seq_len) for n in (1, 2))
     forward = flops_per_token(model, seq_len, training=False)
     attention = (forward - flops_per_token(model, 0, training=False)) / model.n_layers
@@ -117,7 +144,7 @@ def layer_work(
     kv = max(model.n_kv_heads // tp, 1) * model.head_dim
     replicated, split, mlp = TRAFFIC[runtime]
     forward = replicated * model.dim / (tp if sp else 1) + split * (model.dim / tp + kv)
-    forward += mlp * model.intermediate_size / tp
+    forward += mlp * ffn_width(model) / tp
     softmax = 0.0 if flash else UNFUSED_ATTENTION * model.n_heads / tp * seq_len
     forward_bytes = (forward + softmax) * act
     extra_gemm = extra_attention = extra_bytes = 0.0
@@ -131,6 +158,14 @@ def layer_work(
         3 * forward_bytes + extra_bytes,
         extra_gemm + extra_attention,
     )
+
+
+def ffn_width(model: ModelConfig) -> float:
+    """SwiGLU width a token passes through in the mean layer: intermediate_size in a dense layer, k routed
+    experts' and the shared expert's in an MoE layer (their elementwise traffic, `TRAFFIC`)."""
+    n_moe = len(model.moe_layers)
+    moe = model.top_k * model.moe_intermediate_size + model.shared_expert_intermediate_size
+    return ((model.n_layers - n_moe) * model.intermediate_size + n_moe * moe) / model.n_layers
 
 
 @dataclass(frozen=True)
@@ -149,14 +184,16 @@ class StepTime:
     mfu: float
     train_days: float
     cp_comm: float = 0.0  # context-parallel ring send/recv or Ulysses all-to-alls, not overlapped
+    ep_comm: float = 0.0  # expert-parallel dispatch and combine all-to-alls, not overlapped
 
     @property
     def total(self) -> float:
-        parts = (self.compute, self.tp_comm, self.pp_comm, self.cp_comm, self.dp_comm, self.bubble, self.optimizer)
-        return sum(parts)
+        parts = (self.compute, self.tp_comm, self.pp_comm, self.cp_comm, self.ep_comm, self.dp_comm, self.bubble)
+        return sum(parts) + self.optimizer
 
     def parts(self) -> dict[str, float]:
-        names = ("compute", "tp_comm", "pp_comm", *(("cp_comm",) if self.cp_comm else ()), "dp_comm")
+        optional = tuple(name for name in ("cp_comm", "ep_comm") if getattr(self, name))
+        names = ("compute", "tp_comm", "pp_comm", *optional, "dp_comm")
         return {name: getattr(self, name) for name in (*names, "bubble", "optimizer", "total")}
 
 
@@ -205,6 +242,7 @@ def _dp_exposed(
     layers: int,
     compute_mb: float,
     trainable: float | None = None,
+    group: str = "replicas",
 ) -> float:
     """Data-parallel communication left on the critical path. Gradients are reduced in buckets that hide
     behind backward (a.dp_overlap of it) except the last; ZeRO-1/2 all-gather updated weights after the
@@ -212,16 +250,18 @@ def _dp_exposed(
     and reduces layer by layer, in forward, backward (and the recompute forward), prefetched except the
     first and last. Every bucket or layer is its own collective and pays the latency term again. Of the
     `psi` weights only `trainable` (default all; LoRA: the adapters) are reduced and, under ZeRO-1/2, gathered
-    after the step; ZeRO-3 gathers all of them."""
-    if s.replicas == 1:
+    after the step; ZeRO-3 gathers all of them. `group` is the reducing group: "replicas" (dp × ep × cp, the
+    dense weights) or "dp_cp" (the expert shards)."""
+    n = s.expert_replicas if group == "dp_cp" else s.replicas
+    if n == 1 or psi == 0:
         return 0.0
     w_bytes, g_bytes, _, _ = BYTES[w.precision]
-    cross = crosses_nodes(s.mesh, "dp_cp", hw.gpus_per_node)
+    cross = crosses_nodes(s.mesh, group, hw.gpus_per_node)
     bucket = a.bucket_mb * 1e6
 
     def t(op: str, nbytes: float, calls: int | None = None) -> float:
         calls = calls or max(1, math.ceil(nbytes / bucket))  # default: one call per bucket
-        return calls * collective_time(op, nbytes / calls, s.replicas, hw.link("dp", cross, op))
+        return calls * collective_time(op, nbytes / calls, n, hw.link("dp", cross, op))
 
     m = s.micro_batches(w.global_batch)
     trainable = psi if trainable is None else trainable
@@ -265,6 +305,21 @@ def cp_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, 
     link = hw.link("cp", crosses_nodes(s.mesh, "cp", hw.gpus_per_node), "all_to_all")
     nbytes = 2 * tokens * (model.dim / s.tp + kv) * act  # q and output, k and v
     return (forwards + 1) * collective_time("all_to_all", nbytes, s.cp, link)
+
+
+def ep_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int) -> float:
+    """Expert-parallel communication of one MoE layer for one micro-batch of `tokens` local tokens, as
+    meshlm.parallel.expert_parallel runs it (blocking, not overlapped): the rows-per-expert counts (E int64,
+    once per forward), then the dispatch and the combine of the k·tokens rows (h wide each) forward and again
+    reversed in backward, 4 all-to-alls, 6 with full recompute. Balanced routing sends (ep − 1)/ep of the rows
+    off the rank, which `collective_time`'s all-to-all charges."""
+    if s.ep == 1:
+        return 0.0
+    link = hw.link("ep", crosses_nodes(s.mesh, "ep", hw.gpus_per_node), "all_to_all")
+    forwards = 2 if s.recompute == "full" else 1
+    rows = collective_time("all_to_all", tokens * model.top_k * model.dim * act, s.ep, link)
+    counts = collective_time("all_to_all", 8 * model.n_experts, s.ep, link)
+    return (forwards + 1) * 2 * rows + forwards * counts
 
 
 def cp_attention_factor(s: Strategy) -> float:
@@ -325,8 +380,10 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         p2p = 2 * s.virtual_stages * collective_time("send_recv", activation / s.tp, 2, pp_link)
 
     chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
+    moe = rank_moe_layers(model, s.pp, s.virtual_stages, a.runtime)
     cp_layer = cp_layer_time(model, tokens, s, hw, act)
-    slot_compute = slot_tp = slot_cp = dp_comm = optimizer = 0.0
+    ep_layer = ep_layer_time(model, tokens, s, hw, act)
+    slot_compute = slot_tp = slot_cp = slot_ep = dp_comm = optimizer = 0.0
     for i in representative_stages(chunks):
         layers, last = sum(chunks[i]), i == s.pp - 1
         gemm = tokens * (layers * work.gemm_flops + (head_f if last else 0.0))
@@ -336,10 +393,16 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         compute_mb = micro_batch_time(device, layers, hw, s.gpus)
         tp_mb = layers * tp_layer + (tp_edge if i == 0 else 0.0) + (tp_edge + tp_loss if last else 0.0)
         cp_mb = layers * cp_layer
-        if compute_mb + tp_mb + cp_mb > slot_compute + slot_tp + slot_cp:
-            slot_compute, slot_tp, slot_cp = compute_mb, tp_mb, cp_mb
+        ep_mb = moe[i] * ep_layer
+        if compute_mb + tp_mb + cp_mb + ep_mb > slot_compute + slot_tp + slot_cp + slot_ep:
+            slot_compute, slot_tp, slot_cp, slot_ep = compute_mb, tp_mb, cp_mb, ep_mb
         psi = stage_params(model, s.tp, layers, i == 0, last)
-        if w.lora_rank:
+        if model.n_experts:  # dense weights reduced over dp × ep × cp, expert shards over dp × cp
+            dense, experts = moe_stage_params(model, s.tp, s.ep, layers, moe[i], i == 0, last)
+            stage_dp = _dp_exposed(w, s, hw, a, dense, layers, compute_mb)
+            stage_dp += _dp_exposed(w, s, hw, a, experts, layers, compute_mb, group="dp_cp")
+            states = moe_state_bytes(dense, experts, s, w.precision, a.runtime)
+        elif w.lora_rank:
             psi_lora = layers * layer_lora_params(model, s.tp, w.lora_rank)
             stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb, trainable=psi_lora)
             states = model_state_bytes(psi_lora, s.replicas, s.zero, w.precision, a.runtime)
@@ -350,12 +413,12 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         if stage_dp + stage_optimizer > dp_comm + optimizer:
             dp_comm, optimizer = stage_dp, stage_optimizer
 
-    slot = slot_compute + slot_tp + slot_cp + p2p
+    slot = slot_compute + slot_tp + slot_cp + slot_ep + p2p
     # Critical path: m slots plus the fill and drain (fill_slots), each at the speed of a rank while the ranks
     # of half the stages compute; work: m slots at the speed while all compute. Both are lower bounds, and
     # where every rank owns its device the first is the larger: bubble = bubble_fraction × (m·slot + bubble).
     fill = fill_slots(s.schedule, s.pp, s.virtual_stages)
-    critical = (m + fill) * (slot_compute / bubble_speedup + slot_tp + slot_cp + p2p)
+    critical = (m + fill) * (slot_compute / bubble_speedup + slot_tp + slot_cp + slot_ep + p2p)
     bubble = max(0.0, critical - m * slot)
     total = m * slot + bubble + dp_comm + optimizer
     tokens_per_s = w.global_batch * w.seq_len / total
@@ -367,6 +430,7 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         tp_comm=m * slot_tp,
         pp_comm=m * p2p,
         cp_comm=m * slot_cp,
+        ep_comm=m * slot_ep,
         dp_comm=dp_comm,
         bubble=bubble,
         optimizer=optimizer,
