@@ -6,6 +6,7 @@ activation does, and the activation bytes autograd saves per layer are what the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import pytest
@@ -15,7 +16,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from meshlm.model import Transformer, cross_entropy_loss, preset
 from meshlm.model.llama import set_recompute
 from meshlm.observe.memory import ActivationMeter
-from meshlm.plan.memory import layer_activation_bytes
+from meshlm.parallel.mesh import Layout
+from meshlm.plan.hardware import GB, hardware
+from meshlm.plan.memory import DEFAULTS, Strategy, Workload, layer_activation_bytes, memory
+from meshlm.plan.search import Constraints, capacity, fill_memory, search
+from meshlm.plan.step_time import step_time
 
 MODEL = preset("test")
 BATCH, SEQ_LEN = 2, 32
@@ -120,3 +125,40 @@ def test_mlp_recompute_keeps_a_quarter_of_a_llama_layer() -> None:
     args = (MODEL, SEQ_LEN, BATCH, 1, False)
     none, mlp, full = (layer_activation_bytes(*args, r, "fp32") for r in ("none", "mlp", "full"))
     assert mlp < none * (1 - 2 * TOLERANCE) and mlp > full * (1 + 2 * TOLERANCE)
+
+
+# The planner's side: the policies as search options (issue #33: full recompute picked with memory idle).
+A100_40 = hardware("A100-40GB")
+FSDP_8B = Workload(preset("llama3-8b"), 8192, 256, 1e12)  # 8B, tp=1 (FSDP-style) on 16 A100-40GB
+ONLY_DP = {"tp": 1, "cp": 1, "pp": 1}
+
+
+def test_recompute_layers_memory_is_the_mix_of_full_and_policy_layers() -> None:
+    s = Strategy(Layout(1, 16, 1, 1), zero=3)
+    args = (FSDP_8B.model, FSDP_8B.seq_len, 1, 1, False)
+    none, full = (layer_activation_bytes(*args, r, "bf16") for r in ("none", "full"))
+    for k in (0, 1, 7, 31):
+        mem = memory(FSDP_8B, dataclasses.replace(s, recompute_layers=k), A100_40)
+        assert mem.activations == pytest.approx(k * full + (32 - k) * none, rel=1e-12)
+    times = [step_time(FSDP_8B, dataclasses.replace(s, recompute=r, recompute_layers=k), A100_40).total
+             for r, k in (("none", 0), ("none", 8), ("mlp", 0), ("none", 31), ("full", 0))]  # fmt: skip
+    assert times == sorted(times) and len(set(times)) == len(times)
+
+
+def test_the_search_fills_memory_with_partial_recompute_instead_of_full() -> None:
+    old = search(FSDP_8B, 16, A100_40, constraints=Constraints(**ONLY_DP, recompute="full"), priced=0).plans[0]
+    new = search(FSDP_8B, 16, A100_40, constraints=Constraints(**ONLY_DP), priced=0).plans[0]
+    limit = capacity(A100_40, 16, Constraints())
+    assert old.memory.total < 0.7 * limit  # full recompute leaves over 30 % of the device idle
+    assert new.strategy.recompute != "full" and 0.9 * limit < new.memory.total <= limit
+    assert new.step.tokens_per_s > 1.05 * old.step.tokens_per_s
+
+
+def test_fill_memory_finds_the_fewest_fully_recomputed_layers_that_fit() -> None:
+    s = Strategy(Layout(1, 16, 1, 1), zero=3)  # 68 GB without recompute, 26 GB with 31 of 32 layers full
+    for limit_gb in (27, 36, 60):
+        limit = limit_gb * GB
+        filled, mem = fill_memory(FSDP_8B, s, A100_40, DEFAULTS, limit)
+        k = filled.recompute_layers
+        assert mem.total <= limit < memory(FSDP_8B, dataclasses.replace(s, recompute_layers=k - 1), A100_40).total
+    assert fill_memory(FSDP_8B, s, A100_40, DEFAULTS, 25 * GB) is None

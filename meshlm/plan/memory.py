@@ -95,7 +95,7 @@ class Strategy:
 
     def overrides(self) -> dict[str, object]:
         """The meshlm config fields (`section.field`) that select this strategy in the trainer."""
-        return {
+        fields = {
             "parallel.layout": self.layout,
             "parallel.zero": self.zero,
             "parallel.schedule": self.schedule,
@@ -104,7 +104,10 @@ class Strategy:
             "train.micro_batch": self.micro_batch,
             "train.recompute": self.recompute,
             "train.recompute_layers": self.recompute_layers,
-        } | ({"parallel.cp_attention": self.cp_attention} if self.cp > 1 else {})
+        }
+        if self.cp > 1:
+            fields["parallel.cp_attention"] = self.cp_attention
+        return fields
 
     def __str__(self) -> str:
         sched = f"{self.schedule}×{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule

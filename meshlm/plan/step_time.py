@@ -356,7 +356,9 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
 
     chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
     cp_layer = cp_layer_time(model, tokens, s, hw, act)
-    cp_full_layer = cp_layer_time(model, tokens, dataclasses.replace(s, recompute="full"), hw, act)
+    cp_full_layer = (
+        cp_layer_time(model, tokens, dataclasses.replace(s, recompute="full"), hw, act) if s.recompute_layers else 0.0
+    )
     slot_compute = slot_tp = slot_cp = dp_comm = optimizer = 0.0
     for i in representative_stages(chunks):
         layers, last = sum(chunks[i]), i == s.pp - 1
