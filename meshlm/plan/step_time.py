@@ -234,8 +234,9 @@ def _dp_exposed(
     """Data-parallel communication left on the critical path. Gradients are reduced in buckets that hide
     behind backward (a.dp_overlap of it) except the last; ZeRO-1/2 all-gather updated weights after the
     step; ZeRO-2 reduce-scatters every micro-batch (sharded gradients cannot accumulate); ZeRO-3 gathers
-    and reduces layer by layer, in forward, backward (and the recompute forward), prefetched except the
-    first and last. Every bucket or layer is its own collective and pays the latency term again. Of the
+    and reduces layer by layer, in forward, backward (and the recompute forward), every micro-batch (under
+    pp too), prefetched except the first unit of each micro-batch's forward and backward and its last
+    reduce-scatter. Every bucket or layer is its own collective and pays the latency term again. Of the
     `psi` weights only `trainable` (default all; LoRA: the adapters) are reduced and, under ZeRO-1/2, gathered
     after the step; ZeRO-3 gathers all of them. `share`: the stage's fraction of fully recomputed layers
     (`train.recompute_layers`)."""
@@ -266,7 +267,9 @@ def _dp_exposed(
         gathers = 2 + full
         overlapped = m * (gathers * t("all_gather", weights, units) + t("reduce_scatter", grads, units))
         window = m * compute_mb
-        tail = t("all_gather", weights / units, 1) + t("reduce_scatter", grads / units, 1)
+        # every micro-batch starts its forward and its backward with a blocking gather of the first unit (the
+        # last one was freed after use, meshlm.parallel.zero.Zero3Hooks) and ends with one reduce-scatter
+        tail = m * (2 * t("all_gather", weights / units, 1) + t("reduce_scatter", grads / units, 1))
     overlap = a.dp_overlap if a.dp_overlap is not None else (0.0 if hw.shared_node else DP_OVERLAP)
     return after + min(overlapped, max(tail, overlapped - overlap * window))
 
