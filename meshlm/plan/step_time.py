@@ -264,7 +264,7 @@ def _dp_exposed(
         tail, after = t("reduce_scatter", min(bucket, grads), 1), t("all_gather", updated)
     else:
         units = max(layers, 1)
-        gathers = 2 + full
+        gathers = 2.0  # the recompute forward runs inside the unit's backward, which has it gathered
         overlapped = m * (gathers * t("all_gather", weights, units) + t("reduce_scatter", grads, units))
         window = m * compute_mb
         # every micro-batch starts its forward and its backward with a blocking gather of the first unit (the
