@@ -103,10 +103,11 @@ class Strategy:
             "parallel.sequence_parallel": self.sequence_parallel,
             "train.micro_batch": self.micro_batch,
             "train.recompute": self.recompute,
-            "train.recompute_layers": self.recompute_layers,
         }
         if self.cp > 1:
             fields["parallel.cp_attention"] = self.cp_attention
+        if self.recompute_layers:  # else the default 0 (launch files name only what the plan sets)
+            fields["train.recompute_layers"] = self.recompute_layers
         return fields
 
     def __str__(self) -> str:

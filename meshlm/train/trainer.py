@@ -143,6 +143,7 @@ def resolve_auto_layout(cfg: Config, world_size: int) -> Config:
 
     choice = plan_for_config(cfg, world_size)
     data = cfg.model_dump()
+    data["train"]["recompute_layers"] = 0  # the planner's choice, named in the overrides only when > 0
     for key, value in choice.overrides().items():
         section, name = key.split(".")
         data[section][name] = value
