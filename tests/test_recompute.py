@@ -8,11 +8,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_shared
+from equivalence import trainer_runs
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from meshlm.config import load_config, parse_overrides
+from meshlm.data import prepare_data
 from meshlm.model import Transformer, cross_entropy_loss, preset
 from meshlm.model.llama import set_recompute
 from meshlm.observe.memory import ActivationMeter
@@ -21,6 +26,7 @@ from meshlm.plan.hardware import GB, hardware
 from meshlm.plan.memory import DEFAULTS, Strategy, Workload, layer_activation_bytes, memory
 from meshlm.plan.search import Constraints, capacity, fill_memory, search
 from meshlm.plan.step_time import step_time
+from meshlm.train.trainer import train
 
 MODEL = preset("test")
 BATCH, SEQ_LEN = 2, 32
@@ -162,3 +168,30 @@ def test_fill_memory_finds_the_fewest_fully_recomputed_layers_that_fit() -> None
         k = filled.recompute_layers
         assert mem.total <= limit < memory(FSDP_8B, dataclasses.replace(s, recompute_layers=k - 1), A100_40).total
     assert fill_memory(FSDP_8B, s, A100_40, DEFAULTS, 25 * GB) is None
+
+
+# ---- the policies under parallel layouts (`meshlm train` on two gloo ranks) -----------------------------------
+@pytest.mark.slow  # a single-process reference and three 2-rank trainer runs of ten steps: 7-18 s on two cores
+def test_op_level_and_partial_recompute_train_as_the_single_process_run(small_run: list[str], tmp_path: Path) -> None:
+    """mlp and recompute_layers under tensor + sequence parallelism (collectives inside the rerun half), a
+    pipeline (each stage's first block) and ZeRO-3 (the rerun finds its unit gathered): the losses of the
+    single-process run without recompute within the equivalence criterion (rel 1e-5 per step)."""
+    steps = 10
+
+    def args(run_dir: str, layout: str, *extra: str) -> list[str]:
+        return [*small_run, "--log.run_dir", str(tmp_path / run_dir), "--parallel.layout", layout,
+                "--train.steps", str(steps), "--train.eval_every", str(steps), *extra]  # fmt: skip
+
+    cfg = load_config(None, parse_overrides(small_run))
+    prepare_data(cfg.data, cfg.model.build().vocab_size)  # tokenize once, before the ranks start
+    reference = train(load_config(None, parse_overrides(args("ref", ""))))
+    runs = {
+        "tp=2 sp mlp": args("tp", "tp=2", "--parallel.sequence_parallel", "true", "--train.recompute", "mlp"),
+        "pp=2 mlp + 1 full": args(
+            "pp", "pp=2", "--train.micro_batch", "2", "--train.recompute", "mlp", "--train.recompute_layers", "1"
+        ),
+        "dp=2 zero=3 none + 2 full": args("z3", "dp=2", "--parallel.zero", "3", "--train.recompute_layers", "2"),
+    }
+    results = dict(zip(runs, run_shared(trainer_runs, 2, list(runs.values()), timeout=400)[0], strict=True))
+    for name, result in results.items():
+        assert result["losses"] == pytest.approx(reference.losses, rel=1e-5), name
