@@ -70,6 +70,12 @@ def positive(text: str) -> int:
     return int(text)
 
 
+def non_negative(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
+
+
 def gpu_counts(text: str) -> list[int]:
     try:
         counts = [int(x) for x in text.split(",")]
@@ -182,7 +188,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     fixed.add_argument("--virtual-stages", type=positive)
     fixed.add_argument("--recompute", choices=["none", "selective", "mlp", "full"])
     fixed.add_argument(
-        "--recompute-layers", type=int, help="blocks per pipeline chunk fully recomputed (default: the fewest that fit)"
+        "--recompute-layers",
+        type=non_negative,
+        help="blocks per pipeline chunk fully recomputed (default: the fewest that fit)",
     )
     fixed.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     fixed.add_argument("--even-layers", action="store_true", help="require n_layers divisible by the pipeline split")

@@ -378,6 +378,11 @@ def search(
             f"the planner does not model mixture-of-experts layers yet (model.n_experts={w.model.n_experts}: "
             "total vs active parameters, all-to-all); choose the layout yourself (docs/moe.md)"
         )
+    if constraints.recompute == "full" and constraints.recompute_layers:
+        raise PlanError(
+            f"--recompute-layers {constraints.recompute_layers} recomputes some blocks fully, but --recompute full "
+            "already recomputes all of them: use none, selective or mlp"
+        )
     result = SearchResult()
     fits: dict[Strategy, bool] = {}  # whether each strategy as enumerated fits
     for n in [gpus] if isinstance(gpus, int) else gpus:
