@@ -234,12 +234,12 @@ def _dp_exposed(
     """Data-parallel communication left on the critical path. Gradients are reduced in buckets that hide
     behind backward (a.dp_overlap of it) except the last; ZeRO-1/2 all-gather updated weights after the
     step; ZeRO-2 reduce-scatters every micro-batch (sharded gradients cannot accumulate); ZeRO-3 gathers
-    and reduces layer by layer, in forward, backward (and the recompute forward), every micro-batch (under
-    pp too), prefetched except the first unit of each micro-batch's forward and backward and its last
-    reduce-scatter. Every bucket or layer is its own collective and pays the latency term again. Of the
-    `psi` weights only `trainable` (default all; LoRA: the adapters) are reduced and, under ZeRO-1/2, gathered
-    after the step; ZeRO-3 gathers all of them. `share`: the stage's fraction of fully recomputed layers
-    (`train.recompute_layers`)."""
+    and reduces layer by layer, in forward and backward (a recomputed forward runs inside the backward that
+    has its unit gathered), every micro-batch (under pp too), prefetched except the first unit of each
+    micro-batch's forward and backward and its last reduce-scatter. Every bucket or layer is its own
+    collective and pays the latency term again. Of the `psi` weights only `trainable` (default all; LoRA:
+    the adapters) are reduced and, under ZeRO-1/2, gathered after the step; ZeRO-3 gathers all of them.
+    `share`: the stage's fraction of fully recomputed layers (`train.recompute_layers`)."""
     if s.replicas == 1:
         return 0.0
     w_bytes, g_bytes, _, _ = BYTES[w.precision]
@@ -335,7 +335,7 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         less = -(layer_f - 3 * attention_f) / s.tp / 3 + adapters
         works = [dataclasses.replace(work, gemm_flops=work.gemm_flops + less) for work in works]
         head_f *= 2 / 3
-    work, full_work = works[0], works[-1]
+    full_work = works[-1]  # the policy's own when no block is fully recomputed
     loss_bytes = 3 * (act + 8) * model.vocab_size / s.tp  # logits, their fp32 copy and log-softmax, fwd + bwd
 
     activation = tokens * model.dim * act  # one micro-batch's hidden states, s·b·h
