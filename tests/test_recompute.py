@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshlm.config import load_config, parse_overrides
 from meshlm.data import prepare_data
-from meshlm.model import Transformer, cross_entropy_loss, preset
+from meshlm.model import ModelConfig, Transformer, cross_entropy_loss, preset
 from meshlm.model.llama import set_recompute
 from meshlm.observe.memory import ActivationMeter
 from meshlm.parallel.mesh import Layout
@@ -38,15 +38,17 @@ BATCH, SEQ_LEN = 2, 32
 TOLERANCE = 0.10
 
 
-def _losses_and_weights(policy: str, layers: int = 0, steps: int = 10) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _losses_and_weights(
+    policy: str, layers: int = 0, steps: int = 10, cfg: ModelConfig = MODEL
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = Transformer(MODEL)
+    model = Transformer(cfg)
     set_recompute(model, policy, layers)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        x = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ_LEN + 1), generator=gen)
+        x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ_LEN + 1), generator=gen)
         loss = cross_entropy_loss(model(x[:, :-1]), x[:, 1:])
         loss.backward()
         opt.step()
@@ -67,6 +69,28 @@ def test_every_recompute_policy_trains_exactly_as_none(policy: str, layers: int)
     reference, ref_weights = _reference()
     losses, weights = _losses_and_weights(policy, layers)
     assert losses == reference  # recompute reruns the same kernels on the same inputs: bitwise
+    for name, tensor in ref_weights.items():
+        assert torch.equal(tensor, weights[name]), name
+
+
+def test_mlp_recompute_of_a_mixture_of_experts_trains_exactly_as_none() -> None:
+    """The rerun half of an MoE block routes again (same scores, same experts) and its aux-loss gradient is
+    attached in the rerun as in the first forward: bitwise the same training."""
+    moe = MODEL.replace(
+        hf_model_type="qwen2_moe",
+        qkv_bias=True,
+        n_experts=4,
+        top_k=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        shared_expert_gate=True,
+        first_k_dense=1,
+        aux_loss_coef=0.1,
+        z_loss_coef=0.01,
+    )
+    reference, ref_weights = _losses_and_weights("none", cfg=moe)
+    losses, weights = _losses_and_weights("mlp", 1, cfg=moe)
+    assert losses == reference
     for name, tensor in ref_weights.items():
         assert torch.equal(tensor, weights[name]), name
 
