@@ -73,6 +73,7 @@ def test_every_recompute_policy_trains_exactly_as_none(policy: str, layers: int)
         assert torch.equal(tensor, weights[name]), name
 
 
+@pytest.mark.slow  # two 10-step MoE runs: ~10 s on two loaded cores
 def test_mlp_recompute_of_a_mixture_of_experts_trains_exactly_as_none() -> None:
     """The rerun half of an MoE block routes again (same scores, same experts) and its aux-loss gradient is
     attached in the rerun as in the first forward: bitwise the same training."""
