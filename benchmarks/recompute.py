@@ -1,5 +1,5 @@
 """Activation recompute (`train.recompute`): saved activation bytes per layer and step time for none,
-selective and full, measured side by side and set against the planner's per-layer formula
+selective, mlp and full, measured side by side and set against the planner's per-layer formula
 (meshlm.plan.memory.layer_activation_bytes), with the SDPA flash kernel (CPU default) and the math kernel
 (what runs where no flash kernel applies: there selective drops the stored softmax probabilities).
 
@@ -26,7 +26,7 @@ from meshlm.model.llama import set_recompute
 from meshlm.observe.memory import ActivationMeter
 from meshlm.plan.memory import layer_activation_bytes
 
-POLICIES = ("none", "selective", "full")
+POLICIES = ("none", "selective", "mlp", "full")
 
 
 def saved_bytes(cfg: ModelConfig, policy: str, x: torch.Tensor) -> int:

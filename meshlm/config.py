@@ -161,8 +161,16 @@ class TrainSection(Section):
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 disables clipping")
     seed: int = Field(1234, description="seeds the initial weights and the batch order")
     dtype: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 autocast on GPU, fp32 on CPU")
-    recompute: Literal["none", "selective", "full"] = Field(
-        "none", description="activations recomputed in backward: selective = the attention core, full = each block"
+    recompute: Literal["none", "selective", "mlp", "full"] = Field(
+        "none",
+        description="activations recomputed in backward: selective = the attention core, mlp = each block's "
+        "RMSNorm + SwiGLU half from its mid-point, full = each block",
+    )
+    recompute_layers: int = Field(
+        0,
+        ge=0,
+        description="the first N blocks of each pipeline chunk are fully recomputed and the rest follow "
+        "`recompute` (Megatron's --recompute-num-layers); 0: every block follows `recompute`",
     )
     fused_loss: bool = Field(
         True, description="output projection + cross-entropy in token chunks, never materialising the logits"
@@ -328,6 +336,11 @@ class Config(Section):
             model = self.model.build()
         except ValueError as e:
             raise ValueError(str(e)) from None
+        if self.train.recompute == "full" and self.train.recompute_layers:
+            raise ValueError(
+                f"train.recompute_layers ({self.train.recompute_layers}) recomputes some blocks fully, but "
+                "train.recompute = 'full' already recomputes all of them: use none, selective or mlp"
+            )
         if self.data.seq_len > model.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})")
         if model.sliding_window and self.data.seq_len > model.sliding_window:

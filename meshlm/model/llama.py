@@ -151,10 +151,17 @@ class Block(nn.Module):
             self.mlp: nn.Module = MoE(cfg, shared)
         else:
             self.mlp = MLP(cfg)
+        self.recompute_mlp = False  # op-level recompute of the feed-forward half (set_recompute)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's second half, from its mid-point (the residual after attention) to its output."""
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.recompute_mlp and self.training:
+            return checkpoint(self.feed_forward, x, use_reentrant=False)
+        return self.feed_forward(x)
 
 
 class Decoder(nn.Module):
@@ -193,6 +200,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.activation_checkpointing = False
+        self.recompute_layers = 0  # the first N blocks this module runs are fully recomputed (set_recompute)
         self.reset_parameters()
 
     def init_rule(self, name: str, param: torch.Tensor) -> InitRule:
@@ -216,8 +224,8 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
         cos, sin = self.rope_cos, self.rope_sin
-        for layer in self.model.layers.values():
-            if self.activation_checkpointing and self.training:
+        for i, layer in enumerate(self.model.layers.values()):
+            if (self.activation_checkpointing or i < self.recompute_layers) and self.training:
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, cos, sin)
@@ -240,16 +248,23 @@ class Transformer(nn.Module):
         return self.num_params() - unused
 
 
-def set_recompute(model: nn.Module, policy: str) -> None:
-    """Activation recompute of meshlm's Llama (`train.recompute`): 'full' keeps only each block's input
-    and reruns the block in backward; 'selective' reruns only the attention core (rotary + attention), so
-    the softmax probabilities are never stored (Korthikanti et al. 2022; a flash kernel stores none anyway,
-    then only its softmax statistics are saved); 'none' keeps everything. Planned by
-    meshlm.plan.memory.layer_activation_bytes, measured by benchmarks/recompute.py."""
+def set_recompute(model: nn.Module, policy: str, layers: int = 0) -> None:
+    """Activation recompute of meshlm's Llama (`train.recompute`, `train.recompute_layers`): 'full' keeps
+    only each block's input and reruns the block in backward; 'mlp' keeps the block's mid-point (the residual
+    after attention) and reruns the second RMSNorm and the SwiGLU MLP (gate, up, silu, product, down), so
+    none of the MLP's intermediates are stored; 'selective' reruns only the attention core (rotary +
+    attention), so the softmax probabilities are never stored (Korthikanti et al. 2022; a flash kernel
+    stores none anyway, then only its softmax statistics are saved); 'none' keeps everything. `layers` > 0
+    recomputes the first `layers` blocks of each pipeline chunk fully and the rest by `policy` (Megatron's
+    `--recompute-num-layers`). Planned by meshlm.plan.memory.layer_activation_bytes, measured by
+    tests/test_recompute.py and benchmarks/recompute.py."""
     model.activation_checkpointing = policy == "full"
+    model.recompute_layers = layers
     for module in model.modules():
         if isinstance(module, Attention):
             module.recompute_core = policy == "selective"
+        if isinstance(module, Block):
+            module.recompute_mlp = policy == "mlp"
 
 
 IGNORE_INDEX = -100  # the target id of tokens that carry no loss (Hugging Face's and PyTorch's convention)

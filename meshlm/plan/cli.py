@@ -70,6 +70,12 @@ def positive(text: str) -> int:
     return int(text)
 
 
+def non_negative(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
+
+
 def gpu_counts(text: str) -> list[int]:
     try:
         counts = [int(x) for x in text.split(",")]
@@ -180,7 +186,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     fixed.add_argument("--micro-batch", type=positive, help="sequences per micro-batch per replica")
     fixed.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb1"])
     fixed.add_argument("--virtual-stages", type=positive)
-    fixed.add_argument("--recompute", choices=["none", "selective", "full"])
+    fixed.add_argument("--recompute", choices=["none", "selective", "mlp", "full"])
+    fixed.add_argument(
+        "--recompute-layers",
+        type=non_negative,
+        help="blocks per pipeline chunk fully recomputed (default: the fewest that fit)",
+    )
     fixed.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     fixed.add_argument("--even-layers", action="store_true", help="require n_layers divisible by the pipeline split")
     p.add_argument(
@@ -296,6 +307,7 @@ def _request(args: argparse.Namespace) -> Request:
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
         recompute=args.recompute,
+        recompute_layers=args.recompute_layers,
         sequence_parallel=args.sequence_parallel,
         uneven_layers=not args.even_layers,
         memory_gb=args.memory_gb,
@@ -484,9 +496,10 @@ def _print_table(r: Request, args: argparse.Namespace, result: SearchResult) -> 
         d = plan.to_dict()
         schedule = d["schedule"] + (f"×{d['virtual_stages']}" if d["schedule"] == "interleaved" else "")
         layout = d["layout"] + (f" {d['cp_attention']}" if d["cp_attention"] else "")
+        recompute = d["recompute"] + (f" +{d['recompute_layers']} full" if d["recompute_layers"] else "")
         o = plan.offerings
         table.add_row(
-            str(i), layout, str(d["zero"]), str(d["micro_batch"]), schedule, d["recompute"],
+            str(i), layout, str(d["zero"]), str(d["micro_batch"]), schedule, recompute,
             "yes" if d["sequence_parallel"] else "", f"{d['memory_gb_per_gpu']:.1f}", f"{d['step_time_s']:.2f}",
             f"{d['tokens_per_s']:,.0f}", f"{d['tflops_per_gpu']:.3g}", f"{d['mfu']:.1%}",
             *(_offer(e, o.recommended) for e in (o.on_demand, o.spot, o.mixed)),

@@ -21,7 +21,7 @@ from meshlm.plan.hardware import GB, Hardware
 
 Precision = Literal["bf16", "fp32"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1"]
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "mlp", "full"]
 # Whose kernels and pipeline split run the step: meshlm's eager PyTorch layer (unfused RMSNorm and SwiGLU,
 # at least one layer per pipeline chunk), or a Megatron-style production stack with fused norm and SwiGLU
 # kernels that also allows Llama 3's empty first and last chunks (the published runs of docs/planner.md).
@@ -59,6 +59,7 @@ class Strategy:
     recompute: Recompute = "none"
     sequence_parallel: bool = False
     cp_attention: str = "ring"  # under mesh.cp > 1: "ring" or "ulysses" (meshlm.parallel.context_parallel)
+    recompute_layers: int = 0  # the first N layers of each pipeline chunk fully recomputed, the rest `recompute`
 
     @property
     def pp(self) -> int:
@@ -105,7 +106,7 @@ class Strategy:
 
     def overrides(self) -> dict[str, object]:
         """The meshlm config fields (`section.field`) that select this strategy in the trainer."""
-        return {
+        fields = {
             "parallel.layout": self.layout,
             "parallel.zero": self.zero,
             "parallel.schedule": self.schedule,
@@ -113,13 +114,19 @@ class Strategy:
             "parallel.sequence_parallel": self.sequence_parallel,
             "train.micro_batch": self.micro_batch,
             "train.recompute": self.recompute,
-        } | ({"parallel.cp_attention": self.cp_attention} if self.cp > 1 else {})
+        }
+        if self.cp > 1:
+            fields["parallel.cp_attention"] = self.cp_attention
+        if self.recompute_layers:  # else the default 0 (launch files name only what the plan sets)
+            fields["train.recompute_layers"] = self.recompute_layers
+        return fields
 
     def __str__(self) -> str:
         sched = f"{self.schedule}×{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
         sp = " sp" if self.sequence_parallel else ""
         attention = f" {self.cp_attention}" if self.cp > 1 else ""
-        return f"{self.layout}{attention} zero={self.zero} mb={self.micro_batch} {sched} recompute={self.recompute}{sp}"
+        recompute = self.recompute + (f"+{self.recompute_layers}full" if self.recompute_layers else "")
+        return f"{self.layout}{attention} zero={self.zero} mb={self.micro_batch} {sched} recompute={recompute}{sp}"
 
 
 @dataclass(frozen=True)
@@ -263,6 +270,16 @@ STORED = {
 }
 
 
+def stored_per_token(runtime: Runtime, recompute: Recompute) -> tuple[float, float, float, float]:
+    """`STORED` under a recompute policy other than full. 'mlp' reruns the second RMSNorm and the SwiGLU from
+    the block's mid-point: the layer keeps the first norm's half of the norm term and the attention terms,
+    plus the mid-point itself (h), and none of the MLP's."""
+    norms, q_out, kv_width, mlp = STORED[runtime]
+    if recompute == "mlp":
+        return norms / 2 + 1, q_out, kv_width, 0
+    return norms, q_out, kv_width, mlp
+
+
 def layer_activation_bytes(
     model: ModelConfig,
     seq_len: int,
@@ -278,7 +295,7 @@ def layer_activation_bytes(
     """Bytes one layer stores for backward for one micro-batch (Korthikanti et al. 2022, adapted to
     Llama: RMSNorm, GQA, SwiGLU, no dropout), per token in activation elements (`STORED`), plus the softmax
     probabilities a·s/tp, only without flash attention and without selective recompute.
-    Full recompute keeps only the layer input: h (/tp with sequence parallel).
+    Full recompute keeps only the layer input: h (/tp with sequence parallel); 'mlp' see `stored_per_token`.
     Under context parallel a rank holds seq_len/cp tokens of each sequence and stores the same per token
     (ring attention saves q, k, v, output and log-sum-exp, like flash attention; Ulysses runs SDPA on
     seq_len tokens of heads/cp), so every term falls as 1/cp."""
@@ -289,11 +306,16 @@ def layer_activation_bytes(
     if recompute == "full":
         return tokens * h / shard * act
     kv = max(model.n_kv_heads // tp, 1) * model.head_dim
-    norms, q_out, kv_width, mlp = STORED[runtime]
+    norms, q_out, kv_width, mlp = stored_per_token(runtime, recompute)
     per_token = norms * h / shard + q_out * h / tp + kv_width * kv + mlp * model.intermediate_size / tp
-    if not flash and recompute == "none":
+    if not flash and recompute in ("none", "mlp"):
         per_token += model.n_heads / tp * seq_len
     return tokens * per_token * act
+
+
+def chunk_full_layers(chunks: tuple[int, ...], recompute_layers: int) -> tuple[int, ...]:
+    """Of each chunk's layers, how many are fully recomputed under `recompute_layers` (the first N of each)."""
+    return tuple(min(n, recompute_layers) for n in chunks)
 
 
 @lru_cache(maxsize=64)
@@ -302,9 +324,12 @@ def _order(schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int)
 
 
 @lru_cache(maxsize=8192)
-def held_layers(schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int, stage: int, chunks: tuple) -> int:
+def held_layers(
+    schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int, stage: int, chunks: tuple
+) -> float:
     """Peak layer-activations (one micro-batch through one layer = 1) that pipeline rank `stage` holds, with
-    `chunks` the layers of each of its chunks, replaying the runtime's own order of forwards and backwards
+    `chunks` the layers of each of its chunks (or each chunk's bytes per micro-batch: then bytes), replaying
+    the runtime's own order of forwards and backwards
     (1F1B keeps pp − stage, interleaved Megatron's 2(pp − stage − 1) + (v − 1)·pp + 1 chunks, ZB-H1 pp on
     every stage until each W). GPipe keeps
     all m. A 1F1B or interleaved order does not depend on m up to its drain, and after the warm-up (under
@@ -363,12 +388,17 @@ def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAU
     act_args = (model, w.seq_len, s.micro_batch, s.tp, s.sequence_parallel)
     per_layer = layer_activation_bytes(*act_args, s.recompute, w.precision, a.flash_attention, a.runtime, s.cp)
     per_moe_layer = moe_layer_activation_bytes(*act_args, s.recompute, w.precision, a.flash_attention, a.runtime, s.cp)
+    full_layer = layer_activation_bytes(*act_args, "full", w.precision, a.flash_attention, a.runtime, s.cp)
+    # backward re-runs one layer (or its recomputed part) at a time: those activations are live meanwhile
+    kinds = [(layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention, a.runtime, s.cp), per_layer)]
+    if model.n_experts:
+        none = moe_layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention, a.runtime, s.cp)
+        kinds.append((none, per_moe_layer))
     buffers = 0.0
-    if s.recompute == "full":  # backward re-runs one layer at a time: its full activations are live
-        buffers += max(
-            layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention, a.runtime, s.cp),
-            moe_layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention, a.runtime, s.cp),
-        )
+    if s.recompute == "full" or s.recompute_layers:
+        buffers += max(unrecomputed for unrecomputed, _ in kinds)
+    elif s.recompute == "mlp":
+        buffers += max(unrecomputed - stored for unrecomputed, stored in kinds)
     if s.zero == 3:  # current and prefetched layer
         buffers += 2 * max(layer_params(model, s.tp), sum(moe_layer_params(model, s.tp, s.ep))) * BYTES[w.precision][0]
     fixed = hw.framework_bytes if a.overhead_gb is None else a.overhead_gb * GB
@@ -386,6 +416,10 @@ def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAU
             params, grads, optimizer = model_state_bytes(psi, s.replicas, s.zero, w.precision, a.runtime)
         mean_layer = (per_layer * (layers - moe[i]) + per_moe_layer * moe[i]) / layers if layers else per_layer
         activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks[i]) * mean_layer
+        if s.recompute_layers:  # each chunk: its first N layers at full_layer bytes, the rest at mean_layer
+            full = chunk_full_layers(chunks[i], s.recompute_layers)
+            weighted = tuple(f * full_layer + (n - f) * mean_layer for n, f in zip(chunks[i], full, strict=True))
+            activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, weighted)
         logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
         rest = params + grads + optimizer + activations + logits + buffers
         mem = Memory(params, grads, optimizer, activations, logits, buffers, fixed + a.overhead_fraction * rest, i)
@@ -466,13 +500,13 @@ def moe_layer_activation_bytes(
     (`layer_activation_bytes`: the rows a rank's experts receive from every ep rank are, balanced, k per
     local token), plus the dispatch: the experts' permuted input rows and their outputs before the weighted
     combine (2·k·h per token), and the router's fp32 logits and scores (2·E·4 bytes per token). Full
-    recompute keeps only the layer input, as a dense layer."""
+    recompute keeps only the layer input, as a dense layer; 'mlp' recompute stores what a dense layer does."""
     if not model.n_experts:
         return 0.0
     width = model.top_k * model.moe_intermediate_size + model.shared_expert_intermediate_size
     args = (seq_len, micro_batch, tp, sp, recompute, precision, flash, runtime, cp)
     layer = layer_activation_bytes(model.replace(intermediate_size=width), *args)
-    if recompute == "full":
+    if recompute in ("full", "mlp"):  # the routing and dispatch sit in the recomputed MLP half
         return layer
     tokens = seq_len * micro_batch / cp
     return layer + tokens * (2 * model.top_k * model.dim * BYTES[precision][3] + 2 * model.n_experts * 4)

@@ -32,6 +32,7 @@ from meshlm.plan.memory import (
     Workload,
     max_chunks,
     memory,
+    rank_chunks,
 )
 from meshlm.plan.spot import Estimate, Offerings, Pool, estimate
 from meshlm.plan.step_time import StepTime, bubble_fraction, step_time
@@ -58,12 +59,13 @@ class Constraints:
     schedule: Schedule | None = None
     virtual_stages: int | None = None
     recompute: Recompute | None = None
+    recompute_layers: int | None = None  # None: 0, or the fewest that make a layout fit (`fill_memory`)
     sequence_parallel: bool | None = None
     cp_attention: Literal["ring", "ulysses"] | None = None
     uneven_layers: bool = True  # allow n_layers not divisible by the pipeline split (docs/planner.md)
     max_micro_batch: int = 16
     memory_gb: float | None = None  # usable memory per device; None: the device's
-    recompute_options: tuple[Recompute, ...] = ("none", "selective", "full")
+    recompute_options: tuple[Recompute, ...] = ("none", "selective", "mlp", "full")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class Plan:
             "schedule": s.schedule,
             "virtual_stages": s.virtual_stages,
             "recompute": s.recompute,
+            "recompute_layers": s.recompute_layers,
             "sequence_parallel": s.sequence_parallel,
             "memory_gb_per_gpu": self.memory.total / GB,
             "memory_parts_gb": self.memory.parts_gb(),
@@ -191,8 +194,9 @@ def enumerate_strategies(
 ) -> Iterator[Strategy | Rejection]:
     """Every combination the constraints allow, each either a Strategy the runtime accepts or a Rejection
     saying why it would not (`layout_problem`). tp stays within a node. Selective recompute is skipped with
-    flash attention, where it recomputes nothing. ep is searched for MoE models only (every divisor of the
-    device count; the checks keep those that divide n_experts), or where the constraints fix it."""
+    flash attention, where it recomputes nothing; a fixed `recompute_layers` > 0 skips full recompute. ep is
+    searched for MoE models only (every divisor of the device count; the checks keep those that divide
+    n_experts), or where the constraints fix it."""
     flash, chunks = a.flash_attention, max_chunks(w.model, a.runtime)
     eps = _divisors(gpus) if w.model.n_experts or c.ep else [1]
     meshes = [
@@ -209,6 +213,8 @@ def enumerate_strategies(
         yield Rejection(named, "layout does not match the GPU count", f"{named} cannot make {gpus} GPUs")
         return
     recomputes = [c.recompute] if c.recompute else [r for r in c.recompute_options if not (flash and r == "selective")]
+    if c.recompute_layers:
+        recomputes = [r for r in recomputes if r != "full"]
     for mesh in meshes:
         if mesh.tp > gpus_per_node:
             yield Rejection(str(mesh), "tp > GPUs per node", f"tp={mesh.tp} > {gpus_per_node} per node")
@@ -227,9 +233,33 @@ def enumerate_strategies(
             [c.cp_attention] if c.cp_attention else (["ring", "ulysses"] if mesh.cp > 1 else ["ring"]),
         )
         for b, (schedule, v), zero, recompute, sp, attention in choices:
-            lay = Strategy(mesh, zero, b, schedule, v, recompute, sp, attention)
+            lay = Strategy(mesh, zero, b, schedule, v, recompute, sp, attention, c.recompute_layers or 0)
             problem = layout_problem(w, lay, chunks, c.uneven_layers, a.runtime)
             yield Rejection(str(lay), *problem) if problem else lay
+
+
+def fill_memory(w: Workload, s: Strategy, hw: Hardware, a: Assumptions, limit: float) -> tuple[Strategy, Memory] | None:
+    """`s` with the fewest fully recomputed layers per pipeline chunk (`train.recompute_layers`, Megatron's
+    `--recompute-num-layers`) that bring it within `limit` bytes, and its memory; None if even all but one
+    layer of each chunk do not (all of them is `recompute = full`, searched on its own). Memory falls and
+    step time rises with each recomputed layer, so the fewest that fit is the fastest of them."""
+    most = max(max(c, default=0) for c in rank_chunks(w.model, s.pp, s.virtual_stages, a.runtime)) - 1
+    if s.recompute == "full" or most < 1:
+        return None
+    top = dataclasses.replace(s, recompute_layers=most)
+    mem = memory(w, top, hw, a)
+    if mem.total > limit:
+        return None
+    found, low, high = (top, mem), 1, most - 1
+    while low <= high:  # binary search over the monotone memory(k)
+        k = (low + high) // 2
+        candidate = dataclasses.replace(s, recompute_layers=k)
+        mem = memory(w, candidate, hw, a)
+        if mem.total <= limit:
+            found, high = (candidate, mem), k - 1
+        else:
+            low = k + 1
+    return found
 
 
 def _schedules(pp: int, c: Constraints, runtime: Runtime = "meshlm") -> list[tuple[Schedule, int]]:
@@ -360,14 +390,27 @@ def search(
             f"the planner does not model LoRA on mixture-of-experts layers (model.n_experts={w.model.n_experts}, "
             f"lora rank {w.lora_rank}); plan full training, or choose the layout yourself (docs/moe.md)"
         )
+    if constraints.recompute == "full" and constraints.recompute_layers:
+        raise PlanError(
+            f"--recompute-layers {constraints.recompute_layers} recomputes some blocks fully, but --recompute full "
+            "already recomputes all of them: use none, selective or mlp"
+        )
     result = SearchResult()
+    fits: dict[Strategy, bool] = {}  # whether each strategy as enumerated fits
     for n in [gpus] if isinstance(gpus, int) else gpus:
         limit = capacity(hw, n, constraints)
         for item in enumerate_strategies(w, n, hw.gpus_per_node, constraints, a):
             if isinstance(item, Rejection):
                 result.rejected.append(item)
                 continue
+            if item.recompute == "mlp" and fits.get(dataclasses.replace(item, recompute="none")):
+                continue  # slower than keeping every activation, which fits (enumerated before it)
             mem = memory(w, item, hw, a)
+            fits[item] = mem.total <= limit
+            if mem.total > limit and constraints.recompute_layers is None:
+                filled = fill_memory(w, item, hw, a, limit)
+                if filled is not None:
+                    item, mem = filled
             if mem.total > limit:
                 detail = f"needs {mem.total / GB:.1f} GB > {limit / GB:.1f} GB"
                 result.rejected.append(Rejection(str(item), "out of memory", detail, mem))
@@ -442,7 +485,8 @@ def plan_for_config(cfg: Config, world_size: int, calibration: dict | None = Non
     """The fastest strategy for a meshlm run config on `world_size` ranks, for `--parallel.layout auto`.
 
     The device comes from the calibration (its `device`), else cpu, or the local GPU's table entry.
-    Recomputation is limited to what the trainer has (none or full); the pipeline split is the trainer's."""
+    Every recompute policy is the trainer's own (`train.recompute`, `train.recompute_layers`); the pipeline
+    split is the trainer's."""
     model = cfg.model.build()
     hw = hardware(calibration.get("device") if calibration else _local_device(cfg), calibration)
     gpu = not hw.shared_node
@@ -456,10 +500,7 @@ def plan_for_config(cfg: Config, world_size: int, calibration: dict | None = Non
         cfg.model.preset,
         cfg.lora.rank,
     )
-    c = Constraints(
-        micro_batch=cfg.train.micro_batch or None,
-        recompute_options=("none", "selective", "full"),
-    )
+    c = Constraints(micro_batch=cfg.train.micro_batch or None, recompute_options=("none", "selective", "mlp", "full"))
     return best(w, world_size, hw, constraints=c).strategy
 
 

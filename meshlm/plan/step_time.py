@@ -24,6 +24,8 @@ from meshlm.plan.memory import (
     Runtime,
     Strategy,
     Workload,
+    chunk_full_layers,
+    chunk_layers,
     layer_lora_params,
     model_state_bytes,
     moe_stage_params,
@@ -137,7 +139,8 @@ def layer_work(
     model: ModelConfig, seq_len: int, tp: int, sp: bool, recompute: str, flash: bool, runtime: Runtime, act: int
 ) -> LayerWork:
     """Per-token work of one layer: FLOPs from `flops_per_token` (model FLOPs, 3× the forward), plus the
-    recomputed forward (full: the whole layer; selective: the attention core), and the bytes its elementwise
+    recomputed forward (full: the whole layer; selective: the attention core; mlp: the second RMSNorm, the
+    residual add and the SwiGLU MLP, whose forward GEMMs are 2·3·h·I per token), and the bytes its elementwise
     kernels move (`TRAFFIC`; backward twice the forward)."""
     layer_f, _, attention_f = _flops_split(model, seq_len)
     gemm, attention = (layer_f - 3 * attention_f) / tp, 3 * attention_f / tp
@@ -152,6 +155,9 @@ def layer_work(
         extra_gemm, extra_attention, extra_bytes = gemm / 3, attention / 3, forward_bytes
     elif recompute == "selective":  # the runtime reruns the core under flash too (it only saves the statistics)
         extra_attention, extra_bytes = attention / 3, softmax * act
+    elif recompute == "mlp":  # one of the two norms and residual adds (half the replicated traffic), the SwiGLU
+        extra_gemm = 6 * model.dim * model.intermediate_size / tp
+        extra_bytes = (replicated / 2 * model.dim / (tp if sp else 1) + mlp * model.intermediate_size / tp) * act
     return LayerWork(
         gemm + extra_gemm,
         attention + extra_attention,
@@ -166,6 +172,24 @@ def ffn_width(model: ModelConfig) -> float:
     n_moe = len(model.moe_layers)
     moe = model.top_k * model.moe_intermediate_size + model.shared_expert_intermediate_size
     return ((model.n_layers - n_moe) * model.intermediate_size + n_moe * moe) / model.n_layers
+
+
+def mixed_work(work: LayerWork, full: LayerWork, share: float) -> LayerWork:
+    """Per-layer average over a stage where a `share` of the layers are fully recomputed (`full`) and the rest
+    follow the policy (`work`): `train.recompute_layers`."""
+    if not share:
+        return work
+    parts = zip(dataclasses.astuple(work), dataclasses.astuple(full), strict=True)
+    return LayerWork(*((1 - share) * x + share * y for x, y in parts))
+
+
+def full_share(chunks: tuple[int, ...], recompute_layers: int) -> float:
+    """Fraction of a pipeline rank's layers (`chunks`: its chunks' layer counts) that recompute_layers fully
+    recomputes: the first N of each chunk."""
+    return sum(chunk_full_layers(chunks, recompute_layers)) / max(sum(chunks), 1) if recompute_layers else 0.0
+
+
+TP_COLLECTIVES = {"full": 6, "mlp": 5}  # per layer: 2 forward, 2 backward, and the recomputed forward's (else 4)
 
 
 @dataclass(frozen=True)
@@ -243,15 +267,18 @@ def _dp_exposed(
     compute_mb: float,
     trainable: float | None = None,
     group: str = "replicas",
+    share: float = 0.0,
 ) -> float:
     """Data-parallel communication left on the critical path. Gradients are reduced in buckets that hide
     behind backward (a.dp_overlap of it) except the last; ZeRO-1/2 all-gather updated weights after the
     step; ZeRO-2 reduce-scatters every micro-batch (sharded gradients cannot accumulate); ZeRO-3 gathers
-    and reduces layer by layer, in forward, backward (and the recompute forward), prefetched except the
-    first and last. Every bucket or layer is its own collective and pays the latency term again. Of the
-    `psi` weights only `trainable` (default all; LoRA: the adapters) are reduced and, under ZeRO-1/2, gathered
-    after the step; ZeRO-3 gathers all of them. `group` is the reducing group: "replicas" (dp × ep × cp, the
-    dense weights) or "dp_cp" (the expert shards)."""
+    and reduces layer by layer, in forward and backward (a recomputed forward runs inside the backward that
+    has its unit gathered), every micro-batch (under pp too), prefetched except the first unit of each
+    micro-batch's forward and backward and its last reduce-scatter. Every bucket or layer is its own
+    collective and pays the latency term again. Of the `psi` weights only `trainable` (default all; LoRA:
+    the adapters) are reduced and, under ZeRO-1/2, gathered after the step; ZeRO-3 gathers all of them.
+    `group` is the reducing group: "replicas" (dp × ep × cp, the dense weights) or "dp_cp" (the expert
+    shards). `share`: the stage's fraction of fully recomputed layers (`train.recompute_layers`)."""
     n = s.expert_replicas if group == "dp_cp" else s.replicas
     if n == 1 or psi == 0:
         return 0.0
@@ -266,7 +293,8 @@ def _dp_exposed(
     m = s.micro_batches(w.global_batch)
     trainable = psi if trainable is None else trainable
     grads, weights, updated = trainable * g_bytes, psi * w_bytes, trainable * w_bytes
-    backward = compute_mb * (3 / 4 if s.recompute == "full" else 2 / 3)
+    full = 1.0 if s.recompute == "full" else share  # fraction of layers whose whole forward is rerun
+    backward = compute_mb * (2 + full) / (3 + full)
     after = 0.0  # collectives after the optimizer step, never hidden
     if s.zero == 0:
         overlapped, window, tail = t("all_reduce", grads), backward, t("all_reduce", min(bucket, grads), 1)
@@ -276,10 +304,12 @@ def _dp_exposed(
         tail, after = t("reduce_scatter", min(bucket, grads), 1), t("all_gather", updated)
     else:
         units = max(layers, 1)
-        gathers = 3 if s.recompute == "full" else 2
+        gathers = 2.0  # the recompute forward runs inside the unit's backward, which has it gathered
         overlapped = m * (gathers * t("all_gather", weights, units) + t("reduce_scatter", grads, units))
         window = m * compute_mb
-        tail = t("all_gather", weights / units, 1) + t("reduce_scatter", grads / units, 1)
+        # every micro-batch starts its forward and its backward with a blocking gather of the first unit (the
+        # last one was freed after use, meshlm.parallel.zero.Zero3Hooks) and ends with one reduce-scatter
+        tail = m * (2 * t("all_gather", weights / units, 1) + t("reduce_scatter", grads / units, 1))
     overlap = a.dp_overlap if a.dp_overlap is not None else (0.0 if hw.shared_node else DP_OVERLAP)
     return after + min(overlapped, max(tail, overlapped - overlap * window))
 
@@ -311,12 +341,12 @@ def ep_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, 
     """Expert-parallel communication of one MoE layer for one micro-batch of `tokens` local tokens, as
     meshlm.parallel.expert_parallel runs it (blocking, not overlapped): the rows-per-expert counts (E int64,
     once per forward), then the dispatch and the combine of the k·tokens rows (h wide each) forward and again
-    reversed in backward, 4 all-to-alls, 6 with full recompute. Balanced routing sends (ep − 1)/ep of the rows
-    off the rank, which `collective_time`'s all-to-all charges."""
+    reversed in backward, 4 all-to-alls, 6 with full or 'mlp' recompute (both rerun the routed MLP).
+    Balanced routing sends (ep − 1)/ep of the rows off the rank, which `collective_time`'s all-to-all charges."""
     if s.ep == 1:
         return 0.0
     link = hw.link("ep", crosses_nodes(s.mesh, "ep", hw.gpus_per_node), "all_to_all")
-    forwards = 2 if s.recompute == "full" else 1
+    forwards = 2 if s.recompute in ("full", "mlp") else 1
     rows = collective_time("all_to_all", tokens * model.top_k * model.dim * act, s.ep, link)
     counts = collective_time("all_to_all", 8 * model.n_experts, s.ep, link)
     return (forwards + 1) * 2 * rows + forwards * counts
@@ -351,22 +381,25 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
     tokens = w.seq_len * s.micro_batch / s.cp  # this rank's tokens of a micro-batch (all of them without cp)
     rank = hw.per_rank(s.gpus)
     flash = a.flash_attention
-    work = layer_work(model, w.seq_len, s.tp, s.sequence_parallel, s.recompute, flash, a.runtime, act)
+    policies = (s.recompute, "full") if s.recompute_layers else (s.recompute,)
+    works = [layer_work(model, w.seq_len, s.tp, s.sequence_parallel, r, flash, a.runtime, act) for r in policies]
     head_f = _flops_split(model, w.seq_len)[1] / s.tp
     if w.lora_rank:  # a frozen base: no weight-gradient GEMMs (a third of its matmuls), plus the adapters' own
         layer_f, _, attention_f = _flops_split(model, w.seq_len)
         adapters = 6.0 * layer_lora_params(model, 1, w.lora_rank) / s.tp
-        gemm = work.gemm_flops - (layer_f - 3 * attention_f) / s.tp / 3 + adapters
-        work = dataclasses.replace(work, gemm_flops=gemm)
+        less = -(layer_f - 3 * attention_f) / s.tp / 3 + adapters
+        works = [dataclasses.replace(work, gemm_flops=work.gemm_flops + less) for work in works]
         head_f *= 2 / 3
+    full_work = works[-1]  # the policy's own when no block is fully recomputed
     loss_bytes = 3 * (act + 8) * model.vocab_size / s.tp  # logits, their fp32 copy and log-softmax, fwd + bwd
 
     activation = tokens * model.dim * act  # one micro-batch's hidden states, s·b·h
     tp_cross = crosses_nodes(s.mesh, "tp", hw.gpus_per_node)
     tp_ops = ("all_gather", "reduce_scatter") if s.sequence_parallel else ("all_reduce",)
     per_collective = sum(collective_time(op, activation, s.tp, hw.link("tp", tp_cross, op)) for op in tp_ops)
-    n_collectives = 6 if s.recompute == "full" else 4  # per layer: 2 forward, 2 backward, 2 recompute
+    n_collectives = TP_COLLECTIVES.get(s.recompute, 4)
     tp_layer = n_collectives * per_collective * (1 - a.tp_overlap)
+    tp_full_layer = TP_COLLECTIVES["full"] * per_collective * (1 - a.tp_overlap)
     # outside the layers, one call each: the vocab-parallel embedding's output (first stage) and the head
     # input's gradient (last stage); and the vocab-parallel loss's all-reduces of fp32 row max, then sum-exp
     # stacked with the target logit (last stage)
@@ -383,31 +416,39 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
     moe = rank_moe_layers(model, s.pp, s.virtual_stages, a.runtime)
     cp_layer = cp_layer_time(model, tokens, s, hw, act)
     ep_layer = ep_layer_time(model, tokens, s, hw, act)
+    cp_full_layer = ep_full_layer = 0.0
+    if s.recompute_layers:
+        full_s = dataclasses.replace(s, recompute="full")
+        cp_full_layer = cp_layer_time(model, tokens, full_s, hw, act)
+        ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act)
     slot_compute = slot_tp = slot_cp = slot_ep = dp_comm = optimizer = 0.0
     for i in representative_stages(chunks):
         layers, last = sum(chunks[i]), i == s.pp - 1
+        share = full_share(chunks[i], s.recompute_layers)
+        work = mixed_work(works[0], full_work, share)
         gemm = tokens * (layers * work.gemm_flops + (head_f if last else 0.0))
         nbytes = tokens * (layers * work.memory_bytes + (loss_bytes if last else 0.0))
         attention = tokens * layers * work.attention_flops * cp_attention_factor(s)
         device = work_time(gemm, attention, nbytes, hw, a, flash)
         compute_mb = micro_batch_time(device, layers, hw, s.gpus)
-        tp_mb = layers * tp_layer + (tp_edge if i == 0 else 0.0) + (tp_edge + tp_loss if last else 0.0)
-        cp_mb = layers * cp_layer
-        ep_mb = moe[i] * ep_layer
+        tp_mb = layers * ((1 - share) * tp_layer + share * tp_full_layer)
+        tp_mb += (tp_edge if i == 0 else 0.0) + (tp_edge + tp_loss if last else 0.0)
+        cp_mb = layers * ((1 - share) * cp_layer + share * cp_full_layer)
+        ep_mb = moe[i] * ((1 - share) * ep_layer + share * ep_full_layer)
         if compute_mb + tp_mb + cp_mb + ep_mb > slot_compute + slot_tp + slot_cp + slot_ep:
             slot_compute, slot_tp, slot_cp, slot_ep = compute_mb, tp_mb, cp_mb, ep_mb
         psi = stage_params(model, s.tp, layers, i == 0, last)
         if model.n_experts:  # dense weights reduced over dp × ep × cp, expert shards over dp × cp
             dense, experts = moe_stage_params(model, s.tp, s.ep, layers, moe[i], i == 0, last)
-            stage_dp = _dp_exposed(w, s, hw, a, dense, layers, compute_mb)
-            stage_dp += _dp_exposed(w, s, hw, a, experts, layers, compute_mb, group="dp_cp")
+            stage_dp = _dp_exposed(w, s, hw, a, dense, layers, compute_mb, share=share)
+            stage_dp += _dp_exposed(w, s, hw, a, experts, layers, compute_mb, group="dp_cp", share=share)
             states = moe_state_bytes(dense, experts, s, w.precision, a.runtime)
         elif w.lora_rank:
             psi_lora = layers * layer_lora_params(model, s.tp, w.lora_rank)
-            stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb, trainable=psi_lora)
+            stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb, trainable=psi_lora, share=share)
             states = model_state_bytes(psi_lora, s.replicas, s.zero, w.precision, a.runtime)
         else:
-            stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb)
+            stage_dp = _dp_exposed(w, s, hw, a, psi, layers, compute_mb, share=share)
             states = model_state_bytes(psi, s.replicas, s.zero, w.precision, a.runtime)
         stage_optimizer = 2 * sum(states) / rank.memory_bw
         if stage_dp + stage_optimizer > dp_comm + optimizer:
@@ -424,7 +465,8 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
     tokens_per_s = w.global_batch * w.seq_len / total
     model_flops = lora_flops_per_token(model, w.seq_len, w.lora_rank)
     tflops = model_flops * tokens_per_s / s.gpus / 1e12
-    recomputed = model.n_layers * work.recompute_flops * s.tp
+    fully = sum(chunk_full_layers(chunk_layers(model, s.pp * s.virtual_stages, a.runtime), s.recompute_layers))
+    recomputed = ((model.n_layers - fully) * works[0].recompute_flops + fully * full_work.recompute_flops) * s.tp
     return StepTime(
         compute=m * slot_compute,
         tp_comm=m * slot_tp,

@@ -144,6 +144,7 @@ def resolve_auto_layout(cfg: Config, world_size: int) -> Config:
 
     choice = plan_for_config(cfg, world_size)
     data = cfg.model_dump()
+    data["train"]["recompute_layers"] = 0  # the planner's choice, named in the overrides only when > 0
     for key, value in choice.overrides().items():
         section, name = key.split(".")
         data[section][name] = value
@@ -339,7 +340,7 @@ class Trainer:
             with torch.device("meta"):  # ParallelModel materialises only this rank's shard, seeded per element
                 model = Transformer(model_cfg, init_seed=cfg.train.seed)
             model.init_source = init_source  # model.init_from: each rank reads its shard from the checkpoint
-            set_recompute(model, cfg.train.recompute)
+            set_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
             self.model_identity = model_cfg.to_dict()
             flops_per_tok = flops_per_token(model_cfg, cfg.data.seq_len)
             if cfg.lora.rank:  # MFU of what a LoRA step computes: no weight gradients of the frozen base
@@ -446,12 +447,13 @@ class Trainer:
         model = self.model_identity.get("class") or cfg.model.init_from or cfg.model.preset
         tokens = cfg.train.global_batch * cfg.data.seq_len
         data = "user batches" if self.data is None else f"{cfg.data.source} (cache {cfg.data.cache_dir})"
+        recompute = cfg.train.recompute + (f" (+ {k} blocks full)" if (k := cfg.train.recompute_layers) else "")
         start = (f"resumed from {self.resumed_from} at step {self.sampler.step}" if self.resumed_from
                  else "fresh start at step 0")  # fmt: skip
         return "\n".join([
             f"model: {model}, {flops_per_tok * tokens / 1e12:.3g} TFLOP/step; parameters on rank 0: {params:,}",
             f"layout: {self.layout} on {dist.get_world_size()} ranks ({self.device.type}), zero "
-            f"{cfg.parallel.zero}, schedule {cfg.parallel.schedule}, recompute {cfg.train.recompute}, dtype "
+            f"{cfg.parallel.zero}, schedule {cfg.parallel.schedule}, recompute {recompute}, dtype "
             f"{cfg.train.dtype}",
             f"batch: {cfg.train.global_batch} × {cfg.data.seq_len} tokens = {tokens:,} tokens/step, micro-batch "
             f"{cfg.train.micro_batch or 'whole'}, {cfg.train.steps} steps",
