@@ -183,6 +183,11 @@ RUNS4 = {
     "dp2 ep2 hybrid zero3 sgd": ("dp=2,ep=2", {"zero": 3, "zero_shard_size": 2}, {"optimizer": "sgd"}),
 }
 
+RUNS8 = {  # three-way compositions: ep with pp and tp (sequence parallel), ep with cp and tp under ZeRO-3
+    "pp2 ep2 tp2 sp zero1": ("pp=2,ep=2,tp=2", {"zero": 1, "sequence_parallel": True}, {"micro_batch": 2}),
+    "ep2 cp2 tp2 zero3": ("ep=2,cp=2,tp=2", {"zero": 3}, {}),
+}
+
 
 def meta_built(layout: str, zero: int) -> dict[str, torch.Tensor]:
     """The full weights of a meta-built MoE model right after set-up under `layout` (each rank fills only its
@@ -238,6 +243,10 @@ def world4(world2: dict, checkpoint_dir: str) -> dict:  # after world2: it resum
     return run_shared(world4_job, 4, checkpoint_dir, timeout=900)[0]
 
 
+def world8_job() -> dict:
+    return {name: train_layout(lay, par, **{"model_cfg": MOE_MODEL, **kw}) for name, (lay, par, kw) in RUNS8.items()}
+
+
 def _reference(kwargs: dict) -> dict:
     args = {"model_cfg": MOE_MODEL, **{k: v for k, v in kwargs.items() if k != "micro_batch"}}
     return reference(**args)
@@ -253,6 +262,13 @@ def test_ep2_trains_like_one_process(world2: dict, name: str) -> None:
 @pytest.mark.parametrize("name", list(RUNS4))
 def test_ep2_with_dp_pp_cp_and_hybrid_sharding_trains_like_one_process(world4: dict, name: str) -> None:
     assert_close_runs(_reference(RUNS4[name][2]), world4[name])
+
+
+@pytest.mark.slow  # two 10-step runs on eight ranks
+def test_ep2_in_three_way_compositions_trains_like_one_process() -> None:
+    got = run_shared(world8_job, 8, timeout=900)[0]
+    for name, (_, _, kwargs) in RUNS8.items():
+        assert_close_runs(_reference(kwargs), got[name])
 
 
 @pytest.mark.slow  # shares the fixtures above
