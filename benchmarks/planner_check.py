@@ -40,7 +40,8 @@ from meshlm.observe.calibration import calibration
 from meshlm.observe.doctor import doctor
 from meshlm.observe.memory import ActivationMeter, MemoryProbe
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.mesh import Layout, build_mesh, parse_layout, validate_layout
+from meshlm.parallel.mesh import Layout, build_mesh, parse_layout
+from meshlm.parallel.strategies import validate_layout
 from meshlm.plan import Strategy, Workload, evaluate, hardware
 from meshlm.plan.memory import model_state_bytes, rank_layers, stage_params
 from meshlm.testing import global_batch, run_distributed

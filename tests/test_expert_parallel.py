@@ -200,6 +200,15 @@ def meta_built(layout: str, zero: int) -> dict[str, torch.Tensor]:
     return ParallelModel(model, mesh, ParallelSection(layout=layout, zero=zero), lay.pp).full_state_dict()
 
 
+def assert_starts_like_one_process(got: dict[str, torch.Tensor]) -> None:
+    """`got` (meta_built's full weights) equals one process's model drawn from the same seed, bit for bit."""
+    torch.manual_seed(11)
+    want = Transformer(MOE_MODEL).state_dict()
+    assert got.keys() == want.keys()
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key
+
+
 def world2_job(checkpoint_dir: str) -> dict:
     out = {"meta ep2 zero0": meta_built("ep=2", 0), "meta ep2 zero3": meta_built("ep=2", 3)}
     out |= {"saved": train_layout("ep=2", {"zero": 1}, model_cfg=MOE_MODEL, stop=SAVED_AT, save_to=checkpoint_dir)}
@@ -274,12 +283,7 @@ def test_ep2_in_three_way_compositions_trains_like_one_process() -> None:
 @pytest.mark.slow  # shares the fixtures above
 @pytest.mark.parametrize("name", ["meta ep2 zero0", "meta ep2 zero3", "meta dp2 ep2 zero1", "meta pp2 ep2 zero3"])
 def test_meta_built_model_starts_bit_identical_to_one_process(world2: dict, world4: dict, name: str) -> None:
-    torch.manual_seed(11)
-    want = Transformer(MOE_MODEL).state_dict()
-    got = {**world2, **world4}[name]
-    assert got.keys() == want.keys()
-    for key, tensor in want.items():
-        assert torch.equal(got[key], tensor), key
+    assert_starts_like_one_process({**world2, **world4}[name])
 
 
 @pytest.mark.slow  # shares the world2 fixture

@@ -11,8 +11,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 from distributed import run_shared
-from equivalence import assert_close_runs, assert_identical_weights, criterion_failures, reference, tail, train_layout
-from test_expert_parallel import meta_built
+from equivalence import (
+    _patched,
+    assert_close_runs,
+    assert_identical_weights,
+    criterion_failures,
+    reference,
+    tail,
+    train_layout,
+)
+from test_expert_parallel import assert_starts_like_one_process, meta_built
 from test_moe import MOE_MODEL
 
 from meshlm.model import Transformer
@@ -102,16 +110,6 @@ def test_expert_init_slices_over_ep_and_tp_are_the_full_tensors_slices(monkeypat
 
 
 # ---- training like one process -------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _patched(owner: object, name: str, replacement: object) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 @contextlib.contextmanager
 def routed_output_reduced_twice() -> Iterator[list]:
     """The bug: the MoE layer's partial output is all-reduced twice (the tp reduction done by the experts and
@@ -233,12 +231,7 @@ def test_ep2_tp2_trains_like_one_process(world4: dict, name: str) -> None:
 @pytest.mark.parametrize("name", ["meta tp2 zero0", "meta ep2 tp2 zero1"])
 def test_meta_built_moe_starts_bit_identical_to_one_process(world2: dict, world4: dict, name: str) -> None:
     """Each rank fills only its slice of each expert (its experts over ep, its hidden units over tp)."""
-    torch.manual_seed(11)
-    want = Transformer(MOE_MODEL).state_dict()
-    got = {**world2, **world4}[name]
-    assert got.keys() == want.keys()
-    for key, tensor in want.items():
-        assert torch.equal(got[key], tensor), key
+    assert_starts_like_one_process({**world2, **world4}[name])
 
 
 @pytest.mark.slow  # shares the world2 fixture
