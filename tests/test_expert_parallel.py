@@ -200,6 +200,11 @@ def meta_built(layout: str, zero: int) -> dict[str, torch.Tensor]:
     return ParallelModel(model, mesh, ParallelSection(layout=layout, zero=zero), lay.pp).full_state_dict()
 
 
+def train_moe_runs(runs: dict[str, tuple[str, dict, dict]]) -> dict[str, dict]:
+    """train_layout of the MoE test model for each named (layout, parallel, kwargs)."""
+    return {name: train_layout(lay, par, **{"model_cfg": MOE_MODEL, **kw}) for name, (lay, par, kw) in runs.items()}
+
+
 def assert_starts_like_one_process(got: dict[str, torch.Tensor]) -> None:
     """`got` (meta_built's full weights) equals one process's model drawn from the same seed, bit for bit."""
     torch.manual_seed(11)
@@ -212,8 +217,7 @@ def assert_starts_like_one_process(got: dict[str, torch.Tensor]) -> None:
 def world2_job(checkpoint_dir: str) -> dict:
     out = {"meta ep2 zero0": meta_built("ep=2", 0), "meta ep2 zero3": meta_built("ep=2", 3)}
     out |= {"saved": train_layout("ep=2", {"zero": 1}, model_cfg=MOE_MODEL, stop=SAVED_AT, save_to=checkpoint_dir)}
-    for name, (layout, parallel, kwargs) in RUNS2.items():
-        out[name] = train_layout(layout, parallel, **{"model_cfg": MOE_MODEL, **kwargs})
+    out |= train_moe_runs(RUNS2)
     mutations = {
         "wrong order": combined_in_expert_order,
         "all replicas": expert_grads_over_all_replicas,
@@ -227,7 +231,7 @@ def world2_job(checkpoint_dir: str) -> dict:
 
 
 def world4_job(checkpoint_dir: str) -> dict:
-    out = {name: train_layout(lay, par, **{"model_cfg": MOE_MODEL, **kw}) for name, (lay, par, kw) in RUNS4.items()}
+    out = train_moe_runs(RUNS4)
     out["meta dp2 ep2 zero1"] = meta_built("dp=2,ep=2", 1)
     out["meta pp2 ep2 zero3"] = meta_built("pp=2,ep=2", 3)
     out["resumed ep4"] = train_layout("ep=4", {}, model_cfg=MOE_MODEL, start=SAVED_AT, resume_from=checkpoint_dir)
@@ -253,7 +257,7 @@ def world4(world2: dict, checkpoint_dir: str) -> dict:  # after world2: it resum
 
 
 def world8_job() -> dict:
-    return {name: train_layout(lay, par, **{"model_cfg": MOE_MODEL, **kw}) for name, (lay, par, kw) in RUNS8.items()}
+    return train_moe_runs(RUNS8)
 
 
 def _reference(kwargs: dict) -> dict:

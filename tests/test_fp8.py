@@ -102,22 +102,26 @@ def test_swap_keeps_the_parameters_and_skips_layers_not_multiple_of_16() -> None
     assert swap_to_fp8([odd]) == [] and type(odd[0]) is torch.nn.Linear
 
 
-def losses(fp8_blocks: bool, steps: int) -> list[float]:
-    torch.manual_seed(0)
-    model = Transformer(MODEL)
-    if fp8_blocks:
-        swap_to_fp8(list(model.model.layers.values()), emulate=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+def train_losses(model: Transformer, opt: torch.optim.Optimizer, steps: int, bf16: bool) -> list[float]:
+    """`steps` steps of `model` on one fixed batch (bf16 autocast or fp32); the loss of each."""
     data = torch.randint(0, MODEL.vocab_size, (4, 33), generator=torch.Generator().manual_seed(1))
     out = []
     for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = cross_entropy_loss(model(data[:, :-1]), data[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad()
         out.append(loss.item())
     return out
+
+
+def losses(fp8_blocks: bool, steps: int) -> list[float]:
+    torch.manual_seed(0)
+    model = Transformer(MODEL)
+    if fp8_blocks:
+        swap_to_fp8(list(model.model.layers.values()), emulate=True)
+    return train_losses(model, torch.optim.AdamW(model.parameters(), lr=3e-3), steps, bf16=True)
 
 
 # Tolerance of the loss curve: ≤ 5% relative at every one of 50 steps. The per-matmul error (~5-8% RMS, above)
@@ -195,16 +199,7 @@ def compiled_fp8_losses(compiled: bool, steps: int) -> list[float]:
     if compiled:
         for block in blocks:
             block.compile(backend="inductor")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = torch.randint(0, MODEL.vocab_size, (4, 33), generator=torch.Generator().manual_seed(1))
-    out = []
-    for _ in range(steps):
-        loss = cross_entropy_loss(model(data[:, :-1]), data[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return train_losses(model, torch.optim.SGD(model.parameters(), lr=0.1), steps, bf16=False)
 
 
 # Compiled against eager fp8: inductor fuses the amax, the scaling and the casts and may sum in another order, so

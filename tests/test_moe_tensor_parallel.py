@@ -20,7 +20,7 @@ from equivalence import (
     tail,
     train_layout,
 )
-from test_expert_parallel import assert_starts_like_one_process, meta_built
+from test_expert_parallel import assert_starts_like_one_process, meta_built, train_moe_runs
 from test_moe import MOE_MODEL
 
 from meshlm.model import Transformer
@@ -180,7 +180,7 @@ RUNS4 = {
 
 
 def world2_job() -> dict:
-    out = {name: train_layout(lay, par, **{"model_cfg": MOE_MODEL, **kw}) for name, (lay, par, kw) in RUNS2.items()}
+    out = train_moe_runs(RUNS2)
     out["meta tp2 zero0"] = meta_built("tp=2", 0)
     for bug, mutation in MUTATIONS.items():
         with mutation() as fired:
@@ -190,7 +190,7 @@ def world2_job() -> dict:
 
 
 def world4_job(checkpoint_dir: str) -> dict:
-    out = {name: train_layout(lay, par, **{"model_cfg": MOE_MODEL, **kw}) for name, (lay, par, kw) in RUNS4.items()}
+    out = train_moe_runs(RUNS4)
     out["meta ep2 tp2 zero1"] = meta_built("ep=2,tp=2", 1)
     out["saved"] = train_layout("ep=2,tp=2", {"zero": 1}, model_cfg=MOE_MODEL, stop=SAVED_AT, save_to=checkpoint_dir)
     return out
