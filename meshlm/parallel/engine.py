@@ -15,7 +15,7 @@ in the working dtype, and initialises it element by element (meshlm.parallel.mat
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,10 @@ from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import ParallelPlan, PlanError, plan_for
-from meshlm.parallel.strategies import Build, apply_strategies, check_model
+from meshlm.parallel.strategies import Build, LossFn, apply_strategies, check_model
 from meshlm.parallel.timers import comm
 from meshlm.parallel.tp_shard import tp_shard
 from meshlm.ties import is_pp_tied, tied_aliases
-
-LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 
 
 def is_tp_replicated(param: nn.Parameter) -> bool:
