@@ -9,8 +9,10 @@ a whole buffer moves in one collective.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 import torch
@@ -298,6 +300,25 @@ def _free_after_loss(units: list[Unit]) -> None:
             unit.reshard()
 
 
+def output_tensors(output: object) -> Iterator[torch.Tensor]:
+    """The tensors of a module's output, through any structure: tuples, lists, mappings (a Hugging Face
+    ModelOutput is an OrderedDict) and dataclasses, nested. A fused head's HeadOutput counts by its input:
+    the loss's gradient reaches the unit through it."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, HeadOutput):
+        yield output.hidden
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from output_tensors(item)
+    elif isinstance(output, Mapping):
+        for item in output.values():
+            yield from output_tensors(item)
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        for field in dataclasses.fields(output):
+            yield from output_tensors(getattr(output, field.name))
+
+
 class Zero3Hooks:
     """Gather a unit just before its forward and its backward, prefetch the next one, free it just after.
 
@@ -320,6 +341,13 @@ class Zero3Hooks:
             self.needed[module] = needed
         order = [m for u in units for m in u.modules]
         self.next_module = dict(zip(order, [*order[1:], None], strict=True))
+        # The units an enclosing hooked module (the chunk, a whole-model unit) still needs once an inner one's
+        # forward returns: a weight tied across them (a head tied to an embedding inside the inner module).
+        self.enclosing: dict[nn.Module, set[Unit]] = {m: set() for m in order}
+        for outer in order:
+            for inner in outer.modules():
+                if inner is not outer and inner in self.enclosing:
+                    self.enclosing[inner].update(self.needed[outer])
         for module in order:
             module.register_forward_pre_hook(self._pre_forward)
             module.register_forward_hook(self._post_forward)
@@ -343,19 +371,16 @@ class Zero3Hooks:
         # pre-backward hook: that micro-batch's backward must find the unit gathered again if it was freed.
         if not self.own[module].in_backward:
             next_module = self.next_module[module]
-            done = [u for u in self.needed[module] if next_module is None or u not in self.needed[next_module]]
+            keep = self.enclosing[module].union(self.needed[next_module] if next_module is not None else ())
+            done = [u for u in self.needed[module] if u not in keep]
             if isinstance(output, HeadOutput):  # the fused loss computes with the weight after this forward
                 output.release = functools.partial(_free_after_loss, done)
             else:
                 for unit in done:
                     unit.reshard()
         if torch.is_grad_enabled():
-            outputs = output if isinstance(output, (tuple, list)) else (output,)
-            head = getattr(output, "logits", output)
-            if isinstance(head, HeadOutput):  # a fused head: the loss's gradient reaches the unit through its input
-                outputs = (head.hidden,)
-            for t in outputs:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            for t in output_tensors(output):
+                if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(lambda grad, m=module: self._pre_backward(m))
 
     def _pre_backward(self, module: nn.Module) -> None:
