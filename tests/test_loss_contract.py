@@ -233,10 +233,16 @@ def _refusals() -> dict[str, str]:
     dp_model = meshlm.parallelize(Transformer(TEST_MODEL), dp_mesh, micro_batches=2)
     attempt("global batch on every rank", lambda: dp_model.forward_backward(x, y))
     attempt("odd rows", lambda: dp_model.forward_backward(x[:3], y[:3]))
-    scalar = meshlm.parallelize(
-        Transformer(TEST_MODEL), dp_mesh, loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    def scalar_loss(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    attempt("scalar loss", lambda: meshlm.parallelize(Transformer(TEST_MODEL), dp_mesh, loss_fn=scalar_loss))
+    pp_mesh = build_mesh(parse_layout("pp=2", world), "cpu")  # refused on every stage, not on the last at step 1
+    attempt(
+        "scalar loss under pp",
+        lambda: meshlm.parallelize(Transformer(TEST_MODEL), pp_mesh, micro_batches=2, loss_fn=scalar_loss),
     )
-    attempt("scalar loss", lambda: scalar.forward_backward(dp_model.local_batch(x), dp_model.local_batch(y)))
     tp_mesh = build_mesh(parse_layout("tp=2", world), "cpu")
     attempt(
         "own loss on sharded logits",
@@ -246,11 +252,14 @@ def _refusals() -> dict[str, str]:
 
 
 def test_bad_batches_and_losses_are_one_line_refusals() -> None:
-    out = run_shared(_refusals, 2)[0]
+    ranks = run_shared(_refusals, 2)
+    assert ranks[0]["scalar loss under pp"] == ranks[1]["scalar loss under pp"]  # both stages, before any step
+    out = ranks[0]
     assert "every one of the 2 dp ranks got the same 8 rows" in out["global batch on every rank"]
     assert "model.local_batch" in out["global batch on every rank"]
     assert "3 rows do not split into 2 micro-batches" in out["odd rows"]
-    assert out["scalar loss"].startswith(LossShapeError.__name__) and "reduction='none'" in out["scalar loss"]
+    for name in ("scalar loss", "scalar loss under pp"):
+        assert out[name].startswith(LossShapeError.__name__) and "reduction='none'" in out[name], out[name]
     assert "gather_logits=True" in out["own loss on sharded logits"]
     assert all("\n" not in line for line in out.values()), out
 

@@ -32,7 +32,7 @@ from torch import nn
 import meshlm
 from meshlm.config import TrainSection
 from meshlm.parallel.mesh import build_mesh, parse_layout
-from meshlm.parallel.plan import PlanError
+from meshlm.parallel.plan import ParallelPlan, PipelineSplit, PlanError
 from meshlm.testing import global_batch, mask_prompts
 from meshlm.train.optim import lr_at
 
@@ -59,7 +59,27 @@ def hf_llama_tied() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-MODELS = {"gpt2 tied": (gpt2_tied, GPT2_PLAN), "hf llama tied": (hf_llama_tied, None)}
+def hf_gpt2() -> nn.Module:
+    """transformers' GPT2LMHeadModel (tied head), returning its CausalLMOutput object: no plan of meshlm's own,
+    so ZeRO-3 gathers and frees around modules whose outputs are Hugging Face output objects."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+# A whole-model ZeRO-3 unit: its output is a ModelOutput and it holds the embedding the chunk's head is tied to.
+GPT2_WHOLE_UNIT = ParallelPlan(name="gpt2-whole-unit", zero3_units=("transformer",))
+
+MODELS = {
+    "gpt2 tied": (gpt2_tied, GPT2_PLAN),
+    "hf llama tied": (hf_llama_tied, None),
+    "hf gpt2": (hf_gpt2, None),
+    "hf gpt2 whole unit": (hf_gpt2, GPT2_WHOLE_UNIT),
+}
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +147,8 @@ WORLD_2 = [
     ("gpt2 tied", "cp=2", {}, 1),
     ("hf llama tied", "dp=2", {"zero": 3}, 2),
     ("hf llama tied", "tp=2", {}, 1),
+    ("hf gpt2", "dp=2", {"zero": 3}, 2),
+    ("hf gpt2 whole unit", "dp=2", {"zero": 3}, 1),
 ]
 WORLD_4 = [
     ("gpt2 tied", "dp=2,tp=2", {"zero": 1}, 2),
@@ -135,7 +157,7 @@ WORLD_4 = [
 
 
 def _check(cases: list, results: list[list[float]]) -> None:
-    refs = {name: plain_loop(name) for name in MODELS}
+    refs = {name: plain_loop(name) for name in {case[0] for case in cases}}
     for case, losses in zip(cases, results, strict=True):
         failures = criterion_failures({"losses": refs[case[0]]}, {"losses": losses})
         assert not failures, (case, failures)
@@ -157,12 +179,26 @@ def test_tied_user_and_hf_models_match_the_plain_loop_at_world_4() -> None:
     _check(WORLD_4, run_shared(_runs, 4, WORLD_4, timeout=900)[0])
 
 
+# A user's pipeline split of GPT2LMHeadModel: valid names, but GPT-2's forward calls the final norm the first
+# stage holds as None (and the embedding a later stage holds as None).
+GPT2_USER_SPLIT = ParallelPlan(
+    name="gpt2-user-split",
+    pipeline=PipelineSplit(
+        layers="transformer.h", first=("transformer.wte", "transformer.wpe"), last=("transformer.ln_f", "lm_head")
+    ),
+)
+
+
 def _hf_refusals() -> list[str]:
     out = []
-    for layout in ("pp=2", "cp=2"):
+    for make, plan, layout in (
+        (hf_llama_tied, None, "pp=2"),
+        (hf_llama_tied, None, "cp=2"),
+        (hf_gpt2, GPT2_USER_SPLIT, "pp=2"),
+    ):
         mesh = build_mesh(parse_layout(layout, dist.get_world_size()), "cpu")
         try:
-            meshlm.parallelize(hf_llama_tied(), mesh, micro_batches=2)
+            meshlm.parallelize(make(), mesh, plan=plan, micro_batches=2)
             out.append("accepted")
         except PlanError as e:
             out.append(str(e))
@@ -170,7 +206,9 @@ def _hf_refusals() -> list[str]:
 
 
 def test_hf_objects_under_pp_or_cp_are_one_line_refusals() -> None:
-    pp, cp = run_shared(_hf_refusals, 2)[0]
-    assert "\n" not in pp + cp and "accepted" not in (pp, cp), (pp, cp)
+    pp, cp, split = run_shared(_hf_refusals, 2)[0]
+    assert "\n" not in pp + cp + split and "accepted" not in (pp, cp, split), (pp, cp, split)
     assert "LlamaForCausalLM" in pp or "hf-decoder" in pp, pp
     assert "hf-decoder" in cp or "LlamaForCausalLM" in cp, cp
+    assert "'gpt2-user-split': pipeline stage 0 of 2" in split and "'NoneType' object is not callable" in split, split
+    assert "without PipelineSplit last=['transformer.ln_f', 'lm_head']" in split, split

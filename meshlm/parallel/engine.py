@@ -29,6 +29,7 @@ from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import ParallelPlan, PlanError, plan_for
+from meshlm.parallel.probe import MetaFailure, meta_forward, meta_tokens
 from meshlm.parallel.strategies import Build, LossFn, apply_strategies, check_model
 from meshlm.parallel.timers import comm
 from meshlm.parallel.tp_shard import tp_shard
@@ -62,6 +63,27 @@ def mesh_device(mesh: Mesh) -> torch.device:
 
 class LossShapeError(PlanError):
     """A loss function that does not return one loss per target token."""
+
+
+def check_token_losses(losses: object, targets: torch.Tensor) -> None:
+    """The loss contract: one loss per target token, shaped like the targets (LossShapeError otherwise)."""
+    if not torch.is_tensor(losses) or losses.shape != targets.shape:
+        got = tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__
+        raise LossShapeError(
+            f"loss_fn returned {got}, but meshlm needs one loss per target token, shaped like the targets "
+            f"{tuple(targets.shape)} (e.g. F.cross_entropy(..., reduction='none')): it averages them over "
+            "the kept tokens of the global batch itself"
+        )
+
+
+def check_loss_shape(model: nn.Module, loss_fn: LossFn) -> None:
+    """The loss contract checked before any work: the model and `loss_fn` run once on a meta batch
+    (meshlm.parallel.probe), on every rank alike, so a scalar loss is one line, not a failure of the last
+    pipeline stage at the first step. A model or loss that the meta device cannot run is checked at the step."""
+    targets = meta_tokens()
+    losses = meta_forward(model, meta_tokens(), then=lambda output: loss_fn(output, targets))
+    if not isinstance(losses, MetaFailure):
+        check_token_losses(losses, targets)
 
 
 class ParallelModel:
@@ -109,6 +131,8 @@ class ParallelModel:
                 "loss_fn: under tp the model's logits are sharded over the vocabulary; pass gather_logits=True "
                 "for a loss of one's own, or leave loss_fn unset for meshlm's vocabulary-parallel cross-entropy"
             )
+        if loss_fn is not None and not fused_loss:
+            check_loss_shape(model, loss_fn)
         self.global_shapes = {name: p.shape for name, p in model.named_parameters()}
         self.tied_aliases = tied_aliases(model)  # a tied weight is named by its canonical name (meshlm.ties)
         meta_init = MetaInit(model, mesh_device(mesh)) if is_meta_model(model) else None
@@ -161,13 +185,7 @@ class ParallelModel:
         if isinstance(head, HeadOutput):
             return fused_cross_entropy_sum(head, targets, self.ignore_index)
         losses = self.token_loss(output, targets)
-        if not torch.is_tensor(losses) or losses.shape != targets.shape:
-            got = tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__
-            raise LossShapeError(
-                f"loss_fn returned {got}, but meshlm needs one loss per target token, shaped like the targets "
-                f"{tuple(targets.shape)} (e.g. F.cross_entropy(..., reduction='none')): it averages them over "
-                "the kept tokens of the global batch itself"
-            )
+        check_token_losses(losses, targets)
         return torch.where(targets != self.ignore_index, losses.float(), 0.0).sum()
 
     def loss_fn(

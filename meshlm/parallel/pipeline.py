@@ -26,6 +26,7 @@ from torch import nn
 from meshlm.model.llama import cross_entropy_loss
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.plan import ParallelPlan, PipelineSplit, PlanError, check_pipeline_split, plan_for
+from meshlm.parallel.probe import MetaFailure, meta_forward, meta_hidden, meta_tokens
 from meshlm.parallel.schedules import COMPUTE, SENDS, WAITS, Action, build_schedule
 from meshlm.parallel.stages import split_layers
 from meshlm.parallel.timers import bubble, comm
@@ -110,13 +111,7 @@ def split_model(
     check_pipeline_split(model, plan, n_stages)
     split = plan.pipeline
     keys = list(model.get_submodule(split.layers)._modules)
-    if cost == "params":
-        costs = _param_costs(model, split)
-    elif plan.stage_costs is not None:
-        costs = plan.stage_costs(model)
-    else:
-        costs = module_stage_costs(model, split)
-    ranges = split_layers(len(keys), n_stages, costs, boundaries)
+    ranges = _stage_ranges(model, plan, n_stages, boundaries, cost)
     if n_stages > 1:
         for p in stage_ties(model, split):
             mark_pp_tied(p)  # held by the first and the last stage (engine, data_parallel, checkpoints)
@@ -124,6 +119,42 @@ def split_model(
         _stage_view(model, split, [keys[i] for i in ranges[stage]], stage == 0, stage == n_stages - 1)
         for stage in range(pp_rank, n_stages, pp_size)
     ]
+
+
+def _stage_ranges(
+    model: nn.Module, plan: ParallelPlan, n_stages: int, boundaries: Sequence[int] | None = None, cost: str = "flops"
+) -> list[range]:
+    split = plan.pipeline
+    if cost == "params":
+        costs = _param_costs(model, split)
+    elif plan.stage_costs is not None:
+        costs = plan.stage_costs(model)
+    else:
+        costs = module_stage_costs(model, split)
+    return split_layers(len(model.get_submodule(split.layers)._modules), n_stages, costs, boundaries)
+
+
+def check_stage_forwards(model: nn.Module, plan: ParallelPlan, n_stages: int) -> None:
+    """Every stage's forward runs without the parts it does not hold: each stage view (as split_model cuts
+    it) runs once on a meta batch (meshlm.parallel.probe), token ids into the first, activations into the
+    others. A forward that calls a part the stage sees as None is refused in one line, before any work."""
+    split = plan.pipeline
+    keys = list(model.get_submodule(split.layers)._modules)
+    width = hidden_size(model, split)
+    for stage, layers in enumerate(_stage_ranges(model, plan, n_stages)):
+        first, last = stage == 0, stage == n_stages - 1
+        view = _stage_view(model, split, [keys[i] for i in layers], first, last)
+        x = meta_tokens() if first else meta_hidden(model, width)
+        out = meta_forward(view, x)
+        if isinstance(out, MetaFailure) and out.missing_part:
+            missing = ([] if first else [f"first={list(split.first)}"]) + ([] if last else [f"last={list(split.last)}"])
+            cls = type(model).__name__
+            raise PlanError(
+                f"plan {plan.name!r}: pipeline stage {stage} of {n_stages} ({split.layers} {layers.start}.."
+                f"{layers.stop - 1}, without PipelineSplit {' and '.join(missing)}) cannot run {cls}'s forward: "
+                f"{out.error}; valid: a forward that skips the parts a stage holds as None and takes the previous "
+                f"stage's activations for token ids (as meshlm's Transformer), or {cls} without pp"
+            )
 
 
 def stage_ties(model: nn.Module, split: PipelineSplit) -> list[nn.Parameter]:

@@ -225,11 +225,12 @@ class PipelineParallel:
         check_pipeline_schedule(spec.layout, spec.n_micro, spec.schedule)
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
-        from meshlm.parallel.pipeline import hidden_size
+        from meshlm.parallel.pipeline import check_stage_forwards, hidden_size
         from meshlm.parallel.plan import check_pipeline_split
 
         check_pipeline_split(model, plan, layout.pp)
         hidden_size(model, plan.pipeline)
+        check_stage_forwards(model, plan, layout.pp * options.virtual_stages)
 
     def apply(self, build: Build) -> None:
         from meshlm.parallel.pipeline import PipelineSchedule, TiedStages, hidden_size, split_model
