@@ -97,6 +97,37 @@ def test_meta_model_without_an_init_protocol_is_refused_in_one_line() -> None:
     assert "give the model an init_weights() method" in message and "reset_parameters()" in message
 
 
+class _InitInConstructor(nn.Module):
+    """nanoGPT's habit without init_weights(): the init written in __init__, which on meta draws nothing."""
+
+    def __init__(self, init_in_constructor: bool = True) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, 32), nn.Linear(32, VOCAB)
+        self.norm = nn.LayerNorm(32)
+        if init_in_constructor:
+            nn.init.normal_(self.embed.weight, std=0.02)  # built whole: first loss ≈ ln V, not nn.Embedding's N(0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(x)))
+
+
+def test_meta_model_with_an_init_in_its_constructor_is_refused_in_one_line() -> None:
+    """meshlm would fill embed.weight from nn.Embedding.reset_parameters() (N(0, 1)), silently not the model the
+    eager build gives: the extra in-place write, counted by the meta tensor's version, is refused instead."""
+    with torch.device("meta"):
+        model = _InitInConstructor()
+    with pytest.raises(InitError) as err:
+        MetaInit(model, torch.device("cpu"))
+    message = str(err.value)
+    assert "\n" not in message and "parameter embed.weight was written in place 1 more time(s)" in message, message
+    assert "init_weights()" in message, message
+    with torch.device("meta"):  # the modules' own reset_parameters() only: meshlm reproduces it, accepted
+        plain = _InitInConstructor(init_in_constructor=False)
+        tied = _Tied()
+    for accepted in (plain, tied):
+        MetaInit(accepted, torch.device("cpu"))
+
+
 class _ScaledModel(nn.Sequential):
     """The same model, with the protocol: init_weights() initialises what no module can."""
 

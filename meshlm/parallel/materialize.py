@@ -47,6 +47,37 @@ class InitError(InputError):
     """A meta-built model meshlm cannot initialise, phrased as one line naming the module."""
 
 
+def _check_no_init_in_constructor(model: nn.Module, modules: dict[str, nn.Module]) -> None:
+    """A meta parameter that meshlm will fill from its module's reset_parameters() must not have been written
+    in place more often than reset_parameters() writes it: the extra writes are an init in the model's
+    `__init__` (nn.init.normal_, nanoGPT's self.apply(self._init_weights)), a no-op on meta that the eager
+    build does run. Each in-place op bumps a tensor's version counter, meta tensors included, so the count is
+    exact: a private meta copy of the module runs reset_parameters() and its parameters' versions are the
+    bound. Such a model is refused in one line (InitError) rather than started from other weights."""
+    for path, module in modules.items():
+        own = {k: p for k, p in module._parameters.items() if p is not None and p.is_meta}
+        if not own or not callable(getattr(module, "reset_parameters", None)):
+            continue
+        temp = copy.copy(module)
+        temp._modules = {}
+        temp._parameters = {k: nn.Parameter(torch.empty_like(p, device="meta")) for k, p in own.items()}
+        temp._buffers = {
+            k: None if b is None else torch.empty_like(b, device="meta") for k, b in module._buffers.items()
+        }
+        with torch.no_grad():
+            temp.reset_parameters()
+        for key, p in own.items():
+            extra = p._version - temp._parameters[key]._version
+            if extra > 0:
+                name = f"{path}.{key}" if path else key
+                raise InitError(
+                    f"{type(model).__name__}: parameter {name} was written in place {extra} more time(s) than its "
+                    f"module's reset_parameters() writes it while built on meta (an init in __init__, e.g. "
+                    "nn.init.normal_ or self.apply(...)): it draws nothing there and meshlm cannot replay it; move "
+                    "that init into an init_weights() method (docs/api.md), or build the model on a real device"
+                )
+
+
 def is_meta_model(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
@@ -92,6 +123,8 @@ class MetaInit:
                     "and nothing initialises them; give the model an init_weights() method (run once on the "
                     "materialised model, docs/api.md) or the module reset_parameters(), or build it on a real device"
                 )
+        if own and self.whole_model is None:
+            _check_no_init_in_constructor(model, self.modules)
         self.pending: dict[int, str] = {}  # id(placeholder) -> name: parameters a FlatBuffer must still fill
         self._cached: tuple[str, dict[str, torch.Tensor]] | None = None
         self._whole: dict[str, torch.Tensor] | None = None
