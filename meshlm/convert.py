@@ -26,7 +26,7 @@ from meshlm.checkpoint import (
     read_trainer_state,
 )
 from meshlm.config import load_config, model_config_from_dict
-from meshlm.lora import LoRAError, LoRASpec, apply_lora, export_peft, merge_lora
+from meshlm.lora import LoRAError, LoRASpec, apply_lora, export_peft, freeze_patterns_match, merge_lora
 from meshlm.model import Transformer
 from meshlm.model.hf import (
     MESHLM_CONFIG_KEY,
@@ -157,6 +157,15 @@ def rebuild_run_model(checkpoint: Path, state: dict[str, torch.Tensor]) -> tuple
     unknown = sorted(set(state) - set(params))
     if unknown:
         raise LoRAError(f"{checkpoint}: {unknown[0]} is not a parameter of the model its config.toml builds")
+    # Only a LoRA base or a train.freeze weight comes from the rebuilt base: a weight the run trained and the
+    # checkpoint lacks would silently be the base's (the seeded initial weights): refused.
+    frozen = set(freeze_patterns_match(model, cfg.train.freeze)) if cfg.train.freeze else set()
+    missing = [n for n, p in params.items() if p.requires_grad and n not in frozen and n not in state]
+    if missing:
+        raise CheckpointError(
+            f"{checkpoint}: model weight {missing[0]} is missing, but the run's config.toml trains it (it is no "
+            "LoRA base or train.freeze weight); the checkpoint is incomplete: use another checkpoint of the run"
+        )
     with torch.no_grad():
         for name, value in state.items():
             if tuple(value.shape) != tuple(params[name].shape):

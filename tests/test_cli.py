@@ -1,6 +1,8 @@
 """The real `meshlm` entry point, run as a subprocess the way a user runs it (and `main` in this process, for
 the many one-line error cases: the same code without an interpreter start-up each)."""
 
+import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -11,6 +13,7 @@ from conftest import small_run_args
 
 from meshlm import InputError
 from meshlm.checkpoint import CheckpointError, StorageError, list_checkpoints
+from meshlm.checkpoint.store import sha256_file
 from meshlm.cli import main
 from meshlm.config import ConfigError
 from meshlm.data import DataError
@@ -189,6 +192,38 @@ def test_a_checkpoint_of_another_model_and_bad_arguments(
     ]:
         code, err = run_main(args, capsys)
         assert code == 2 and len(err.splitlines()) == 1 and message in err, (args, err)
+
+
+def drop_weight(checkpoint: Path, name: str) -> None:
+    """Make `checkpoint` one that lacks the model weight `name`, still verifying (metadata and manifest agree)."""
+    metadata_file = checkpoint / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    del metadata.state_dict_metadata[f"model/{name}"]
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    manifest_file = checkpoint / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["files"][".metadata"] = {"bytes": metadata_file.stat().st_size, "sha256": sha256_file(metadata_file)}
+    manifest_file.write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_lacking_a_trained_weight_is_one_line_for_eval_generate_and_export(
+    trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run trains every weight (no LoRA, no train.freeze): a checkpoint without one is incomplete, not
+    a model to fill from the seeded initial weights."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    checkpoint = list_checkpoints(run_dir)[-1]
+    drop_weight(checkpoint, "model.norm.weight")
+    for args, expected_code in [
+        (["eval", str(run_dir)], 2),
+        (["generate", str(run_dir)], 2),
+        (["convert", "meshlm-to-hf", str(run_dir), str(tmp_path / "hf")], 1),
+    ]:
+        code, err = run_main(args, capsys)
+        assert code == expected_code and len(err.splitlines()) == 1, (args, err)
+        assert f"{checkpoint}: model weight model.norm.weight is missing" in err, (args, err)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_eval_of_a_directory_without_run_is_a_clear_error(tmp_path: Path) -> None:

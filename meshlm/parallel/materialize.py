@@ -60,7 +60,10 @@ def _check_no_init_in_constructor(model: nn.Module, modules: dict[str, nn.Module
             continue
         temp = copy.copy(module)
         temp._modules = {}
-        temp._parameters = {k: nn.Parameter(torch.empty_like(p, device="meta")) for k, p in own.items()}
+        temp._parameters = {
+            k: None if p is None else nn.Parameter(torch.empty_like(p, device="meta"))
+            for k, p in module._parameters.items()
+        }
         temp._buffers = {
             k: None if b is None else torch.empty_like(b, device="meta") for k, b in module._buffers.items()
         }
