@@ -12,10 +12,15 @@ Every ZeRO stage at dp=2 with two micro-batches per replica is compared with a p
 on the same global batch: per-step loss (criterion 1 of tests/equivalence.py), each parameter's AdamW step
 count, and the final weights, within 1e-3 of one update: an update skipped or applied wrongly moves an
 element by the order of the learning rate (3e-3), a correct layout by float rounding only (max 2e-7 measured).
-Reverting the skip (stepping an unused expert with a zero gradient, as before) fails every criterion.
+A checkpoint saved at step 5 under ZeRO-3 (expert 3 then has 2 updates, the rest 5) and resumed under ZeRO-1
+continues exactly: the per-parameter step counts travel in the checkpoint, the moments per piece.
+Reverting the skip (stepping an unused expert with a zero gradient, as before) fails every criterion; so does
+counting a buffer complete over two micro-batches' backwards (an early reduction; ZeRO-3 crashes).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -114,24 +119,33 @@ def plain_loop() -> dict:
     return {"losses": losses, "steps": steps, "weights": weights}
 
 
-def meshlm_run(zero: int) -> dict:
-    """The same training at dp=2 under `zero`, two micro-batches per replica."""
+def _train(zero: int, steps: range, run_dir: str | None = None, losses: list[float] | None = None) -> dict:
+    """Train `steps` at dp=2 under `zero`, two micro-batches per replica; resume from `run_dir` first when
+    it has a checkpoint, save there after."""
     mesh = build_mesh(parse_layout("dp=2", dist.get_world_size()), "cpu")
     torch.manual_seed(0)
     model = meshlm.parallelize(ExpertModel(), mesh, zero=zero, micro_batches=MICRO)
     opt = _optimizer(model.optimizer_param_groups(WEIGHT_DECAY))
-    losses = []
-    for step in range(ADAMW_STEPS):
+    checkpoints = meshlm.Checkpoints(run_dir, async_save=False) if run_dir else None
+    if checkpoints is not None:
+        checkpoints.load_latest(model, opt)
+    losses = list(losses or [])
+    for step in steps:
         x, y = batch(step)
         losses.append(model.forward_backward(model.local_batch(x), model.local_batch(y)).item())
         model.step(opt)
+    if checkpoints is not None:
+        checkpoints.save(steps.stop, model, opt)
     counts = step_counts(model, opt)
-    steps = {name: counts["optimizer_steps"] - counts["skipped_steps"].get(name, 0) for name in model.global_shapes}
-    return {"losses": losses, "steps": steps, "weights": model.full_state_dict()}
+    updates = {name: counts["optimizer_steps"] - counts["skipped_steps"].get(name, 0) for name in model.global_shapes}
+    return {"losses": losses, "steps": updates, "weights": model.full_state_dict()}
 
 
-def _runs(stages: list[int]) -> list[dict]:
-    return [meshlm_run(zero) for zero in stages]
+def _runs(stages: list[int], run_dir: str) -> list[dict]:
+    runs = [_train(zero, range(ADAMW_STEPS)) for zero in stages]
+    half = ADAMW_STEPS // 2
+    saved = _train(3, range(half), run_dir)
+    return [*runs, _train(1, range(half, ADAMW_STEPS), run_dir, saved["losses"])]
 
 
 def weight_failures(ref: dict, got: dict) -> list[str]:
@@ -151,10 +165,11 @@ def test_the_reference_skips_what_the_data_says() -> None:
     assert ref["steps"]["head.weight"] == ADAMW_STEPS, ref["steps"]
 
 
-def test_unused_experts_are_skipped_as_one_process_skips_them_under_every_zero_stage() -> None:
+def test_unused_experts_are_skipped_as_one_process_skips_them_under_every_zero_stage(tmp_path: Path) -> None:
     stages = [0, 1, 2, 3]
     ref = plain_loop()
-    for zero, got in zip(stages, run_shared(_runs, 2, stages, timeout=600)[0], strict=True):
+    results = run_shared(_runs, 2, stages, str(tmp_path), timeout=600)[0]
+    for zero, got in zip([*stages, "3 resumed under 1"], results, strict=True):
         assert not criterion_failures(ref, got), (zero, criterion_failures(ref, got))
         assert got["steps"] == ref["steps"], (zero, {n: (ref["steps"][n], s) for n, s in got["steps"].items()})
         assert not weight_failures(ref, got), (zero, weight_failures(ref, got))
