@@ -18,6 +18,9 @@ replicated across blocks (zero.nested_shard_groups).
 Inner micro-batches of gradient accumulation (set_grad_sync False) never communicate: gradients accumulate in
 the full buffers and are reduced once on the last micro-batch. Under ZeRO-2/3 this keeps full gradients for
 the accumulation window (reducing every micro-batch would keep only shards, for n_micro times the traffic).
+A parameter that no micro-batch of any rank reducing it touched in a step (an expert without tokens) is
+hidden from the optimizer (`.grad = None`), which then skips it as one process's would; under ZeRO ≥ 1 the
+optimizer steps one tensor per parameter piece of the master shard so that it can (docs/zero.md).
 """
 
 from __future__ import annotations
