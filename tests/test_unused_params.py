@@ -20,6 +20,7 @@ counting a buffer complete over two micro-batches' backwards (an early reduction
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -95,6 +96,7 @@ def _optimizer(groups: list[dict]) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=ADAMW_LR, eps=1e-6, foreach=True)
 
 
+@functools.cache
 def plain_loop() -> dict:
     """The reference: one process, plain PyTorch, the whole global batch at once."""
     torch.manual_seed(0)
