@@ -29,9 +29,9 @@ from torch import nn
 from meshlm.checkpoint import (
     Checkpointer,
     init_optimizer_state,
-    optimizer_steps,
+    load_step_counts,
     read_trainer_state,
-    set_optimizer_steps,
+    step_counts,
     training_entries,
 )
 from meshlm.config import ConfigError, ParallelSection
@@ -44,7 +44,7 @@ from meshlm.parallel.strategies import check_model
 
 __all__ = ["Checkpoints", "init_mesh", "parallelize", "shutdown"]
 
-RESERVED = ("step", "optimizer_steps", "layout", "world_size")
+RESERVED = ("step", "optimizer_steps", "skipped_steps", "layout", "world_size")
 
 
 def init_mesh(layout: str = "", device: str = "auto", timeout_s: float = 300.0) -> Mesh:
@@ -162,7 +162,7 @@ class Checkpoints:
         meta = {
             **state,
             "step": step,
-            "optimizer_steps": optimizer_steps(optimizer),
+            **step_counts(model, optimizer),
             "layout": str(model.mesh.layout),
             "world_size": dist.get_world_size(),
         }
@@ -184,7 +184,7 @@ class Checkpoints:
         saved = read_trainer_state(path)
         init_optimizer_state(optimizer)
         self.checkpointer.load(path, training_entries(model, optimizer))
-        set_optimizer_steps(optimizer, saved["optimizer_steps"])
+        load_step_counts(model, optimizer, saved)
         model.after_load()
         return saved
 

@@ -3,8 +3,10 @@
 from meshlm.checkpoint.checkpointer import Checkpointer
 from meshlm.checkpoint.state import (
     init_optimizer_state,
+    load_step_counts,
     optimizer_steps,
     set_optimizer_steps,
+    step_counts,
     training_entries,
 )
 from meshlm.checkpoint.store import (
@@ -29,10 +31,12 @@ __all__ = [
     "latest_valid_checkpoint",
     "list_checkpoints",
     "load_model_state",
+    "load_step_counts",
     "meshlm_checkpoint",
     "optimizer_steps",
     "read_trainer_state",
     "set_optimizer_steps",
+    "step_counts",
     "storage_cause",
     "training_entries",
     "verify_checkpoint",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from meshlm.checkpoint.shards import Chunks, flat_range_boxes
 from meshlm.parallel.engine import ParallelModel
@@ -60,37 +61,74 @@ def training_entries(
 @torch.no_grad()
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create any torch optimizer's state ahead of its first step, so a checkpoint can fill it in place:
-    one step at learning rate and weight decay 0 on zero gradients (weights unchanged; moments and momentum
-    buffers zero, as a first step would start them), then the step counts back to 0."""
-    if all(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+    one step at learning rate and weight decay 0 on zero gradients of the tensors without state (weights
+    unchanged; moments and momentum buffers zero, as a first step would start them: for AdamW and SGD
+    without dampening the same as no state), then their step counts back to 0. Tensors with state (stepped
+    already) are left out of that step."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    fresh = [p for p in params if not optimizer.state.get(p)]
+    if not fresh:
         return
     saved = [{k: group[k] for k in ("lr", "weight_decay") if k in group} for group in optimizer.param_groups]
-    zeroed = []
+    grads = [p.grad for p in params]
     for group in optimizer.param_groups:
         group.update({k: 0.0 for k in ("lr", "weight_decay") if k in group})
-        for p in group["params"]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-                zeroed.append(p)
+    for p in params:
+        p.grad = None
+    for p in fresh:
+        p.grad = torch.zeros_like(p)
     optimizer.step()
     for group, values in zip(optimizer.param_groups, saved, strict=True):
         group.update(values)
-    for p in zeroed:
-        p.grad = None
-    set_optimizer_steps(optimizer, 0)
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad
+    _set_steps([optimizer.state[p] for p in fresh], 0)
 
 
 def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
-    """Updates the optimizer has applied (the same for every parameter; skipped steps do not count), for
-    optimizers that count them (Adam, AdamW); 0 for those that do not (SGD)."""
-    for state in optimizer.state.values():
-        return int(state.get("step", 0))
-    return 0
+    """Updates the optimizer has applied (skipped steps do not count): the most any of its tensors has had
+    (a parameter without a gradient in a step is not updated), for optimizers that count them (Adam,
+    AdamW); 0 for those that do not (SGD)."""
+    return max((int(state.get("step", 0)) for state in optimizer.state.values()), default=0)
 
 
 def set_optimizer_steps(optimizer: torch.optim.Optimizer, steps: int) -> None:
-    for state in optimizer.state.values():
+    _set_steps(list(optimizer.state.values()), steps)
+
+
+def _set_steps(states: list[dict], steps: int) -> None:
+    for state in states:
         if torch.is_tensor(state.get("step")):
             state["step"].fill_(steps)
         elif "step" in state:
             state["step"] = steps
+
+
+def step_counts(model: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What a checkpoint records of the step counts: 'optimizer_steps' (optimizer_steps over the world) and
+    'skipped_steps', for each parameter updated fewer times (no gradient in some steps: skipped as one
+    process skips it) by how many, under its layout-free name. Collective: every rank calls it."""
+    local: dict[str, int] = {}
+    for name, tensor in model.named_optimizer_tensors():
+        state = optimizer.state.get(tensor) or {}
+        local[name] = max(local.get(name, 0), int(state.get("step", 0)))
+    every = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, local)
+    counts: dict[str, int] = {}
+    for part in every:
+        for name, steps in part.items():
+            counts[name] = max(counts.get(name, 0), steps)
+    steps = max(counts.values(), default=0)
+    return {"optimizer_steps": steps, "skipped_steps": {n: steps - c for n, c in sorted(counts.items()) if c < steps}}
+
+
+def load_step_counts(model: ParallelModel, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Set the step counts `step_counts` recorded (a checkpoint without 'skipped_steps': every tensor alike)."""
+    steps, skipped = saved["optimizer_steps"], saved.get("skipped_steps", {})
+    set_optimizer_steps(optimizer, steps)
+    if skipped:
+        behind = [(tensor, skipped[name]) for name, tensor in model.named_optimizer_tensors() if name in skipped]
+        for tensor, k in behind:
+            _set_steps([optimizer.state[tensor]], steps - k)

@@ -18,6 +18,9 @@ replicated across blocks (zero.nested_shard_groups).
 Inner micro-batches of gradient accumulation (set_grad_sync False) never communicate: gradients accumulate in
 the full buffers and are reduced once on the last micro-batch. Under ZeRO-2/3 this keeps full gradients for
 the accumulation window (reducing every micro-batch would keep only shards, for n_micro times the traffic).
+A parameter that no micro-batch of any rank reducing it touched in a step (an expert without tokens) is
+hidden from the optimizer (`.grad = None`), which then skips it as one process's would; under ZeRO ≥ 1 the
+optimizer steps one tensor per parameter piece of the master shard so that it can (docs/zero.md).
 """
 
 from __future__ import annotations
@@ -235,6 +238,8 @@ class DataParallel:
         self._setup_stage()
 
         self.grad_sync = [True] * len(chunks)
+        self.backward_open = False  # a gradient hook fired in the backward running now
+        self.skipped: list[nn.Parameter] = []  # optimizer tensors whose .grad is None for this step (unused)
         self.next_launch = [0] * len(chunks)
         self.inflight: collections.deque[Reduction] = collections.deque()
         for c, bufs in enumerate(self.chunk_buffers):
@@ -312,20 +317,22 @@ class DataParallel:
             if self.stage == 0:
                 buf.alloc_grad()
                 buf.grad_shard = buf.full_grad
+                buf.steps, buf.step_grads = buf.params, buf.views(buf.full_grad)
+                buf.step_owner = list(range(len(buf.params)))
                 continue
             share = self.stage < 3 and self.param_dtype == torch.float32
             if buf.initial_shard is not None:  # ZeRO-3 from the source: the shard is all there is
-                buf.master, buf.initial_shard = nn.Parameter(buf.initial_shard), None
+                buf.master, buf.initial_shard = buf.initial_shard, None
             else:
                 shard = buf.data[buf.shard]
-                buf.master = nn.Parameter(shard if share else shard.to(torch.float32, copy=True))
+                buf.master = shard if share else shard.to(torch.float32, copy=True)
             if self.stage == 1:
                 buf.alloc_grad()
             if self.stage == 1 and share:
                 buf.grad_shard = buf.full_grad[buf.shard]
             else:
                 buf.grad_shard = torch.zeros(buf.shard_numel, dtype=torch.float32, device=buf.data.device)
-            buf.master.grad = buf.grad_shard
+            buf.split_master()
             if self.stage == 3:
                 buf.free_params()
 
@@ -335,8 +342,12 @@ class DataParallel:
         self.grad_sync[chunk] = enabled
 
     def _grad_ready(self, chunk: int, buf: FlatBuffer, index: int, param: nn.Parameter) -> None:
+        if not self.backward_open:  # the first gradient of this backward: forget at its end which were ready
+            self.backward_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if buf.full_grad is None:
             buf.alloc_grad()  # ZeRO-2/3: the first gradient of this buffer since its last reduction
+        buf.used[index] = True
         buf.ready.add(index)
         if len(buf.ready) < len(buf.params):
             return
@@ -346,6 +357,16 @@ class DataParallel:
         if self.grad_sync[chunk]:
             buf.reduce_requested = True
             self._launch_in_order(chunk)
+
+    def _end_of_backward(self) -> None:
+        """A buffer is complete when all its parameters got their gradient in one backward: one that a
+        micro-batch leaves without a gradient (an expert without tokens) must not make the next micro-batch's
+        backward count as complete before its other gradients have accumulated (an early reduction, or a
+        ZeRO-3 unit freed while its backward still needs the weights). Such a buffer is reduced, and its unit
+        freed, when the step's backward ends (finish_grad_sync)."""
+        self.backward_open = False
+        for buf in self.buffers:
+            buf.ready.clear()
 
     def _launch_in_order(self, chunk: int) -> None:
         """Launch ready buffers strictly in their fixed order, so every rank issues the same collective sequence."""
@@ -400,17 +421,63 @@ class DataParallel:
             self._complete(self.inflight.popleft())
         for unit in self.units:
             unit.end_backward()
+        self._skip_unused()
+
+    def _skip_unused(self) -> None:
+        """Hide the gradient of every parameter that no micro-batch of any rank reducing it touched this step
+        (`.grad = None` on its optimizer tensors until zero_grad), so the optimizer skips it exactly as one
+        process's would: no momentum, no weight decay, no step count. One MAX all-reduce of the buffers' flags
+        per reduction group; a rank reads the result (a host sync) only when it has an unused parameter itself,
+        since a parameter that got a gradient here got one globally. A weight both pipeline ends hold counts as
+        used (its embedding end always is)."""
+        self._restore_skipped()
+        for groups in dict.fromkeys(self.groups(buf) for buf in self.buffers):
+            bufs = [buf for buf in self.buffers if self.groups(buf) == groups]
+            for buf in bufs:
+                if len(buf.params) == 1 and is_pp_tied(buf.params[0]):
+                    buf.used[0] = True
+            local = [used for buf in bufs for used in buf.used]
+            for buf in bufs:
+                buf.used = [False] * len(buf.params)
+            flags = torch.tensor(local, dtype=torch.uint8)
+            device = bufs[0].data.device
+            if device.type == "cuda":
+                flags = flags.pin_memory().to(device, non_blocking=True)
+            if dist.get_world_size(groups.group) > 1:
+                with comm("all_reduce"):
+                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.group)
+            if all(local):
+                continue
+            used, start = flags.tolist(), 0
+            for buf in bufs:
+                mine, start = used[start : start + len(buf.params)], start + len(buf.params)
+                for step, owner in zip(buf.steps, buf.step_owner, strict=True):
+                    if not mine[owner]:
+                        step.grad = None
+                        self.skipped.append(step)
+
+    def _restore_skipped(self) -> None:
+        """Give the tensors `_skip_unused` hid their gradient views back (zeros: nothing was accumulated)."""
+        if not self.skipped:
+            return
+        hidden = {id(step) for step in self.skipped}
+        for buf in self.buffers:
+            for step, grad in zip(buf.steps, buf.step_grads, strict=True):
+                if id(step) in hidden:
+                    step.grad = grad
+        self.skipped = []
 
     # ---- optimizer interface ----------------------------------------------------------------------------------
     def optimizer_param_groups(self, weight_decay: float) -> list[dict]:
-        """The full parameters under zero 0, else this rank's fp32 master shards; matrices decay, vectors not."""
+        """The full parameters under zero 0, else the pieces of this rank's fp32 master shards (one leaf per
+        parameter piece, FlatBuffer.steps); matrices decay, vectors not."""
         if self.stage == 0:
             params = [p for ps in self.chunk_params for p in ps]
             matrices = [p for p in params if decays(p)]
             vectors = [p for p in params if not decays(p)]
         else:
-            matrices = [buf.master for buf in self.buffers if buf.decays]
-            vectors = [buf.master for buf in self.buffers if not buf.decays]
+            matrices = [step for buf in self.buffers if buf.decays for step in buf.steps]
+            vectors = [step for buf in self.buffers if not buf.decays for step in buf.steps]
         return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
 
     @torch.no_grad()
@@ -452,8 +519,18 @@ class DataParallel:
         for work in works:
             timed_wait(work, "all_gather")
 
+    def named_steps(self) -> list[tuple[str, nn.Parameter]]:
+        """(parameter name, optimizer tensor) for every tensor the optimizer steps on this rank."""
+        return [
+            (self.names[id(buf.params[i])], step)
+            for buf in self.buffers
+            for i, step in zip(buf.step_owner, buf.steps, strict=True)
+        ]
+
     def zero_grad(self) -> None:
-        """Stages 0/1 keep their full gradient buffers (param.grad are views) and zero them; 2/3 free them."""
+        """Stages 0/1 keep their full gradient buffers (param.grad are views) and zero them; 2/3 free them.
+        Gradients hidden from the optimizer this step (`_skip_unused`) come back."""
+        self._restore_skipped()
         for buf in self.buffers:
             if self.stage >= 2:
                 buf.free_grad()
@@ -499,25 +576,23 @@ class DataParallel:
             n_replicas, replica = 1, 0
             if replicas == "spread" and groups.replicate is not None:
                 n_replicas, replica = dist.get_world_size(groups.replicate), dist.get_rank(groups.replicate)
-            pieces = [(buf, piece) for buf in self.buffers if self.groups(buf) == groups for piece in buf.pieces]
+            pieces = [(buf, i) for buf in self.buffers if self.groups(buf) == groups for i in range(len(buf.pieces))]
             load = [0] * n_replicas  # every replica computes the same greedy split: largest pieces first
             chosen = set()
-            for i in sorted(range(len(pieces)), key=lambda i: -(pieces[i][1][3] - pieces[i][1][2])):
+            sizes = [buf.pieces[i][3] - buf.pieces[i][2] for buf, i in pieces]
+            for i in sorted(range(len(pieces)), key=lambda i: -sizes[i]):
                 writer = load.index(min(load))
-                load[writer] += pieces[i][1][3] - pieces[i][1][2]
+                load[writer] += sizes[i]
                 if writer == replica:
                     chosen.add(i)
             mine += [pieces[i] for i in sorted(chosen)]
-        for buf, (p, offset, lo, hi) in mine:
-            if self.stage == 0:
-                sources = {"model": p.detach().view(-1)}
-                state = optimizer.state[p] if optimizer is not None else {}
-            else:
-                sources = {"model": buf.master.detach()[lo:hi]}
-                state = optimizer.state[buf.master] if optimizer is not None else {}
+        for buf, i in mine:
+            p, offset, _, _ = buf.pieces[i]
+            step = p if self.stage == 0 else buf.steps[i]  # zero 0: a piece is a whole parameter
+            sources = {"model": step.detach().view(-1)}
+            state = optimizer.state[step] if optimizer is not None else {}
             for key in keys[1:]:
-                moment = state[key].view(-1)
-                sources[key] = moment if self.stage == 0 else moment[lo:hi]
+                sources[key] = state[key].view(-1)
             for key, local in sources.items():
                 out[key].append(ShardedTensor(self.names[id(p)], p.shape, offset, local))
         return out
@@ -534,7 +609,8 @@ class DataParallel:
         """Bytes this rank holds now in parameters (working weights + fp32 masters), gradients (full buffers and
         reduced shards) and, given the optimizer, its state (AdamW moments; the scalar step counts excluded)."""
         masters = [b.master for b in self.buffers + self.frozen_buffers if b.master is not None]
-        params = [p for ps in self.chunk_params + self.chunk_frozen for p in ps] + masters
+        pieces = [step for b in self.buffers if self.stage >= 1 for step in b.steps]
+        params = [p for ps in self.chunk_params + self.chunk_frozen for p in ps] + masters + pieces
         grads = [p.grad for p in params if p.grad is not None]
         state = []
         if optimizer is not None:

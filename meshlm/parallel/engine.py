@@ -383,6 +383,13 @@ class ParallelModel:
         """What an optimizer must step: the parameters, or under ZeRO this rank's fp32 master shards."""
         return [p for group in self.optimizer_param_groups(0.0) for p in group["params"]]
 
+    def named_optimizer_tensors(self) -> list[tuple[str, nn.Parameter]]:
+        """(parameter name, tensor) for each tensor `parameters()` gives the optimizer; under ZeRO the pieces
+        of this rank's master shards, each under the name of the parameter it is a piece of."""
+        if self.dp is not None:
+            return [(self.tied_aliases.get(name, name), t) for name, t in self.dp.named_steps()]
+        return [(name, p) for name, p in self.named_parameters() if p.requires_grad]
+
     def optimizer_param_groups(self, weight_decay: float) -> list[dict]:
         """Matrices decay, vectors (norm weights, biases) do not; under ZeRO the groups hold flat shards."""
         if self.dp is not None:

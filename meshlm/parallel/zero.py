@@ -46,9 +46,14 @@ class FlatBuffer:
     """Same-kind parameters in one padded flat tensor, plus the gradient and optimizer views ZeRO needs.
 
     full_grad:  the whole flat gradient (param.grad are views of it); ZeRO-2/3 free it after each reduction.
-    grad_shard: this rank's reduced fp32 gradient shard, the master's .grad (all of full_grad for zero 0).
-    master:     this rank's fp32 shard the optimizer steps; a view of `data` when the working params are fp32
-                and not sharded (ZeRO-1/2), so fp32 runs hold no second copy.
+    grad_shard: this rank's reduced fp32 gradient shard (all of full_grad for zero 0).
+    master:     this rank's fp32 shard (ZeRO ≥ 1); a view of `data` when the working params are fp32 and not
+                sharded (ZeRO-1/2), so fp32 runs hold no second copy.
+    steps:      what the optimizer steps, one tensor per parameter (zero 0: the parameters; ZeRO ≥ 1: one leaf
+                per piece of this rank's shard, a view of `master` whose .grad is a view of `grad_shard`), so
+                a parameter that got no gradient can be skipped as one process's optimizer skips it.
+    step_grads: each of `steps`' gradient view; step_owner: the index in `params` each belongs to.
+    used:       which params got a gradient since the last optimizer step (post-accumulate-grad hooks).
 
     Parameters pending in `source` (placeholders of a meta-built model) are filled from it straight into the
     buffer, in its dtype. When all are and `shard_only` (ZeRO-3), only this rank's shard is filled, into
@@ -99,7 +104,11 @@ class FlatBuffer:
                 source.done(p)
         self.full_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
-        self.master: nn.Parameter | None = None
+        self.master: torch.Tensor | None = None
+        self.steps: list[nn.Parameter] = []
+        self.step_grads: list[torch.Tensor] = []
+        self.step_owner: list[int] = []
+        self.used = [False] * len(params)
         self.ready: set[int] = set()  # indices of params whose gradient is complete in this backward
         self.reduce_requested = False
 
@@ -126,6 +135,18 @@ class FlatBuffer:
             if lo < hi:
                 pieces.append((p, lo - start, lo - self.shard.start, hi - self.shard.start))
         return pieces
+
+    def split_master(self) -> None:
+        """ZeRO ≥ 1: one leaf parameter per piece of this rank's shard, sharing the master's storage, its
+        gradient the piece's view of grad_shard: the optimizer's per-tensor state and skips then match one
+        process's, parameter by parameter (FSDP2 does the same with its sharded parameters)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        master = self.master.detach()
+        self.steps = [nn.Parameter(master[lo:hi]) for _, _, lo, hi in self.pieces]
+        self.step_grads = [self.grad_shard[lo:hi] for _, _, lo, hi in self.pieces]
+        self.step_owner = [index[id(p)] for p, _, _, _ in self.pieces]
+        for piece, grad in zip(self.steps, self.step_grads, strict=True):
+            piece.grad = grad
 
     def alloc_grad(self) -> None:
         """Allocate the flat gradient and make every param.grad a view of it, keeping grads already computed."""

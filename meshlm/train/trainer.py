@@ -23,10 +23,10 @@ from meshlm.checkpoint import (
     Checkpointer,
     CheckpointError,
     init_optimizer_state,
+    load_step_counts,
     meshlm_checkpoint,
-    optimizer_steps,
     read_trainer_state,
-    set_optimizer_steps,
+    step_counts,
     training_entries,
     verify_checkpoint,
 )
@@ -507,7 +507,7 @@ class Trainer:
                 f"checkpoint {path} is for another model ({_differing_field(saved['model'], current)})"
             )
         self.checkpointer.load(path, training_entries(self.model, self.optimizer))
-        set_optimizer_steps(self.optimizer, saved["optimizer_steps"])
+        load_step_counts(self.model, self.optimizer, saved)
         self.model.after_load()
         if restore_data_position:
             if problem := _data_mismatch(saved["sampler"], self.sampler.state_dict()):
@@ -519,7 +519,7 @@ class Trainer:
         state = {
             "step": step,
             "sampler": self.sampler.state_dict(),
-            "optimizer_steps": optimizer_steps(self.optimizer),
+            **step_counts(self.model, self.optimizer),
             "layout": str(self.layout),
             "world_size": dist.get_world_size(),
             "model": self.model_identity,
