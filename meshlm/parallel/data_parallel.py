@@ -239,7 +239,7 @@ class DataParallel:
 
         self.grad_sync = [True] * len(chunks)
         self.backward_open = False  # a gradient hook fired in the backward running now
-        self.skipped: list[nn.Parameter] = []  # optimizer tensors whose .grad is None for this step (unused)
+        self.synced = False  # gradients reduced for an optimizer step that zero_grad has not ended yet
         self.next_launch = [0] * len(chunks)
         self.inflight: collections.deque[Reduction] = collections.deque()
         for c, bufs in enumerate(self.chunk_buffers):
@@ -347,6 +347,8 @@ class DataParallel:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if buf.full_grad is None:
             buf.alloc_grad()  # ZeRO-2/3: the first gradient of this buffer since its last reduction
+        else:
+            buf.adopt_grad(index)
         buf.used[index] = True
         buf.ready.add(index)
         if len(buf.ready) < len(buf.params):
@@ -422,6 +424,17 @@ class DataParallel:
         for unit in self.units:
             unit.end_backward()
         self._skip_unused()
+        self.synced = True
+
+    def check_not_synced(self) -> None:
+        """Refuse a backward on top of gradients already reduced for an optimizer step: it would add a new
+        micro-batch's local gradient to reduced (and, under ZeRO, partly sharded) sums, which no single
+        process computes. Accumulation runs its inner backwards under no_sync."""
+        if self.synced:
+            raise RuntimeError(
+                "backward after the gradients were already reduced for an optimizer step: call "
+                "model.step(optimizer) (or model.zero_grad()) after each step, and accumulate under model.no_sync()"
+            )
 
     def _skip_unused(self) -> None:
         """Hide the gradient of every parameter that no micro-batch of any rank reducing it touched this step
@@ -429,8 +442,9 @@ class DataParallel:
         process's would: no momentum, no weight decay, no step count. One MAX all-reduce of the buffers' flags
         per reduction group; a rank reads the result (a host sync) only when it has an unused parameter itself,
         since a parameter that got a gradient here got one globally. A weight both pipeline ends hold counts as
-        used (its embedding end always is)."""
-        self._restore_skipped()
+        used (its embedding end always is). Every other optimizer tensor gets its gradient view back first,
+        also where a loop of one's own called `optimizer.zero_grad()` (which sets them to None)."""
+        self._point_grads()
         for groups in dict.fromkeys(self.groups(buf) for buf in self.buffers):
             bufs = [buf for buf in self.buffers if self.groups(buf) == groups]
             for buf in bufs:
@@ -454,18 +468,13 @@ class DataParallel:
                 for step, owner in zip(buf.steps, buf.step_owner, strict=True):
                     if not mine[owner]:
                         step.grad = None
-                        self.skipped.append(step)
 
-    def _restore_skipped(self) -> None:
-        """Give the tensors `_skip_unused` hid their gradient views back (zeros: nothing was accumulated)."""
-        if not self.skipped:
-            return
-        hidden = {id(step) for step in self.skipped}
+    def _point_grads(self) -> None:
+        """Make every optimizer tensor's .grad its view of the reduced gradient again (zeros where
+        `_skip_unused` hid it: nothing was accumulated)."""
         for buf in self.buffers:
             for step, grad in zip(buf.steps, buf.step_grads, strict=True):
-                if id(step) in hidden:
-                    step.grad = grad
-        self.skipped = []
+                step.grad = grad
 
     # ---- optimizer interface ----------------------------------------------------------------------------------
     def optimizer_param_groups(self, weight_decay: float) -> list[dict]:
@@ -530,7 +539,8 @@ class DataParallel:
     def zero_grad(self) -> None:
         """Stages 0/1 keep their full gradient buffers (param.grad are views) and zero them; 2/3 free them.
         Gradients hidden from the optimizer this step (`_skip_unused`) come back."""
-        self._restore_skipped()
+        self._point_grads()
+        self.synced = False
         for buf in self.buffers:
             if self.stage >= 2:
                 buf.free_grad()

@@ -260,6 +260,8 @@ class ParallelModel:
                 return self.forward_backward(inputs, targets)
             finally:
                 self.loss_fn = previous
+        if self.dp is not None:
+            self.dp.check_not_synced()
         self.train(True)
         self._check_batch(inputs)
         inputs, targets = self.seq_shard(inputs), self.seq_shard(targets)
@@ -330,6 +332,8 @@ class ParallelModel:
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), then (outside `no_sync`) wait for the overlapped gradient reduction to finish."""
+        if self.dp is not None:
+            self.dp.check_not_synced()
         loss.backward()
         if self.dp is not None and all(self.dp.grad_sync):
             self.dp.finish_grad_sync()

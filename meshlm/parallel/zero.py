@@ -156,6 +156,17 @@ class FlatBuffer:
                 view.copy_(p.grad)
             p.grad = view
 
+    def adopt_grad(self, index: int) -> None:
+        """Make params[index].grad its view of full_grad again where something replaced it: a loop of one's
+        own calling `optimizer.zero_grad()` (zero 0) or a module's `zero_grad()` sets it to None, and autograd
+        then accumulates this step's gradient into a fresh tensor, which the reduction would never see."""
+        p = self.params[index]
+        offset = self.offsets[index]
+        if p.grad.data_ptr() != self.full_grad.data_ptr() + offset * self.full_grad.element_size():
+            view = self.full_grad[offset : offset + p.numel()].view_as(p)
+            view.copy_(p.grad)
+            p.grad = view
+
     def free_grad(self) -> None:
         for p in self.params:
             p.grad = None
