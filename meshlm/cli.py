@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshlm.train import signals
 
-if sys.argv[1:2] == ["train"]:  # `meshlm train`: SIGTERM is caught from here on, before pydantic and torch load
+if sys.argv[1:2] == ["train"]:  # `meshlm train`: SIGTERM and SIGINT are caught from here on, before pydantic and torch
     signals.install(for_process=True, deferred=True)
 
 from meshlm.config import Config, ConfigError, load_config, parse_overrides, reference_markdown, to_toml
-from meshlm.errors import InputError
+from meshlm.errors import InputError, RunStopped
 
 if TYPE_CHECKING:
     from meshlm.model import Transformer
@@ -56,14 +56,16 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     except BaseException:
         if not signals.stopped_start_up():
             raise
-        if os.environ.get("RANK", "0") == "0":  # SIGTERM before the trainer began (config, imports): nothing to save
-            print(signals.PREEMPTED_BEFORE_START, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # a stop before the trainer began (config, imports): nothing to save
+            print(signals.before_start_line(), flush=True)
         code = 0
     finally:
         signals.finish_run(release=owns_handler)  # the CLI's stays until the process exits: teardown is covered
         signals.ignore_from_here()  # the exit code is decided, also when an error is on its way to its line
     if code == 0 and signals.received():
         launch.report_preempted()
+        if signals.interrupted():  # Ctrl-C: saved (or nothing to save yet), and the shell's code for an interrupt
+            return signals.INTERRUPTED_EXIT
     return code
 
 
@@ -366,6 +368,17 @@ def main(argv: list[str] | None = None) -> int:
 
         report_error(str(e))
         return 2
+    except RunStopped as e:  # a guard stopped the run (diverged, desynced): one line, the newest checkpoint kept
+        if os.environ.get("RANK", "0") == "0":
+            print(f"meshlm: {e}", file=sys.stderr)
+        from meshlm.launch import report_error
+
+        report_error(str(e))
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop, or a second one inside it: stop at once
+        if os.environ.get("RANK", "0") == "0":
+            print("meshlm: interrupted (SIGINT): stopped at once, nothing more saved", file=sys.stderr)
+        return signals.INTERRUPTED_EXIT
 
 
 if __name__ == "__main__":

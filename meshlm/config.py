@@ -275,6 +275,13 @@ class FaultSection(Section):
         "checkpoint (keeping the data position, so the batches since are skipped), or stop the run",
     )
     max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed in one run before it stops")
+    max_skips: int = Field(
+        5,
+        gt=0,
+        description="under 'skip': consecutive skipped updates before the run stops (keeping its newest checkpoint). "
+        "A skip leaves the weights as they were, so vetoes on several different batches in a row mean the weights "
+        "themselves have diverged, not one bad batch; 5 tolerates a short burst of bad data",
+    )
     spike_factor: float = Field(0.0, ge=0, description="a loss above this × the recent mean counts as a spike; 0 = off")
     desync_every: int = Field(100, ge=0, description="compare data-parallel replicas' weights every N steps; 0 = off")
     grace_s: float = Field(
