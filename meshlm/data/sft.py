@@ -242,6 +242,13 @@ class ChatTemplate:
         except Exception as e:  # jinja's raise_exception and template errors: any class
             raise DataError(f"{where}: the chat template refused this conversation: {str(e).splitlines()[0]}") from None
 
+    def end_of_turn_ids(self) -> list[int]:
+        """The special tokens the template writes to end an assistant turn (what generation stops at)."""
+        messages: list[Message] = [("user", "Hi"), ("assistant", "Hello")]
+        before = self.render(messages[:1], self.name, generation_prompt=True)
+        turn = self.render(messages, self.name)[len(before) :]
+        return [i for i in self.tokenizer.encode(turn, add_special_tokens=False).ids if i in self.end_tokens]
+
     def encode(self, messages: list[Message], where: str) -> tuple[list[int], list[bool]]:
         text = self.render(messages, where)
         spans = []
