@@ -31,7 +31,7 @@ from meshlm.checkpoint import (
     training_entries,
     verify_checkpoint,
 )
-from meshlm.checkpoint.store import StorageError, atomic_write, storage_cause
+from meshlm.checkpoint.store import RunDirInUse, RunLock, StorageError, atomic_write, run_dir_problem, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import SFTData, TokenData, prepare_data_shared
 from meshlm.data.dataset import check_tokenizer, document_separator
@@ -247,16 +247,36 @@ def _fit(cfg: Config, parts: TrainParts) -> TrainResult:
     watchdog.arm()
     created_group = False
     trainer = None
+    lock = RunLock(Path(cfg.log.run_dir))
     try:
         created_group = init_distributed(device, cfg.parallel.timeout_s)
+        take_run_lock(lock)
         trainer = Trainer(cfg, layout, n_micro, device, watchdog, parts, model)
         return trainer.run()
     finally:
         if trainer is not None:
             trainer.close()
+        lock.release()
         watchdog.close()
         if created_group:
             dist.destroy_process_group()
+
+
+def take_run_lock(lock: RunLock) -> None:
+    """Rank 0 takes the run directory's lock (one job per run directory) and tells the others: a directory in
+    use stops every rank with rank 0's line."""
+    verdict: list[Exception | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            if taken_over := lock.acquire():
+                print(taken_over, flush=True)
+        except RunDirInUse as e:
+            verdict = [e]
+        except OSError as e:  # a file where the directory should be, a read-only mount
+            verdict = [StorageError(run_dir_problem(lock.path.parent, e))]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise verdict[0]
 
 
 # The sampler's state that fixes the batch stream, and the config field each comes from
