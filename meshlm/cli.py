@@ -19,7 +19,15 @@ from meshlm.train import signals
 if sys.argv[1:2] == ["train"]:  # `meshlm train`: SIGTERM and SIGINT are caught from here on, before pydantic and torch
     signals.install(for_process=True, deferred=True)
 
-from meshlm.config import Config, ConfigError, load_config, parse_overrides, reference_markdown, to_toml
+from meshlm.config import (
+    Config,
+    ConfigError,
+    load_config,
+    parse_overrides,
+    reference_help,
+    reference_markdown,
+    to_toml,
+)
 from meshlm.errors import InputError, RunStopped
 
 if TYPE_CHECKING:
@@ -285,10 +293,14 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from meshlm import __version__
+
     parser = Parser(prog="meshlm", description="Train Llama-style models on a device mesh.")
+    parser.add_argument("--version", action="version", version=f"meshlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train (or resume) a run; any config field: --section.field VALUE")
+    with_fields = {"epilog": reference_help(), "formatter_class": argparse.RawDescriptionHelpFormatter}
+    p = sub.add_parser("train", help="train (or resume) a run; any config field: --section.field VALUE", **with_fields)
     p.add_argument("--config", help="TOML config file (defaults apply to everything it omits)")
     p.set_defaults(func=cmd_train)
 
@@ -305,18 +317,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help="sample text from a run's newest checkpoint")
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--prompt", type=_prompt, default="def ")
-    p.add_argument("--max-new-tokens", type=_integer(0), default=100)
-    p.add_argument("--temperature", type=_temperature, default=0.8)
-    p.add_argument("--top-k", type=_integer(1), default=50)
-    p.add_argument("--seed", type=_integer(0), default=0)
+    p.add_argument("run_dir", type=Path, help="a meshlm run directory (log.run_dir of the run)")
+    p.add_argument("--prompt", type=_prompt, default="def ", help="text to continue (default: %(default)r)")
+    p.add_argument(
+        "--max-new-tokens", type=_integer(0), default=100, help="most tokens to add; generation also stops at the "
+        "tokenizer's end-of-text / end-of-turn token (default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--temperature", type=_temperature, default=0.8, help="sampling temperature; 0 = greedy (default: %(default)s)"
+    )
+    p.add_argument("--top-k", type=_integer(1), default=50, help="sample among the k likeliest tokens (default: 50)")
+    p.add_argument("--seed", type=_integer(0), default=0, help="random seed of the sampling (default: 0)")
     p.set_defaults(func=cmd_generate)
 
     from meshlm.data.shards import SHARD_TOKENS
 
     p = sub.add_parser(
-        "prepare-data", help="tokenize the corpus of a config into token shards with many processes, before training"
+        "prepare-data",
+        help="tokenize the corpus of a config into token shards with many processes, before training",
+        **with_fields,
     )
     p.add_argument("--config", help="TOML config file (the [data] and [model] sections matter; overrides too)")
     p.add_argument("--workers", type=_integer(1, 4096), default=os.cpu_count() or 1, help="tokenizer processes")
@@ -325,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="configuration tools")
     config_sub = p.add_subparsers(dest="config_command", required=True)
-    show = config_sub.add_parser("show", help="print the resolved config as TOML")
+    show = config_sub.add_parser("show", help="print the resolved config as TOML", **with_fields)
     show.add_argument("--config", help="TOML config file")
     show.set_defaults(func=cmd_config_show)
     reference = config_sub.add_parser("reference", help="print the table of every config field (as in the README)")
@@ -358,7 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.func not in (cmd_train, cmd_config_show, cmd_prepare_data):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args, extra)
+        code = args.func(args, extra)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:  # `meshlm config reference | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush has nowhere to fail
+        return 0
     except InputError as e:  # a config field, layout, data, checkpoint or plan request: one line
         # every rank of a job meets the same one (each checks the same config, rank 0's verdicts are broadcast):
         # rank 0 says it; a rank whose error is its own says it too

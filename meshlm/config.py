@@ -554,3 +554,15 @@ def reference_markdown() -> str:
             meaning = (f.description or f"override the preset's `{name}`").replace("|", "\\|")
             lines.append(f"| `{section}.{name}` | {default} | {meaning} |")
     return "\n".join(lines)
+
+
+def reference_help() -> str:
+    """Every field as an override, with its default and meaning (the epilog of `meshlm train --help`)."""
+    lines = ["config fields (--section.field VALUE; the defaults apply to everything not set):"]
+    for section, section_field in Config.model_fields.items():
+        lines.append(f"  [{section}]")
+        for name, f in section_field.annotation.model_fields.items():
+            default = "the preset's" if f.default is None and section == "model" else repr(f.default)
+            meaning = f.description or f"override the preset's {name}"
+            lines.append(f"    --{section}.{name} (default {default}): {meaning}")
+    return "\n".join(lines)
