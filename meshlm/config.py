@@ -537,6 +537,8 @@ def to_toml(cfg: Config) -> str:
                 text = "true" if value else "false"
             elif isinstance(value, str):
                 text = _toml_string(value)
+            elif isinstance(value, list):  # TOML's own quoting (a Python repr would double every backslash)
+                text = "[" + ", ".join(_toml_string(v) if isinstance(v, str) else repr(v) for v in value) + "]"
             else:
                 text = repr(value)
             lines.append(f"{key} = {text}")

@@ -35,7 +35,6 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from meshlm.data.dataset import (
     cached_manifest,
     check_tokenizer,
     is_val_document,
+    staging_dir,
     token_dtype,
 )
 from meshlm.data.sampler import GlobalBatchSampler, eval_windows
@@ -433,7 +433,7 @@ def prepare_sft(
     manifest = cached_manifest(directory, key, builder, _read_manifest)
     if manifest is None:
         directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=directory.parent))
+        tmp = staging_dir(directory.parent, key)
         try:
             _build_into(tmp, cfg, vocab_size, key, tokenizer_file, builder)
             _install(tmp, directory, key)
