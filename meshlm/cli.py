@@ -293,10 +293,9 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from meshlm import __version__
-
+    version = sys.modules["meshlm"].__version__  # the package (above this module's layer), imported before it
     parser = Parser(prog="meshlm", description="Train Llama-style models on a device mesh.")
-    parser.add_argument("--version", action="version", version=f"meshlm {__version__}")
+    parser.add_argument("--version", action="version", version=f"meshlm {version}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     with_fields = {"epilog": reference_help(), "formatter_class": argparse.RawDescriptionHelpFormatter}
