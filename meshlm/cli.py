@@ -16,11 +16,19 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshlm.train import signals
 
-if sys.argv[1:2] == ["train"]:  # `meshlm train`: SIGTERM is caught from here on, before pydantic and torch load
+if sys.argv[1:2] == ["train"]:  # `meshlm train`: SIGTERM and SIGINT are caught from here on, before pydantic and torch
     signals.install(for_process=True, deferred=True)
 
-from meshlm.config import Config, ConfigError, load_config, parse_overrides, reference_markdown, to_toml
-from meshlm.errors import InputError
+from meshlm.config import (
+    Config,
+    ConfigError,
+    load_config,
+    parse_overrides,
+    reference_help,
+    reference_markdown,
+    to_toml,
+)
+from meshlm.errors import InputError, RunStopped
 
 if TYPE_CHECKING:
     from meshlm.model import Transformer
@@ -56,14 +64,16 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     except BaseException:
         if not signals.stopped_start_up():
             raise
-        if os.environ.get("RANK", "0") == "0":  # SIGTERM before the trainer began (config, imports): nothing to save
-            print(signals.PREEMPTED_BEFORE_START, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # a stop before the trainer began (config, imports): nothing to save
+            print(signals.before_start_line(), flush=True)
         code = 0
     finally:
         signals.finish_run(release=owns_handler)  # the CLI's stays until the process exits: teardown is covered
         signals.ignore_from_here()  # the exit code is decided, also when an error is on its way to its line
     if code == 0 and signals.received():
         launch.report_preempted()
+        if signals.interrupted():  # Ctrl-C: saved (or nothing to save yet), and the shell's code for an interrupt
+            return signals.INTERRUPTED_EXIT
     return code
 
 
@@ -283,10 +293,13 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 
 def build_parser() -> argparse.ArgumentParser:
+    version = sys.modules["meshlm"].__version__  # the package (above this module's layer), imported before it
     parser = Parser(prog="meshlm", description="Train Llama-style models on a device mesh.")
+    parser.add_argument("--version", action="version", version=f"meshlm {version}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train (or resume) a run; any config field: --section.field VALUE")
+    with_fields = {"epilog": reference_help(), "formatter_class": argparse.RawDescriptionHelpFormatter}
+    p = sub.add_parser("train", help="train (or resume) a run; any config field: --section.field VALUE", **with_fields)
     p.add_argument("--config", help="TOML config file (defaults apply to everything it omits)")
     p.set_defaults(func=cmd_train)
 
@@ -303,18 +316,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help="sample text from a run's newest checkpoint")
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--prompt", type=_prompt, default="def ")
-    p.add_argument("--max-new-tokens", type=_integer(0), default=100)
-    p.add_argument("--temperature", type=_temperature, default=0.8)
-    p.add_argument("--top-k", type=_integer(1), default=50)
-    p.add_argument("--seed", type=_integer(0), default=0)
+    p.add_argument("run_dir", type=Path, help="a meshlm run directory (log.run_dir of the run)")
+    p.add_argument("--prompt", type=_prompt, default="def ", help="text to continue (default: %(default)r)")
+    p.add_argument(
+        "--max-new-tokens", type=_integer(0), default=100, help="most tokens to add; generation also stops at the "
+        "tokenizer's end-of-text / end-of-turn token (default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--temperature", type=_temperature, default=0.8, help="sampling temperature; 0 = greedy (default: %(default)s)"
+    )
+    p.add_argument("--top-k", type=_integer(1), default=50, help="sample among the k likeliest tokens (default: 50)")
+    p.add_argument("--seed", type=_integer(0), default=0, help="random seed of the sampling (default: 0)")
     p.set_defaults(func=cmd_generate)
 
     from meshlm.data.shards import SHARD_TOKENS
 
     p = sub.add_parser(
-        "prepare-data", help="tokenize the corpus of a config into token shards with many processes, before training"
+        "prepare-data",
+        help="tokenize the corpus of a config into token shards with many processes, before training",
+        **with_fields,
     )
     p.add_argument("--config", help="TOML config file (the [data] and [model] sections matter; overrides too)")
     p.add_argument("--workers", type=_integer(1, 4096), default=os.cpu_count() or 1, help="tokenizer processes")
@@ -323,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="configuration tools")
     config_sub = p.add_subparsers(dest="config_command", required=True)
-    show = config_sub.add_parser("show", help="print the resolved config as TOML")
+    show = config_sub.add_parser("show", help="print the resolved config as TOML", **with_fields)
     show.add_argument("--config", help="TOML config file")
     show.set_defaults(func=cmd_config_show)
     reference = config_sub.add_parser("reference", help="print the table of every config field (as in the README)")
@@ -356,7 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.func not in (cmd_train, cmd_config_show, cmd_prepare_data):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args, extra)
+        code = args.func(args, extra)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:  # `meshlm config reference | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush has nowhere to fail
+        return 0
     except InputError as e:  # a config field, layout, data, checkpoint or plan request: one line
         # every rank of a job meets the same one (each checks the same config, rank 0's verdicts are broadcast):
         # rank 0 says it; a rank whose error is its own says it too
@@ -366,6 +391,17 @@ def main(argv: list[str] | None = None) -> int:
 
         report_error(str(e))
         return 2
+    except RunStopped as e:  # a guard stopped the run (diverged, desynced): one line, the newest checkpoint kept
+        if os.environ.get("RANK", "0") == "0":
+            print(f"meshlm: {e}", file=sys.stderr)
+        from meshlm.launch import report_error
+
+        report_error(str(e))
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop, or a second one inside it: stop at once
+        if os.environ.get("RANK", "0") == "0":
+            print("meshlm: interrupted (SIGINT): stopped at once, nothing more saved", file=sys.stderr)
+        return signals.INTERRUPTED_EXIT
 
 
 if __name__ == "__main__":

@@ -275,6 +275,13 @@ class FaultSection(Section):
         "checkpoint (keeping the data position, so the batches since are skipped), or stop the run",
     )
     max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed in one run before it stops")
+    max_skips: int = Field(
+        5,
+        gt=0,
+        description="under 'skip': consecutive skipped updates before the run stops (keeping its newest checkpoint). "
+        "A skip leaves the weights as they were, so vetoes on several different batches in a row mean the weights "
+        "themselves have diverged, not one bad batch; 5 tolerates a short burst of bad data",
+    )
     spike_factor: float = Field(0.0, ge=0, description="a loss above this × the recent mean counts as a spike; 0 = off")
     desync_every: int = Field(100, ge=0, description="compare data-parallel replicas' weights every N steps; 0 = off")
     grace_s: float = Field(
@@ -530,6 +537,8 @@ def to_toml(cfg: Config) -> str:
                 text = "true" if value else "false"
             elif isinstance(value, str):
                 text = _toml_string(value)
+            elif isinstance(value, list):  # TOML's own quoting (a Python repr would double every backslash)
+                text = "[" + ", ".join(_toml_string(v) if isinstance(v, str) else repr(v) for v in value) + "]"
             else:
                 text = repr(value)
             lines.append(f"{key} = {text}")
@@ -546,4 +555,16 @@ def reference_markdown() -> str:
             default = "" if f.default is None else f"`{f.default!r}`".replace("|", "\\|")
             meaning = (f.description or f"override the preset's `{name}`").replace("|", "\\|")
             lines.append(f"| `{section}.{name}` | {default} | {meaning} |")
+    return "\n".join(lines)
+
+
+def reference_help() -> str:
+    """Every field as an override, with its default and meaning (the epilog of `meshlm train --help`)."""
+    lines = ["config fields (--section.field VALUE; the defaults apply to everything not set):"]
+    for section, section_field in Config.model_fields.items():
+        lines.append(f"  [{section}]")
+        for name, f in section_field.annotation.model_fields.items():
+            default = "the preset's" if f.default is None and section == "model" else repr(f.default)
+            meaning = f.description or f"override the preset's {name}"
+            lines.append(f"    --{section}.{name} (default {default}): {meaning}")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from meshlm.checkpoint import (
     read_trainer_state,
 )
 from meshlm.config import load_config, model_config_from_dict
+from meshlm.data.generation import write_generation_ids
 from meshlm.lora import LoRAError, LoRASpec, apply_lora, export_peft, freeze_patterns_match, merge_lora
 from meshlm.model import Transformer
 from meshlm.model.hf import (
@@ -120,6 +121,7 @@ def run_convert(args: argparse.Namespace) -> int:
             export_hf(_load_meshlm_file(args.src), args.out, getattr(torch, args.dtype), args.max_shard_bytes)
             if args.src.is_dir():
                 copy_run_tokenizer(args.src, args.out)
+                write_generation_ids(args.out)
     except (ValueError, OSError) as e:
         print(f"meshlm convert: error: {e}", file=sys.stderr)
         return 1

@@ -15,3 +15,8 @@ class InputError(ValueError):
 
 class ConfigError(InputError):
     """A configuration problem, already phrased as one line naming the field."""
+
+
+class RunStopped(RuntimeError):
+    """A run stopped by a guard (a diverged run, a replica desync), phrased as one line that says why and what
+    stays resumable; the CLI prints it without a traceback and exits 1 (meshlm.train.guards.TrainingFault)."""

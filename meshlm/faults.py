@@ -9,7 +9,9 @@ MESHLM_INJECT_FAULT="RANK:STEP:KIND" makes global rank RANK, at step STEP:
                        tokenize it) or `close` (teardown, after the loop: STEP is the last step),
   sigterm-all@POINT    the same to the launcher's agent (its parent, under torchrun or `meshlm launch`) and
                        every worker of that agent, itself included, as Slurm and a node shutdown signal all the
-                       job's processes together (the agent first, so the workers get its forwarded one too).
+                       job's processes together (the agent first, so the workers get its forwarded one too),
+  sigint@POINT, sigint-all@POINT   the same with SIGINT (Ctrl-C); `sigint2@POINT` sends it twice (Ctrl-C
+                       pressed again while the run saves).
 Only the first attempt of a torchrun job injects (TORCHELASTIC_RESTART_COUNT 0), so the restarted group
 shows whether recovery works.
 """
@@ -21,7 +23,7 @@ import signal
 import time
 from pathlib import Path
 
-KINDS = ("kill", "hang", "save-kill", "sigterm", "sigterm-all")
+KINDS = ("kill", "hang", "save-kill", "sigterm", "sigterm-all", "sigint", "sigint-all", "sigint2")
 POINTS = ("step", "save", "tokenize", "close")
 _fired: set[str] = set()
 
@@ -58,11 +60,12 @@ def fault_point(point: str, rank: int, step: int) -> None:
     if planned is None or planned[:2] != (rank, step):
         return
     kind, _, at = planned[2].partition("@")
-    if kind.startswith("sigterm") and (at or "step") == point and kind not in _fired:
+    if kind.startswith(("sigterm", "sigint")) and (at or "step") == point and kind not in _fired:
         _fired.add(kind)
-        targets = _agent_and_workers() if kind == "sigterm-all" else [os.getpid()]
-        for pid in targets:
-            os.kill(pid, signal.SIGTERM)
+        signum = signal.SIGTERM if kind.startswith("sigterm") else signal.SIGINT
+        targets = _agent_and_workers() if kind.endswith("-all") else [os.getpid()]
+        for pid in targets * (2 if kind == "sigint2" else 1):
+            os.kill(pid, signum)
     if (point, kind) in (("step", "kill"), ("save", "save-kill")):
         os.kill(os.getpid(), signal.SIGKILL)
     if point == "step" and kind == "hang":

@@ -245,3 +245,35 @@ def test_train_under_torchrun(small_run: list[str]) -> None:
     assert out.stdout.count("validation loss") == 1  # printed by rank 0 only
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000003"]
     assert '"layout": "pp=1,dp=2,tp=1"' in (run_dir / "metrics.jsonl").read_text()
+
+
+def test_help_lists_every_config_field_and_the_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """`meshlm train --help` (and `prepare-data`, `config show`) list every field of the config schema with its
+    default; `generate`'s options each have a line of help; `meshlm --version` names the package version."""
+    from meshlm import __version__
+    from meshlm.config import Config
+
+    fields = [f"--{s}.{n} (default " for s, f in Config.model_fields.items() for n in f.annotation.model_fields]
+    for command in (["train"], ["prepare-data"], ["config", "show"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        out = capsys.readouterr().out
+        assert [f for f in fields if f not in out] == [], command
+    assert "--fault.max_skips (default 5): under 'skip'" in out
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--prompt", "--max-new-tokens", "--temperature", "--top-k", "--seed"):
+        assert f"{option} " in out and out.split(f"{option} ", 1)[1].split("\n")[0].strip(), option
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out == f"meshlm {__version__}\n"
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    """`meshlm config reference | head`: the reader leaves early; meshlm exits 0 without BrokenPipeError."""
+    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", "config", "reference"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc.stdout.close()  # before the interpreter has even started: every write meets a closed pipe
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and err == "", err

@@ -24,6 +24,17 @@ def test_defaults_are_valid_and_round_trip_through_toml(tmp_path: Path) -> None:
     assert load_config(path) == cfg
 
 
+def test_string_lists_round_trip_through_toml_on_every_save(tmp_path: Path) -> None:
+    """train.freeze and lora.targets patterns keep their backslashes (regexes) however often a run saves them."""
+    patterns = ["layers\\.0\\.", 'a"b', "tab\tc"]
+    cfg = load_config(None, [("train.freeze", patterns), ("lora.rank", 4), ("lora.targets", ["q\\_proj"])])
+    path = tmp_path / "c.toml"
+    for _ in range(3):  # each resume writes the config it read
+        path.write_text(to_toml(cfg))
+        cfg = load_config(path)
+    assert cfg.train.freeze == patterns and cfg.lora.targets == ["q\\_proj"]
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path: Path) -> None:
     assert isinstance(load_config(path), Config)

@@ -368,3 +368,14 @@ def test_hf_dataset_source_reads_a_local_dataset(tmp_path, monkeypatch):
         list(iter_documents(cfg.model_copy(update={"text_field": "body"})))
     data = prepare_data(cfg, vocab_size=300)
     assert len(data.train) > 0 and len(data.val) > 0
+
+
+def test_token_caches_get_the_mode_the_umask_gives(tmp_path):
+    """A cache built under umask 022 is readable by a teammate (0755 folder, 0644 files), as mkdir would make it."""
+    old = os.umask(0o022)
+    try:
+        data = prepare_data(jsonl_cfg(tmp_path, 40, val_fraction=0.1), 300)
+    finally:
+        os.umask(old)
+    assert data.directory.stat().st_mode & 0o777 == 0o755
+    assert all(p.stat().st_mode & 0o044 == 0o044 for p in data.directory.iterdir())  # group and others read

@@ -313,3 +313,133 @@ def test_fuzz_strategies_reach_both_outcomes(tmp_path: Path) -> None:
     (tmp_path / "bad.toml").write_text(render({"train": {"steps": math.nan}}))
     with pytest.raises(ConfigError, match=re.escape("train.steps: Input should be a finite number")):
         load_config(tmp_path / "bad.toml")
+
+
+# ---- bad input to every subcommand: one line on stderr, naming the flag or field, and a failing exit code ----
+
+BAD_INPUTS: list[tuple[list[str], str]] = [
+    # train: config fields and overrides (checked before torch loads)
+    (["train", "--train.steps", "-1"], "train.steps"),
+    (["train", "--train.steps", "ten"], "train.steps"),
+    (["train", "--train.lr", "nan"], "train.lr"),
+    (["train", "--train.lr", "inf"], "train.lr"),
+    (["train", "--train.global_batch", "0"], "train.global_batch"),
+    (["train", "--train.global_batch", "6", "--train.micro_batch", "4"], "train.micro_batch"),
+    (["train", "--train.dtype", "fp64"], "train.dtype"),
+    (["train", "--train.device", "tpu"], "train.device"),
+    (["train", "--train.recompute", "all"], "train.recompute"),
+    (["train", "--train.recompute", "full", "--train.recompute_layers", "2"], "train.recompute_layers"),
+    (["train", "--train.compile", "maybe"], "train.compile"),
+    (["train", "--train.sync_every", "-2"], "train.sync_every"),
+    (["train", "--train.stepz", "3"], "train.stepz"),
+    (["train", "--trian.steps", "3"], "trian"),
+    (["train", "--train", "3"], "train"),
+    (["train", "--train.steps"], "train.steps"),
+    (["train", "steps=3"], "steps=3"),
+    (["train", "--train.seed", str(2**64)], "train.seed"),
+    (["train", "--model.preset", "gpt5"], "model.preset"),
+    (["train", "--model.dim", "0"], "model.dim"),
+    (["train", "--model.n_heads", "-4"], "model.n_heads"),
+    (["train", "--model.rope_type", "yarn"], "model.rope_type"),
+    (["train", "--model.norm_eps", "0"], "model.norm_eps"),
+    (["train", "--model.max_seq_len", "16", "--data.seq_len", "64"], "data.seq_len"),
+    (["train", "--data.seq_len", "0"], "data.seq_len"),
+    (["train", "--data.format", "csv"], "data.format"),
+    (["train", "--data.format", "sft"], "data.source"),
+    (["train", "--data.val_fraction", "2"], "data.val_fraction"),
+    (["train", "--data.max_chars", "-5"], "data.max_chars"),
+    (["train", "--parallel.zero", "4"], "parallel.zero"),
+    (["train", "--parallel.schedule", "zigzag"], "parallel.schedule"),
+    (["train", "--parallel.zero_shard_size", "2"], "parallel.zero_shard_size"),
+    (["train", "--parallel.timeout_s", "-1"], "parallel.timeout_s"),
+    (["train", "--lora.rank", "-1"], "lora.rank"),
+    (["train", "--lora.init_from", "x"], "lora.init_from"),
+    (["train", "--lora.dropout", "1.5"], "lora.dropout"),
+    (["train", "--checkpoint.keep", "0"], "checkpoint.keep"),
+    (["train", "--checkpoint.every", "-1"], "checkpoint.every"),
+    (["train", "--checkpoint.resume", "perhaps"], "checkpoint.resume"),
+    (["train", "--fault.nonfinite", "ignore"], "fault.nonfinite"),
+    (["train", "--fault.max_skips", "0"], "fault.max_skips"),
+    (["train", "--fault.max_rollbacks", "-1"], "fault.max_rollbacks"),
+    (["train", "--fault.watchdog_s", "1e12"], "fault.watchdog_s"),
+    (["train", "--fault.grace_s", "0"], "fault.grace_s"),
+    (["train", "--log.every", "0"], "log.every"),
+    (["train", "--log.tensorboard", "maybe"], "log.tensorboard"),
+    (["train", "--log.nothing", "1"], "log.nothing"),
+    (["train", "--config", "/nonexistent/run.toml"], "/nonexistent/run.toml"),
+    # config show / reference
+    (["config", "show", "--train.steps", "-3"], "train.steps"),
+    (["config", "show", "--config", "/nonexistent.toml"], "/nonexistent.toml"),
+    (["config", "show", "--model.vocab_size", "0"], "model.vocab_size"),
+    (["config", "show", "--bogus"], "bogus"),
+    (["config", "reference", "--train.steps", "3"], "--train.steps"),
+    (["config"], "config_command"),
+    (["config", "print"], "print"),
+    # prepare-data
+    (["prepare-data", "--workers", "0"], "--workers"),
+    (["prepare-data", "--workers", "many"], "--workers"),
+    (["prepare-data", "--shard-tokens", "0"], "--shard-tokens"),
+    (["prepare-data", "--data.seq_len", "-1"], "data.seq_len"),
+    (["prepare-data", "--config", "/nonexistent.toml"], "/nonexistent.toml"),
+    # eval / generate
+    (["eval", "/nonexistent-run"], "/nonexistent-run"),
+    (["eval", "/nonexistent-run", "--batches", "x"], "--batches"),
+    (["eval"], "run_dir"),
+    (["eval", "/nonexistent-run", "--train.steps", "3"], "--train.steps"),
+    (["generate", "/nonexistent-run"], "/nonexistent-run"),
+    (["generate", "/nonexistent-run", "--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["generate", "/nonexistent-run", "--temperature", "-0.5"], "--temperature"),
+    (["generate", "/nonexistent-run", "--temperature", "inf"], "--temperature"),
+    (["generate", "/nonexistent-run", "--top-k", "0"], "--top-k"),
+    (["generate", "/nonexistent-run", "--seed", "-1"], "--seed"),
+    (["generate", "/nonexistent-run", "--prompt", ""], "--prompt"),
+    (["generate"], "run_dir"),
+    # convert
+    (["convert"], "convert_mode"),
+    (["convert", "hf-to-gguf", "a", "b"], "hf-to-gguf"),
+    (["convert", "hf-to-meshlm", "/nonexistent-hf", "/tmp/x.safetensors"], "/nonexistent-hf"),
+    (["convert", "meshlm-to-hf", "/nonexistent-run", "/tmp/out"], "/nonexistent-run"),
+    (["convert", "meshlm-to-hf", "a", "b", "--dtype", "int8"], "--dtype"),
+    (["convert", "meshlm-to-hf", "a", "b", "--max-shard-bytes", "0"], "--max-shard-bytes"),
+    (["convert", "meshlm-to-hf", "a", "b", "--lora", "split"], "--lora"),
+    (["convert", "meshlm-to-hf", "a"], "OUT_HF_DIR"),
+    # plan, report, doctor
+    (["plan", "--gpus", "8"], "--model"),
+    (["plan", "--model", "tiny"], "--gpus"),
+    (["plan", "--model", "gpt5", "--gpus", "8"], "gpt5"),
+    (["plan", "--model", "tiny", "--gpus", "8", "--zero", "5"], "--zero"),
+    (["plan", "--model", "tiny", "--gpus", "8", "--schedule", "zigzag"], "--schedule"),
+    (["plan", "--model", "tiny", "--gpus", "8", "--precision", "fp8"], "--precision"),
+    (["plan", "--model", "tiny", "--gpus", "8", "--objective", "speed"], "--objective"),
+    (["plan", "--model", "tiny", "--gpus", "8", "--emit", "docker"], "--emit"),
+    (["report"], "run_dir"),
+    (["report", "/nonexistent-run"], "/nonexistent-run"),
+    (["doctor", "--device", "tpu"], "--device"),
+    (["doctor", "--min-bytes", "lots"], "--min-bytes"),
+    # the command itself
+    ([], "command"),
+    (["trian"], "trian"),
+    (["--verbose"], "command"),
+]
+
+
+@pytest.mark.parametrize(("argv", "named"), BAD_INPUTS, ids=[" ".join(a) or "(none)" for a, _ in BAD_INPUTS])
+def test_bad_input_to_every_subcommand_is_one_line_naming_it(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage errors (meshlm.cli.Parser makes them one line)
+        code = e.code
+    err = capsys.readouterr().err
+    assert code not in (0, None), (argv, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert named in err, (named, err)
+
+
+def test_the_bad_input_table_covers_every_subcommand() -> None:
+    from meshlm.cli import build_parser
+
+    commands = {action.dest: action for action in build_parser()._subparsers._group_actions}["command"].choices
+    tried = {argv[0] for argv, _ in BAD_INPUTS if argv}
+    assert set(commands) - {"launch"} <= tried and len(BAD_INPUTS) >= 80  # launch: torchrun's own arguments

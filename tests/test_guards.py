@@ -16,19 +16,22 @@ import torch
 from distributed import run_shared
 
 from meshlm.checkpoint import list_checkpoints, load_model_state
+from meshlm.cli import main as cli_main
 from meshlm.config import ParallelSection, load_config, parse_overrides
 from meshlm.model import Transformer, preset
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.train import trainer as trainer_module
 from meshlm.train.guards import StepGuard, TrainingFault, check_replicas_in_sync
+from meshlm.train.parts import Callback
+from meshlm.train.trainer import Trainer
 
 
 def test_step_guard_skips_non_finite_and_spikes() -> None:
     guard = StepGuard("skip", spike_factor=3.0)
     assert all(guard.allow(2.0, 1.0) for _ in range(5))
     assert not guard.allow(math.nan, 1.0) and "non-finite" in guard.last_reason
-    assert not guard.allow(2.0, math.inf) and "non-finite" in guard.last_reason
+    assert not guard.allow(2.0, math.inf) and guard.last_reason == "non-finite gradient norm inf (loss 2.0000)"
     assert not guard.allow(7.0, 1.0) and "loss spike" in guard.last_reason
     assert guard.allow(5.0, 1.0) and guard.last_reason == ""
     with pytest.raises(TrainingFault, match="non-finite"):
@@ -55,17 +58,49 @@ def _faults(run_dir: Path) -> list[dict]:
     return [r for r in records if r["kind"] == "fault"]
 
 
+class WeightsAfterStep(Callback):
+    """Rank 0's full weights after every step."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_end(self, trainer: Trainer, step: int, loss: float, metrics: dict[str, float]) -> None:
+        self.weights[step] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
 def test_injected_nan_gradient_skips_exactly_that_update(small_run: list[str], monkeypatch) -> None:
+    """The vetoed step 3 leaves every weight as it was and names the non-finite part; its due save waits for
+    the next applied update (step 4), so no checkpoint holds weights that just failed a step."""
     poison(monkeypatch, lambda n: n == 3)
     cfg = load_config(None, parse_overrides([*small_run, "--train.steps", "4", "--checkpoint.every", "1",
                                              "--checkpoint.keep", "4", "--train.eval_every", "0"]))  # fmt: skip
-    result = trainer_module.train(cfg)
+    seen = WeightsAfterStep()
+    result = trainer_module.fit(cfg, callbacks=[seen])
     assert result.skipped_steps == [3]
-    before, after = (load_model_state(p) for p in list_checkpoints(Path(cfg.log.run_dir))[1:3])
-    for name in before:  # the skipped step left every weight as it was
-        assert torch.equal(before[name], after[name]), name
+    for name, before in seen.weights[2].items():  # the skipped step left every weight as it was
+        assert torch.equal(before, seen.weights[3][name]), name
+    saved = [p.name for p in list_checkpoints(Path(cfg.log.run_dir))]
+    assert saved == ["step_00000001", "step_00000002", "step_00000004"], saved
     (fault,) = _faults(Path(cfg.log.run_dir))
-    assert fault["step"] == 3 and "non-finite" in fault["reason"] and fault["action"] == "skipped"
+    assert fault["step"] == 3 and fault["action"] == "skipped"
+    assert fault["reason"].startswith("non-finite gradient norm nan (loss "), fault["reason"]  # the loss is finite
+
+
+def test_a_run_of_vetoed_updates_stops_in_one_line_keeping_the_last_sound_checkpoint(
+    small_run: list[str], monkeypatch, capsys
+) -> None:
+    """fault.max_skips consecutive vetoes stop a 'skip' run: `meshlm train` prints one line naming the field and
+    the newest checkpoint, which holds the last applied update, and exits 1; no checkpoint of a vetoed step is
+    committed."""
+    poison(monkeypatch, lambda n: n >= 3)
+    args = [*small_run, "--train.steps", "20", "--checkpoint.every", "1", "--checkpoint.keep", "10",
+            "--train.eval_every", "0", "--fault.max_skips", "3"]  # fmt: skip
+    assert cli_main(["train", *args]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("meshlm: stopping at step 5: 3 updates in a row vetoed (fault.max_skips = 3)"), line
+    assert line.endswith("step_00000002"), line
+    run_dir = Path(args[args.index("--log.run_dir") + 1])
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000001", "step_00000002"]
 
 
 def test_rollback_restores_the_newest_checkpoint_and_keeps_the_data_position(small_run: list[str], monkeypatch) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -334,11 +335,16 @@ def test_progress_in_a_batch_job_is_plain_lines_and_fault_lines_always_print() -
 class FakeTracker:
     """Stands in for `wandb` or `mlflow` (never installed here): records what meshlm calls."""
 
-    def __init__(self) -> None:
+    info = SimpleNamespace(run_id="mlflow-run-1")  # what mlflow's start_run returns carries the run's id
+
+    def __init__(self, fails: str = "") -> None:
         self.calls: list[tuple] = []
+        self.fails = fails
 
     def __getattr__(self, name: str):
         def call(*args, **kwargs):
+            if name == self.fails:
+                raise RuntimeError("the store refused the run\nand a second line")
             self.calls.append((name, args, kwargs))
             return self
 
@@ -348,7 +354,7 @@ class FakeTracker:
 def test_wandb_and_mlflow_get_the_scalars_beside_the_jsonl(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from meshlm.observe.metrics import MetricsLogger, TrackerError, trackers
+    from meshlm.observe.metrics import MetricsLogger, TrackerError, read_metrics, tracker_ids, trackers
 
     assert trackers(tmp_path) == []  # off by default
     wandb, mlflow = FakeTracker(), FakeTracker()
@@ -359,13 +365,42 @@ def test_wandb_and_mlflow_get_the_scalars_beside_the_jsonl(tmp_path, monkeypatch
     logger.log(3, "train", loss=2.5, lr=0.001, layout="dp=2", ok=True)
     logger.close()
     assert wandb.calls[0][0] == "init" and wandb.calls[0][2]["project"] == "proj"
-    assert wandb.calls[0][2]["id"] == "run-7" and wandb.calls[0][2]["config"] == {"train.lr": 0.003}
+    run_id = wandb.calls[0][2]["id"]
+    assert run_id.startswith("run-7-") and wandb.calls[0][2]["config"] == {"train.lr": 0.003}
     assert ("log", ({"train/loss": 2.5, "train/lr": 0.001},), {"step": 3}) in wandb.calls
     assert wandb.calls[-1][0] == "finish"
     names = [c[0] for c in mlflow.calls]
     assert names == ["set_experiment", "start_run", "log_params", "log_metrics", "end_run"]
     assert mlflow.calls[3] == ("log_metrics", ({"train.loss": 2.5, "train.lr": 0.001},), {"step": 3})
     assert json.loads((tmp_path / "run-7" / "metrics.jsonl").read_text())["layout"] == "dp=2"
+    recorded = json.loads((tmp_path / "run-7" / "tracker_run.json").read_text())
+    assert recorded == {"wandb": run_id, "mlflow": "mlflow-run-1"}
+
+    # a resume continues both runs, and sends them only the steps past those they hold (3)
+    wandb, mlflow = FakeTracker(), FakeTracker()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+    sinks = trackers(tmp_path / "run-7", "proj", "exp", {"train.lr": 0.003})
+    logger = MetricsLogger(tmp_path / "run-7", tensorboard=False, start_step=2, sinks=sinks)
+    logger.log(3, "train", loss=2.5)
+    logger.log(4, "train", loss=2.4)
+    logger.close()
+    assert wandb.calls[0][2]["id"] == run_id and mlflow.calls[1] == ("start_run", (), {"run_id": "mlflow-run-1"})
+    assert [c[2]["step"] for c in wandb.calls if c[0] == "log"] == [4]
+    assert [c[2]["step"] for c in mlflow.calls if c[0] == "log_metrics"] == [4]
+    assert [(r["step"], r["kind"]) for r in read_metrics(tmp_path / "run-7")][1:] == [(2, "resume"), (3, "train"),
+                                                                                        (4, "train")]  # fmt: skip
+    assert not (tmp_path / "other").exists()  # another run directory, another W&B run
+    monkeypatch.setitem(sys.modules, "wandb", FakeTracker())
+    trackers(tmp_path / "other", "proj")
+    assert tracker_ids(tmp_path / "other")["wandb"] != run_id
+
+    for module, field in (("mlflow", "log.mlflow_experiment"), ("wandb", "log.wandb_project")):
+        monkeypatch.setitem(sys.modules, module, FakeTracker(fails="start_run" if module == "mlflow" else "init"))
+        with pytest.raises(TrackerError) as e:  # a tracker that cannot start: one line naming the field
+            trackers(tmp_path / "failing", **{field.split(".")[1]: "proj"})
+        assert str(e.value).startswith(f"{field}: ") and "(the store refused the run);" in str(e.value), e.value
+        assert "\n" not in str(e.value)
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: one line naming the field and the extra
     with pytest.raises(TrackerError) as e:
         trackers(tmp_path, wandb_project="proj")

@@ -160,6 +160,56 @@ def test_sigterm_during_a_save_or_teardown_keeps_the_newest_checkpoint(
     verify_checkpoint(list_checkpoints(run_dir)[0])
 
 
+# ---- Ctrl-C (SIGINT): the same one save, exit 130 ----------------------------------------------------------
+
+INTERRUPTED = "SIGINT: saved step"
+
+
+@pytest.mark.slow  # a `meshlm train` process each: ~10 s on 2 busy cores
+@pytest.mark.parametrize("fault", ["0:3:sigint", "0:2:sigint@save"], ids=["between-steps", "async-save"])
+def test_ctrl_c_saves_once_and_exits_130(data_cache: str, tmp_path: Path, fault: str) -> None:
+    """Ctrl-C is a stop like SIGTERM: the loop saves once (after a background save in flight has committed)
+    and says so in one line; the exit code is the shell's for an interrupt, 130."""
+    run_dir = tmp_path / "run"
+    args = _args(data_cache, run_dir, "--checkpoint.async_save", "true", "--checkpoint.keep", "10")
+    proc = _start(["train", *args], fault=fault)
+    out, err = _finish(proc)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert out.count(INTERRUPTED) == 1, out
+    step = int(out.split(INTERRUPTED)[1].split(",")[0])
+    assert 2 < step < 6 and _newest_intact(run_dir) == step
+    assert "step_00000002" in [p.name for p in list_checkpoints(run_dir)]  # the save in flight committed
+
+
+@pytest.mark.slow  # a `meshlm train` process: ~10 s on 2 busy cores
+def test_a_second_ctrl_c_stops_at_once_in_one_line(data_cache: str, tmp_path: Path) -> None:
+    """Ctrl-C twice: the second stops the run where it is, in one line, without a save; the newest
+    committed checkpoint stays intact."""
+    run_dir = tmp_path / "run"
+    proc = _start(["train", *_args(data_cache, run_dir, "--checkpoint.async_save", "false")], fault="0:3:sigint2")
+    out, err = _finish(proc)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines() == ["meshlm: interrupted (SIGINT): stopped at once, nothing more saved"], err
+    assert INTERRUPTED not in out and _newest_intact(run_dir) == 2
+
+
+@pytest.mark.slow  # a torchrun agent and two workers: ~25 s on 2 cores
+def test_ctrl_c_under_torchrun_saves_once(data_cache: str, tmp_path: Path) -> None:
+    """A terminal's Ctrl-C reaches torchrun's agent only (its workers run in their own sessions); the agent
+    forwards SIGINT once to every worker: they agree, save once, and exit 130. (torchrun itself then reports
+    its own SignalException and exits 1: the agent is torchrun's code, not meshlm's.)"""
+    run_dir = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "meshlm.cli", "train", *_args(data_cache, run_dir, *LAYOUT, steps=100_000)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(torchrun, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_train_record(proc, run_dir / "metrics.jsonl")
+    proc.send_signal(signal.SIGINT)
+    out, err = _finish(proc)
+    assert out.count(INTERRUPTED) == 1 and "KeyboardInterrupt" not in err, (out, err[-3000:])
+    assert _newest_intact(run_dir) == int(out.split(INTERRUPTED)[1].split(",")[0])
+
+
 # ---- under `meshlm launch` (torchrun's agent): the patterns schedulers deliver --------------------------------
 
 LAUNCHER = ["launch", "--standalone", "--nproc-per-node", "2", "-m", "meshlm.cli", "train"]

@@ -3,6 +3,7 @@ a Hugging Face chat template, whole examples packed into rows, the same global b
 a resume, one-line refusals of bad input, and a `meshlm train` run on a small jsonl."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -446,6 +447,10 @@ def test_sft_from_a_hugging_face_checkpoint_with_its_chat_template_exports_to_tr
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(hf_dir)
+    vocab = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    end_of_text, im_end = vocab.token_to_id("<|endoftext|>"), vocab.token_to_id("<|im_end|>")
+    # the base model's own generation config: it stops at end-of-text and samples at 0.7
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": end_of_text, "temperature": 0.7}))
     cfg = sft_cfg(tmp_path, seq_len=48)
     run_dir = tmp_path / "run"
     args = [
@@ -475,3 +480,24 @@ def test_sft_from_a_hugging_face_checkpoint_with_its_chat_template_exports_to_tr
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     got = [r["loss"] for r in evals if r["kind"] == "eval"][-1]
     assert abs(got - want.item()) <= 1e-5 * want.item()  # fp32 both sides: the suite's loss tolerance
+
+    # the export generates like the original, and stops at the end of an assistant turn: the source's
+    # generation config kept (its sampling default too), its eos joined by the template's end-of-turn token
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert generation["eos_token_id"] == exported["eos_token_id"] == [end_of_text, im_end]
+    assert generation["temperature"] == 0.7 and exported["pad_token_id"] == end_of_text
+    assert model.generation_config.eos_token_id == [end_of_text, im_end]
+    prompt_ids = torch.tensor([hf(prompt)["input_ids"]])
+
+    def end_the_turn_at_the_third_token(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] == prompt_ids.shape[1] + 2:  # the third token of the answer ends the turn
+            scores = torch.full_like(scores, -math.inf)
+            scores[:, im_end] = 0.0
+        return scores
+
+    forced = transformers.LogitsProcessorList([end_the_turn_at_the_third_token])
+    with torch.no_grad():
+        out = model.generate(prompt_ids, max_new_tokens=20, do_sample=False, logits_processor=forced)
+    answer = out[0, prompt_ids.shape[1] :].tolist()  # it may end its turn by itself before the third token
+    assert answer[-1] == im_end and im_end not in answer[:-1] and len(answer) <= 3, answer

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from meshlm.checkpoint import CheckpointError, list_checkpoints, load_model_state
+from meshlm.checkpoint.store import RunDirInUse, RunLock
+from meshlm.cli import main
 from meshlm.config import load_config, parse_overrides
 from meshlm.parallel.mesh import LayoutError
 from meshlm.train.trainer import train
@@ -90,3 +92,28 @@ def test_checkpoint_of_another_model_is_refused_naming_the_field(small_run: list
     train(_cfg(small_run, "--train.steps", "2", "--train.eval_every", "0"))
     with pytest.raises(CheckpointError, match=r"is for another model \(model\.dim: checkpoint 64, config 128\)"):
         train(_cfg(small_run, "--train.steps", "4", "--train.eval_every", "0", "--model.dim", "128"))
+
+
+def test_one_job_per_run_directory(small_run: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run directory whose lock a live job holds refuses a second job in one line naming log.run_dir and the
+    holder, before any work; the lock is released when a job ends, and a crashed job's lock (the file names a
+    holder, yet the kernel dropped the lock with its process) is taken over with a line."""
+    run_dir = Path(small_run[small_run.index("--log.run_dir") + 1])
+    holder = RunLock(run_dir)
+    assert holder.acquire() is None
+    with pytest.raises(RunDirInUse, match=r"^log.run_dir: .* is in use by another job \(pid \d+ on host "):
+        RunLock(run_dir).acquire()
+    assert main(["train", *small_run, "--train.steps", "1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"meshlm: log.run_dir: {run_dir} is in use by another job (pid "), line
+    assert not list_checkpoints(run_dir)
+    holder.release()
+
+    (run_dir / "job.lock").write_text("pid 4242 on host gone\n")  # what a crash leaves: a name, no lock
+    assert main(["train", *small_run, "--train.steps", "1", "--train.eval_every", "0"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"{run_dir / 'job.lock'}: taken over from a job that ended without releasing it (pid 4242 on host gone)" in out
+    )
+    assert (run_dir / "job.lock").read_text() == ""  # released at the end
+    assert RunLock(run_dir).acquire() is None

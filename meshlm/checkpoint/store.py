@@ -15,14 +15,16 @@ interrupted saves are removed at start-up.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -332,3 +334,50 @@ def load_model_state(path: Path) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), no_dist=True)
     return {key.removeprefix("model/"): t for key, t in state.items()}
+
+
+LOCK_NAME = "job.lock"
+
+
+class RunDirInUse(InputError):
+    """Another job holds the run directory's lock."""
+
+
+class RunLock:
+    """One job per run directory: `acquire` takes an exclusive `flock` on `run_dir/job.lock` and writes who holds
+    it (pid and host). The kernel drops the lock when its process ends, however it ends, so a lock that can be
+    taken while the file still names a holder is a crashed job's: it is taken over, with a line. A live holder
+    makes `acquire` raise RunDirInUse (one line naming log.run_dir and the holder). `release` empties the file."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / LOCK_NAME
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns the line to print when a crashed job's lock was taken over, else None."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch(exist_ok=True)
+        file = self.path.open("r+")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = file.read().strip() or "its holder is starting"
+            file.close()
+            raise RunDirInUse(
+                f"log.run_dir: {self.path.parent} is in use by another job ({holder}; lock {self.path}): one job "
+                "per run directory; wait for it to end or set another log.run_dir"
+            ) from None
+        previous = file.read().strip()
+        file.seek(0)
+        file.truncate()
+        file.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        file.flush()
+        self._file = file
+        return f"{self.path}: taken over from a job that ended without releasing it ({previous})" if previous else None
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.close()  # closing drops the lock
+            self._file = None

@@ -242,13 +242,23 @@ def _build(
     shard_tokens: int = SHARD_TOKENS,
 ) -> dict:
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=directory.parent))
+    tmp = staging_dir(directory.parent, key)
     try:
         _tokenize_into(tmp, cfg, vocab_size, key, tokenizer_file, workers, builder, shard_tokens)
         _install(tmp, directory, key)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return _read_manifest(directory, key)
+
+
+def staging_dir(parent: Path, key: str) -> Path:
+    """A fresh folder in `parent` to build cache `key` in, then moved into place. mkdtemp makes it 0700; it gets
+    the mode a plain mkdir would (0777 less the umask), so a shared cache is as readable as its parent allows."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    return tmp
 
 
 def _install(tmp: Path, directory: Path, key: str) -> None:

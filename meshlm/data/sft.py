@@ -35,7 +35,6 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from meshlm.data.dataset import (
     cached_manifest,
     check_tokenizer,
     is_val_document,
+    staging_dir,
     token_dtype,
 )
 from meshlm.data.sampler import GlobalBatchSampler, eval_windows
@@ -242,6 +242,13 @@ class ChatTemplate:
         except Exception as e:  # jinja's raise_exception and template errors: any class
             raise DataError(f"{where}: the chat template refused this conversation: {str(e).splitlines()[0]}") from None
 
+    def end_of_turn_ids(self) -> list[int]:
+        """The special tokens the template writes to end an assistant turn (what generation stops at)."""
+        messages: list[Message] = [("user", "Hi"), ("assistant", "Hello")]
+        before = self.render(messages[:1], self.name, generation_prompt=True)
+        turn = self.render(messages, self.name)[len(before) :]
+        return [i for i in self.tokenizer.encode(turn, add_special_tokens=False).ids if i in self.end_tokens]
+
     def encode(self, messages: list[Message], where: str) -> tuple[list[int], list[bool]]:
         text = self.render(messages, where)
         spans = []
@@ -426,7 +433,7 @@ def prepare_sft(
     manifest = cached_manifest(directory, key, builder, _read_manifest)
     if manifest is None:
         directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=directory.parent))
+        tmp = staging_dir(directory.parent, key)
         try:
             _build_into(tmp, cfg, vocab_size, key, tokenizer_file, builder)
             _install(tmp, directory, key)

@@ -23,9 +23,13 @@ from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint, hf_tensor_names, t
 from meshlm.model.init import TensorSlice, slice_offsets
 
 TOKENIZER_NAME = "tokenizer.json"
-# What an HF directory's tokenizer consists of (recent transformers save a chat template as chat_template.jinja);
-# a run keeps a copy so that its export, and an SFT run started from it, carry it.
-TOKENIZER_FILES = (TOKENIZER_NAME, "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+GENERATION_CONFIG_NAME = "generation_config.json"
+# What an HF directory's tokenizer consists of (recent transformers save a chat template as chat_template.jinja),
+# and how it generates (its stop ids and sampling defaults); a run keeps a copy so that its export, and an SFT
+# run started from it, carry them.
+TOKENIZER_FILES = (
+    TOKENIZER_NAME, "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", GENERATION_CONFIG_NAME
+)  # fmt: skip
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -116,9 +120,9 @@ def init_tokenizer(init_from: str | None) -> Path | None:
 
 
 def keep_tokenizer(run_dir: Path, tokenizer_file: Path) -> None:
-    """Copy the run's tokenizer (and, beside a given one, its tokenizer_config.json, special_tokens_map.json and
-    chat_template.jinja) into the run directory, where `meshlm convert meshlm-to-hf` finds it; each copy whole or
-    not at all."""
+    """Copy the run's tokenizer (and, beside a given one, its tokenizer_config.json, special_tokens_map.json,
+    chat_template.jinja and generation_config.json) into the run directory, where `meshlm convert meshlm-to-hf`
+    finds it; each copy whole or not at all."""
     for name in TOKENIZER_FILES:
         src = tokenizer_file.parent / name
         if src.is_file():

@@ -4,7 +4,11 @@ console: a rich progress bar on a terminal, plain lines (`step 10/400 loss ... E
 
 `metrics.jsonl` survives crashes: a last line cut mid-write is ended on open (so the next record is not glued
 onto it), a run that appends to an existing file first writes a `resume` record (the steps after it replace
-those the earlier run logged past that step), and readers skip and count lines that do not parse.
+those the earlier run logged past that step), and readers skip and count lines that do not parse. TensorBoard
+and the trackers cannot replace a step, so after a resume they get only steps past the last one logged before.
+
+Each tracker run has an id of its own, made once per run directory and kept in it (`tracker_run.json`): a
+resume continues the same W&B / MLflow run, and two people's `runs/tiny` are two runs, not one.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -23,6 +28,7 @@ from typing import Any
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from meshlm.errors import InputError
+from meshlm.files import atomic_write
 
 TAIL = 1 << 20  # bytes searched for the last line's start
 
@@ -65,13 +71,45 @@ def _module(name: str, field: str) -> Any:
                            "empty)") from None  # fmt: skip
 
 
+TRACKER_RUN = "tracker_run.json"
+
+
+def tracker_ids(run_dir: Path) -> dict[str, str]:
+    """The tracker run ids this run directory recorded (empty before its first start with a tracker)."""
+    path = run_dir / TRACKER_RUN
+    try:
+        ids = json.loads(path.read_bytes()) if path.is_file() else {}
+    except (OSError, ValueError):
+        raise TrackerError(f"{path}: unreadable tracker run ids; delete it to start new tracker runs") from None
+    return ids if isinstance(ids, dict) else {}
+
+
+def record_tracker_id(run_dir: Path, tracker: str, run_id: str) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(run_dir / TRACKER_RUN, json.dumps({**tracker_ids(run_dir), tracker: run_id}) + "\n")
+    except OSError as e:
+        raise _storage_error(e, run_dir / TRACKER_RUN) from None
+
+
+def _start_failed(field: str, what: str, error: Exception) -> TrackerError:
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return TrackerError(f"{field}: {what} could not start a run ({reason}); fix that or leave {field} empty")
+
+
 class WandbSink:
-    """Scalars to a Weights & Biases run (`log.wandb_project`), resumed under the run directory's name."""
+    """Scalars to a Weights & Biases run (`log.wandb_project`) named after the run directory, under an id unique
+    to it (recorded in tracker_run.json, so a resume continues the same W&B run)."""
 
     def __init__(self, project: str, run_dir: Path, config: dict | None = None) -> None:
         wandb = _module("wandb", "log.wandb_project")
-        self.run = wandb.init(project=project, name=run_dir.name, id=run_dir.name, resume="allow",
-                              dir=str(run_dir), config=config or {})  # fmt: skip
+        run_id = tracker_ids(run_dir).get("wandb") or f"{run_dir.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.run = wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow",
+                                  dir=str(run_dir), config=config or {})  # fmt: skip
+        except Exception as e:  # wandb raises its own errors (login, network, a bad project name)
+            raise _start_failed("log.wandb_project", "W&B", e) from None
+        record_tracker_id(run_dir, "wandb", run_id)
 
     def log(self, step: int, kind: str, values: dict[str, float]) -> None:
         self.run.log({f"{kind}/{k}": v for k, v in values.items()}, step=step)
@@ -81,14 +119,20 @@ class WandbSink:
 
 
 class MlflowSink:
-    """Scalars to an MLflow run in experiment `log.mlflow_experiment` (tracking URI from MLFLOW_TRACKING_URI)."""
+    """Scalars to an MLflow run in experiment `log.mlflow_experiment` (tracking URI from MLFLOW_TRACKING_URI);
+    the run's id is recorded in tracker_run.json, so a resume continues it."""
 
     def __init__(self, experiment: str, run_dir: Path, config: dict | None = None) -> None:
         self.mlflow = _module("mlflow", "log.mlflow_experiment")
-        self.mlflow.set_experiment(experiment)
-        self.mlflow.start_run(run_name=run_dir.name)
-        if config:
-            self.mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
+        previous = tracker_ids(run_dir).get("mlflow")
+        try:
+            self.mlflow.set_experiment(experiment)
+            run = self.mlflow.start_run(run_id=previous) if previous else self.mlflow.start_run(run_name=run_dir.name)
+            if config and not previous:
+                self.mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
+        except Exception as e:  # mlflow raises its own errors (a refused store, a server down)
+            raise _start_failed("log.mlflow_experiment", "MLflow", e) from None
+        record_tracker_id(run_dir, "mlflow", run.info.run_id)
 
     def log(self, step: int, kind: str, values: dict[str, float]) -> None:
         self.mlflow.log_metrics({f"{kind}.{k}": v for k, v in values.items()}, step=step)
@@ -141,6 +185,8 @@ class MetricsLogger:
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
             except OSError as e:  # a full disk or a read-only run directory
                 raise _storage_error(e, run_dir / "tensorboard") from None
+        # TensorBoard and the trackers already hold the steps logged before a resume: only later ones go there
+        self._mirrored_up_to = max((r["step"] for r in load_metrics(run_dir)[0]), default=-1) if resumed else -1
         if resumed and start_step is not None:
             self.log(start_step, "resume", torn_line=int(bool(torn)))
 
@@ -149,6 +195,8 @@ class MetricsLogger:
         try:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+            if step <= self._mirrored_up_to:
+                return
             scalars = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
             if self._tb is not None:
                 for name, value in scalars.items():

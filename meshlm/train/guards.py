@@ -20,12 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshlm.errors import RunStopped
 from meshlm.parallel.engine import ParallelModel
 from meshlm.train import signals
 
 
-class TrainingFault(RuntimeError):
-    """A failure the run must not continue past (non-finite loss under policy 'stop', replica desync)."""
+class TrainingFault(RunStopped):
+    """A failure the run must not continue past (non-finite loss under policy 'stop', too many skipped or
+    rolled-back updates, replica desync)."""
 
 
 class Watchdog:
@@ -104,8 +106,10 @@ class StepGuard:
             self._recent.append(loss)
             self.last_reason = ""
             return True
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self.last_reason = f"non-finite loss {loss} or gradient norm {grad_norm}"
+        if not math.isfinite(loss):
+            self.last_reason = f"non-finite loss {loss} (gradient norm {grad_norm})"
+        elif not math.isfinite(grad_norm):
+            self.last_reason = f"non-finite gradient norm {grad_norm} (loss {loss:.4f})"
         else:
             self.last_reason = f"loss spike {loss:.4f} > {self.spike_factor} × recent mean {self._mean():.4f}"
         if self.policy == "stop":

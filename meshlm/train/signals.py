@@ -1,4 +1,4 @@
-"""SIGTERM as schedulers deliver it: to every process at once, often more than once.
+"""SIGTERM as schedulers deliver it (to every process at once, often more than once), and Ctrl-C (SIGINT).
 
 Slurm, Kubernetes and a node shutdown signal the launcher's agent and every worker together; the agent then
 forwards its own SIGTERM, so a worker gets two or more. Each is the same notice. The handler is installed
@@ -13,6 +13,11 @@ installed until the process exits, so no SIGTERM ever kills a meshlm process sil
 
 Only SIGKILL (the scheduler's hard kill after the notice) stops the process otherwise. This module imports
 nothing heavy, so the CLI installs the handler before importing torch.
+
+SIGINT (Ctrl-C, or torchrun's agent forwarding its own Ctrl-C to its workers) is the same notice: one save, one
+line, and `meshlm train` exits 130 (128 + SIGINT, the shell's code for an interrupted command) instead of 0. A
+background save in flight completes first. A second SIGINT while training is a person who wants out now: it
+raises KeyboardInterrupt at once (no save; the newest committed checkpoint stays the resume point).
 """
 
 from __future__ import annotations
@@ -22,22 +27,27 @@ import threading
 from types import FrameType
 
 PREEMPTED_BEFORE_START = "preempted before the first step; nothing to save"
+INTERRUPTED_BEFORE_START = "interrupted (SIGINT) before the first step; nothing to save"
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+INTERRUPTED_EXIT = 128 + signal.SIGINT  # what `meshlm train` exits with after a Ctrl-C (and its save)
 
 
 class Preempted(BaseException):
-    """SIGTERM before the first training step: start-up stops, nothing to save.
+    """SIGTERM or SIGINT before the first training step: start-up stops, nothing to save.
 
     A BaseException (as KeyboardInterrupt), so that `except Exception` blocks in start-up code let it pass."""
 
     def __str__(self) -> str:
-        return PREEMPTED_BEFORE_START
+        return before_start_line()
 
 
 class _State:
     installed = False  # our handler is the process's SIGTERM handler
     owner = ""  # "process": installed for the process's lifetime (the CLI); "run": by one fit() call
-    previous: object = None
-    count = 0  # SIGTERMs received since installation (or since the run began)
+    previous: dict[int, object] = {}  # noqa: RUF012 (one instance)
+    count = 0  # SIGTERMs and SIGINTs received since installation (or since the run began)
+    interrupts = 0  # of which SIGINTs
+    first = 0  # the first signal received (0: none)
     training = False  # a training loop is running: SIGTERM only counts
     deferred = False  # the CLI's own imports run: SIGTERM only counts until `raise_from_here`
     raised = False  # Preempted was raised once (or the run is over); later SIGTERMs only count
@@ -49,13 +59,18 @@ _state = _State()
 
 def _handle(signum: int, frame: FrameType | None) -> None:
     _state.count += 1
+    _state.first = _state.first or signum
+    if signum == signal.SIGINT:
+        _state.interrupts += 1
+        if _state.training and _state.interrupts > 1:  # a second Ctrl-C: stop now, without the save
+            raise KeyboardInterrupt
     if not (_state.training or _state.raised or _state.deferred):
         _state.raised = _state.stopped_start_up = True
         raise Preempted
 
 
 def install(for_process: bool = False, deferred: bool = False) -> bool:
-    """Install the SIGTERM handler unless it is installed; return whether this call installed it.
+    """Install the SIGTERM and SIGINT handler unless it is installed; return whether this call installed it.
 
     `for_process`: keep it until the process exits (the CLI). Otherwise it belongs to one run (`fit` called
     from a user's program) and `finish_run(release=True)` puts the previous handler back. A run starting in a
@@ -64,9 +79,10 @@ def install(for_process: bool = False, deferred: bool = False) -> bool:
     being loaded before the CLI can say anything)."""
     if _state.installed or threading.current_thread() is not threading.main_thread():
         return False  # Python delivers signals to the main thread only: a run in another thread cannot install
-    _state.previous = signal.signal(signal.SIGTERM, _handle)
+    _state.previous = {signum: signal.signal(signum, _handle) for signum in SIGNALS}
     _state.installed, _state.owner = True, "process" if for_process else "run"
     _state.count, _state.training, _state.raised, _state.stopped_start_up = 0, False, False, False
+    _state.interrupts = _state.first = 0
     _state.deferred = deferred
     return True
 
@@ -92,16 +108,33 @@ def start_training() -> None:
 
 
 def received() -> int:
-    """How many SIGTERMs this process has received (0: none)."""
+    """How many SIGTERMs and SIGINTs this process has received (0: none)."""
     return _state.count
 
 
+def interrupted() -> bool:
+    """Whether the first stop signal was SIGINT (Ctrl-C): the run exits 130 after its save, not 0."""
+    return _state.first == signal.SIGINT
+
+
+def signal_name() -> str:
+    """The first stop signal's name, for the line that says what the run did about it."""
+    return "SIGINT" if interrupted() else "SIGTERM"
+
+
+def before_start_line() -> str:
+    """The one line a stop before the first step ends with."""
+    return INTERRUPTED_BEFORE_START if interrupted() else PREEMPTED_BEFORE_START
+
+
 def ignore_from_here() -> None:
-    """The CLI's run is over and its exit code decided: a process-lifetime handler becomes SIG_IGN, which
+    """The CLI's run is over and its exit code decided: a process-lifetime handler becomes SIG_IGN (for SIGTERM
+    and SIGINT), which
     Python keeps through interpreter shutdown (it puts the default, deadly, handler back in place of a
     Python one), so a late SIGTERM cannot turn the exit code into 143."""
     if _state.installed and _state.owner == "process":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for signum in SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def finish_run(release: bool) -> None:
@@ -111,6 +144,6 @@ def finish_run(release: bool) -> None:
     _state.training = False
     _state.raised = True
     if release and _state.installed and _state.owner == "run":
-        previous = _state.previous  # None: a handler not set from Python, so the default's
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # type: ignore[arg-type]
+        for signum, previous in _state.previous.items():  # None: a handler not set from Python, so the default's
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)  # type: ignore[arg-type]
         _state.installed = False

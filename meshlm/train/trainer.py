@@ -23,6 +23,7 @@ from meshlm.checkpoint import (
     Checkpointer,
     CheckpointError,
     init_optimizer_state,
+    list_checkpoints,
     load_step_counts,
     meshlm_checkpoint,
     read_trainer_state,
@@ -30,7 +31,7 @@ from meshlm.checkpoint import (
     training_entries,
     verify_checkpoint,
 )
-from meshlm.checkpoint.store import StorageError, atomic_write, storage_cause
+from meshlm.checkpoint.store import RunDirInUse, RunLock, StorageError, atomic_write, run_dir_problem, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import SFTData, TokenData, prepare_data_shared
 from meshlm.data.dataset import check_tokenizer, document_separator
@@ -71,7 +72,6 @@ from meshlm.train.guards import (
 from meshlm.train.optim import build_optimizer, device_train_step, lr_at, skips_on_device, train_step
 from meshlm.train.parts import Batch, BatchSource, Callback, TrainParts
 from meshlm.train.prefetch import Prefetcher
-from meshlm.train.signals import PREEMPTED_BEFORE_START
 
 __all__ = ["BatchSource", "Callback", "TrainParts", "TrainResult", "Trainer", "fit", "train"]
 
@@ -224,8 +224,8 @@ def fit(cfg: Config, parts: TrainParts | None = None, **pieces: object) -> Train
     except BaseException:
         if not signals.stopped_start_up():
             raise
-        if env_rank() == 0:  # SIGTERM before the first step: start-up stopped where it was, nothing to save
-            print(PREEMPTED_BEFORE_START, flush=True)
+        if env_rank() == 0:  # SIGTERM or SIGINT before the first step: start-up stopped where it was, nothing to save
+            print(signals.before_start_line(), flush=True)
         return TrainResult(run_dir=Path(cfg.log.run_dir), preempted=True)
     finally:
         signals.finish_run(release=owns_handler)
@@ -247,16 +247,36 @@ def _fit(cfg: Config, parts: TrainParts) -> TrainResult:
     watchdog.arm()
     created_group = False
     trainer = None
+    lock = RunLock(Path(cfg.log.run_dir))
     try:
         created_group = init_distributed(device, cfg.parallel.timeout_s)
+        take_run_lock(lock)
         trainer = Trainer(cfg, layout, n_micro, device, watchdog, parts, model)
         return trainer.run()
     finally:
         if trainer is not None:
             trainer.close()
+        lock.release()
         watchdog.close()
         if created_group:
             dist.destroy_process_group()
+
+
+def take_run_lock(lock: RunLock) -> None:
+    """Rank 0 takes the run directory's lock (one job per run directory) and tells the others: a directory in
+    use stops every rank with rank 0's line."""
+    verdict: list[Exception | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            if taken_over := lock.acquire():
+                print(taken_over, flush=True)
+        except RunDirInUse as e:
+            verdict = [e]
+        except OSError as e:  # a file where the directory should be, a read-only mount
+            verdict = [StorageError(run_dir_problem(lock.path.parent, e))]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise verdict[0]
 
 
 # The sampler's state that fixes the batch stream, and the config field each comes from
@@ -418,6 +438,7 @@ class Trainer:
         # Steps since the last host sync: (step, loss, grad norm, lr, applied); under train.sync_every != 1
         # loss and norm are device tensors and `applied` the device guard's verdict (None without it).
         self.pending: list[tuple[int, object, object, float, bool | None]] = []
+        self.vetoed_run, self.save_deferred = 0, False  # updates vetoed in a row; a due save waits for a sound one
 
     def resolve_sync(self, device: torch.device) -> tuple[int, DeviceStepGuard | None]:
         """(steps between host syncs, 0 = only where a log, eval or checkpoint needs one; the device guard or
@@ -515,6 +536,23 @@ class Trainer:
             self.sampler.load_state_dict(saved["sampler"])
         return saved
 
+    def save_if_sound(self, step: int) -> bool:
+        """Save unless the newest update was vetoed: weights that just failed a step (a non-finite gradient,
+        a spike) are not known to be sound, so the save waits for the next applied update and the newest
+        checkpoint stays the resume point. Returns whether it saved."""
+        if self.vetoed_run:
+            if not self.save_deferred:
+                self.progress.print(f"step {step}: checkpoint deferred to the next applied update (vetoed)")
+            self.save_deferred = True
+            return False
+        self.save_deferred = False
+        self.save(step)
+        return True
+
+    def newest_line(self) -> str:
+        found = list_checkpoints(self.run_dir)
+        return f"the newest checkpoint is {found[-1]}" if found else "no checkpoint was written"
+
     def save(self, step: int) -> None:
         state = {
             "step": step,
@@ -544,14 +582,25 @@ class Trainer:
                 self.checkpointer.poll(self.device)  # a failed background save stops the run here
                 if self.preemption.requested(self.device):
                     self.watchdog.arm(cfg.fault.grace_s)
-                    self.save(done)
-                    self.checkpointer.wait()
+                    saved = self.save_if_sound(done)
+                    self.checkpointer.wait()  # a background save in flight completes too
                     self.result.preempted = True
-                    self.say(f"SIGTERM: saved step {done}, exiting")
+                    self.say(
+                        f"{signals.signal_name()}: "
+                        + (
+                            f"saved step {done}, exiting"
+                            if saved
+                            else f"step {done} not saved (its update was vetoed), exiting; {self.newest_line()}"
+                        )
+                    )
                     break
-                if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
-                    self.save(done)
+                due = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps
+                if due or self.save_deferred:
+                    self.save_if_sound(done)
         self.checkpointer.wait()
+        if self.save_deferred:
+            self.say(f"final checkpoint not written: the last {self.vetoed_run} update(s) were vetoed; "
+                     f"{self.newest_line()}")  # fmt: skip
         self.result.final_step = self.sampler.step
         return self.result
 
@@ -635,7 +684,9 @@ class Trainer:
                 loss, grad_norm, verdict = next(read)
                 applied = self.guard.decided(loss, grad_norm, verdict == 1.0) or rolled_back
             self.result.losses.append(loss)
-            if not applied:
+            if applied:
+                self.vetoed_run = 0
+            else:
                 late = self.sync_every != 1 and self.device_guard is None
                 rolled_back = self.rejected(done, loss, grad_norm, already_applied=late)
             if done % self.cfg.log.every == 0 or done == self.cfg.train.steps or done == 1:
@@ -656,6 +707,7 @@ class Trainer:
         `already_applied` (train.sync_every > 1 without a device guard) cannot be skipped: without a
         checkpoint the run stops. Returns whether it rolled back."""
         self.result.skipped_steps.append(done)
+        self.vetoed_run += 1
         action = "skipped"
         if self.cfg.fault.nonfinite == "rollback":
             self.checkpointer.wait()
@@ -675,7 +727,14 @@ class Trainer:
             else:
                 self.load(path, restore_data_position=False)
                 self.result.rollbacks.append(done)
+                self.vetoed_run = 0  # the checkpoint's weights are sound
                 action = f"rolled back to {path.name}"
+        if self.vetoed_run >= self.cfg.fault.max_skips:
+            self.checkpointer.wait()  # a save in flight is of a sound state: it commits
+            raise TrainingFault(
+                f"stopping at step {done}: {self.vetoed_run} updates in a row vetoed (fault.max_skips = "
+                f"{self.cfg.fault.max_skips}), the last for {self.guard.last_reason}; {self.newest_line()}"
+            )
         self.progress.print(f"step {done}: update {action}: {self.guard.last_reason}")
         self.log(done, "fault", skipped=1, action=action, loss=loss, grad_norm=grad_norm, reason=self.guard.last_reason)
         return action.startswith("rolled back")
