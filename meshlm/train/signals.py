@@ -11,7 +11,9 @@ installed until the process exits, so no SIGTERM ever kills a meshlm process sil
   agree, save once and exit 0 (`meshlm.train.guards.Preemption`);
 - during teardown, after the last save, it only counts too.
 
-Only SIGKILL (the scheduler's hard kill after the notice) stops the process otherwise. This module imports
+SIGUSR1, the warning many Slurm sites configure (`--signal=USR1@…`, delivered to every task of the step), is
+the same notice as SIGTERM everywhere here. Only SIGKILL (the scheduler's hard kill after the notice) stops
+the process otherwise. This module imports
 nothing heavy, so the CLI installs the handler before importing torch.
 """
 
@@ -33,10 +35,14 @@ class Preempted(BaseException):
         return PREEMPTED_BEFORE_START
 
 
+NOTICES = (signal.SIGTERM, signal.SIGUSR1)  # each is a SIGTERM here
+
+
 class _State:
     installed = False  # our handler is the process's SIGTERM handler
     owner = ""  # "process": installed for the process's lifetime (the CLI); "run": by one fit() call
     previous: object = None
+    previous_usr1: object = None
     count = 0  # SIGTERMs received since installation (or since the run began)
     training = False  # a training loop is running: SIGTERM only counts
     deferred = False  # the CLI's own imports run: SIGTERM only counts until `raise_from_here`
@@ -65,6 +71,7 @@ def install(for_process: bool = False, deferred: bool = False) -> bool:
     if _state.installed or threading.current_thread() is not threading.main_thread():
         return False  # Python delivers signals to the main thread only: a run in another thread cannot install
     _state.previous = signal.signal(signal.SIGTERM, _handle)
+    _state.previous_usr1 = signal.signal(signal.SIGUSR1, _handle)
     _state.installed, _state.owner = True, "process" if for_process else "run"
     _state.count, _state.training, _state.raised, _state.stopped_start_up = 0, False, False, False
     _state.deferred = deferred
@@ -101,7 +108,8 @@ def ignore_from_here() -> None:
     Python keeps through interpreter shutdown (it puts the default, deadly, handler back in place of a
     Python one), so a late SIGTERM cannot turn the exit code into 143."""
     if _state.installed and _state.owner == "process":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for notice in NOTICES:
+            signal.signal(notice, signal.SIG_IGN)
 
 
 def finish_run(release: bool) -> None:
@@ -111,6 +119,7 @@ def finish_run(release: bool) -> None:
     _state.training = False
     _state.raised = True
     if release and _state.installed and _state.owner == "run":
-        previous = _state.previous  # None: a handler not set from Python, so the default's
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # type: ignore[arg-type]
+        for notice, previous in ((signal.SIGTERM, _state.previous), (signal.SIGUSR1, _state.previous_usr1)):
+            # None: a handler not set from Python, so the default's
+            signal.signal(notice, signal.SIG_DFL if previous is None else previous)  # type: ignore[arg-type]
         _state.installed = False
