@@ -34,9 +34,9 @@ from meshlm.model.config import PRESETS
 from meshlm.plan import Workload, hardware, search
 from meshlm.plan.cli import add_plan_parser, run_plan
 from meshlm.plan.cost import DEFAULT_COSTS
-from meshlm.plan.emit import TARGET_SHAPES, Launch, Site, grace_for, kubernetes, launch_for, slurm
+from meshlm.plan.emit import TARGET_SHAPES, Launch, Site, grace_for, kubernetes, launch_for, skypilot, slurm
 from meshlm.plan.search import Constraints, elastic_shrink
-from meshlm.plan.spot import Shapes
+from meshlm.plan.spot import Pool, Shapes
 from meshlm.train.trainer import check_config
 
 RUN_TOML = """[model]
@@ -412,8 +412,10 @@ def test_grace_and_the_signal_lead_come_from_the_plans_checkpoint_time() -> None
         plan = search(w, gpus, hw, priced=1).plans[0]
         launch = launch_for(plan, ["--model.preset", name], 8192, 1024, 1e12, name)
         checkpoint_s = plan.checkpoint_bytes / (DEFAULT_COSTS.storage_gbps * 1e9)
-        assert launch.grace_s == grace_for(plan.step.total, checkpoint_s) > 2 * checkpoint_s
         args = list(launch.train_args)
+        log_every = int(args[args.index("--log.every") + 1])  # where the loop notices SIGTERM: within a minute
+        assert 1 <= log_every <= 10 and (log_every == 1 or log_every * plan.step.total <= 60)
+        assert launch.grace_s == grace_for(log_every * plan.step.total, checkpoint_s) > 2 * checkpoint_s
         assert float(args[args.index("--fault.grace_s") + 1]) == launch.grace_s
         warn = int(sbatch_options(slurm(launch, SITE))["signal"].split("@")[1])
         pod = json.loads(kubernetes(launch, SITE, "i"))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
@@ -479,3 +481,27 @@ def test_user_values_cannot_inject_into_any_file(tmp_path: Path, capsys: pytest.
     mount = next(k for k in parsed["file_mounts"] if k.startswith("/meshlm-dist/"))
     assert parsed["file_mounts"][mount] == wheel and shlex.split(parsed["setup"]) == ["pip", "install", mount]
     assert not marker.exists()
+
+
+def test_the_skypilot_task_is_yamllint_clean_and_parses_with_skypilot(tmp_path: Path) -> None:
+    """yamllint (default rules; the `run` command's long lines allowed) finds nothing, and SkyPilot's own
+    `Task.from_yaml` reads the task as written (where skypilot is installed: it is not a test dependency,
+    its own pins conflict with the hf extra's)."""
+    lint = pytest.importorskip("yamllint.linter")
+    config = pytest.importorskip("yamllint.config")
+    hw = hardware("H100-SXM")
+    for pool, install in ((Pool(8, 8, spot=8), INSTALL), (Pool(8, 8), "/dist/meshlm-0.1.0-py3-none-any.whl")):
+        launch = Launch("my model", 8, 8, 0, 8, 12, ("--model.preset", "llama3-8b"), summary="summary")
+        text = skypilot(launch, Site("hf:org/corpus", install=install, bucket="s3://b/runs"), pool, hw)
+        rules = config.YamlLintConfig("extends: default\nrules: {line-length: disable, document-start: disable}")
+        assert [str(p) for p in lint.run(text, rules)] == []
+        sky = pytest.importorskip("sky")
+        path = tmp_path / "task.sky.yaml"
+        path.write_text(text)
+        task = sky.Task.from_yaml(str(path))
+        assert task.name == "meshlm-my-model" and task.num_nodes == 8
+        assert task.envs["MESHLM_DATA"] == "hf:org/corpus" and "meshlm launch" in task.run
+        assert {r.accelerators["H100"] for r in task.resources} == {8}
+        assert {r.use_spot for r in task.resources} == ({True, False} if pool.spot else {False})
+        assert task.setup.strip() == (f"pip install {INSTALL}" if install == INSTALL else
+                                      "pip install /meshlm-dist/meshlm-0.1.0-py3-none-any.whl")  # fmt: skip

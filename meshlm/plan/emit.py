@@ -32,7 +32,8 @@ RDZV_PORT = 29500
 JOIN_TIMEOUT_S = 900  # how long the first agents wait for the others (nodes can be slow to boot)
 GRACE_FLOOR_S = 30.0  # fault.grace_s is at least this (start-up, a slow filesystem's first write)
 GRACE_MARGIN = 2.0  # ... and this × (a step + a checkpoint write), the plan's own estimates
-SYNC_STEPS = 10  # log.every's default: the most steps between two checks for SIGTERM in an emitted run
+SYNC_STEPS = 10  # log.every's default: the loop checks for SIGTERM at every log step (and others) ...
+SYNC_S = 60.0  # ... which the emitted log.every brings to at most a minute apart (at least every step)
 TEARDOWN_S = 60  # beyond fault.grace_s: the agent's own teardown and the process exits
 MAX_RESTARTS = (3, 50)  # torchrun restarts allowed per allocation: at least / at most
 ERROR_RELAUNCHES = 3  # SkyPilot: whole-cluster relaunches after a non-preemption failure (a crash loops)
@@ -126,8 +127,8 @@ def launch_for(
 ) -> Launch:
     """The launch of a priced plan on `pick` (default: its recommended pool); `model_args` select the model
     (`--config FILE` or `--model.*` overrides). Checkpoints every Young interval in steps; on GPUs the fast
-    flags (bf16 autocast, compiled blocks); SIGTERM saves within `grace_for` the plan's step and checkpoint
-    times (its checkpoint written at `storage_gbps`)."""
+    flags (bf16 autocast, compiled blocks); a log step (where SIGTERM is noticed) at most SYNC_S apart, and
+    SIGTERM saved within `grace_for` that and the plan's checkpoint time (written at `storage_gbps`)."""
     s = plan.strategy
     pick = pick or plan.cost
     pool = pick.pool
@@ -139,8 +140,10 @@ def launch_for(
     fields["train.global_batch"] = global_batch
     fields["train.steps"] = steps
     fields["checkpoint.every"] = max(1, min(steps, round(pick.interval_s / step_s))) if pick.interval_s else steps
-    grace = grace_for(step_s, plan.checkpoint_bytes / (storage_gbps * 1e9))
+    log_every = max(1, min(SYNC_STEPS, math.floor(SYNC_S / step_s)))
+    grace = grace_for(step_s * log_every, plan.checkpoint_bytes / (storage_gbps * 1e9))
     fields["fault.grace_s"] = grace
+    fields["log.every"] = log_every
     fields["log.progress"] = False  # a batch job: plain lines, no progress bar
     if gpu:
         fields["train.dtype"] = "bf16" if precision == "bf16" else "fp32"
@@ -164,10 +167,10 @@ def launch_for(
     )
 
 
-def grace_for(step_s: float, checkpoint_s: float) -> float:
-    """fault.grace_s: time for SIGTERM -> saved and exited. The loop notices the signal at its next sync step
-    (at most SYNC_STEPS steps away), then writes a checkpoint: GRACE_MARGIN × that, plus GRACE_FLOOR_S."""
-    return float(math.ceil(GRACE_FLOOR_S + GRACE_MARGIN * (SYNC_STEPS * step_s + checkpoint_s)))
+def grace_for(sync_s: float, checkpoint_s: float) -> float:
+    """fault.grace_s: time for SIGTERM -> saved and exited. The loop notices the signal at its next log step
+    (`sync_s` apart at most), then writes a checkpoint: GRACE_MARGIN × that, plus GRACE_FLOOR_S."""
+    return float(math.ceil(GRACE_FLOOR_S + GRACE_MARGIN * (sync_s + checkpoint_s)))
 
 
 def job_name(name: str) -> str:
