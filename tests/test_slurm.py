@@ -73,7 +73,7 @@ def submit(slurm: Slurm, tmp_path: Path, data_cache: str, **env: str) -> str:
     script = emit(tmp_path)
     train = ["--data.max_chars", "1500000", "--data.cache_dir", data_cache, "--log.tensorboard", "false",
              "--train.eval_every", "0", "--log.every", "1", "--checkpoint.every", "4", "--train.steps", str(STEPS),
-             "--fault.watchdog_s", "120", "--parallel.timeout_s", "120"]  # fmt: skip
+             "--fault.watchdog_s", "120", "--parallel.timeout_s", "60"]  # fmt: skip
     inherited = {k: v for k, v in slurm.env.items() if k != "MESHLM_INJECT_FAULT"}
     job_env = {**inherited, "MESHLM_VENV": str(installed_meshlm(tmp_path)), "MESHLM_RUN_DIR": str(tmp_path / "run"),
                "RDZV_PORT": str(slurm_cluster.free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
