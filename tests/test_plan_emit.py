@@ -271,9 +271,11 @@ def finish(agents: list[subprocess.Popen], timeout: float = 150) -> list[str]:
 
 
 def local_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The script's environment on a "node": the stand-ins first on PATH (a real Slurm's may be installed)."""
+    venv = shims(tmp_path)
     return {
-        **os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1",
-        "SLURM_JOB_ID": "42", "MESHLM_VENV": str(shims(tmp_path)), "RDZV_PORT": str(free_port()),
+        **os.environ, "PATH": f"{venv / 'bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "42", "MESHLM_VENV": str(venv), "RDZV_PORT": str(free_port()),
         "RDZV_ID": "emit-test", "RDZV_JOIN_TIMEOUT": "60", "OMP_NUM_THREADS": "1",
         "MESHLM_RUN_DIR": str(tmp_path / "run"), **extra,
     }  # fmt: skip
