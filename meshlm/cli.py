@@ -70,8 +70,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     finally:
         signals.finish_run(release=owns_handler)  # the CLI's stays until the process exits: teardown is covered
         signals.ignore_from_here()  # the exit code is decided, also when an error is on its way to its line
-    if code == 0 and signals.received():
-        launch.report_preempted()
+    if code == 0:  # finished, saved after a signal, or stopped before its first step: nothing left unsaved
+        launch.report_stopped()
         if signals.interrupted():  # Ctrl-C: saved (or nothing to save yet), and the shell's code for an interrupt
             return signals.INTERRUPTED_EXIT
     return code

@@ -10,13 +10,20 @@ rendezvous, restarts and worker supervision), and differs only in how it ends:
   with one line, where torchrun prints a SignalException traceback and exits 1 (so a scheduler would count a
   clean preemption as a failure). A further SIGTERM while the workers save is ignored instead of abandoning
   them; the agent still SIGKILLs them after its shutdown timeout (`--shutdown-timeout`, default 30 s).
+  SIGUSR1, which many Slurm sites send as the warning (`--signal=USR1@…`), is the same notice: one save,
+  exit 0. A signal that comes after the workers finished (teardown), or before any worker started, exits 0
+  too: the work is committed, or there was none to save.
 - a failed worker: one line naming the rank and its exit code (and its one-line error, where rank 0 did not
-  print it), exit 1, instead of torchrun's ChildFailedError traceback and banner. torchrun's own log lines are
-  shown from `LOGLEVEL=WARNING` (its variable) up; by default only critical ones.
+  print it), exit 1, instead of torchrun's ChildFailedError traceback and banner. Where the ranks that
+  failed by themselves all lost a peer, the line names the rank they lost (stalled or killed) instead.
+  torchrun's own log lines are shown from `LOGLEVEL=WARNING` (its variable) up; by default only critical ones.
 
-Workers tell the launcher that they stopped cleanly through a file each, in a directory the launcher names
-in MESHLM_LAUNCH_DIR (`report_preempted`); a worker that never wrote one (killed, still saving at the
-SIGKILL, failed) makes the preempted launcher exit 143, the code of a process ended by SIGTERM.
+Workers tell the launcher how far they got through a file each, in a directory the launcher names in
+MESHLM_LAUNCH_DIR: "started" (`worker_started`), then "stopped" once the run ended with its work committed
+(`report_stopped`). After a signal, a worker that started and never stopped cleanly (killed, still saving at the
+SIGKILL, failed) makes the launcher exit 143, the code of a process ended by SIGTERM. A launcher a signal
+stopped cleanly also writes the file MESHLM_STOPPED_FILE names, if any: the sbatch script requeues on it
+(Slurm signals the step's tasks, not the batch shell).
 """
 
 from __future__ import annotations
@@ -32,8 +39,11 @@ from pathlib import Path
 from types import FrameType
 
 LAUNCH_DIR = "MESHLM_LAUNCH_DIR"
-PREEMPTED = "preempted"
+STOPPED_FILE = "MESHLM_STOPPED_FILE"
+STARTED, STOPPED = "started", "stopped"
 SIGTERM_EXIT = 128 + signal.SIGTERM
+SAVE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # each asks for one save
+LOST_PEER = "lost a peer"  # a worker's error line when a collective failed because another rank is gone
 
 
 def _status_file() -> Path | None:
@@ -41,18 +51,23 @@ def _status_file() -> Path | None:
     return Path(directory) / f"rank{os.environ.get('LOCAL_RANK', '0')}" if directory else None
 
 
-def worker_started() -> None:
-    """A worker under `meshlm launch` starts: no clean stop reported yet (a restarted attempt clears the last)."""
-    if (path := _status_file()) is not None:
-        path.unlink(missing_ok=True)
-
-
-def report_preempted() -> None:
-    """A worker under `meshlm launch` stopped cleanly after SIGTERM (saved, or nothing to save yet)."""
+def _write_status(text: str) -> None:
     if (path := _status_file()) is not None:
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(PREEMPTED)
+        tmp.write_text(text)
         os.replace(tmp, path)
+
+
+def worker_started() -> None:
+    """A worker under `meshlm launch` starts: it has work that a signal must see saved (a restart overwrites
+    the last attempt's word)."""
+    _write_status(STARTED)
+
+
+def report_stopped() -> None:
+    """A worker under `meshlm launch` ended with its work committed: finished, saved after a signal, or stopped
+    before its first step with nothing to save."""
+    _write_status(STOPPED)
 
 
 def report_error(message: str) -> None:
@@ -64,35 +79,46 @@ def report_error(message: str) -> None:
             return
 
 
-class _FirstSigtermOnly:
-    """The agent's SIGTERM handler: the first raises torchrun's SignalException, so its agent forwards SIGTERM to
-    the workers and waits for them; later ones are the same notice again and must not abandon that wait."""
+class _FirstSignalOnly:
+    """The agent's SIGTERM / SIGUSR1 handler: the first raises torchrun's SignalException for SIGTERM, so its agent
+    forwards SIGTERM to the workers and waits for them; later ones are the same notice again and must not abandon
+    that wait."""
 
     def __init__(self) -> None:
-        self.received = False
+        self.received: signal.Signals | None = None
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        if self.received:
+        if self.received is not None:
             return
-        self.received = True
-        raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum)}", sigval=signal.SIGTERM)
+        self.received = signal.Signals(signum)
+        raise SignalException(f"Process {os.getpid()} got signal: {self.received}", sigval=signal.SIGTERM)
 
 
-def _preemption_outcome(directory: Path, nproc: int) -> int:
-    missing = [r for r in range(nproc) if not (directory / f"rank{r}").is_file()]
-    if not missing:
-        print("meshlm launch: SIGTERM: every worker stopped cleanly; exiting 0", file=sys.stderr, flush=True)
-        return 0
-    ranks = ", ".join(map(str, missing))
-    print(
-        f"meshlm launch: SIGTERM: local rank(s) {ranks} did not stop cleanly (killed, failed or still saving at "
-        f"the shutdown timeout); the next start resumes from the newest valid checkpoint",
-        file=sys.stderr,
-        flush=True,
-    )
-    return SIGTERM_EXIT
+def _stop_outcome(directory: Path, nproc: int, received: signal.Signals) -> int:
+    """After a save signal: 0 when every worker that started ended with its work committed, else 143."""
+    words = {r: (directory / f"rank{r}").read_text() for r in range(nproc) if (directory / f"rank{r}").is_file()}
+    unfinished = [r for r, word in words.items() if word != STOPPED]
+    name = received.name
+    if unfinished:
+        print(f"meshlm launch: {name}: local rank(s) {', '.join(map(str, unfinished))} did not stop cleanly "
+              "(killed, failed or still saving at the shutdown timeout); the next start resumes from the newest "
+              "valid checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+        return SIGTERM_EXIT
+    if words:
+        print(f"meshlm launch: {name}: every worker stopped cleanly; exiting 0", file=sys.stderr, flush=True)
+    else:
+        print(f"meshlm launch: {name} before any worker started: nothing to save; exiting 0", file=sys.stderr,
+              flush=True)  # fmt: skip
+    if stopped := os.environ.get(STOPPED_FILE):
+        Path(stopped).write_text(f"{name}\n")
+    return 0
+
+
+def _how(failure: object) -> str:
+    code = failure.exitcode  # type: ignore[attr-defined]
+    return f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"  # type: ignore[attr-defined]
 
 
 def _failure_line(error: BaseException) -> str:
@@ -100,7 +126,14 @@ def _failure_line(error: BaseException) -> str:
     # the first that failed by itself: the others were then stopped by the agent's SIGTERM
     own = sorted((f.timestamp, r) for r, f in failures.items() if f.exitcode > 0)
     rank, failure = (own[0][1], failures[own[0][1]]) if own else error.get_first_failure()  # type: ignore[attr-defined]
-    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+    lost = [r for _, r in own if LOST_PEER in str(failures[r].message)]
+    culprits = sorted(set(failures) - set(lost))
+    if lost and len(lost) == len(own) and culprits:  # they all lost a peer: it is the one that did not say so
+        rank, failure = culprits[0], failures[culprits[0]]
+        ranks = ", ".join(map(str, lost))
+        return (f"meshlm launch: rank {rank} stopped responding or died ({_how(failure)} at shutdown); "
+                f"rank(s) {ranks} lost it: {failures[lost[0]].message}")  # fmt: skip
+    how = _how(failure)
     others = f" ({len(failures)} ranks failed)" if len(failures) > 1 else ""
     # a rank 0 that failed by itself printed its own line; another rank's error is repeated only otherwise
     said = 0 in failures and failures[0].exitcode > 0
@@ -125,27 +158,31 @@ def main(argv: list[str]) -> int:
 
     args = torchrun.parse_args(argv)
     nproc = torchrun.determine_local_world_size(args.nproc_per_node)
-    # torchrun's agent installs its own handler for these (--signals-to-handle) at every worker start; SIGTERM
-    # stays ours
-    args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() != "SIGTERM")
-    handler = _FirstSigtermOnly()
+    # torchrun's agent installs its own handler for these (--signals-to-handle) at every worker start; the save
+    # signals stay ours
+    ours = {s.name for s in SAVE_SIGNALS}
+    args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() not in ours)
+    handler = _FirstSignalOnly()
     with tempfile.TemporaryDirectory(prefix="meshlm-launch-") as directory:
         os.environ[LAUNCH_DIR] = directory
-        signal.signal(signal.SIGTERM, handler)
+        for sig in SAVE_SIGNALS:
+            signal.signal(sig, handler)
         try:
             torchrun.run(args)
         except SignalException as e:
-            if handler.received:
-                return _preemption_outcome(Path(directory), nproc)
+            if handler.received is not None:
+                return _stop_outcome(Path(directory), nproc, handler.received)
             print(f"meshlm launch: {e.sigval.name}: workers stopped", file=sys.stderr, flush=True)
             return 128 + e.sigval
         except ChildFailedError as e:
             print(_failure_line(e), file=sys.stderr, flush=True)
             return 1
         except Exception as e:  # rendezvous and agent errors: torchrun's own words, in one line
+            if handler.received is not None:  # a save signal in the rendezvous: torchrun's error is its consequence
+                return _stop_outcome(Path(directory), nproc, handler.received)
             first = (str(e).strip().splitlines() or [""])[0]
             print(f"meshlm launch: {type(e).__name__}: {first}", file=sys.stderr, flush=True)
             return 1
         finally:
-            handler.received = True  # a SIGTERM after the agent returned: nothing left to stop
+            handler.received = handler.received or signal.SIGTERM  # a signal after the agent returned: nothing to stop
     return 0

@@ -1,14 +1,16 @@
 """`meshlm plan --emit slurm|kubernetes` (meshlm/plan/emit.py, docs/clusters.md): each file is parsed and its
 keys checked (shared run directory, data source, preemption wiring, restarts, spares, /dev/shm, node range
-valid at every count it allows); the priced pool is the emitted one, and a spot trace can change both. The
-generated sbatch script really trains: run as two "nodes" on localhost (two agents, each started by the
-script through stand-in `srun` and `scontrol`), one node's worker SIGKILLed mid-run, the group restarted by
-the agents and resumed from the newest checkpoint; and a SIGTERM to every process at once (how Slurm
-preempts) ends in one save, exit 0 and a requeue.
+valid at every count it allows, grace from the plan's own checkpoint time); the PyTorchJob deserialises into
+the kubernetes client's and the Kubeflow SDK's typed models with nothing dropped; no file carries a path of
+the machine that planned it; every user value that reaches a file is validated or quoted (newlines, `$(...)`,
+quotes and spaces through every flag, the script run and parsed). The priced pool is the emitted one, and a
+spot trace can change both.
 
-`meshlm launch` (torchrun's agent that exits 0 after a clean SIGTERM save) is another change: where this
-branch's CLI lacks it, the tests put a `meshlm` on PATH that runs `torchrun` for `meshlm launch` (`shims`),
-and the all-processes SIGTERM test, which needs the real one, is skipped."""
+The sbatch script on a real Slurm (time limit, `scancel --signal`, a killed worker) is tests/test_slurm.py.
+Here it also runs as two "nodes" on localhost, which a one-machine Slurm cannot start: stand-ins for `srun`
+(which, as Slurm's, turns a SIGTERM it receives into SIGKILL for its task) and `scontrol`; one node's worker
+SIGKILLed mid-run, the group restarted by the agents and resumed from the newest checkpoint. The PyTorchJob's
+container command runs as two "pods" that the kubelet's SIGTERM stops with one save and exit 0."""
 
 from __future__ import annotations
 
@@ -27,14 +29,14 @@ from distributed import free_port
 
 from meshlm.checkpoint import list_checkpoints
 from meshlm.checkpoint.store import read_trainer_state
-from meshlm.cli import build_parser
 from meshlm.config import Config, parse_overrides
 from meshlm.model.config import PRESETS
 from meshlm.plan import Workload, hardware, search
 from meshlm.plan.cli import add_plan_parser, run_plan
-from meshlm.plan.emit import TARGET_SHAPES, Launch, Site, kubernetes, launch_for, slurm
+from meshlm.plan.cost import DEFAULT_COSTS
+from meshlm.plan.emit import TARGET_SHAPES, Launch, Site, grace_for, kubernetes, launch_for, skypilot, slurm
 from meshlm.plan.search import Constraints, elastic_shrink
-from meshlm.plan.spot import Shapes
+from meshlm.plan.spot import Pool, Shapes
 from meshlm.train.trainer import check_config
 
 RUN_TOML = """[model]
@@ -47,9 +49,10 @@ seq_len = 64
 global_batch = 8
 steps = 4
 """
+INSTALL = "meshlm==0.1.0"
 LAUNCH = Launch("my model", 8, 4, 2, 8, 12, ("--model.preset", "llama3-8b", "--parallel.layout", "pp=1,tp=8"),
                 spot=True, wall_s=86400.0, summary="summary")  # fmt: skip
-SITE = Site("/shared/corpus", time_limit_s=4 * 3600)
+SITE = Site("/shared/corpus", install=INSTALL, time_limit_s=4 * 3600)
 
 
 def plan_args(*argv: str) -> argparse.Namespace:
@@ -58,27 +61,20 @@ def plan_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["plan", *argv])
 
 
-def has_launch() -> bool:
-    """Whether this branch's CLI has `meshlm launch`."""
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return "launch" in sub.choices
-
-
 def shims(tmp_path: Path) -> Path:
-    """A MESHLM_VENV whose bin/ has stand-ins for Slurm (srun runs its command here, scontrol names this host
-    and records a requeue) and `meshlm` (this worktree's CLI; `meshlm launch` is torchrun where the CLI has no
-    launch subcommand)."""
+    """A MESHLM_VENV as the sbatch script leaves it after installing INSTALL (its marker), whose bin/ has this
+    worktree's `meshlm` and stand-ins for Slurm: `srun` runs its command here and, as Slurm's srun does, turns
+    a SIGTERM it receives into SIGKILL for it; `scontrol` names this host and records a requeue."""
     venv = tmp_path / "venv"
     bin_dir = venv / "bin"
     bin_dir.mkdir(parents=True)
-    python = sys.executable
-    launch = (
-        "" if has_launch() else f'if [ "$1" = launch ]; then shift; exec {python} -m torch.distributed.run "$@"; fi\n'
-    )
-    (bin_dir / "srun").write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n')
+    (venv / ".meshlm-install").write_text(INSTALL + "\n")
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [ "${1#-}" != "$1" ]; do shift; done\n"$@" &\nTASK=$!\n'
+                                  "trap 'kill -KILL $TASK' TERM\n"
+                                  'while kill -0 $TASK 2>/dev/null; do wait $TASK; done\nwait $TASK\n')  # fmt: skip
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\nif [ "$1" = requeue ]; then echo "$2" >> {tmp_path}/requeued; '
                                       'exit 0; fi\necho 127.0.0.1\n')  # fmt: skip
-    (bin_dir / "meshlm").write_text(f'#!/bin/sh\n{launch}exec {python} -m meshlm.cli "$@"\n')
+    (bin_dir / "meshlm").write_text(f'#!/bin/sh\nexec {sys.executable} -m meshlm.cli "$@"\n')
     for shim in bin_dir.iterdir():
         shim.chmod(0o755)
     return venv
@@ -91,7 +87,8 @@ def two_node_cpu_plan(tmp_path: Path, *extra: str) -> Path:
     calibration.write_text(json.dumps({"device": "cpu", "gpus_per_node": 1}))
     target = tmp_path / "job.sbatch"
     argv = ("--model", str(config), "--gpu", "cpu", "--gpus", "2", "--calibration", str(calibration))
-    assert run_plan(plan_args(*argv, "--top", "1", "--emit", "slurm", "--emit-to", str(target), *extra)) == 0
+    assert run_plan(plan_args(*argv, "--top", "1", "--emit", "slurm", "--emit-to", str(target), "--install", INSTALL,
+                              *extra)) == 0  # fmt: skip
     return target
 
 
@@ -155,18 +152,21 @@ def test_sbatch_script_has_shared_storage_preemption_requeue_and_spares() -> Non
     assert options["cpus-per-task"] == "64" and options["time"] == "0-04:00:00"
     assert "no-kill" in options and "requeue" in options and options["job-name"] == "meshlm-my-model"
     kind, _, warn = options["signal"].partition("@")
-    assert kind == "B:TERM" and int(warn) >= LAUNCH.grace_s  # time to save before the limit
+    # no B:, so Slurm signals the step's tasks (never srun, which would SIGKILL them), with time to save
+    assert kind == "TERM" and int(warn) >= LAUNCH.grace_s
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in script
-    assert (
-        "trap 'STOPPED=1;" in script and 'kill -TERM "$STEP"' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
-    )
+    assert "trap on_term TERM" in script and 'scancel --signal=TERM "$SLURM_JOB_ID"' in script
+    assert "kill" not in script.split("trap on_term")[0].split("on_term()")[1]  # nothing signals srun itself
+    assert 'export MESHLM_STOPPED_FILE="$MESHLM_RUN_DIR/.stopped-$SLURM_JOB_ID"' in script
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert "MESHLM_INSTALL=${MESHLM_INSTALL:-meshlm==0.1.0}" in script
     words = agent_words(script)
     assert words[:4] == ["meshlm", "launch", "--nnodes=4:8", "--nproc-per-node=8"] and words[-1] == "$@"
     train = words[words.index("train") + 1 : -1]
     assert train[: len(LAUNCH.train_args)] == list(LAUNCH.train_args)
     assert train[len(LAUNCH.train_args) :] == ["--data.source", "/shared/corpus", "--data.cache_dir", "/cache",
                                                "--log.run_dir", "/run"]  # fmt: skip
-    assert "MESHLM_RUN_DIR=${MESHLM_RUN_DIR:-$SLURM_SUBMIT_DIR/runs/meshlm-my-model}" in script
+    assert 'MESHLM_RUN_DIR=${MESHLM_RUN_DIR:-"$SLURM_SUBMIT_DIR"/runs/meshlm-my-model}' in script
 
 
 def test_pytorchjob_has_a_claim_shm_grace_spares_and_spot_nodes() -> None:
@@ -193,7 +193,7 @@ def test_pytorchjob_has_a_claim_shm_grace_spares_and_spot_nodes() -> None:
     assert mounts["dshm"] == "/dev/shm" and volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     assert volumes["dshm"]["emptyDir"]["sizeLimit"] == "64Gi"
     assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in container["env"]
-    assert container["image"] == "registry/meshlm:1" and container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["image"] == "registry/meshlm:1" and container["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert pod["nodeSelector"] == {"karpenter.sh/capacity-type": "spot"}
     gke = Site("/shared/corpus", spot_selector="cloud.google.com/gke-spot=true")
     gke_pod = json.loads(kubernetes(LAUNCH, gke, "i"))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
@@ -208,7 +208,7 @@ def test_each_launcher_is_priced_only_on_pools_it_can_run(tmp_path: Path, capsys
     # The issue's layout family, without context parallel: the pick keeps a dp to shrink.
     argv = ["--model", "llama3-70b", "--gpus", "64", "--seq-len", "8192", "--global-batch", "840", "--train-tokens",
             "1.4T", "--top", "1", "--json", "--data-source", "/data", "--image", "i", "--bucket", "s3://b",
-            "--layout", "cp=1"]  # fmt: skip
+            "--install", INSTALL, "--layout", "cp=1"]  # fmt: skip
     for target, shapes in TARGET_SHAPES.items():
         path = tmp_path / target
         assert run_plan(plan_args(*argv, "--emit", target, "--emit-to", str(path))) == 0
@@ -271,9 +271,11 @@ def finish(agents: list[subprocess.Popen], timeout: float = 150) -> list[str]:
 
 
 def local_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The script's environment on a "node": the stand-ins first on PATH (a real Slurm's may be installed)."""
+    venv = shims(tmp_path)
     return {
-        **os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1",
-        "SLURM_JOB_ID": "42", "MESHLM_VENV": str(shims(tmp_path)), "RDZV_PORT": str(free_port()),
+        **os.environ, "PATH": f"{venv / 'bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "42", "MESHLM_VENV": str(venv), "RDZV_PORT": str(free_port()),
         "RDZV_ID": "emit-test", "RDZV_JOIN_TIMEOUT": "60", "OMP_NUM_THREADS": "1",
         "MESHLM_RUN_DIR": str(tmp_path / "run"), **extra,
     }  # fmt: skip
@@ -309,53 +311,13 @@ def test_generated_sbatch_trains_as_two_nodes_and_resumes_after_a_node_dies(data
     assert not (tmp_path / "requeued").exists()  # finished: nothing to requeue
 
 
-@pytest.mark.slow  # two agents stopped by SIGTERM mid-run: ~15 s
-@pytest.mark.skipif(not has_launch(), reason="needs `meshlm launch` (torchrun exits 1 after a clean SIGTERM save)")
-def test_sigterm_to_every_process_saves_once_exits_0_and_requeues(data_cache: str, tmp_path: Path) -> None:
-    """Slurm's preemption: SIGTERM to the batch shells, the agents and the workers at once."""
-    script = two_node_cpu_plan(tmp_path)
-    agents = start_agents(script, local_env(tmp_path), small_train(data_cache, 400))
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
-        time.sleep(0.2)
-    for agent in agents:
-        os.killpg(agent.pid, signal.SIGTERM)  # every process of the "node": shell, srun stand-in, agent, workers
-    outputs = finish(agents)
-    for agent, out in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, out[-3000:]
-    assert any("SIGTERM: saved step" in out for out in outputs)
-    saved = read_trainer_state(list_checkpoints(tmp_path / "run")[-1])["step"]
-    assert 0 < saved < 400
-    assert (tmp_path / "requeued").read_text().split() == ["42", "42"]  # each node's batch shell asks once
-
-
 def wait_for_training(metrics: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
         time.sleep(0.2)
 
 
-@pytest.mark.slow  # two agents stopped by the time limit's warning: ~15 s
-@pytest.mark.skipif(not has_launch(), reason="needs `meshlm launch` (torchrun exits 1 after a clean SIGTERM save)")
-def test_the_time_limit_warning_to_the_batch_shell_saves_exits_0_and_requeues(data_cache: str, tmp_path: Path) -> None:
-    """`--signal=B:TERM@G`: only the batch shell gets SIGTERM; its trap forwards it to the step (srun's agent
-    and, through it, the workers), waits for the save and requeues."""
-    script = two_node_cpu_plan(tmp_path)
-    agents = start_agents(script, local_env(tmp_path), small_train(data_cache, 400))
-    wait_for_training(tmp_path / "run" / "metrics.jsonl")
-    for agent in agents:
-        agent.send_signal(signal.SIGTERM)  # the batch shell only
-    outputs = finish(agents)
-    for agent, out in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, out[-3000:]
-        assert "meshlm: SIGTERM: saving, then requeueing job 42" in out
-    assert 0 < read_trainer_state(list_checkpoints(tmp_path / "run")[-1])["step"] < 400
-    assert (tmp_path / "requeued").read_text().split() == ["42", "42"]
-
-
 @pytest.mark.slow  # two "pods" stopped by the kubelet's SIGTERM: ~15 s
-@pytest.mark.skipif(not has_launch(), reason="needs `meshlm launch` (torchrun exits 1 after a clean SIGTERM save)")
 def test_the_pytorchjob_command_saves_and_exits_0_on_the_kubelets_sigterm(data_cache: str, tmp_path: Path) -> None:
     """The manifest's container command run as two pods: the rendezvous comes from the operator's PET_*
     variables; the kubelet signals only the container's main process (the agent), which must bring its
@@ -389,3 +351,159 @@ def test_the_pytorchjob_command_saves_and_exits_0_on_the_kubelets_sigterm(data_c
     for p, out in zip(pods, outputs, strict=True):
         assert p.returncode == 0, out[-3000:]
     assert 0 < read_trainer_state(list_checkpoints(tmp_path / "run")[-1])["step"] < 400
+
+
+def typed_round_trip(api: object, data: dict, klass: str) -> None:
+    """`data` deserialises into the client's typed model `klass` (field types checked) and serialises back to
+    itself: no field dropped or retyped."""
+    model = api._ApiClient__deserialize(data, klass)  # type: ignore[attr-defined]
+    assert api.sanitize_for_serialization(model) == data, klass  # type: ignore[attr-defined]
+
+
+def test_the_pytorchjob_deserialises_into_the_kubernetes_and_kubeflow_typed_models() -> None:
+    """The pod template and metadata into the kubernetes client's models (quantities are strings: an integer
+    `nvidia.com/gpu` is refused), the PyTorchJob's own fields into the Kubeflow training SDK's."""
+    k8s = pytest.importorskip("kubernetes.client")
+    kubeflow = pytest.importorskip("kubeflow.training.api_client")
+    api, sdk = k8s.ApiClient(), kubeflow.ApiClient()
+    for launch in (LAUNCH, Launch("m", 2, 2, 0, 8, 3, (), gpu=False)):
+        job = json.loads(kubernetes(launch, SITE, "registry/meshlm:1"))
+        assert sorted(job) == ["apiVersion", "kind", "metadata", "spec"]
+        typed_round_trip(api, job["metadata"], "V1ObjectMeta")
+        spec = job["spec"]
+        assert sorted(spec) == ["elasticPolicy", "nprocPerNode", "pytorchReplicaSpecs", "runPolicy"]
+        worker = spec["pytorchReplicaSpecs"]["Worker"]
+        # the SDK leaves the pod template (a kubernetes model) to the kubernetes client
+        replicas = {"Worker": {k: v for k, v in worker.items() if k != "template"}}
+        typed_round_trip(sdk, spec | {"pytorchReplicaSpecs": replicas}, "KubeflowOrgV1PyTorchJobSpec")
+        typed_round_trip(api, worker["template"], "V1PodTemplateSpec")
+    wrong = json.loads(kubernetes(LAUNCH, SITE, "i"))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    wrong["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = 8  # what this file once wrote
+    with pytest.raises(Exception, match="valid string"):
+        api._ApiClient__deserialize(wrong, "V1PodTemplateSpec")
+
+
+def test_no_file_has_a_path_of_the_planning_machine(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Neither this Python's environment nor this source tree appears in any file; without --install the Slurm
+    and SkyPilot files are refused in one line."""
+    base = ("--model", "test", "--gpu", "cpu", "--gpus", "2", "--data-source", "stdlib", "--top", "1")
+    here = [sys.prefix, str(Path(__file__).resolve().parents[1]), str(Path(sys.executable).parent)]
+    for target, extra in (("slurm", ()), ("kubernetes", ("--image", "i")), ("skypilot", ("--bucket", "s3://b"))):
+        path = tmp_path / target
+        flags = (*base, "--emit", target, "--emit-to", str(path), *extra)
+        if target != "kubernetes":
+            assert run_plan(plan_args(*flags)) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"--emit {target} needs --install" in err, err
+            flags += ("--install", INSTALL)
+        assert run_plan(plan_args(*flags)) == 0
+        assert f"wrote {path}" in capsys.readouterr().err
+        text = path.read_text()
+        assert not [p for p in here if p in text], target
+    assert run_plan(plan_args(*base, "--emit", "slurm", "--install", "not a requirement")) == 2
+    assert "--install 'not a requirement': expected a pip requirement" in capsys.readouterr().err
+
+
+def test_grace_and_the_signal_lead_come_from_the_plans_checkpoint_time() -> None:
+    """405B on 1,024 H100s: the checkpoint alone takes minutes at the planner's storage rate, so the grace,
+    the sbatch warning and the pod's termination grace are all above it, and a small model gets less."""
+    hw = hardware("H100-SXM")
+    sizes = {}
+    for name, gpus in (("llama3-405b", 1024), ("llama3-8b", 64)):
+        w = Workload(PRESETS[name], 8192, 1024, 1e12, name=name)
+        plan = search(w, gpus, hw, priced=1).plans[0]
+        launch = launch_for(plan, ["--model.preset", name], 8192, 1024, 1e12, name)
+        checkpoint_s = plan.checkpoint_bytes / (DEFAULT_COSTS.storage_gbps * 1e9)
+        args = list(launch.train_args)
+        log_every = int(args[args.index("--log.every") + 1])  # where the loop notices SIGTERM: within a minute
+        assert 1 <= log_every <= 10 and (log_every == 1 or log_every * plan.step.total <= 60)
+        assert launch.grace_s == grace_for(log_every * plan.step.total, checkpoint_s) > 2 * checkpoint_s
+        assert float(args[args.index("--fault.grace_s") + 1]) == launch.grace_s
+        warn = int(sbatch_options(slurm(launch, SITE))["signal"].split("@")[1])
+        pod = json.loads(kubernetes(launch, SITE, "i"))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+        assert warn == pod["terminationGracePeriodSeconds"] > launch.grace_s
+        sizes[name] = (checkpoint_s, launch.grace_s)
+    assert sizes["llama3-405b"][0] > 120 and sizes["llama3-405b"][1] > sizes["llama3-8b"][1]
+
+
+HOSTILE = "a b'c\"d\n$(touch {marker})`touch {marker}`;touch {marker}"
+
+
+def test_user_values_cannot_inject_into_any_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Newlines, `$(...)`, backticks, quotes and spaces through every flag that reaches a file: Slurm names are
+    refused in one line; every other value comes out of the script (run by bash up to `srun`, each value
+    echoed back) and the YAML/JSON files (parsed) exactly as given, and nothing runs."""
+    yaml = pytest.importorskip("yaml")
+    marker = tmp_path / "ran"
+    hostile = HOSTILE.format(marker=marker)
+    base = ("--model", "test", "--gpu", "cpu", "--gpus", "2", "--top", "1", "--data-source", hostile)
+    for flag in ("--partition", "--account"):
+        assert run_plan(plan_args(*base, "--emit", "slurm", "--install", INSTALL, flag, hostile)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag} " in err and "expected a Slurm name" in err, err
+    wheel = f"/wheels/{hostile.replace(chr(10), ' ')}.whl"
+    script_path = tmp_path / "job.sbatch"
+    assert run_plan(plan_args(*base, "--emit", "slurm", "--install", wheel, "--run-dir", hostile, "--partition",
+                              "gpu,debug", "--account", "proj-1.a_b", "--emit-to", str(script_path))) == 0  # fmt: skip
+    script = script_path.read_text()
+    assert "#SBATCH --partition=gpu,debug\n#SBATCH --account=proj-1.a_b\n" in script
+    # Run it: `python3` (which makes the venv's `pip`), `pip`, `srun`, `scontrol` and `scancel` are stand-ins
+    # that record their arguments.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("pip", "python3", "srun", "scontrol", "scancel"):
+        record = f"#!/bin/bash\nprintf '{tool}\\0' >> {tmp_path}/calls\nprintf '%s\\0' \"$@\" >> {tmp_path}/calls\n"
+        make_pip = f'mkdir -p "$3/bin" && cp {bin_dir}/pip "$3/bin/pip"\n' if tool == "python3" else ""
+        (bin_dir / tool).write_text(record + make_pip)
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "HOME": str(tmp_path)}  # fmt: skip
+    done = subprocess.run(["bash", str(script_path)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    calls = (tmp_path / "calls").read_text().split("\0")
+    assert not marker.exists(), (done.stdout, done.stderr)
+    srun = calls[calls.index("srun") + 1 :]
+    assert srun[srun.index("--data.source") + 1] == hostile and srun[srun.index("--log.run_dir") + 1] == hostile
+    venv = calls[calls.index("python3") + 1 :]
+    assert venv[:3] == ["-m", "venv", str(Path(hostile).parent / ".venv" / "meshlm")]
+    assert calls[calls.index("pip") + 1 : calls.index("pip") + 4] == ["install", "--quiet", wheel]
+    # The PyTorchJob (JSON) and the SkyPilot task (YAML): parsed, every value as given.
+    manifest, task = tmp_path / "job.json", tmp_path / "job.sky.yaml"
+    assert run_plan(plan_args(*base, "--emit", "kubernetes", "--image", hostile, "--pvc", hostile,
+                              "--emit-to", str(manifest))) == 0  # fmt: skip
+    job = json.loads(manifest.read_text())
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    assert pod["containers"][0]["image"] == hostile and command[command.index("--data.source") + 1] == hostile
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == hostile
+    assert run_plan(plan_args(*base, "--emit", "skypilot", "--bucket", hostile, "--install", wheel,
+                              "--emit-to", str(task))) == 0  # fmt: skip
+    parsed = yaml.safe_load(task.read_text())
+    assert parsed["envs"]["MESHLM_DATA"] == hostile and parsed["file_mounts"]["/meshlm-run"]["source"] == hostile
+    mount = next(k for k in parsed["file_mounts"] if k.startswith("/meshlm-dist/"))
+    assert parsed["file_mounts"][mount] == wheel and shlex.split(parsed["setup"]) == ["pip", "install", mount]
+    assert not marker.exists()
+
+
+def test_the_skypilot_task_is_yamllint_clean_and_parses_with_skypilot(tmp_path: Path) -> None:
+    """yamllint (default rules; the `run` command's long lines allowed) finds nothing, and SkyPilot's own
+    `Task.from_yaml` reads the task as written (where skypilot is installed: it is not a test dependency,
+    its own pins conflict with the hf extra's)."""
+    lint = pytest.importorskip("yamllint.linter")
+    config = pytest.importorskip("yamllint.config")
+    hw = hardware("H100-SXM")
+    for pool, install in ((Pool(8, 8, spot=8), INSTALL), (Pool(8, 8), "/dist/meshlm-0.1.0-py3-none-any.whl")):
+        launch = Launch("my model", 8, 8, 0, 8, 12, ("--model.preset", "llama3-8b"), summary="summary")
+        text = skypilot(launch, Site("hf:org/corpus", install=install, bucket="s3://b/runs"), pool, hw)
+        rules = config.YamlLintConfig("extends: default\nrules: {line-length: disable, document-start: disable}")
+        assert [str(p) for p in lint.run(text, rules)] == []
+        sky = pytest.importorskip("sky")
+        path = tmp_path / "task.sky.yaml"
+        path.write_text(text)
+        task = sky.Task.from_yaml(str(path))
+        assert task.name == "meshlm-my-model" and task.num_nodes == 8
+        assert task.envs["MESHLM_DATA"] == "hf:org/corpus" and "meshlm launch" in task.run
+        assert {r.accelerators["H100"] for r in task.resources} == {8}
+        assert {r.use_spot for r in task.resources} == ({True, False} if pool.spot else {False})
+        assert task.setup.strip() == (f"pip install {INSTALL}" if install == INSTALL else
+                                      "pip install /meshlm-dist/meshlm-0.1.0-py3-none-any.whl")  # fmt: skip

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from distributed import free_port
-from test_plan_emit import RUN_TOML, plan_args, shims
+from test_plan_emit import INSTALL, RUN_TOML, plan_args, shims
 
 from meshlm.checkpoint import list_checkpoints
 from meshlm.checkpoint.store import read_trainer_state
@@ -27,10 +27,9 @@ from meshlm.plan.spot import Pool
 
 LAUNCH = Launch("my model", 8, 8, 0, 8, 12, ("--model.preset", "llama3-8b", "--parallel.layout", "pp=1,dp=8,tp=8"),
                 summary="summary")  # fmt: skip
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def site(bucket: str = "s3://bucket/runs", install: str = str(ROOT)) -> Site:
+def site(bucket: str = "s3://bucket/runs", install: str = INSTALL) -> Site:
     return Site("hf:org/corpus", install=install, bucket=bucket)
 
 
@@ -62,7 +61,7 @@ def test_task_yaml_has_spot_with_on_demand_fallback_recovery_the_bucket_and_an_i
     envs = task["envs"]
     assert envs["MESHLM_RUN_DIR"] == "/meshlm-run/meshlm-my-model" and envs["MESHLM_PORT"] == "29500"
     assert envs["MESHLM_CACHE_DIR"].startswith("/meshlm-run/") and envs["MESHLM_DATA"] == "hf:org/corpus"
-    assert task["workdir"] == str(ROOT) and task["setup"].strip() == "pip install ."  # the source tree
+    assert "workdir" not in task and task["setup"].strip() == "pip install meshlm==0.1.0"  # what --install names
     wheel = tmp_path / "meshlm-0.1-py3-none-any.whl"
     wheel.write_bytes(b"")
     wheeled = parse(skypilot(LAUNCH, site(install=str(wheel)), Pool(8, 8), hardware("H100-SXM")))
@@ -118,7 +117,7 @@ def test_run_command_trains_as_two_nodes_and_resumes_after_one_is_killed(data_ca
     target = tmp_path / "job.sky.yaml"
     argv = ("--model", str(config), "--gpu", "cpu", "--gpus", "2", "--calibration", str(calibration), "--top", "1")
     assert run_plan(plan_args(*argv, "--emit", "skypilot", "--emit-to", str(target), "--bucket", "s3://b/r",
-                              "--install", str(ROOT))) == 0  # fmt: skip
+                              "--install", INSTALL)) == 0  # fmt: skip
     text = target.read_text()
     assert "num_nodes: 2\n" in text and "accelerators" not in text  # cpu: no accelerators
     run = tmp_path / "run.sh"

@@ -25,8 +25,7 @@ from meshlm.plan.emit import (
     TARGET_SHAPES,
     TIME_LIMIT_S,
     Site,
-    default_install,
-    install_source,
+    install_spec,
     job_name,
     kubernetes,
     launch_for,
@@ -233,14 +232,15 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     out.add_argument("--bucket", help="bucket for the run directory, e.g. s3://my-bucket/runs (--emit skypilot)")
     out.add_argument("--data-source", help="the corpus the launch trains on (data.source; default: the --model "
                      "config's); --emit needs one")  # fmt: skip
-    out.add_argument("--install", help="meshlm wheel or source directory the launch installs (--emit skypilot; "
-                     "default: this meshlm's source tree)")  # fmt: skip
+    out.add_argument("--install", help="what the launch pip-installs: a requirement such as 'meshlm==0.1.0' or a "
+                     "meshlm wheel (a path or URL ending in .whl; --emit slurm and skypilot need one)")  # fmt: skip
     out.add_argument("--run-dir", help="run directory on shared storage (--emit slurm; default: "
                      "$SLURM_SUBMIT_DIR/runs/NAME)")  # fmt: skip
     out.add_argument("--pvc", default=PVC, help="ReadWriteMany claim for the run directory (--emit kubernetes)")
     out.add_argument("--time-limit", type=duration, default=TIME_LIMIT_S, help="Slurm --time of one allocation; "
                      "the job requeues itself at its end (default 1d)")  # fmt: skip
     out.add_argument("--partition", default="", help="Slurm partition (--emit slurm)")
+    out.add_argument("--account", default="", help="Slurm account (--emit slurm)")
     out.add_argument("--spot-selector", default=Site.spot_selector, help="node label KEY=VALUE of spot nodes "
                      "(--emit kubernetes; GKE: cloud.google.com/gke-spot=true)")  # fmt: skip
     p.set_defaults(func=run_plan)
@@ -294,11 +294,11 @@ def _request(args: argparse.Namespace) -> Request:
                         "'hf:NAME' or 'stdlib') or a --model config with data.source")  # fmt: skip
     if args.emit == "kubernetes" and "=" not in args.spot_selector:
         raise PlanError(f"--spot-selector {args.spot_selector!r}: expected a node label KEY=VALUE")
-    if args.emit == "skypilot":
-        if not (args.install or default_install()):
-            raise PlanError("--emit skypilot needs --install (a meshlm wheel, or a source directory with a "
-                            "pyproject.toml, that every node installs)")  # fmt: skip
-        args.install = str(install_source(args.install or default_install()))
+    if args.emit in ("slurm", "skypilot"):
+        if not args.install:
+            raise PlanError(f"--emit {args.emit} needs --install (a pip requirement such as 'meshlm==0.1.0', or a "
+                            "meshlm wheel: a path or URL ending in .whl)")  # fmt: skip
+        args.install = install_spec(args.install)
     trace = load_trace(args.spot_trace, args.trace_format) if args.spot_trace is not None else None
     c = Constraints(
         **parse_layout(args.layout),
@@ -411,11 +411,12 @@ def _emit(args: argparse.Namespace, r: Request, plan: Plan, pick: Estimate | Non
     w = r.workload
     pick = pick or plan.cost
     launch = launch_for(plan, list(r.source.train_args), w.seq_len, w.global_batch, w.train_tokens, w.name, pick,
-                        w.precision, gpu=r.hw.name != "cpu", window_s=args.time_limit)  # fmt: skip
+                        w.precision, gpu=r.hw.name != "cpu", window_s=args.time_limit,
+                        storage_gbps=r.costs.storage_gbps)  # fmt: skip
     summary = f"{w.name} on {plan.strategy.gpus}× {r.hw.name}: {plan.strategy}, {pick.pool.describe()}"
     launch = dataclasses.replace(launch, summary=summary)
     site = Site(args.data_source or r.source.data_source or "", args.install or "", args.run_dir or "",
-                args.time_limit, partition=args.partition, pvc=args.pvc, bucket=args.bucket or "",
+                args.time_limit, partition=args.partition, account=args.account, pvc=args.pvc, bucket=args.bucket or "",
                 spot_selector=args.spot_selector)  # fmt: skip
     if args.emit == "slurm":
         text = slurm(launch, site)

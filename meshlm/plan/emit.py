@@ -6,20 +6,23 @@ interval, restarts, node range and spares: exactly the pool the planner priced f
 
 Every file puts the run directory and the token cache on storage every node sees (a Slurm path, a
 ReadWriteMany claim, a bucket in SkyPilot's MOUNT_CACHED mode), passes the data source through, wires the
-scheduler's preemption signal to meshlm's SIGTERM save (Slurm `--signal=B:TERM@…` + `--requeue`, Kubernetes
-`terminationGracePeriodSeconds`, SkyPilot job recovery) with a grace above `fault.grace_s`, bounds restarts
-per allocation, and installs meshlm from a wheel or a source tree. docs/clusters.md shows the three files.
+scheduler's preemption signal to meshlm's SIGTERM save (Slurm `--signal=TERM@…` to the step's tasks +
+`--requeue`, Kubernetes `terminationGracePeriodSeconds`, SkyPilot job recovery) with a grace sized from the
+plan's own step and checkpoint times, bounds restarts per allocation, and installs meshlm from what the user
+names (a pip requirement or a wheel; Kubernetes: the image), never from the machine that planned it. Every
+user value is validated or quoted where it is written (a shell word, a JSON or YAML string).
+docs/clusters.md shows the three files.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
+from meshlm.plan.cost import DEFAULT_COSTS
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.memory import Strategy
 from meshlm.plan.search import Plan, PlanError
@@ -27,12 +30,16 @@ from meshlm.plan.spot import Estimate, Pool, Shapes, duration_text
 
 RDZV_PORT = 29500
 JOIN_TIMEOUT_S = 900  # how long the first agents wait for the others (nodes can be slow to boot)
-GRACE_S = 120.0  # fault.grace_s written into every file: SIGTERM -> saved and exited within this
+GRACE_FLOOR_S = 30.0  # fault.grace_s is at least this (start-up, a slow filesystem's first write)
+GRACE_MARGIN = 2.0  # ... and this × (a step + a checkpoint write), the plan's own estimates
+SYNC_STEPS = 10  # log.every's default: the loop checks for SIGTERM at every log step (and others) ...
+SYNC_S = 60.0  # ... which the emitted log.every brings to at most a minute apart (at least every step)
 TEARDOWN_S = 60  # beyond fault.grace_s: the agent's own teardown and the process exits
 MAX_RESTARTS = (3, 50)  # torchrun restarts allowed per allocation: at least / at most
 ERROR_RELAUNCHES = 3  # SkyPilot: whole-cluster relaunches after a non-preemption failure (a crash loops)
 SHM_GB_PER_GPU = 8  # /dev/shm for data workers and NCCL's shared-memory transport (Kubernetes' default: 64 MB)
 CPUS_PER_GPU = 8
+SLURM_MAX_WARN_S = 65535  # sbatch --signal's largest lead time
 TIME_LIMIT_S = 24 * 3600.0  # Slurm's --time: a common partition limit; the job requeues itself at its end
 PVC = "meshlm-runs"
 RUN_MOUNT = "/meshlm-run"
@@ -50,11 +57,12 @@ class Site:
     """Where and how the job runs, beyond the plan: the data, the shared run directory, meshlm's install."""
 
     data_source: str
-    install: str = ""  # a wheel file or a source directory (pyproject.toml); "" = the image has meshlm
+    install: str = ""  # a pip requirement ('meshlm==0.1.0') or a wheel (path or URL); "" = the image has meshlm
     run_dir: str = ""  # Slurm: a path on shared storage (default: $SLURM_SUBMIT_DIR/runs/NAME)
     time_limit_s: float = TIME_LIMIT_S
     cpus_per_gpu: int = CPUS_PER_GPU
     partition: str = ""
+    account: str = ""
     pvc: str = PVC
     spot_selector: str = "karpenter.sh/capacity-type=spot"
     bucket: str = ""
@@ -72,25 +80,18 @@ class Launch:
     max_restarts: int  # torchrun's, per allocation
     train_args: tuple[str, ...]  # after `-m meshlm.cli train`
     spot: bool = False
-    grace_s: float = GRACE_S
+    grace_s: float = GRACE_FLOOR_S
     gpu: bool = True
     wall_s: float = 0.0  # expected wall time (resubmissions of a time-limited allocation)
     summary: str = ""
 
-    def agent_args(self, endpoint: str, rdzv_id: str, join_timeout: str = str(JOIN_TIMEOUT_S)) -> list[str]:
-        """`meshlm launch`'s (= torchrun's) arguments for one agent, rendezvous at `endpoint` (host:port)."""
+    def agent_options(self) -> list[str]:
+        """The node range, processes per node, restarts and rendezvous backend of `meshlm launch`."""
         return [
             f"--nnodes={self.min_nodes}:{self.nodes}",
             f"--nproc-per-node={self.nproc_per_node}",
             f"--max-restarts={self.max_restarts}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={rdzv_id}",
-            f"--rdzv-conf=join_timeout={join_timeout}",
-            "-m",
-            "meshlm.cli",
-            "train",
-            *self.train_args,
         ]
 
 
@@ -122,10 +123,12 @@ def launch_for(
     precision: str = "bf16",
     gpu: bool = True,
     window_s: float = TIME_LIMIT_S,
+    storage_gbps: float = DEFAULT_COSTS.storage_gbps,
 ) -> Launch:
     """The launch of a priced plan on `pick` (default: its recommended pool); `model_args` select the model
     (`--config FILE` or `--model.*` overrides). Checkpoints every Young interval in steps; on GPUs the fast
-    flags (bf16 autocast, compiled blocks); SIGTERM saves within GRACE_S."""
+    flags (bf16 autocast, compiled blocks); a log step (where SIGTERM is noticed) at most SYNC_S apart, and
+    SIGTERM saved within `grace_for` that and the plan's checkpoint time (written at `storage_gbps`)."""
     s = plan.strategy
     pick = pick or plan.cost
     pool = pick.pool
@@ -137,7 +140,10 @@ def launch_for(
     fields["train.global_batch"] = global_batch
     fields["train.steps"] = steps
     fields["checkpoint.every"] = max(1, min(steps, round(pick.interval_s / step_s))) if pick.interval_s else steps
-    fields["fault.grace_s"] = GRACE_S
+    log_every = max(1, min(SYNC_STEPS, math.floor(SYNC_S / step_s)))
+    grace = grace_for(step_s * log_every, plan.checkpoint_bytes / (storage_gbps * 1e9))
+    fields["fault.grace_s"] = grace
+    fields["log.every"] = log_every
     fields["log.progress"] = False  # a batch job: plain lines, no progress bar
     if gpu:
         fields["train.dtype"] = "bf16" if precision == "bf16" else "fp32"
@@ -157,7 +163,14 @@ def launch_for(
         spot=pool.spot > 0,
         gpu=gpu,
         wall_s=pick.wall_s,
+        grace_s=grace,
     )
+
+
+def grace_for(sync_s: float, checkpoint_s: float) -> float:
+    """fault.grace_s: time for SIGTERM -> saved and exited. The loop notices the signal at its next log step
+    (`sync_s` apart at most), then writes a checkpoint: GRACE_MARGIN × that, plus GRACE_FLOOR_S."""
+    return float(math.ceil(GRACE_FLOOR_S + GRACE_MARGIN * (sync_s + checkpoint_s)))
 
 
 def job_name(name: str) -> str:
@@ -166,20 +179,29 @@ def job_name(name: str) -> str:
     return ("meshlm-" + clean)[:63].rstrip("-")
 
 
-def install_source(text: str) -> Path:
-    """--install: an existing wheel or a source directory with a pyproject.toml; one line otherwise."""
-    path = Path(text).expanduser().resolve()
-    if path.is_file() and path.suffix == ".whl":
-        return path
-    if path.is_dir() and (path / "pyproject.toml").is_file():
-        return path
-    raise PlanError(f"--install {text}: not a wheel (.whl) or a source directory with a pyproject.toml")
+# What Slurm accepts as a partition or account name (a comma-separated list for partitions): written into an
+# `#SBATCH` line, anything else (a newline, a space, a quote) would change the script.
+SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*")
+# A pip requirement on meshlm's distribution: name, optional extras, optional version specifiers
+REQUIREMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?\s*"
+                         r"((===|==|~=|!=|<=|>=|<|>)\s*[A-Za-z0-9.*+!_-]+\s*,?\s*)*")  # fmt: skip
 
 
-def default_install() -> str:
-    """The source tree of the meshlm running this plan, when it is one (a checkout); else ""."""
-    root = Path(__file__).resolve().parents[2]
-    return str(root) if (root / "pyproject.toml").is_file() else ""
+def slurm_name(flag: str, text: str) -> str:
+    """A `--partition` / `--account` value: Slurm's name characters only, one line otherwise."""
+    if not SLURM_NAME.fullmatch(text):
+        raise PlanError(f"{flag} {text!r}: expected a Slurm name (letters, digits, '_', '.', '-'; a comma between "
+                        "several)")  # fmt: skip
+    return text
+
+
+def install_spec(text: str) -> str:
+    """--install: a pip requirement ('meshlm==0.1.0', 'meshlm[hf]>=0.1') or a wheel (a path or URL on the
+    cluster's side ending in .whl), written as given; one line otherwise."""
+    if (text.endswith(".whl") and "\n" not in text) or REQUIREMENT.fullmatch(text.strip()):
+        return text.strip()
+    raise PlanError(f"--install {text!r}: expected a pip requirement such as 'meshlm==0.1.0' or a meshlm wheel "
+                    "(a path or URL ending in .whl)")  # fmt: skip
 
 
 def _hms(seconds: float) -> str:
@@ -191,22 +213,30 @@ def _duration(seconds: float) -> str:
     return duration_text(seconds) if math.isfinite(seconds) else "unbounded"
 
 
+def comment(text: str) -> str:
+    """`text` as one comment line's words (a newline in a user value cannot end the comment)."""
+    return " ".join(text.split())
+
+
 def slurm(launch: Launch, site: Site) -> str:
     """An sbatch script: one task per node runs a `meshlm launch` agent; the first node hosts the
     rendezvous. `--no-kill` keeps the allocation when a node dies (the agents re-form the group on the
-    survivors and the spares); `--signal=B:TERM@G` warns the batch shell G seconds before the time limit,
-    which forwards SIGTERM to the step (every agent and worker), waits for the save and requeues the job;
-    a preemption signals every process at once, and `--requeue` brings the job back. HEAD_NODE, RDZV_PORT,
-    RDZV_ID, RDZV_JOIN_TIMEOUT, MESHLM_RUN_DIR, MESHLM_CACHE_DIR and MESHLM_VENV can be set from outside;
-    extra arguments to the script go to `meshlm train`."""
-    command = shlex.join(["meshlm", "launch", *launch.agent_args("RDZV_ENDPOINT", "RDZV_ID", "RDZV_JOIN_TIMEOUT")])
-    shell = {
-        "RDZV_ENDPOINT": '"$HEAD_NODE:$RDZV_PORT"',
-        "--rdzv-id=RDZV_ID": '--rdzv-id="$RDZV_ID"',
-        "join_timeout=RDZV_JOIN_TIMEOUT": 'join_timeout="$RDZV_JOIN_TIMEOUT"',
-    }
-    for placeholder, variable in shell.items():
-        command = command.replace(placeholder, variable)
+    survivors and the spares). `--signal=TERM@G` (no `B:`) has Slurm deliver SIGTERM to the step's tasks, the
+    agents and their workers, G seconds before the time limit, as a preemption's grace and
+    `scancel --signal=TERM JOB` do; they save once and exit 0, and `meshlm launch` leaves MESHLM_STOPPED_FILE
+    so this shell requeues the job. A SIGTERM to this shell alone (`scancel --batch`) is passed on the same
+    way, through Slurm (`scancel --signal=TERM`): never to `srun` itself, which turns SIGTERM into SIGKILL
+    for every task (Slurm's src/srun/srun_job.c, srun(1) "SIGNALS"). meshlm is pip-installed from
+    `site.install` into MESHLM_VENV on shared storage, once per requirement. HEAD_NODE, RDZV_PORT, RDZV_ID,
+    RDZV_JOIN_TIMEOUT, MESHLM_RUN_DIR, MESHLM_CACHE_DIR, MESHLM_VENV and MESHLM_INSTALL can be set from
+    outside; extra arguments to the script go to `meshlm train`. Every user value is a quoted shell word or
+    validated (`slurm_name`)."""
+    if not site.install:
+        raise PlanError("--emit slurm needs --install (a pip requirement such as 'meshlm==0.1.0', or a meshlm "
+                        "wheel on the cluster), which every job installs into MESHLM_VENV")  # fmt: skip
+    rdzv = '--rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv-id="$RDZV_ID" --rdzv-conf=join_timeout="$RDZV_JOIN_TIMEOUT"'
+    train = shlex.join(["-m", "meshlm.cli", "train", *launch.train_args])
+    command = f"meshlm launch {shlex.join(launch.agent_options())} {rdzv} {train}"
     name = job_name(launch.name)
     nodes = f"{launch.min_nodes}-{launch.nodes}" if launch.min_nodes < launch.nodes else str(launch.nodes)
     spares = ""
@@ -214,31 +244,34 @@ def slurm(launch: Launch, site: Site) -> str:
         spares = f" ({launch.spares} hot spare{'s' if launch.spares > 1 else ''} wait in the rendezvous)"
     warn = math.ceil(launch.grace_s + TEARDOWN_S)
     window = min(site.time_limit_s, 365 * 86400.0)
+    if warn > min(window / 2, SLURM_MAX_WARN_S):  # warned at once, every allocation would stop before training
+        raise PlanError(f"--time-limit {_duration(window)}: the save before the limit needs {_duration(warn)} "
+                        f"(fault.grace_s {launch.grace_s:g} s + {TEARDOWN_S} s); give at least twice that, "
+                        f"and at most {SLURM_MAX_WARN_S} s of it")  # fmt: skip
     allocations = math.ceil(launch.wall_s / window) if math.isfinite(launch.wall_s) and launch.wall_s else 1
     cpus = site.cpus_per_gpu * launch.nproc_per_node
-    gpus = f"#SBATCH --gpus-per-node={launch.nproc_per_node}\n" if launch.gpu else ""
-    partition = f"#SBATCH --partition={site.partition}\n" if site.partition else ""
-    run_dir = site.run_dir or f"$SLURM_SUBMIT_DIR/runs/{name}"
+    options = [f"--gpus-per-node={launch.nproc_per_node}"] if launch.gpu else []
+    options += [f"--partition={slurm_name('--partition', site.partition)}"] if site.partition else []
+    options += [f"--account={slurm_name('--account', site.account)}"] if site.account else []
+    header = "".join(f"#SBATCH {option}\n" for option in options)
+    run_dir = shlex.quote(site.run_dir) if site.run_dir else f'"$SLURM_SUBMIT_DIR"/runs/{name}'
     return f"""#!/bin/bash
 #SBATCH --job-name={name}
 #SBATCH --nodes={launch.nodes + launch.spares}
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task={cpus}
-{gpus}{partition}#SBATCH --exclusive
+{header}#SBATCH --exclusive
 #SBATCH --no-kill
 #SBATCH --time={_hms(window)}
-#SBATCH --signal=B:TERM@{warn}
+#SBATCH --signal=TERM@{warn}
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output={name}-%j.out
-# {launch.summary}
+# {comment(launch.summary)}
 # Trains on {nodes} nodes{spares}; expected wall time {_duration(launch.wall_s)}, about {allocations} allocation(s)
 # of the --time limit (the job requeues itself at the limit and resumes from its newest checkpoint).
 # Written by `meshlm plan --emit slurm`.
 set -uo pipefail
-# meshlm runs from MESHLM_VENV (default: the environment that ran `meshlm plan`), on storage every node sees
-MESHLM_VENV=${{MESHLM_VENV:-{shlex.quote(site_venv())}}}
-export PATH="$MESHLM_VENV/bin:$PATH"
 # torchrun's shared rendezvous store keeps a previous attempt's addresses (pytorch/pytorch#135712)
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 HEAD_NODE=${{HEAD_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}
@@ -248,9 +281,28 @@ RDZV_JOIN_TIMEOUT=${{RDZV_JOIN_TIMEOUT:-{JOIN_TIMEOUT_S}}}
 MESHLM_RUN_DIR=${{MESHLM_RUN_DIR:-{run_dir}}}
 MESHLM_CACHE_DIR=${{MESHLM_CACHE_DIR:-$(dirname "$MESHLM_RUN_DIR")/.cache/meshlm}}
 mkdir -p "$MESHLM_RUN_DIR"
+# meshlm from MESHLM_INSTALL, pip-installed once into MESHLM_VENV on storage every node sees
+MESHLM_INSTALL=${{MESHLM_INSTALL:-{shlex.quote(site.install)}}}
+MESHLM_VENV=${{MESHLM_VENV:-$(dirname "$MESHLM_RUN_DIR")/.venv/meshlm}}
+if [ "$(cat "$MESHLM_VENV/.meshlm-install" 2>/dev/null)" != "$MESHLM_INSTALL" ]; then
+  python3 -m venv "$MESHLM_VENV" && "$MESHLM_VENV/bin/pip" install --quiet "$MESHLM_INSTALL" \\
+    && printf '%s\\n' "$MESHLM_INSTALL" > "$MESHLM_VENV/.meshlm-install" \\
+    || {{ echo "meshlm: could not install $MESHLM_INSTALL into $MESHLM_VENV" >&2; exit 1; }}
+fi
+export PATH="$MESHLM_VENV/bin:$PATH"
+# meshlm launch writes this file when a signal stopped it after its workers saved: Slurm delivers the
+# time limit's --signal and a preemption's SIGTERM to the step's tasks, not to this shell
+export MESHLM_STOPPED_FILE="$MESHLM_RUN_DIR/.stopped-$SLURM_JOB_ID"
+rm -f "$MESHLM_STOPPED_FILE"
 STOPPED=0
-# the time limit's warning (B: this shell only) or a preemption: SIGTERM to every agent and worker, then requeue
-trap 'STOPPED=1; echo "meshlm: SIGTERM: saving, then requeueing job $SLURM_JOB_ID"; kill -TERM "$STEP" 2>/dev/null' TERM
+# SIGTERM to this shell alone: on to the step's tasks through Slurm (srun would turn a SIGTERM into SIGKILL)
+on_term() {{
+  [ "$STOPPED" = 1 ] && return
+  STOPPED=1
+  echo "meshlm: SIGTERM: saving, then requeueing job $SLURM_JOB_ID"
+  scancel --signal=TERM "$SLURM_JOB_ID"
+}}
+trap on_term TERM
 srun --kill-on-bad-exit=0 --ntasks-per-node=1 --cpus-per-task={cpus} \\
   {command} \\
   --data.source {shlex.quote(site.data_source)} --data.cache_dir "$MESHLM_CACHE_DIR" \\
@@ -260,16 +312,13 @@ wait "$STEP"
 while kill -0 "$STEP" 2>/dev/null; do wait "$STEP"; done
 wait "$STEP"
 RC=$?
-if [ "$STOPPED" = 1 ] && [ "$RC" = 0 ]; then
+if [ "$RC" = 0 ] && {{ [ "$STOPPED" = 1 ] || [ -e "$MESHLM_STOPPED_FILE" ]; }}; then
+  rm -f "$MESHLM_STOPPED_FILE"
+  echo "meshlm: stopped by a signal after saving; requeueing job $SLURM_JOB_ID"
   scontrol requeue "$SLURM_JOB_ID" || echo "meshlm: requeue refused; resubmit this script to resume"
 fi
 exit "$RC"
 """
-
-
-def site_venv() -> str:
-    """The Python environment running this plan (its bin/ holds `meshlm`)."""
-    return sys.prefix
 
 
 def kubernetes(launch: Launch, site: Site, image: str) -> str:
@@ -285,7 +334,7 @@ def kubernetes(launch: Launch, site: Site, image: str) -> str:
                site.data_source, "--data.cache_dir", f"{RUN_MOUNT}/.cache/meshlm",
                "--log.run_dir", run_dir]  # fmt: skip
     shm = f"{SHM_GB_PER_GPU * max(1, launch.nproc_per_node)}Gi"
-    limits: dict[str, object] = {"nvidia.com/gpu": launch.nproc_per_node} if launch.gpu else {}
+    limits = {"nvidia.com/gpu": str(launch.nproc_per_node)} if launch.gpu else {}  # quantities are strings
     pod: dict[str, object] = {
         "terminationGracePeriodSeconds": math.ceil(launch.grace_s + TEARDOWN_S),
         "containers": [
@@ -294,7 +343,7 @@ def kubernetes(launch: Launch, site: Site, image: str) -> str:
                 "image": image,
                 "command": command,
                 "env": [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}],
-                "resources": {"limits": limits | {"cpu": site.cpus_per_gpu * launch.nproc_per_node}},
+                "resources": {"limits": limits | {"cpu": str(site.cpus_per_gpu * launch.nproc_per_node)}},
                 "volumeMounts": [{"name": "run", "mountPath": RUN_MOUNT}, {"name": "dshm", "mountPath": "/dev/shm"}],
             }
         ],
@@ -341,14 +390,15 @@ def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
     (`any_of`) or on demand, `job_recovery` relaunching it after a preemption (and at most ERROR_RELAUNCHES
     times after a failure, so a deterministic crash does not loop), the run directory on `site.bucket` in
     MOUNT_CACHED mode (local writes, so meshlm's atomic folder rename stays atomic, uploaded behind), meshlm
-    installed from a wheel or a source tree, and a `run` command that starts one `meshlm launch` agent per
+    pip-installed from `site.install` (a requirement, a wheel URL, or a local wheel SkyPilot uploads), user
+    values as JSON strings (valid YAML), and a `run` command that starts one `meshlm launch` agent per
     node from SkyPilot's node variables (c10d rendezvous on the first IP, so a worker that dies restarts the
     group in place up to `--max-restarts` times per launch); `meshlm train` resumes from the
     newest valid checkpoint there. SkyPilot replaces the whole cluster when a node goes, so the job is rigid
     (`TARGET_SHAPES`). Written by hand as a plain subset of YAML (no anchors, flow collections or tags)."""
     name = job_name(launch.name)
     accelerator = SKYPILOT_ACCELERATORS.get(hw.name, hw.name)
-    resources = [f"  accelerators: {accelerator}:{launch.nproc_per_node}"] if launch.gpu else []
+    resources = [f"  accelerators: {json.dumps(f'{accelerator}:{launch.nproc_per_node}')}"] if launch.gpu else []
     resources += [f"  cpus: {site.cpus_per_gpu * launch.nproc_per_node}+"]
     if pool.spot:
         resources += ["  any_of:", "    - use_spot: true", "    - use_spot: false"]
@@ -356,17 +406,16 @@ def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
         resources += ["  use_spot: false"]
     resources += ["  job_recovery:", "    strategy: EAGER_NEXT_REGION",
                   f"    max_restarts_on_errors: {ERROR_RELAUNCHES}"]  # fmt: skip
-    mounts = [f"  {RUN_MOUNT}:", f"    source: {site.bucket}", "    mode: MOUNT_CACHED"]
-    workdir: list[str] = []
-    install = Path(site.install) if site.install else None
-    if install is not None and install.suffix == ".whl":
-        mounts += [f"  /meshlm-dist/{install.name}: {install}"]
-        setup = f"pip install /meshlm-dist/{install.name}"
-    elif install is not None:
-        workdir = [f"workdir: {install}"]
-        setup = "pip install ."  # SkyPilot syncs workdir to every node and runs setup in it
+    mounts = [f"  {RUN_MOUNT}:", f"    source: {json.dumps(site.bucket)}", "    mode: MOUNT_CACHED"]
+    if not site.install:
+        raise PlanError("--emit skypilot needs --install (a pip requirement such as 'meshlm==0.1.0', or a meshlm "
+                        "wheel: a path SkyPilot uploads or a URL)")  # fmt: skip
+    wheel = site.install.rsplit("/", 1)[-1]
+    if site.install.endswith(".whl") and "://" not in site.install:  # a local wheel: SkyPilot uploads it
+        mounts += [f"  {json.dumps('/meshlm-dist/' + wheel)}: {json.dumps(site.install)}"]
+        setup = shlex.join(["pip", "install", f"/meshlm-dist/{wheel}"])
     else:
-        raise PlanError("--emit skypilot needs --install (a meshlm wheel or source directory to install)")
+        setup = shlex.join(["pip", "install", site.install])
     train = shlex.join(["-m", "meshlm.cli", "train", *launch.train_args])
     run = f"""set -uo pipefail
 # torchrun's shared rendezvous store keeps a previous attempt's addresses (pytorch/pytorch#135712)
@@ -383,11 +432,10 @@ meshlm launch --nnodes="$SKYPILOT_NUM_NODES:$SKYPILOT_NUM_NODES" --nproc-per-nod
   {train} --data.source "$MESHLM_DATA" --data.cache_dir "$MESHLM_CACHE_DIR" \\
   --log.run_dir "$MESHLM_RUN_DIR" ${{MESHLM_TRAIN_ARGS:-}}"""
     lines = [
-        f"# {launch.summary}",
+        f"# {comment(launch.summary)}",
         f"# Written by `meshlm plan --emit skypilot`; launch with `sky jobs launch {name}.sky.yaml`.",
         f"name: {name}",
         f"num_nodes: {launch.nodes}",
-        *workdir,
         "resources:",
         *resources,
         "envs:",

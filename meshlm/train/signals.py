@@ -11,7 +11,9 @@ installed until the process exits, so no SIGTERM ever kills a meshlm process sil
   agree, save once and exit 0 (`meshlm.train.guards.Preemption`);
 - during teardown, after the last save, it only counts too.
 
-Only SIGKILL (the scheduler's hard kill after the notice) stops the process otherwise. This module imports
+SIGUSR1, the warning many Slurm sites configure (`--signal=USR1@…`, delivered to every task of the step), is
+the same notice as SIGTERM everywhere here. Only SIGKILL (the scheduler's hard kill after the notice) stops
+the process otherwise. This module imports
 nothing heavy, so the CLI installs the handler before importing torch.
 
 SIGINT (Ctrl-C, or torchrun's agent forwarding its own Ctrl-C to its workers) is the same notice: one save, one
@@ -28,7 +30,7 @@ from types import FrameType
 
 PREEMPTED_BEFORE_START = "preempted before the first step; nothing to save"
 INTERRUPTED_BEFORE_START = "interrupted (SIGINT) before the first step; nothing to save"
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # SIGUSR1 is a SIGTERM here
 INTERRUPTED_EXIT = 128 + signal.SIGINT  # what `meshlm train` exits with after a Ctrl-C (and its save)
 
 
