@@ -5,8 +5,8 @@ least one run, and each run matches the single-process run of the same global ba
 (tests/equivalence.py, criterion 1; criterion 2 too for an SGD run). The runs share the session's gloo groups
 (tests/distributed.py `run_shared`), two ranks and four, so a case costs its training steps and no process
 start. ZeRO stages vary over the cases that hold data replicas (where sharding meets the other strategy) and
-one SGD run crosses the optimizer with ZeRO's sharded state. The module's per-strategy matrices (every ZeRO
-stage × optimizer, every schedule, the three-way compositions) are the slow tier (`make test-full`).
+one SGD run crosses the optimizer with ZeRO's sharded state. Each strategy's own test module keeps its longer
+matrices (every ZeRO stage × optimizer, every schedule, the three-way compositions) in the slow tier.
 
 `test_every_pair_of_strategies_has_a_composition` is derived from STRATEGIES itself: a strategy added to the
 list fails it until a run composing it with every other strategy is added here."""
