@@ -185,6 +185,7 @@ def test_meshlm_plan_proposes_ep_for_mixtral_on_64_h100s(capsys: pytest.CaptureF
     assert all(p["step_parts_s"]["ep_comm"] > 0 for p in with_ep)
 
 
+@pytest.mark.slow  # a 64-GPU search and its 89,671 plans through the runtime's checks: ~100 s; tiny-moe below is fast
 def test_every_mixtral_plan_on_64_h100s_is_one_the_runtime_runs() -> None:
     """All the layouts that fit Mixtral 8x7B on 64 H100s pass the trainer's checks, ep composed with pp, cp and
     tp among them."""
