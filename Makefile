@@ -1,19 +1,22 @@
 # The two quick-start commands: `make demo` trains the tiny model on the standard-library corpus,
-# `make test` runs lint and the whole test suite, slow checks included (a plain `pytest` skips them). Both
-# create the virtual environment on first use.
+# `make test` runs lint and the fast tier (a plain `pytest`: the checks marked slow are skipped, and every pair
+# of strategies keeps an equivalence run, tests/test_compositions.py). `make test-full` runs lint and every
+# check, slow ones included (`pytest --run-slow`); CI (.ci/run) runs `make test`, then
+# `make test-slow` (the slow tier alone, `pytest -m slow`, so nothing runs twice).
+# All create the virtual environment on first use.
 # `make test-portability` reruns the layout-equivalence tests under other CPU kernels (another machine's
 # rounding, tests/equivalence.py): CAPABILITY=default|avx2|avx512 (not above what this CPU has), THREADS=1|2.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-portability lint bench clean
+.PHONY: demo test test-full test-slow test-portability lint bench clean
 
 CAPABILITY ?= default
 THREADS ?= 1
 PARALLEL_TESTS := tests/test_tensor_parallel.py tests/test_data_parallel.py tests/test_pipeline.py \
 	tests/test_checkpoint_reshard.py tests/test_trainer_distributed.py tests/test_api.py tests/test_context_parallel.py \
-	tests/test_loss_contract.py tests/test_tied.py tests/test_expert_parallel.py
+	tests/test_loss_contract.py tests/test_tied.py tests/test_expert_parallel.py tests/test_compositions.py
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +32,13 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check meshlm tests benchmarks examples
 
 test: lint
+	$(PY) -m pytest
+
+test-full: lint
 	$(PY) -m pytest --run-slow
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -m slow
 
 test-portability: $(VENV)/.installed
 	ATEN_CPU_CAPABILITY=$(CAPABILITY) MESHLM_TEST_THREADS=$(THREADS) $(PY) -m pytest --run-slow $(PARALLEL_TESTS)

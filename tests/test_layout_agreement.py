@@ -84,9 +84,19 @@ def runtime_accepts(strategy: Strategy, model: ModelConfig, seq_len: int, global
             s.mesh, model, global_batch, s.micro_batch, s.virtual_stages, s.schedule, seq_len, s.sequence_parallel,
             s.cp_attention,
         )  # fmt: skip
-        net = meta_model(model)
-        options = ParallelOptions(zero=s.zero, sequence_parallel=s.sequence_parallel, cp_attention=s.cp_attention)
-        check_model(net, plan_for(net), s.mesh, options)
+    except (LayoutError, PlanError):
+        return False
+    return model_accepted(model, s.mesh, s.zero, s.sequence_parallel, s.cp_attention)
+
+
+@functools.cache
+def model_accepted(model: ModelConfig, mesh: Layout, zero: int, sequence_parallel: bool, cp_attention: str) -> bool:
+    """ParallelModel's checks of the model against its plan (check_model), which read only these: once per
+    distinct set (a search's plans share them by the thousand; each check probes every pipeline stage)."""
+    net = meta_model(model)
+    options = ParallelOptions(zero=zero, sequence_parallel=sequence_parallel, cp_attention=cp_attention)
+    try:
+        check_model(net, plan_for(net), mesh, options)
     except (LayoutError, PlanError):
         return False
     return True

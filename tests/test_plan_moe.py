@@ -172,6 +172,7 @@ MIXTRAL_64 = ["--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "H100-SXM", "-
               "--global-batch", "256"]  # fmt: skip
 
 
+@pytest.mark.slow  # a 64-GPU Mixtral search through the CLI: ~45 s under load; tiny-moe's searches below are fast
 def test_meshlm_plan_proposes_ep_for_mixtral_on_64_h100s(capsys: pytest.CaptureFixture) -> None:
     """`meshlm plan` on Mixtral 8x7B and 64 H100s ranks expert-parallel layouts among its best (ep within a
     node: the all-to-alls of 32 MoE layers per micro-batch on NVLink), each plan's memory counting expert
@@ -185,6 +186,7 @@ def test_meshlm_plan_proposes_ep_for_mixtral_on_64_h100s(capsys: pytest.CaptureF
     assert all(p["step_parts_s"]["ep_comm"] > 0 for p in with_ep)
 
 
+@pytest.mark.slow  # a 64-GPU search and its 89,671 plans through the runtime's checks: ~100 s; tiny-moe below is fast
 def test_every_mixtral_plan_on_64_h100s_is_one_the_runtime_runs() -> None:
     """All the layouts that fit Mixtral 8x7B on 64 H100s pass the trainer's checks, ep composed with pp, cp and
     tp among them."""
