@@ -123,20 +123,20 @@ def combined_in_expert_order() -> Iterator[list]:
 def expert_grads_over_all_replicas() -> Iterator[list]:
     """The bug: expert shards are bucketed with the dense weights, so their gradients are reduced over every
     data replica (dp × ep), summing different experts' gradients."""
-    from meshlm.parallel import data_parallel
+    from meshlm.parallel.placement import Placement
 
     fired: list = []
-    original = data_parallel.is_expert_param
+    original = Placement.expert
 
-    def never(param: torch.nn.Parameter) -> bool:
-        fired.append(original(param))
+    def never(self: Placement) -> bool:
+        fired.append(original.fget(self))
         return False
 
-    data_parallel.is_expert_param = never
+    Placement.expert = property(never)
     try:
         yield fired
     finally:
-        data_parallel.is_expert_param = original
+        Placement.expert = original
 
 
 @contextlib.contextmanager

@@ -10,8 +10,9 @@ A strategy owns one mesh dimension and three steps, each a call into its own mod
                                        PlanError naming the module (`check_model`: trainer, `parallelize`,
                                        ParallelModel).
   apply(build)                         transforms this rank's model in place (`build.model`, `build.chunks`)
-                                       and records, on every parameter it cuts, its placement (a TPShard,
-                                       meshlm.parallel.tp_shard: along which dim, which runs of the full tensor).
+                                       and records every parameter it cuts or ties in `build.placements`
+                                       (meshlm.parallel.placement: its slice along which dim, which runs of the
+                                       full tensor; nothing is stored on a tensor).
 
 STRATEGIES lists them in composition order: tensor parallel swaps the modules its plan names for sharded ones;
 the fused loss (not a mesh dimension, but a transform of the head that must see tp's) fuses the head with the
@@ -37,6 +38,7 @@ from meshlm.parallel.mesh import (
     check_tensor_parallel,
 )
 from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.placement import Placements
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +94,7 @@ class Build:
     gather_logits: bool = False
     fused_loss: bool = False
     ignore_index: int = -100
+    placements: Placements = field(default_factory=Placements)  # where each parameter lives (the readers' table)
     chunks: list[nn.Module] = field(default_factory=list)
     pipeline: PipelineSchedule | None = None
     dp: DataParallel | None = None
@@ -111,7 +114,7 @@ class Strategy(Protocol):
 
 
 class TensorParallel:
-    """meshlm.parallel.tensor_parallel: the plan's Linear/Embedding modules sharded over `tp` (TPShard)."""
+    """meshlm.parallel.tensor_parallel: the plan's Linear/Embedding modules sharded over `tp` (a TPShard each)."""
 
     dim = "tp"
 
@@ -129,7 +132,9 @@ class TensorParallel:
     def apply(self, build: Build) -> None:
         from meshlm.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 
-        tp = apply_tensor_parallel(build.model, build.mesh.group("tp"), build.options.sequence_parallel, build.plan)
+        tp = apply_tensor_parallel(
+            build.model, build.mesh.group("tp"), build.placements, build.options.sequence_parallel, build.plan
+        )
         for m in build.model.modules():
             if getattr(m, "vocab_head", False):
                 m.gather_output = build.gather_logits
@@ -208,7 +213,7 @@ class ExpertParallel:
     def apply(self, build: Build) -> None:
         from meshlm.parallel.expert_parallel import apply_expert_parallel
 
-        apply_expert_parallel(build.model, build.mesh.group("ep"))
+        apply_expert_parallel(build.model, build.mesh.group("ep"), build.placements)
 
 
 class PipelineParallel:
@@ -237,7 +242,14 @@ class PipelineParallel:
 
         mesh, options, engine = build.mesh, build.options, build.engine
         layout = mesh.layout
-        build.chunks = split_model(build.model, mesh.rank("pp"), layout.pp, options.virtual_stages, plan=build.plan)
+        build.chunks = split_model(
+            build.model,
+            mesh.rank("pp"),
+            layout.pp,
+            options.virtual_stages,
+            plan=build.plan,
+            placements=build.placements,
+        )
         build.pipeline = PipelineSchedule(
             build.chunks,
             mesh.group("pp"),
@@ -249,7 +261,10 @@ class PipelineParallel:
             seq_shards=layout.tp if options.sequence_parallel else 1,
             hidden_size=hidden_size(build.model, build.plan.pipeline),
         )
-        build.tied = TiedStages.build(build.model, build.chunks, build.plan.pipeline, mesh)
+        build.tied = TiedStages.build(build.model, build.chunks, build.plan.pipeline, mesh, build.placements)
+        if build.tied is not None and build.tied.replica:  # the first stage counts and writes a tied weight
+            for p in build.tied.params:
+                build.placements.record(p, counted=False)
 
 
 class DataParallelism:
@@ -293,6 +308,7 @@ class DataParallelism:
                 plan=build.plan,
                 source=build.meta_init,
                 expert_group=mesh.group("dp_cp") if mesh.layout.ep > 1 else None,
+                placements=build.placements,
             )
         if build.meta_init is not None:
             build.meta_init.check_done()
