@@ -97,6 +97,9 @@ class NormCountedElsewhere:
     def apply(self, build: strategies.Build) -> None:
         build.placements.record(build.model.model.norm.weight, counted=False)
 
+    def gather_state(self, state: dict, model: object) -> dict:
+        return state
+
 
 def _norms_and_saved_names(toy: bool) -> tuple[float, float, list[str], list[str]]:
     """At world 1 (ZeRO-0), with or without the toy strategy before data parallel: the clipped gradient
@@ -143,3 +146,23 @@ def test_a_strategys_placement_records_are_read_by_clipping_and_checkpoints() ->
 
 def _toy_strategy_runs() -> tuple[tuple, tuple]:
     return _norms_and_saved_names(False), _norms_and_saved_names(True)
+
+
+def test_the_engine_names_no_parallelism_in_its_run_time_methods() -> None:
+    """Clipping, checkpoint shards and the full state dict read the placement table and the applied strategies'
+    hooks; none of them names tensor, expert or pipeline parallelism (their code, docstrings aside)."""
+    import ast
+    import inspect
+    import re
+    import textwrap
+
+    from meshlm.parallel.engine import ParallelModel
+
+    words = re.compile(r"'tp'|'ep'|'pp'|\b(pipeline|tensor_parallel|expert\w*|self\.tied)\b")
+    for method in (ParallelModel.clip_grad_norm_, ParallelModel.local_shards, ParallelModel.full_state_dict):
+        (function,) = ast.parse(textwrap.dedent(inspect.getsource(method))).body
+        docstring = function.body[0]
+        assert isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)
+        function.body = function.body[1:]
+        named = [m.group(0) for m in words.finditer(ast.unparse(function))]
+        assert not named, (method.__name__, named)

@@ -148,7 +148,7 @@ class ParallelModel:
             ignore_index=ignore_index,
             placements=self.placements,
         )
-        apply_strategies(build)
+        self.strategies = apply_strategies(build)
         self.chunks, self.token_loss = build.chunks, build.token_loss
         self.pipeline, self.dp, self.tied = build.pipeline, build.dp, build.tied
         for chunk in self.chunks:  # MoE aux losses: each micro-batch's share, like the loss's / n_micro
@@ -498,18 +498,6 @@ class ParallelModel:
             state = {}
             for chunk in self.chunks:
                 state.update({k: v.detach().float().cpu().clone() for k, v in chunk.state_dict().items()})
-        if self.mesh.size("tp") > 1:
-            from meshlm.parallel.tensor_parallel import unshard_state_dict
-
-            params = {n: p for c in self.chunks for n, p in c.named_parameters(remove_duplicate=False)}
-            state = unshard_state_dict(state, params, self.placements, self.mesh.group("tp"))
-        if self.mesh.size("ep") > 1:
-            from meshlm.parallel.expert_parallel import unshard_experts
-
-            params = {n: p for c in self.chunks for n, p in c.named_parameters(remove_duplicate=False)}
-            state = unshard_experts(state, params, self.placements, self.mesh.group("ep"))
-        if self.pipeline is not None:
-            parts: list[dict[str, torch.Tensor] | None] = [None] * self.mesh.size("pp")
-            dist.all_gather_object(parts, state, group=self.mesh.group("pp"))
-            state = {k: v for part in parts for k, v in part.items()}
+        for strategy in self.strategies:  # each gathers what it split over its mesh dimension, in order
+            state = strategy.gather_state(state, self)
         return state
