@@ -65,14 +65,3 @@ def load_state(module: nn.Module, state: Mapping[str, torch.Tensor], where: str)
         raise ValueError(f"{where}: unexpected tensor {name}")
     aliases = tied_aliases(module)
     module.load_state_dict({**state, **{alias: state[c] for alias, c in aliases.items()}})
-
-
-def mark_pp_tied(param: nn.Parameter) -> None:
-    """Mark a weight that both the first and the last pipeline stage hold (meshlm.parallel.pipeline)."""
-    param._meshlm_pp_tied = True  # a tag like tensor parallelism's, kept when a meta placeholder is replaced
-
-
-def is_pp_tied(param: nn.Parameter) -> bool:
-    """True for a weight both ends of a pipeline hold: a flat buffer of its own under data parallelism, its
-    gradient summed over the embedding group, counted and saved by the first stage only."""
-    return getattr(param, "_meshlm_pp_tied", False)

@@ -127,6 +127,8 @@ def train_layout(
     model = Transformer(model_cfg)
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
     pm = ParallelModel(model, mesh, par, n_micro, fused_loss=fused_loss)
+    tagged = [(name, key) for name, p in pm.named_parameters() for key in vars(p) if "meshlm" in key]
+    assert not tagged, tagged  # placement lives in pm.placements (meshlm.parallel.placement), not on tensors
     if optimizer == "sgd":
         opt = torch.optim.SGD(pm.optimizer_param_groups(train.weight_decay), lr=train.lr, foreach=True)
     else:

@@ -4,6 +4,7 @@ combine, per-parameter gradient reduction groups, checkpoints that reshard acros
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -123,20 +124,24 @@ def combined_in_expert_order() -> Iterator[list]:
 def expert_grads_over_all_replicas() -> Iterator[list]:
     """The bug: expert shards are bucketed with the dense weights, so their gradients are reduced over every
     data replica (dp × ep), summing different experts' gradients."""
-    from meshlm.parallel import data_parallel
+    from meshlm.parallel.placement import Placement
 
     fired: list = []
-    original = data_parallel.is_expert_param
+    original = Placement.expert
 
-    def never(param: torch.nn.Parameter) -> bool:
-        fired.append(original(param))
+    def never(self: Placement) -> bool:
+        """False where data parallel asks (unsharding for full_state_dict still sees the experts)."""
+        expert = original.fget(self)
+        if sys._getframe(1).f_globals["__name__"] != "meshlm.parallel.data_parallel":
+            return expert
+        fired.append(expert)
         return False
 
-    data_parallel.is_expert_param = never
+    Placement.expert = property(never)
     try:
         yield fired
     finally:
-        data_parallel.is_expert_param = original
+        Placement.expert = original
 
 
 @contextlib.contextmanager

@@ -77,3 +77,92 @@ def test_model_checks_run_only_for_enabled_strategies() -> None:
     check_model(model, plan_for(model), Layout(dp=2), ParallelOptions())
     with pytest.raises(PlanError, match="no mixture-of-experts layers"):
         check_model(model, plan_for(model), Layout(ep=2), ParallelOptions())
+
+
+class NormCountedElsewhere:
+    """A strategy of one's own that records one placement: the final norm weight is counted and written by
+    another rank (as tensor parallel records for its ranks > 0)."""
+
+    dim = ""
+
+    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
+        return True
+
+    def check_layout(self, spec: LayoutSpec) -> None:
+        pass
+
+    def check(self, model: object, plan: object, layout: Layout, options: ParallelOptions) -> None:
+        pass
+
+    def apply(self, build: strategies.Build) -> None:
+        build.placements.record(build.model.model.norm.weight, counted=False)
+
+    def gather_state(self, state: dict, model: object) -> dict:
+        return state
+
+
+def _norms_and_saved_names(toy: bool) -> tuple[float, float, list[str], list[str]]:
+    """At world 1 (ZeRO-0), with or without the toy strategy before data parallel: the clipped gradient
+    norm, the norm weight's own gradient norm, and the names a checkpoint writes and loads."""
+    from meshlm.checkpoint.state import training_entries
+    from meshlm.config import ParallelSection
+    from meshlm.parallel.engine import ParallelModel
+    from meshlm.parallel.mesh import build_mesh
+
+    original = strategies.STRATEGIES
+    if toy:
+        strategies.STRATEGIES = (*original[:-1], NormCountedElsewhere(), original[-1])
+    try:
+        torch.manual_seed(0)
+        pm = ParallelModel(Transformer(MODEL), build_mesh(Layout(), "cpu"), ParallelSection(), n_micro=1)
+    finally:
+        strategies.STRATEGIES = original
+    tagged = [(name, key) for name, p in pm.named_parameters() for key in vars(p) if "meshlm" in key]
+    assert not tagged, tagged  # placement lives in pm.placements, never on a tensor
+    x = torch.randint(0, MODEL.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    pm.forward_backward(x[:, :-1], x[:, 1:])
+    norm_weight = dict(pm.named_parameters())["model.norm.weight"]
+    own = float(norm_weight.grad.norm())
+    written = sorted(training_entries(pm, writer=True))
+    loaded = sorted(training_entries(pm))
+    return float(pm.clip_grad_norm_(0.0)), own, written, loaded
+
+
+def test_a_strategys_placement_records_are_read_by_clipping_and_checkpoints() -> None:
+    """The placement table is the one place readers look: a toy strategy recording the final norm weight as
+    counted elsewhere takes its term out of the global gradient norm and its tensor out of what this rank
+    writes (not out of what it loads), and no parameter of a built model carries a meshlm attribute."""
+    from distributed import run_shared
+
+    (plain, toy) = run_shared(_toy_strategy_runs, 1)[0]
+    norm, own, written, loaded = plain
+    toy_norm, toy_own, toy_written, toy_loaded = toy
+    assert own == toy_own > 0
+    assert abs(toy_norm**2 - (norm**2 - own**2)) <= 1e-5 * norm**2, (norm, own, toy_norm)
+    assert "model/model.norm.weight" in written and loaded == written
+    assert toy_written == [k for k in written if k != "model/model.norm.weight"]
+    assert toy_loaded == loaded
+
+
+def _toy_strategy_runs() -> tuple[tuple, tuple]:
+    return _norms_and_saved_names(False), _norms_and_saved_names(True)
+
+
+def test_the_engine_names_no_parallelism_in_its_run_time_methods() -> None:
+    """Clipping, checkpoint shards and the full state dict read the placement table and the applied strategies'
+    hooks; none of them names tensor, expert or pipeline parallelism (their code, docstrings aside)."""
+    import ast
+    import inspect
+    import re
+    import textwrap
+
+    from meshlm.parallel.engine import ParallelModel
+
+    words = re.compile(r"'tp'|'ep'|'pp'|\b(pipeline|tensor_parallel|expert\w*|self\.tied)\b")
+    for method in (ParallelModel.clip_grad_norm_, ParallelModel.local_shards, ParallelModel.full_state_dict):
+        (function,) = ast.parse(textwrap.dedent(inspect.getsource(method))).body
+        docstring = function.body[0]
+        assert isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)
+        function.body = function.body[1:]
+        named = [m.group(0) for m in words.finditer(ast.unparse(function))]
+        assert not named, (method.__name__, named)

@@ -27,6 +27,7 @@ from torch import nn
 
 from meshlm.model import ModelConfig, Transformer, cross_entropy_loss, generate
 from meshlm.parallel.mesh import LayoutError
+from meshlm.parallel.placement import Placements
 from meshlm.parallel.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
@@ -124,7 +125,7 @@ def _check_embedding() -> None:
         ref_embed: nn.Embedding = ref_model.model.embed_tokens
         ref_out = ref_embed(ids)
         ref_out.backward(upstream)
-        apply_tensor_parallel(model, group, sequence_parallel=sp)
+        apply_tensor_parallel(model, group, Placements(), sequence_parallel=sp)
         out = model.model.embed_tokens(ids)
         grad = upstream.chunk(world, 1)[rank] if sp else upstream
         out.backward(grad)
@@ -147,10 +148,11 @@ def _check_gradients(cfg: ModelConfig, sp: bool, checkpointing: bool) -> None:
     cross_entropy_loss(ref(x), y).backward()
     torch.manual_seed(0)
     model = Transformer(cfg)
-    apply_tensor_parallel(model, group, sequence_parallel=sp)
+    placements = Placements()
+    apply_tensor_parallel(model, group, placements, sequence_parallel=sp)
     model.activation_checkpointing = checkpointing
     vocab_parallel_cross_entropy(model(x), y, group).mean().backward()
-    grads = unshard_state_dict({n: p.grad for n, p in model.named_parameters()}, model, group)
+    grads = unshard_state_dict({n: p.grad for n, p in model.named_parameters()}, model, placements, group)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=2e-7, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -194,7 +196,7 @@ def _activation_bytes(batch: int = 2, seq: int = 32) -> dict[str, int]:
         torch.manual_seed(0)
         model = Transformer(TEST_MODEL)
         if sp is not None:
-            apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
+            apply_tensor_parallel(model, dist.group.WORLD, Placements(), sequence_parallel=sp)
         block_input = x.chunk(world, 1)[rank] if sp else x
         out[name] = _saved_block_bytes(model, block_input.clone().requires_grad_())
     return out
@@ -206,7 +208,7 @@ def _generate_both_ways(state: dict[str, torch.Tensor], cfg: ModelConfig, prompt
     full.load_state_dict(state)
     sharded = Transformer(cfg)
     sharded.load_state_dict(state)
-    apply_tensor_parallel(sharded, dist.group.WORLD, sequence_parallel=True)
+    apply_tensor_parallel(sharded, dist.group.WORLD, Placements(), sequence_parallel=True)
     with gathered_logits(sharded):
         from_shards = generate(sharded, prompt, NEW_TOKENS, temperature=0)
     return {"full": generate(full, prompt, NEW_TOKENS, temperature=0), "sharded": from_shards}

@@ -30,6 +30,7 @@ from equivalence import (
 from meshlm.cli import main
 from meshlm.model import Transformer
 from meshlm.parallel.pipeline import TiedStages, split_model
+from meshlm.parallel.placement import Placements
 from meshlm.parallel.plan import ParallelPlan, PipelineSplit, PlanError, check_tp_plan, plan_for
 
 TIED = TEST_MODEL.replace(tie_embeddings=True)
@@ -78,9 +79,9 @@ def tied_weight_counted_twice_in_the_norm() -> Iterator[list]:
     fired: list = []
     init = TiedStages.__init__
 
-    def both_count(self: TiedStages, params: list, group: object, replica: bool) -> None:
+    def both_count(self: TiedStages, params: list, group: object, replica: bool, placements: object) -> None:
         fired.append(replica)
-        init(self, params, group, replica=False)
+        init(self, params, group, False, placements)
 
     with _patched(TiedStages, "__init__", both_count):
         yield fired
@@ -235,10 +236,12 @@ class SharedBlocks(torch.nn.Module):
 
 def test_only_a_first_last_tie_can_be_pipelined():
     model = Transformer(TIED)
-    chunks = [split_model(model, r, 2) for r in range(2)]
+    placements = Placements()
+    chunks = [split_model(model, r, 2, placements=placements) for r in range(2)]
     first, last = chunks[0][0], chunks[1][0]
     assert first.model.embed_tokens.weight is last.lm_head.weight is model.lm_head.weight
-    assert getattr(model.lm_head.weight, "_meshlm_pp_tied", False)
+    assert placements[model.lm_head.weight].pp_tied
+    assert not placements[model.model.norm.weight].pp_tied
     plan = ParallelPlan("shared", pipeline=PipelineSplit(layers="blocks", first=("embed",), last=("head",)))
     with pytest.raises(PlanError, match=r"blocks\.0\.0\.weight and blocks\.1\.0\.weight .* two pipeline parts"):
         split_model(SharedBlocks(), 0, 2, plan=plan)

@@ -3,8 +3,9 @@
 Keys are layout-free (`model/<name>`, `optim/<state>/<name>` for each per-element optimizer state, e.g.
 AdamW's exp_avg and exp_avg_sq, each of the full model's shape), so any layout can load what any other
 layout saved. This rank contributes the boxes it
-holds: ZeRO flat pieces cut into row boxes (shards.flat_range_boxes), placed by its TPShard (one box per run)
-and, for an expert-parallel rank's slice of stacked experts, by its EP placement (dim 0; under ep × tp both).
+holds: ZeRO flat pieces cut into row boxes (shards.flat_range_boxes), placed by the slices the model's
+placement table records for the parameter (meshlm.parallel.placement): its tp slice (one box per run) and,
+for an expert-parallel rank's slice of stacked experts, its ep slice (dim 0; under ep × tp both).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch.distributed as dist
 
 from meshlm.checkpoint.shards import Chunks, flat_range_boxes
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.expert_parallel import placements
 
 
 def key_of(kind: str, name: str) -> str:
@@ -34,7 +34,7 @@ def training_entries(
     entries: dict[str, Chunks] = {}
     for kind, pieces in model.local_shards(optimizer, writer, frozen).items():
         for piece in pieces:
-            shards = placements(params[piece.name])
+            shards = model.placements[params[piece.name]].shards
             entry = entries.setdefault(key_of(kind, piece.name), Chunks(shapes[piece.name], [], []))
             start = 0
             for offsets, sizes in flat_range_boxes(

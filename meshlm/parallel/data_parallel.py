@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.parallel.expert_parallel import is_expert_param
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.placement import Placements
 from meshlm.parallel.plan import ParallelPlan, plan_for, zero3_unit_groups
 from meshlm.parallel.timers import comm, timed_wait
 from meshlm.parallel.zero import (
@@ -51,7 +51,6 @@ from meshlm.parallel.zero import (
     nested_shard_groups,
     reduce_scatter_flat,
 )
-from meshlm.ties import is_pp_tied
 
 # ZeRO-2/3 wait for the oldest reduction beyond this many in flight, so freed gradient buffers bound memory.
 MAX_INFLIGHT_SHARDED_REDUCTIONS = 2
@@ -106,7 +105,7 @@ class ShardedTensor:
     local: torch.Tensor
 
 
-def bucket_params(params: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:
+def bucket_params(params: list[nn.Parameter], bucket_bytes: float, placements: Placements) -> list[list[nn.Parameter]]:
     """Buckets in reverse order of registration, which is roughly the order gradients become ready in backward,
     so the first buckets fill (and start reducing) early; one kind (decay or not) per bucket. A weight both
     ends of a pipeline hold (a tied embedding) is a bucket of its own, so both ends shard it alike."""
@@ -114,7 +113,7 @@ def bucket_params(params: list[nn.Parameter], bucket_bytes: float) -> list[list[
     filling: dict[bool, list[nn.Parameter]] = {True: [], False: []}
     size = {True: 0, False: 0}
     for p in reversed(params):
-        if is_pp_tied(p):
+        if placements[p].pp_tied:
             buckets.append([p])
             continue
         kind = decays(p)
@@ -126,10 +125,10 @@ def bucket_params(params: list[nn.Parameter], bucket_bytes: float) -> list[list[
     return buckets + [b for b in filling.values() if b]
 
 
-def split_by_kind(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+def split_by_kind(params: list[nn.Parameter], placements: Placements) -> list[list[nn.Parameter]]:
     """Matrices, vectors, and each weight both ends of a pipeline hold alone (see bucket_params)."""
-    alone = [[p] for p in params if is_pp_tied(p)]
-    rest = [p for p in params if not is_pp_tied(p)]
+    alone = [[p] for p in params if placements[p].pp_tied]
+    rest = [p for p in params if not placements[p].pp_tied]
     return alone + [group for group in ([p for p in rest if decays(p)], [p for p in rest if not decays(p)]) if group]
 
 
@@ -169,6 +168,8 @@ class DataParallel:
     replicate across blocks. param_dtype is the working (gathered) weight dtype, e.g. bf16, over fp32 master
     shards (zero >= 1); reduce_dtype is the dtype gradients are summed in. `source` initialises the
     placeholders of a meta-built model (meshlm.parallel.materialize): each rank fills only what it holds.
+    `placements` (the build's table, meshlm.parallel.placement) says which gradients `expert_group` reduces
+    and which weights both pipeline ends hold.
     """
 
     def __init__(
@@ -183,6 +184,7 @@ class DataParallel:
         plan: ParallelPlan | None = None,
         source: ParamSource | None = None,
         expert_group: dist.ProcessGroup | None = None,
+        placements: Placements | None = None,
     ) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero}")
@@ -191,6 +193,7 @@ class DataParallel:
         self.chunks = chunks
         self.plan = plan
         self.source = source
+        self.placements = placements = Placements() if placements is None else placements
         self.stage = zero
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
@@ -227,11 +230,11 @@ class DataParallel:
                 self.units += units
                 self.chunk_buffers.append([buf for unit in reversed(units) for buf in unit.buffers[: unit.trainable]])
             else:
-                dense = [p for p in params if not is_expert_param(p)]
-                experts = [p for p in params if is_expert_param(p)]
+                dense = [p for p in params if not placements[p].expert]
+                experts = [p for p in params if placements[p].expert]
                 self.chunk_buffers.append(
-                    [self._make_buffer(b) for b in bucket_params(dense, bucket_mb * 2**20)]
-                    + [self._make_buffer(b, self.expert) for b in bucket_params(experts, bucket_mb * 2**20)]
+                    [self._make_buffer(b) for b in bucket_params(dense, bucket_mb * 2**20, placements)]
+                    + [self._make_buffer(b, self.expert) for b in bucket_params(experts, bucket_mb * 2**20, placements)]
                 )
         self.buffers = [buf for bufs in self.chunk_buffers for buf in bufs]
         self.unit_of_buffer = {id(buf): unit for unit in self.units for buf in unit.buffers}
@@ -275,13 +278,13 @@ class DataParallel:
             mine = list(mine.values())
             if mine:
                 trainable = [p for p in mine if p.requires_grad]
-                if any(is_expert_param(p) and not p.requires_grad for p in mine):
+                placements = self.placements
+                if any(placements[p].expert and not p.requires_grad for p in mine):
                     raise ValueError("frozen expert shards under expert parallelism and ZeRO-3 are not supported")
-                buffers = [
-                    self._make_buffer(kind) for kind in split_by_kind([p for p in trainable if not is_expert_param(p)])
-                ]
-                experts = [p for p in trainable if is_expert_param(p)]
-                buffers += [self._make_buffer(kind, self.expert) for kind in split_by_kind(experts)]
+                dense = [p for p in trainable if not placements[p].expert]
+                experts = [p for p in trainable if placements[p].expert]
+                buffers = [self._make_buffer(kind) for kind in split_by_kind(dense, placements)]
+                buffers += [self._make_buffer(kind, self.expert) for kind in split_by_kind(experts, placements)]
                 n_trainable = len(buffers)
                 for dtype in dict.fromkeys(p.dtype for p in mine if not p.requires_grad):
                     buf = FlatBuffer(
@@ -448,7 +451,7 @@ class DataParallel:
         for groups in dict.fromkeys(self.groups(buf) for buf in self.buffers):
             bufs = [buf for buf in self.buffers if self.groups(buf) == groups]
             for buf in bufs:
-                if len(buf.params) == 1 and is_pp_tied(buf.params[0]):
+                if len(buf.params) == 1 and self.placements[buf.params[0]].pp_tied:
                     buf.used[0] = True
             local = [used for buf in bufs for used in buf.used]
             for buf in bufs:

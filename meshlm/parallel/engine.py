@@ -28,19 +28,12 @@ from meshlm.parallel.fused_loss import HeadOutput, fused_cross_entropy_sum
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.placement import Placements
 from meshlm.parallel.plan import ParallelPlan, PlanError, plan_for
 from meshlm.parallel.probe import MetaFailure, meta_forward, meta_tokens
 from meshlm.parallel.strategies import Build, LossFn, apply_strategies, check_model
 from meshlm.parallel.timers import comm
-from meshlm.parallel.tp_shard import tp_shard
-from meshlm.ties import is_pp_tied, tied_aliases
-
-
-def is_tp_replicated(param: nn.Parameter) -> bool:
-    """True for parameters whose gradient is counted on another tp rank too (norm weights, and every copy
-    but the first of a KV head replicated over ranks): the global norm counts them on tp rank 0 only."""
-    shard = tp_shard(param)
-    return shard is None or not shard.counted
+from meshlm.ties import tied_aliases
 
 
 def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
@@ -135,7 +128,8 @@ class ParallelModel:
             check_loss_shape(model, loss_fn)
         self.global_shapes = {name: p.shape for name, p in model.named_parameters()}
         self.tied_aliases = tied_aliases(model)  # a tied weight is named by its canonical name (meshlm.ties)
-        meta_init = MetaInit(model, mesh_device(mesh)) if is_meta_model(model) else None
+        self.placements = Placements()  # filled by the strategies (meshlm.parallel.placement)
+        meta_init = MetaInit(model, mesh_device(mesh), self.placements) if is_meta_model(model) else None
         self.device_type = meta_init.device.type if meta_init else next(model.parameters()).device.type
         build = Build(
             model,
@@ -152,8 +146,9 @@ class ParallelModel:
             gather_logits=gather_logits,
             fused_loss=fused_loss,
             ignore_index=ignore_index,
+            placements=self.placements,
         )
-        apply_strategies(build)
+        self.strategies = apply_strategies(build)
         self.chunks, self.token_loss = build.chunks, build.token_loss
         self.pipeline, self.dp, self.tied = build.pipeline, build.dp, build.tied
         for chunk in self.chunks:  # MoE aux losses: each micro-batch's share, like the loss's / n_micro
@@ -408,11 +403,7 @@ class ParallelModel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the true global norm: every gradient element counted once over the whole world.
         Stays on the device, no host sync: a non-finite norm leaves the gradients unscaled (coefficient 1)."""
-        skip_tp_copy = self.mesh.rank("tp") > 0
-        skip_pp_copy = self.tied is not None and self.tied.replica  # the tied weight counts on the first stage
-
-        def skip(p: nn.Parameter) -> bool:
-            return (skip_tp_copy and is_tp_replicated(p)) or (skip_pp_copy and is_pp_tied(p))
+        skip = self._not_counted
 
         device = next(self.chunks[0].parameters()).device
         if self.dp is not None:
@@ -483,13 +474,14 @@ class ParallelModel:
                 if not p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     out["model"].append(ShardedTensor(name, p.shape, 0, p.detach().view(-1)))
-        if writer and self.mesh.rank("tp") > 0:
+        if writer:
             params = dict(self.named_parameters())
-            out = {key: [s for s in pieces if not is_tp_replicated(params[s.name])] for key, pieces in out.items()}
-        if writer and self.tied is not None and self.tied.replica:  # the first stage writes a tied weight
-            params = dict(self.named_parameters())
-            out = {key: [s for s in pieces if not is_pp_tied(params[s.name])] for key, pieces in out.items()}
+            out = {key: [s for s in pieces if not self._not_counted(params[s.name])] for key, pieces in out.items()}
         return out
+
+    def _not_counted(self, param: nn.Parameter) -> bool:
+        """Another rank counts this parameter's gradient-norm term and writes it (Placement.counted)."""
+        return not self.placements[param].counted
 
     def after_load(self) -> None:
         """Refresh the working weights from freshly loaded fp32 masters (ZeRO-1/2 all-gather them; ZeRO-3
@@ -506,18 +498,6 @@ class ParallelModel:
             state = {}
             for chunk in self.chunks:
                 state.update({k: v.detach().float().cpu().clone() for k, v in chunk.state_dict().items()})
-        if self.mesh.size("tp") > 1:
-            from meshlm.parallel.tensor_parallel import unshard_state_dict
-
-            params = {n: p for c in self.chunks for n, p in c.named_parameters(remove_duplicate=False)}
-            state = unshard_state_dict(state, params, self.mesh.group("tp"))
-        if self.mesh.size("ep") > 1:
-            from meshlm.parallel.expert_parallel import unshard_experts
-
-            params = {n: p for c in self.chunks for n, p in c.named_parameters(remove_duplicate=False)}
-            state = unshard_experts(state, params, self.mesh.group("ep"))
-        if self.pipeline is not None:
-            parts: list[dict[str, torch.Tensor] | None] = [None] * self.mesh.size("pp")
-            dist.all_gather_object(parts, state, group=self.mesh.group("pp"))
-            state = {k: v for part in parts for k, v in part.items()}
+        for strategy in self.strategies:  # each gathers what it split over its mesh dimension, in order
+            state = strategy.gather_state(state, self)
         return state

@@ -17,11 +17,12 @@ the tokens of every ep rank; data parallel reduces them over the ranks that hold
 mesh group "dp_cp"), the dense gradients over all data replicas (dp × ep × cp), and divides both by dp × ep
 × cp, the number of per-replica loss terms (meshlm.parallel.data_parallel).
 
-Each sharded weight carries an `EPShard` placement (a TPShard along dim 0 under its own attribute, so tensor
-parallelism's readers never mistake it for theirs): checkpoints write it as a box of the full stacked
-tensor, so a checkpoint saved at one ep size loads at any other (meshlm.checkpoint.state). Under ep × tp
-(meshlm.parallel.tp_moe) an expert weight also keeps its tp placement along its hidden dim: `placements`
-gives both, and the ep group is the ranks with the same tp rank, each exchanging its identical rows.
+Each sharded weight's record in the placement table (meshlm.parallel.placement) gets its `ep` slice (a
+TPShard along dim 0, apart from its `tp` one, so tensor parallelism's readers never mistake it for theirs):
+checkpoints write it as a box of the full stacked tensor, so a checkpoint saved at one ep size loads at any
+other (meshlm.checkpoint.state). Under ep × tp (meshlm.parallel.tp_moe) an expert weight also keeps its tp
+slice along its hidden dim (`Placement.shards` gives both), and the ep group is the ranks with the same tp
+rank, each exchanging its identical rows.
 """
 
 from __future__ import annotations
@@ -33,27 +34,9 @@ from torch import nn
 from meshlm.model.moe import GroupedExperts, MoE
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.placement import Placements, TPShard
 from meshlm.parallel.plan import PlanError
 from meshlm.parallel.timers import comm
-from meshlm.parallel.tp_shard import TPShard, set_tp_shard, tp_shard
-
-ATTR = "_meshlm_ep_shard"
-
-
-def ep_shard(param: nn.Parameter) -> TPShard | None:
-    """The parameter's expert-parallel placement (along dim 0: this rank's experts); None when not sharded
-    over ep."""
-    return getattr(param, ATTR, None)
-
-
-def is_expert_param(param: nn.Parameter) -> bool:
-    return ep_shard(param) is not None
-
-
-def placements(param: nn.Parameter) -> tuple[TPShard, ...]:
-    """Where this rank's tensor sits in the full one, one placement per sharded dim: its ep slice (dim 0 of
-    stacked experts) and its tp slice (any dim; under ep × tp an expert weight has both)."""
-    return tuple(shard for shard in (ep_shard(param), tp_shard(param)) if shard is not None)
 
 
 class AllToAll(torch.autograd.Function):
@@ -97,7 +80,7 @@ class ShardedExperts(GroupedExperts):
     """This ep rank's experts of one MoE layer, reached by all-to-all from every rank's dispatch. The same
     parameters as the GroupedExperts it replaces (its own, stacked along dim 0), holding E/ep experts each."""
 
-    def __init__(self, full: GroupedExperts, group: dist.ProcessGroup) -> None:
+    def __init__(self, full: GroupedExperts, group: dist.ProcessGroup, placements: Placements) -> None:
         nn.Module.__init__(self)
         self.group = group
         self.ep, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -108,10 +91,9 @@ class ShardedExperts(GroupedExperts):
         start = rank * self.n_local
         for name, weight in weights.items():
             local = nn.Parameter(weight.detach()[start : start + self.n_local].clone(), weight.requires_grad)
-            setattr(local, ATTR, TPShard(0, ((start, self.n_local),)))
-            if tp_shard(weight) is not None:  # under ep × tp: this tp rank's hidden units of each expert
-                set_tp_shard(local, tp_shard(weight))
-            setattr(self, name, local)
+            # Under ep × tp the record keeps this tp rank's hidden units of each expert.
+            placements.move(weight, local, ep=TPShard(0, ((start, self.n_local),)))
+            self.register_parameter(name, local)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x` (rows, dim) sorted by global expert, `counts[e]` rows for expert e; returns their outputs, in
@@ -148,23 +130,23 @@ def check_ep_model(model: nn.Module, layout: Layout, options: ParallelOptions) -
         raise PlanError(f"ep={ep} with parallel.zero 3 does not support frozen experts yet")
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> int:
-    """Shard every MoE layer's experts of `model` over `group` (in place); return the number of MoE layers.
-    The model is checked first (check_ep_model)."""
+def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, placements: Placements) -> int:
+    """Shard every MoE layer's experts of `model` over `group` (in place), recording each slice in
+    `placements`; return the number of MoE layers. The model is checked first (check_ep_model)."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     for moe in layers:
-        moe.experts = ShardedExperts(moe.experts, group)
+        moe.experts = ShardedExperts(moe.experts, group, placements)
     return len(layers)
 
 
 @torch.no_grad()
 def unshard_experts(
-    state: dict[str, torch.Tensor], params: dict[str, nn.Parameter], group: dist.ProcessGroup
+    state: dict[str, torch.Tensor], params: dict[str, nn.Parameter], placements: Placements, group: dist.ProcessGroup
 ) -> dict[str, torch.Tensor]:
     """Full stacked expert weights from every ep rank's slice (all-gathered along dim 0), on every rank."""
     out = dict(state)
     for name in sorted(state):
-        if name in params and is_expert_param(params[name]):
+        if name in params and placements[params[name]].expert:
             parts = [torch.empty_like(state[name]) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, state[name].contiguous(), group=group)
             out[name] = torch.cat(parts)

@@ -1,10 +1,11 @@
 """Set-up of a model built on the `meta` device: each rank allocates and initialises only what it keeps.
 
-The engine applies tensor and pipeline parallelism to the meta model (slices of meta tensors are meta and
-keep their TPShard tags, meshlm.parallel.tp_shard), then `MetaInit.replace_params` swaps every meta parameter
-of this rank's chunks for a real one on the device: allocated and filled at once when the rank keeps it
-whole, or a storage-less placeholder when data parallelism / ZeRO will pack it, whose FlatBuffer then fills
-only what the rank holds (ZeRO-3: its flat shard, nothing else ever allocated).
+The engine applies tensor and pipeline parallelism to the meta model (slices of meta tensors are meta, their
+TPShards recorded in the build's placement table, meshlm.parallel.placement), then
+`MetaInit.replace_params` swaps every meta parameter of this rank's chunks for a real one on the device:
+allocated and filled at once when the rank keeps it whole, or a storage-less placeholder when data
+parallelism / ZeRO will pack it, whose FlatBuffer then fills only what the rank holds
+(ZeRO-3: its flat shard, nothing else ever allocated).
 
 Values come from the first of these the model offers (the init protocol, docs/api.md); under every layout
 each rank gets its slices of exactly the tensors the protocol gives the whole model in one process:
@@ -38,8 +39,7 @@ from torch import nn
 
 from meshlm.errors import InputError
 from meshlm.model.init import InitRule, TensorSlice, block_seed, fill_
-from meshlm.parallel.expert_parallel import placements
-from meshlm.parallel.tp_shard import TPShard
+from meshlm.parallel.placement import Placements, TPShard
 from meshlm.ties import tied_aliases
 
 
@@ -99,10 +99,12 @@ class MetaInit:
 
     Captures the model's names, full shapes and modules before tensor parallelism changes it; collective (the
     seed is agreed over the world) and checked before anything is changed: a module without a way to
-    initialise its meta tensors is named in a one-line InitError."""
+    initialise its meta tensors is named in a one-line InitError. `placements` is the build's table, which
+    says where each sliced parameter sits in the full one."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, placements: Placements | None = None) -> None:
         self.device = device
+        self.placements = Placements() if placements is None else placements
         self.seed = agreed_seed(getattr(model, "init_seed", None))
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
         # A tied weight seen under an alias (a pipeline's last stage holds the head, not the embedding) is
@@ -138,7 +140,7 @@ class MetaInit:
         shard) into `out`; `name` defaults to the placeholder's."""
         name = self.pending[id(param)] if name is None else name
         name = self.aliases.get(name, name)
-        shards = placements(param)  # its tp slice, and an expert-parallel slice of stacked experts (dim 0)
+        shards = self.placements[param].shards  # an expert-parallel slice of stacked experts (dim 0), its tp slice
         if self.source is not None or self.rules is not None:
             for tp_slice, shape, first, part in _flat_runs(shards, param.shape, start, out):
                 if self.source is not None:
@@ -208,7 +210,7 @@ class MetaInit:
         """Give this rank's chunks real parameters and buffers on the device. With `packed` (data parallel /
         ZeRO will lay them into flat buffers) trainable ones become placeholders, registered in `pending`,
         for the FlatBuffer to fill (frozen ones too with `packs_frozen`: ZeRO-3 shards them); the rest are
-        allocated and filled here. Tags and gradient hooks (tensor
+        allocated and filled here. Placement records and gradient hooks (tensor
         parallelism's) move to the new Parameter; every module of `model` and `chunks` holding one sees it."""
         new: dict[int, nn.Parameter] = {}
         for chunk in chunks:
@@ -225,7 +227,7 @@ class MetaInit:
                 else:
                     q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device), p.requires_grad)
                     self.fill(p, q.view(-1), name=name)
-                q.__dict__.update(p.__dict__)
+                self.placements.move(p, q)
                 if p._backward_hooks:
                     q._backward_hooks = p._backward_hooks  # re-registers tensor parallelism's grad hooks
                 new[id(p)] = q

@@ -25,12 +25,12 @@ from torch import nn
 
 from meshlm.model.llama import cross_entropy_loss
 from meshlm.parallel.mesh import Mesh
+from meshlm.parallel.placement import Placements
 from meshlm.parallel.plan import ParallelPlan, PipelineSplit, PlanError, check_pipeline_split, plan_for
 from meshlm.parallel.probe import MetaFailure, meta_forward, meta_hidden, meta_tokens
 from meshlm.parallel.schedules import COMPUTE, SENDS, WAITS, Action, build_schedule
 from meshlm.parallel.stages import split_layers
 from meshlm.parallel.timers import bubble, comm
-from meshlm.ties import is_pp_tied, mark_pp_tied
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Key = tuple[str, int, int]  # a message: (direction F/B, chunk, micro-batch)
@@ -100,8 +100,10 @@ def split_model(
     boundaries: Sequence[int] | None = None,
     cost: str = "flops",
     plan: ParallelPlan | None = None,
+    placements: Placements | None = None,
 ) -> list[nn.Module]:
     """This rank's chunks, in chunk order: chunk c is model stage c·pp_size + pp_rank (Megatron's assignment).
+    A weight the first and the last stage both hold is recorded `pp_tied` in `placements`.
 
     Each chunk is a view of `model` sharing its modules, holding only its stage's blocks and None for the
     first/last parts it does not own (so parameter names stay the model's). Drop `model` to free the rest.
@@ -112,9 +114,9 @@ def split_model(
     split = plan.pipeline
     keys = list(model.get_submodule(split.layers)._modules)
     ranges = _stage_ranges(model, plan, n_stages, boundaries, cost)
-    if n_stages > 1:
+    if n_stages > 1 and placements is not None:
         for p in stage_ties(model, split):
-            mark_pp_tied(p)  # held by the first and the last stage (engine, data_parallel, checkpoints)
+            placements.record(p, pp_tied=True)  # read by the engine, data parallel and checkpoints
     return [
         _stage_view(model, split, [keys[i] for i in ranges[stage]], stage == 0, stage == n_stages - 1)
         for stage in range(pp_rank, n_stages, pp_size)
@@ -188,8 +190,11 @@ class TiedStages:
     one-process model gets, so both take the same optimizer step. The last stage's copy is the `replica`:
     the gradient norm and checkpoints count the first stage's only."""
 
-    def __init__(self, chunks: list[nn.Module], group: dist.ProcessGroup, replica: bool) -> None:
+    def __init__(
+        self, chunks: list[nn.Module], group: dist.ProcessGroup, replica: bool, placements: Placements
+    ) -> None:
         self.chunks = chunks
+        self.placements = placements
         self.group = group
         self.replica = replica
 
@@ -197,17 +202,19 @@ class TiedStages:
     def params(self) -> list[nn.Parameter]:
         """This end's trainable tied weights, read off its chunks when asked: a meta-built model's parameters
         are replaced by real ones after the stages are cut."""
-        return tied_params(self.chunks)
+        return tied_params(self.chunks, self.placements)
 
     @classmethod
-    def build(cls, model: nn.Module, chunks: list[nn.Module], split: PipelineSplit, mesh: Mesh) -> TiedStages | None:
+    def build(
+        cls, model: nn.Module, chunks: list[nn.Module], split: PipelineSplit, mesh: Mesh, placements: Placements
+    ) -> TiedStages | None:
         """None without ties or on a middle stage; collective over the world when the model has ties."""
         if not stage_ties(model, split):
             return None
         group = embedding_group(mesh)
-        if group is None or not tied_params(chunks):
+        if group is None or not tied_params(chunks, placements):
             return None
-        return cls(chunks, group, replica=mesh.rank("pp") == mesh.size("pp") - 1)
+        return cls(chunks, group, mesh.rank("pp") == mesh.size("pp") - 1, placements)
 
     @torch.no_grad()
     def all_reduce_grads(self, grads: list[torch.Tensor]) -> None:
@@ -217,8 +224,8 @@ class TiedStages:
                 dist.all_reduce(grad, group=self.group)
 
 
-def tied_params(chunks: list[nn.Module]) -> list[nn.Parameter]:
-    held = (p for chunk in chunks for p in chunk.parameters() if is_pp_tied(p) and p.requires_grad)
+def tied_params(chunks: list[nn.Module], placements: Placements) -> list[nn.Parameter]:
+    held = (p for chunk in chunks for p in chunk.parameters() if placements[p].pp_tied and p.requires_grad)
     return list({id(p): p for p in held}.values())
 
 

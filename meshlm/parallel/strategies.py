@@ -10,8 +10,13 @@ A strategy owns one mesh dimension and three steps, each a call into its own mod
                                        PlanError naming the module (`check_model`: trainer, `parallelize`,
                                        ParallelModel).
   apply(build)                         transforms this rank's model in place (`build.model`, `build.chunks`)
-                                       and records, on every parameter it cuts, its placement (a TPShard,
-                                       meshlm.parallel.tp_shard: along which dim, which runs of the full tensor).
+                                       and records every parameter it cuts or ties in `build.placements`
+                                       (meshlm.parallel.placement: its slice along which dim, which runs of the
+                                       full tensor; nothing is stored on a tensor).
+  gather_state(state, model)           run time: this rank's full-precision state dict -> gathered over its
+                                       dimension (ParallelModel.full_state_dict runs the applied strategies'
+                                       in order). Which rank counts a gradient-norm term or writes a
+                                       replicated tensor is recorded by `apply` in the placement table.
 
 STRATEGIES lists them in composition order: tensor parallel swaps the modules its plan names for sharded ones;
 the fused loss (not a mesh dimension, but a transform of the head that must see tp's) fuses the head with the
@@ -37,6 +42,7 @@ from meshlm.parallel.mesh import (
     check_tensor_parallel,
 )
 from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.placement import Placements
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +98,7 @@ class Build:
     gather_logits: bool = False
     fused_loss: bool = False
     ignore_index: int = -100
+    placements: Placements = field(default_factory=Placements)  # where each parameter lives (the readers' table)
     chunks: list[nn.Module] = field(default_factory=list)
     pipeline: PipelineSchedule | None = None
     dp: DataParallel | None = None
@@ -109,9 +116,23 @@ class Strategy(Protocol):
 
     def apply(self, build: Build) -> None: ...
 
+    def gather_state(self, state: dict[str, torch.Tensor], model: ParallelModel) -> dict[str, torch.Tensor]: ...
+
+
+def _held_params(model: ParallelModel) -> dict[str, nn.Parameter]:
+    """Every name under which this rank's chunks hold a parameter (tied aliases included)."""
+    return {n: p for chunk in model.chunks for n, p in chunk.named_parameters(remove_duplicate=False)}
+
+
+class _Unsplit:
+    """The run-time hooks of a strategy that leaves every tensor whole on its ranks."""
+
+    def gather_state(self, state: dict[str, torch.Tensor], model: ParallelModel) -> dict[str, torch.Tensor]:
+        return state
+
 
 class TensorParallel:
-    """meshlm.parallel.tensor_parallel: the plan's Linear/Embedding modules sharded over `tp` (TPShard)."""
+    """meshlm.parallel.tensor_parallel: the plan's Linear/Embedding modules sharded over `tp` (a TPShard each)."""
 
     dim = "tp"
 
@@ -129,7 +150,9 @@ class TensorParallel:
     def apply(self, build: Build) -> None:
         from meshlm.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 
-        tp = apply_tensor_parallel(build.model, build.mesh.group("tp"), build.options.sequence_parallel, build.plan)
+        tp = apply_tensor_parallel(
+            build.model, build.mesh.group("tp"), build.placements, build.options.sequence_parallel, build.plan
+        )
         for m in build.model.modules():
             if getattr(m, "vocab_head", False):
                 m.gather_output = build.gather_logits
@@ -142,8 +165,13 @@ class TensorParallel:
 
             build.token_loss = tp_loss
 
+    def gather_state(self, state: dict[str, torch.Tensor], model: ParallelModel) -> dict[str, torch.Tensor]:
+        from meshlm.parallel.tensor_parallel import unshard_state_dict
 
-class FusedLoss:
+        return unshard_state_dict(state, _held_params(model), model.placements, model.mesh.group("tp"))
+
+
+class FusedLoss(_Unsplit):
     """meshlm.parallel.fused_loss: the vocabulary head and meshlm's cross-entropy computed together, chunk by
     chunk (vocabulary-parallel after tensor parallel). Only for meshlm's own loss on logits it never returns.
     Under ZeRO-3 the head's unit stays gathered until the fused loss has run (docs/zero.md)."""
@@ -166,7 +194,7 @@ class FusedLoss:
             apply_fused_loss(build.model, build.plan)
 
 
-class ContextParallel:
+class ContextParallel(_Unsplit):
     """meshlm.parallel.context_parallel: each rank holds part of every sequence; ring or Ulysses attention."""
 
     dim = "cp"
@@ -208,7 +236,12 @@ class ExpertParallel:
     def apply(self, build: Build) -> None:
         from meshlm.parallel.expert_parallel import apply_expert_parallel
 
-        apply_expert_parallel(build.model, build.mesh.group("ep"))
+        apply_expert_parallel(build.model, build.mesh.group("ep"), build.placements)
+
+    def gather_state(self, state: dict[str, torch.Tensor], model: ParallelModel) -> dict[str, torch.Tensor]:
+        from meshlm.parallel.expert_parallel import unshard_experts
+
+        return unshard_experts(state, _held_params(model), model.placements, model.mesh.group("ep"))
 
 
 class PipelineParallel:
@@ -237,7 +270,14 @@ class PipelineParallel:
 
         mesh, options, engine = build.mesh, build.options, build.engine
         layout = mesh.layout
-        build.chunks = split_model(build.model, mesh.rank("pp"), layout.pp, options.virtual_stages, plan=build.plan)
+        build.chunks = split_model(
+            build.model,
+            mesh.rank("pp"),
+            layout.pp,
+            options.virtual_stages,
+            plan=build.plan,
+            placements=build.placements,
+        )
         build.pipeline = PipelineSchedule(
             build.chunks,
             mesh.group("pp"),
@@ -249,10 +289,21 @@ class PipelineParallel:
             seq_shards=layout.tp if options.sequence_parallel else 1,
             hidden_size=hidden_size(build.model, build.plan.pipeline),
         )
-        build.tied = TiedStages.build(build.model, build.chunks, build.plan.pipeline, mesh)
+        build.tied = TiedStages.build(build.model, build.chunks, build.plan.pipeline, mesh, build.placements)
+        if build.tied is not None and build.tied.replica:  # the first stage counts and writes a tied weight
+            for p in build.tied.params:
+                build.placements.record(p, counted=False)
+
+    def gather_state(self, state: dict[str, torch.Tensor], model: ParallelModel) -> dict[str, torch.Tensor]:
+        """Every stage's tensors, on every rank of the pipeline."""
+        import torch.distributed as dist
+
+        parts: list[dict[str, torch.Tensor] | None] = [None] * model.mesh.size("pp")
+        dist.all_gather_object(parts, state, group=model.mesh.group("pp"))
+        return {k: v for part in parts for k, v in part.items()}
 
 
-class DataParallelism:
+class DataParallelism(_Unsplit):
     """meshlm.parallel.data_parallel: replicas average their gradients (overlapped, bucketed); ZeRO 1-3 shards
     optimizer state, gradients and weights. Always applied: at one replica without ZeRO it only materialises a
     meta-built model on the device."""
@@ -293,6 +344,7 @@ class DataParallelism:
                 plan=build.plan,
                 source=build.meta_init,
                 expert_group=mesh.group("dp_cp") if mesh.layout.ep > 1 else None,
+                placements=build.placements,
             )
         if build.meta_init is not None:
             build.meta_init.check_done()
@@ -341,12 +393,14 @@ def check_model(model: nn.Module, plan: ParallelPlan, layout: Layout, options: P
             strategy.check(model, plan, layout, options)
 
 
-def apply_strategies(build: Build) -> None:
-    """Every enabled strategy's transform, in composition order."""
+def apply_strategies(build: Build) -> list[Strategy]:
+    """Every enabled strategy's transform, in composition order; the strategies applied (whose run-time hooks
+    the engine runs)."""
     build.chunks = [build.model]
-    for strategy in STRATEGIES:
-        if strategy.enabled(build.mesh.layout, build.options):
-            strategy.apply(build)
+    applied = [s for s in STRATEGIES if s.enabled(build.mesh.layout, build.options)]
+    for strategy in applied:
+        strategy.apply(build)
+    return applied
 
 
 __all__ = [

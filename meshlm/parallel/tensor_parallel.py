@@ -38,6 +38,7 @@ from torch import nn
 from meshlm.model.lora import LoRAError, LoRALinear, lora_delta
 from meshlm.parallel.fused_loss import HeadOutput
 from meshlm.parallel.mesh import check_tensor_parallel
+from meshlm.parallel.placement import Placements, TPShard
 from meshlm.parallel.plan import (
     COLWISE,
     COLWISE_HEADS,
@@ -57,6 +58,7 @@ from meshlm.parallel.plan import (
 )
 from meshlm.parallel.tp_moe import TensorParallelMoE
 from meshlm.parallel.tp_ops import (
+    SeqShard,
     _all_reduce,
     copy_to_tp,
     gather_from_tp,
@@ -67,7 +69,6 @@ from meshlm.parallel.tp_ops import (
     sum_over_head_replicas,
     vocab_parallel_cross_entropy,
 )
-from meshlm.parallel.tp_shard import TPShard, set_tp_shard, tp_shard
 
 __all__ = [
     "ColumnParallelLinear",
@@ -87,21 +88,24 @@ __all__ = [
 class TPState:
     """What every tensor-parallel module of one model shares (`gathered_logits` flips sequence_parallel).
 
-    `opened` remembers the last input a column-parallel linear opened the region for, and the result, so
-    the linears reading the same tensor share one collective (and, under SP, one saved shard)."""
+    `opened` remembers the last input a column-parallel linear opened the region for, and the result (under SP
+    with its sequence shard), so the linears reading the same tensor share one collective (and one saved
+    shard)."""
 
     group: dist.ProcessGroup
     rank: int
     size: int
     sequence_parallel: bool
-    opened: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    opened: tuple[torch.Tensor, torch.Tensor, SeqShard | None] | None = field(default=None, repr=False)
 
-    def open_region(self, x: torch.Tensor) -> torch.Tensor:
-        if self.opened is not None and self.opened[0] is x:
-            return self.opened[1]
-        out = gather_seq_for_linears(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        self.opened = (x, out)
-        return out
+    def open_region(self, x: torch.Tensor) -> tuple[torch.Tensor, SeqShard | None]:
+        """The region's input (under SP gathered over the sequence) and, under SP, this rank's shard of it."""
+        if self.opened is None or self.opened[0] is not x:
+            if self.sequence_parallel:
+                self.opened = (x, *gather_seq_for_linears(x, self.group))
+            else:
+                self.opened = (x, copy_to_tp(x, self.group), None)
+        return self.opened[1], self.opened[2]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -139,13 +143,13 @@ class ColumnParallelLinear(nn.Module):
             weight = sum_over_head_replicas(weight, self.kv_head, self.n_kv_heads, self.tp.group)
             if bias is not None:
                 bias = sum_over_head_replicas(bias, self.kv_head, self.n_kv_heads, self.tp.group)
-        x = self.tp.open_region(x)
+        x, seq = self.tp.open_region(x)
         if self.fused_loss and self.training:
             return HeadOutput(x, weight, self.tp.group)
-        if getattr(x, "meshlm_seq_shard", None) is None:
+        if seq is None:
             y = self.linear(x, weight, bias)
         else:
-            y = linear_saving_shard(x, weight)
+            y = linear_saving_shard(x, weight, seq)
             if bias is not None:
                 y = y + bias
         if self.adapted:
@@ -205,15 +209,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 # ---- applying it to a model --------------------------------------------------------------------------
-def _shard(w: torch.Tensor, dim: int, pieces: tuple[tuple[int, int], ...]) -> nn.Parameter:
-    """The runs `pieces` ((full start, length) along `dim`) of `w`, concatenated, as a new Parameter tagged
-    with its TPShard (meshlm.parallel.tp_shard). On a meta `w` (a model built on the meta device) the result
-    is meta too: only its shape and tag exist yet. (An explicit memory format: a strided meta clone would load
-    PyTorch's Python meta kernels, ~35 MiB.)"""
+def _shard(w: torch.Tensor, dim: int, pieces: tuple[tuple[int, int], ...], placements: Placements) -> nn.Parameter:
+    """The runs `pieces` ((full start, length) along `dim`) of `w`, concatenated, as a new Parameter whose
+    TPShard is recorded in `placements` (meshlm.parallel.placement). On a meta `w` (a model built on the meta
+    device) the result is meta too: only its shape and record exist yet. (An explicit memory format: a
+    strided meta clone would load PyTorch's Python meta kernels, ~35 MiB.)"""
     parts = [w.detach().narrow(dim, start, length) for start, length in pieces]
     piece = (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).clone(memory_format=torch.contiguous_format)
     param = nn.Parameter(piece, requires_grad=w.requires_grad)
-    set_tp_shard(param, TPShard(dim, pieces))
+    placements.record(param, tp=TPShard(dim, pieces))
     return param
 
 
@@ -228,14 +232,14 @@ class _Sharder:
     """Builds each parallel module from the plain one; a Parameter shared by two modules (tied embedding
     and head) is sharded once and shared again."""
 
-    def __init__(self, model: nn.Module, plan: ParallelPlan, tp: TPState) -> None:
-        self.model, self.plan, self.tp = model, plan, tp
+    def __init__(self, model: nn.Module, plan: ParallelPlan, tp: TPState, placements: Placements) -> None:
+        self.model, self.plan, self.tp, self.placements = model, plan, tp, placements
         self.shards: dict[int, nn.Parameter] = {}
 
     def shard(self, w: torch.Tensor, dim: int, pieces: tuple[tuple[int, int], ...]) -> nn.Parameter:
         key = (id(w), dim, pieces)
         if key not in self.shards:
-            self.shards[key] = _shard(w, dim, pieces)
+            self.shards[key] = _shard(w, dim, pieces, self.placements)
         return self.shards[key]
 
     def split_rows(
@@ -259,10 +263,10 @@ class _Sharder:
         else:
             lora_A = plain.lora_A
             _sum_grad_over_tp(lora_A, tp)
-            base = tp_shard(parallel.weight)
+            base = self.placements[parallel.weight].tp
             lora_B = self.shard(plain.lora_B, 0, base.pieces)
             if not base.counted:  # a KV head replicated over ranks: B's rows of that head, counted once
-                set_tp_shard(lora_B, TPShard(0, base.pieces, counted=False))
+                self.placements.record(lora_B, tp=TPShard(0, base.pieces, counted=False))
         parallel.lora_A, parallel.lora_B = lora_A, lora_B
         parallel.lora_dropout, parallel.lora_scaling = plain.lora_dropout, plain.lora_scaling
         parallel.adapted = True
@@ -306,7 +310,7 @@ class _Sharder:
             if tp.rank % replicas:
                 for p in (weight, bias):
                     if p is not None:
-                        set_tp_shard(p, TPShard(0, tp_shard(p).pieces, counted=False))
+                        self.placements.record(p, tp=TPShard(0, self.placements[p].tp.pieces, counted=False))
             return ColumnParallelLinear(weight, bias, tp, kv_head=head, n_kv_heads=heads)
         if style == ROWWISE:
             cols = module.in_features // tp.size
@@ -317,7 +321,7 @@ class _Sharder:
             return RowParallelLinear(weight, bias, tp)
         if isinstance(style, SplitMoE):
             splits = [(owner, attr, dim) for _, owner, attr, dim in moe_split_params(name, module, style)]
-            return TensorParallelMoE(module, tp, self.shard, splits)
+            return TensorParallelMoE(module, tp, self.shard, splits, self.placements)
         if style == SEQUENCE_PARALLEL:
             if tp.sequence_parallel:
                 for p in module.parameters(recurse=False):
@@ -328,20 +332,29 @@ class _Sharder:
 
 @torch.no_grad()
 def apply_tensor_parallel(
-    model: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool = False, plan: ParallelPlan | None = None
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    placements: Placements,
+    sequence_parallel: bool = False,
+    plan: ParallelPlan | None = None,
 ) -> TPState:
     """Keep this rank's shards of `model` (built whole from the same seed on every rank, or on the meta
-    device) in place, as the model's plan (or `plan`) says. The plan is checked against the model before
-    anything changes."""
+    device) in place, as the model's plan (or `plan`) says, recording each one's TPShard in `placements` (and
+    on tp ranks > 0, what tp rank 0 counts). The plan is checked against the model before anything changes."""
     plan = plan or plan_for(model)
     tp = TPState(group, dist.get_rank(group), dist.get_world_size(group), sequence_parallel)
     check_tp_plan(model, plan, tp.size, sequence_parallel)
-    sharder = _Sharder(model, plan, tp)
+    sharder = _Sharder(model, plan, tp, placements)
     for name, module, style in list(tp_modules(model, plan)):
         parallel = sharder.build(name, module, style)
         if parallel is not module:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, parallel)
+    if tp.rank > 0:  # what every tp rank holds (a whole weight, a replicated KV head) counts on tp rank 0
+        for p in model.parameters():
+            shard = placements[p].tp
+            if shard is None or not shard.counted:
+                placements.record(p, counted=False)
     return tp
 
 
@@ -374,22 +387,26 @@ def _comm_device(group: dist.ProcessGroup) -> torch.device:
 
 @torch.no_grad()
 def unshard_state_dict(
-    state: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor] | nn.Module, group: dist.ProcessGroup
+    state: dict[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor] | nn.Module,
+    placements: Placements,
+    group: dist.ProcessGroup,
 ) -> dict[str, torch.Tensor]:
-    """This rank's shards -> the full tensors, on every tp rank, each run placed where its TPShard says.
-    `params` (or a module's named parameters) tells which names are shards. Collective: every rank of `group`
-    must call it with the same names. Replicated KV heads (the same runs on several ranks) are kept once."""
+    """This rank's shards -> the full tensors, on every tp rank, each run placed where its TPShard (in
+    `placements`) says. `params` (or a module's named parameters) tells which names are shards. Collective:
+    every rank of `group` must call it with the same names. Replicated KV heads (the same runs on several
+    ranks) are kept once."""
     if isinstance(params, nn.Module):
         params = dict(params.named_parameters(remove_duplicate=False))
     size = dist.get_world_size(group)
     device = _comm_device(group)
-    sliced = sorted(n for n in state if n in params and tp_shard(params[n]) is not None)
+    sliced = sorted(n for n in state if n in params and placements[params[n]].tp is not None)
     every: list[dict | None] = [None] * size
-    dist.all_gather_object(every, {n: tp_shard(params[n]) for n in sliced}, group=group)
+    dist.all_gather_object(every, {n: placements[params[n]].tp for n in sliced}, group=group)
     full = dict(state)
     for name in sliced:
         t = state[name]
-        dim = tp_shard(params[name]).dim
+        dim = placements[params[name]].tp.dim
         parts = [torch.empty_like(t, device=device) for _ in range(size)]
         dist.all_gather(parts, t.to(device).contiguous(), group=group)
         runs = {}  # full start -> the run's values

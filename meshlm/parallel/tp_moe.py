@@ -6,8 +6,8 @@ stream: attention's row-parallel output is already summed over tp). Each rank ke
 hidden units, so each expert is a column-parallel up-projection pair and a row-parallel down-projection, as
 the dense MLP is: the plan names each split parameter and the dim that indexes its hidden units (dim 1 of
 the stacked (E, hidden, dim) weights, dim 2 of the stacked (E, dim, hidden) one, and the shared expert's rows
-and columns). Each slice is tagged with its TPShard (meshlm.parallel.tp_shard), so checkpoints,
-materialisation, clipping and ZeRO read it like any tp-sharded weight. The layer opens the tensor-parallel
+and columns). Each slice has its TPShard recorded in the placement table (meshlm.parallel.placement), so
+checkpoints, materialisation, clipping and ZeRO read it like any tp-sharded weight. The layer opens the tensor-parallel
 region once on its input (copy_to_tp; under sequence parallelism an all-gather of the sequence) and closes
 it once on its output: the routed and shared outputs are partial sums over hidden units, summed by one
 all-reduce (under SP a reduce-scatter back to the sequence shard). Under expert parallelism (ShardedExperts)
@@ -32,9 +32,9 @@ from torch import nn
 
 from meshlm.model.moe import MoE
 from meshlm.parallel.tp_ops import _all_reduce, copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
-from meshlm.parallel.tp_shard import tp_shard
 
 if TYPE_CHECKING:
+    from meshlm.parallel.placement import Placements
     from meshlm.parallel.tensor_parallel import TPState
 
 Shard = Callable[[torch.Tensor, int, tuple[tuple[int, int], ...]], nn.Parameter]
@@ -44,8 +44,11 @@ class TensorParallelMoE(MoE):
     """This tp rank's share of one MoE layer (see the module docstring): the same module, parameter names
     and settings, with its experts' hidden units split and its output reduced over tp."""
 
-    def __init__(self, moe: MoE, tp: TPState, shard: Shard, splits: list[tuple[nn.Module, str, int]]) -> None:
-        """`splits`: (owning module, attribute, dim of its hidden units) of each parameter to split."""
+    def __init__(
+        self, moe: MoE, tp: TPState, shard: Shard, splits: list[tuple[nn.Module, str, int]], placements: Placements
+    ) -> None:
+        """`splits`: (owning module, attribute, dim of its hidden units) of each parameter to split (`shard`
+        records each slice in `placements`)."""
         nn.Module.__init__(self)
         self.__dict__.update(vars(moe))  # the same layer (parameters, submodules, settings), split below
         self.tp = tp
@@ -53,9 +56,9 @@ class TensorParallelMoE(MoE):
         for owner, attr, dim in splits:
             full = getattr(owner, attr)
             width = full.shape[dim] // tp.size
-            setattr(owner, attr, shard(full, dim, ((tp.rank * width, width),)))
+            owner.register_parameter(attr, shard(full, dim, ((tp.rank * width, width),)))
         for param in self.parameters():
-            if tp_shard(param) is None and param.requires_grad:  # whole: its gradient here is this rank's share
+            if placements[param].tp is None and param.requires_grad:  # whole: its gradient here is this rank's share
                 param.register_hook(lambda grad: _all_reduce(grad, tp.group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ Activations are (batch, seq, features): the sequence dim is 1. Collectives run o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -160,12 +162,19 @@ class _RegatherCache:
         self.full: torch.Tensor | None = None
 
 
-def gather_seq_for_linears(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """gather_seq whose output remembers this rank's shard, so that `linear_saving_shard` saves s/tp
-    positions instead of s and re-gathers in backward (Korthikanti et al. 2022, §4.2.2)."""
-    full = gather_seq(x, group)
-    full.meshlm_seq_shard = (x, _RegatherCache(), group)
-    return full
+@dataclass(frozen=True, eq=False)
+class SeqShard:
+    """This rank's sequence shard of a gathered input, and the backward re-gather its readers share."""
+
+    shard: torch.Tensor
+    cache: _RegatherCache
+    group: dist.ProcessGroup
+
+
+def gather_seq_for_linears(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, SeqShard]:
+    """gather_seq, and this rank's shard of it, so that `linear_saving_shard` saves s/tp positions instead
+    of s and re-gathers in backward (Korthikanti et al. 2022, §4.2.2)."""
+    return gather_seq(x, group), SeqShard(x, _RegatherCache(), group)
 
 
 class _LinearSavingShard(Function):
@@ -190,12 +199,9 @@ class _LinearSavingShard(Function):
         return grad_x, grad_w.to(weight.dtype), None, None, None
 
 
-def linear_saving_shard(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) that, when x came from `gather_seq_for_linears`, saves only the shard."""
-    shard = getattr(x, "meshlm_seq_shard", None)
-    if shard is None:
-        return F.linear(x, weight)
-    return _LinearSavingShard.apply(x, weight, *shard)
+def linear_saving_shard(x: torch.Tensor, weight: torch.Tensor, seq: SeqShard) -> torch.Tensor:
+    """F.linear(x, weight) of an input `gather_seq_for_linears` gathered, saving only its shard `seq`."""
+    return _LinearSavingShard.apply(x, weight, seq.shard, seq.cache, seq.group)
 
 
 # ---- replicated KV heads ----------------------------------------------------------------------------
