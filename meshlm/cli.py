@@ -28,6 +28,7 @@ from meshlm.config import (
     reference_markdown,
     to_toml,
 )
+from meshlm.data.sources import check_source
 from meshlm.errors import InputError, RunStopped
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = _config_from(args, extra)  # before torch is imported: a bad config fails in well under a second
+    check_source(cfg.data)  # so does a missing data path
 
     from meshlm.parallel.distributed import env_rank, lost_peer
     from meshlm.train.trainer import train
@@ -180,7 +182,9 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_prepare_data(args: argparse.Namespace, extra: list[str]) -> int:
     from meshlm.data.prepare import prepare_corpus
 
-    print(prepare_corpus(_config_from(args, extra), args.workers, args.shard_tokens))
+    cfg = _config_from(args, extra)
+    check_source(cfg.data)  # before the tokenizer's imports
+    print(prepare_corpus(cfg, args.workers, args.shard_tokens))
     return 0
 
 

@@ -90,13 +90,24 @@ def test_every_bad_input_error_is_an_input_error_the_cli_prints_as_one_line(
     assert capsys.readouterr().err == "meshlm: what was wrong, and what would be valid\n"
 
 
-def test_bad_input_through_the_real_entry_point_is_one_line(tmp_path: Path) -> None:
-    """The same as a user sees it: nothing else (no warning, no traceback) reaches stderr, and the config is
-    checked before torch is imported."""
-    args = ("--train.lr", "-1", "--log.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path))
-    out = meshlm("train", *args, flags=("-X", "importtime"))
+@pytest.mark.parametrize(
+    ("command", "args", "message"),
+    [
+        ("train", ["--train.lr", "-1"], "config error: train.lr: Input should be greater than 0"),
+        ("train", ["--config", "missing.toml"], "config error: file missing.toml not found"),
+        ("train", ["--data.source", "/no/such/corpus.txt"], "data.source: /no/such/corpus.txt not found; valid: "),
+        ("prepare-data", ["--data.source", "/no/such/dir/"], "data.source: /no/such/dir/ not found; valid: "),
+    ],
+)
+def test_bad_input_through_the_real_entry_point_is_one_line(
+    command: str, args: list[str], message: str, tmp_path: Path
+) -> None:
+    """The same as a user sees it: nothing else (no warning, no traceback) reaches stderr, and the config and
+    its data path are checked before torch is imported (a missing path took 20-100 s to be reported)."""
+    args = [*args, "--log.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path)]
+    out = meshlm(command, *args, flags=("-X", "importtime"))
     errors = [line for line in out.stderr.splitlines() if not line.startswith("import time:")]
-    assert out.returncode == 2 and errors == ["meshlm: config error: train.lr: Input should be greater than 0"], errors
+    assert out.returncode == 2 and len(errors) == 1 and errors[0].startswith(f"meshlm: {message}"), errors
     assert "torch" not in _imported(out.stderr)
 
 
