@@ -237,6 +237,63 @@ def test_a_checkpoint_lacking_a_trained_weight_is_one_line_for_eval_generate_and
     assert not (tmp_path / "hf").exists()
 
 
+class Evil:
+    def __reduce__(self) -> tuple:
+        return (exec, ("import pathlib; pathlib.Path('PWNED').touch()",))
+
+
+def forge(checkpoint: Path, name: str, content: bytes) -> None:
+    """Replace checkpoint file `name` and its manifest record: the checksums pass, the content is hostile."""
+    (checkpoint / name).write_bytes(content)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": len(content), "sha256": sha256_file(checkpoint / name)}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "reason"),
+    [
+        pytest.param(
+            ".metadata",
+            pickle.dumps(Evil()),
+            "UnpicklingError: builtins.exec is not a DCP metadata class; refused",
+            id="code-in-metadata",
+        ),
+        pytest.param(
+            "__0_0.distcp",
+            pickle.dumps({"w": Evil()}),
+            "rank 0: EOFError (a file is not what DCP wrote)",
+            id="pickle-as-tensor-file",
+        ),
+    ],
+)
+def test_a_refused_checkpoint_is_one_line_for_eval_generate_and_export(
+    name: str,
+    content: bytes,
+    reason: str,
+    trained_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An unpickling attack (code in `.metadata`) or a tensor file that is not weights: refused as `train`
+    refuses it (one line, no traceback), and the payload never runs."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    checkpoint = list_checkpoints(run_dir)[-1]
+    forge(checkpoint, name, content)
+    for args, expected_code in [
+        (["eval", str(run_dir)], 2),
+        (["generate", str(run_dir)], 2),
+        (["convert", "meshlm-to-hf", str(run_dir), str(tmp_path / "hf")], 1),
+    ]:
+        code, err = run_main(args, capsys)
+        assert code == expected_code and len(err.splitlines()) == 1, (args, err)
+        assert f"checkpoint {checkpoint} cannot be loaded: {reason}" in err, (args, err)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "PWNED").exists()
+
+
 def test_eval_of_a_directory_without_run_is_a_clear_error(tmp_path: Path) -> None:
     out = meshlm("eval", str(tmp_path))
     assert out.returncode == 2
