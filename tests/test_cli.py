@@ -3,19 +3,21 @@ the many one-line error cases: the same code without an interpreter start-up eac
 
 import json
 import pickle
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 from conftest import small_run_args
 
 from meshlm import InputError
 from meshlm.checkpoint import CheckpointError, StorageError, list_checkpoints
 from meshlm.checkpoint.store import sha256_file
-from meshlm.cli import main
-from meshlm.config import ConfigError
+from meshlm.cli import main, validation_line
+from meshlm.config import ConfigError, load_config
 from meshlm.data import DataError
 from meshlm.observe.metrics import read_metrics
 from meshlm.parallel.mesh import LayoutError
@@ -117,8 +119,36 @@ def trained_run(data_cache: str, tmp_path_factory: pytest.TempPathFactory) -> Pa
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     out = meshlm("train", *small_run_args(data_cache, run_dir), "--train.steps", "6", "--train.eval_every", "3")
     assert out.returncode == 0, out.stderr
-    assert "validation loss" in out.stdout
+    assert re.search(r"^validation loss \d\.\d{4} \(step 0\) -> \d\.\d{4} \(step 6\); run directory ", out.stdout, re.M)
     return run_dir
+
+
+def test_config_show_with_init_from_prints_the_model_the_checkpoint_defines(
+    trained_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not just `preset = "small"` (the default, unused): the fine-tuned model's own fields, as TOML comments."""
+    capsys.readouterr()
+    assert main(["config", "show", "--model.init_from", str(trained_run), "--data.seq_len", "64"]) == 0
+    out = capsys.readouterr().out
+    test_model = load_config(None, [("model.preset", "test"), ("data.seq_len", 64)]).model.build()
+    assert f"# the model model.init_from {trained_run} defines (model.preset is not used):\n" in out
+    assert f"\n#   n_layers = {test_model.n_layers!r}\n" in out and f"\n#   dim = {test_model.dim!r}\n" in out, out
+    assert load_config(None, [("model.init_from", str(trained_run)), ("data.seq_len", 64)]).model.build() == test_model
+    assert tomllib.loads(out)["model"]["init_from"] == str(trained_run)  # still TOML
+
+
+def test_the_pipeline_hint_says_to_set_micro_batch() -> None:
+    """The default micro_batch (0: the whole per-replica batch) is one micro-batch: "lower" it is no advice."""
+    from meshlm.parallel.mesh import check_pipeline_schedule, parse_layout
+
+    with pytest.raises(LayoutError, match=r"got 1 \(set train.micro_batch so that the per-replica batch splits"):
+        check_pipeline_schedule(parse_layout("pp=2", 2), 1)
+
+
+def test_the_validation_line_of_a_resumed_run_reads_sensibly() -> None:
+    """A run resumed near its end evaluates once: that loss at its step, not `3.3053 -> 3.3053`."""
+    assert validation_line([(6, 3.30531)]) == "validation loss 3.3053 at step 6"
+    assert validation_line([(4, 3.4), (6, 3.3)]) == "validation loss 3.4000 (step 4) -> 3.3000 (step 6)"
 
 
 def test_train_eval_generate_through_the_entry_point(trained_run: Path) -> None:

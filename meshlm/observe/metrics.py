@@ -303,14 +303,12 @@ class TrainProgress:
             self._progress = Progress(
                 TextColumn("[bold]step {task.completed}/{task.total}"),
                 BarColumn(),
-                TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[extra]}"),
+                TextColumn("{task.fields[stats]}"),  # empty until step 1's numbers: no `loss 0.0000 0 tok/s`
                 TimeElapsedColumn(),
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
             )
-            self._task = self._progress.add_task(
-                "train", total=total_steps, completed=start_step, loss=0.0, tps=0.0, extra=""
-            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
 
     def __enter__(self) -> TrainProgress:
         self._t0 = time.monotonic()
@@ -320,7 +318,8 @@ class TrainProgress:
 
     def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, loss=loss, tps=tokens_per_s, extra=extra)
+            stats = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  {extra}"
+            self._progress.update(self._task, completed=step, stats=stats)
         elif self.plain and (step % self.every == 0 or step == self.total or step == self.start_step + 1):
             elapsed = time.monotonic() - self._t0
             done = step - self.start_step
