@@ -28,6 +28,7 @@ from meshlm.config import (
     reference_markdown,
     to_toml,
 )
+from meshlm.data.sources import check_source
 from meshlm.errors import InputError, RunStopped
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = _config_from(args, extra)  # before torch is imported: a bad config fails in well under a second
+    check_source(cfg.data)  # so does a missing data path
 
     from meshlm.parallel.distributed import env_rank, lost_peer
     from meshlm.train.trainer import train
@@ -96,9 +98,17 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         report_error(line)
         return 1
     if result.eval_losses and os.environ.get("RANK", "0") == "0":
-        first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
-        print(f"validation loss {first:.4f} -> {last:.4f}; run directory {result.run_dir}")
+        print(f"{validation_line(result.eval_losses)}; run directory {result.run_dir}")
     return 0
+
+
+def validation_line(eval_losses: list[tuple[int, float]]) -> str:
+    """'validation loss 6.2629 (step 0) -> 5.8874 (step 6)'; one evaluation (a resumed run evaluates only at
+    its end) is that one, not a change from itself to itself."""
+    (first_step, first), (last_step, last) = eval_losses[0], eval_losses[-1]
+    if first_step == last_step:
+        return f"validation loss {last:.4f} at step {last_step}"
+    return f"validation loss {first:.4f} (step {first_step}) -> {last:.4f} (step {last_step})"
 
 
 def _load_run_model(run_dir: Path, cfg: Config) -> tuple[Transformer, Path]:
@@ -180,12 +190,18 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_prepare_data(args: argparse.Namespace, extra: list[str]) -> int:
     from meshlm.data.prepare import prepare_corpus
 
-    print(prepare_corpus(_config_from(args, extra), args.workers, args.shard_tokens))
+    cfg = _config_from(args, extra)
+    check_source(cfg.data)  # before the tokenizer's imports
+    print(prepare_corpus(cfg, args.workers, args.shard_tokens))
     return 0
 
 
 def cmd_config_show(args: argparse.Namespace, extra: list[str]) -> int:
-    print(to_toml(_config_from(args, extra)), end="")
+    cfg = _config_from(args, extra)
+    print(to_toml(cfg), end="")
+    if cfg.model.init_from:  # that checkpoint defines the model, not [model]'s preset: say which (as comments)
+        print(f"# the model model.init_from {cfg.model.init_from} defines (model.preset is not used):")
+        print("".join(f"#   {name} = {value!r}\n" for name, value in cfg.model.build().to_dict().items()), end="")
     return 0
 
 

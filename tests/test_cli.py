@@ -3,19 +3,21 @@ the many one-line error cases: the same code without an interpreter start-up eac
 
 import json
 import pickle
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 from conftest import small_run_args
 
 from meshlm import InputError
 from meshlm.checkpoint import CheckpointError, StorageError, list_checkpoints
 from meshlm.checkpoint.store import sha256_file
-from meshlm.cli import main
-from meshlm.config import ConfigError
+from meshlm.cli import main, validation_line
+from meshlm.config import ConfigError, load_config
 from meshlm.data import DataError
 from meshlm.observe.metrics import read_metrics
 from meshlm.parallel.mesh import LayoutError
@@ -90,13 +92,24 @@ def test_every_bad_input_error_is_an_input_error_the_cli_prints_as_one_line(
     assert capsys.readouterr().err == "meshlm: what was wrong, and what would be valid\n"
 
 
-def test_bad_input_through_the_real_entry_point_is_one_line(tmp_path: Path) -> None:
-    """The same as a user sees it: nothing else (no warning, no traceback) reaches stderr, and the config is
-    checked before torch is imported."""
-    args = ("--train.lr", "-1", "--log.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path))
-    out = meshlm("train", *args, flags=("-X", "importtime"))
+@pytest.mark.parametrize(
+    ("command", "args", "message"),
+    [
+        ("train", ["--train.lr", "-1"], "config error: train.lr: Input should be greater than 0"),
+        ("train", ["--config", "missing.toml"], "config error: file missing.toml not found"),
+        ("train", ["--data.source", "/no/such/corpus.txt"], "data.source: /no/such/corpus.txt not found; valid: "),
+        ("prepare-data", ["--data.source", "/no/such/dir/"], "data.source: /no/such/dir/ not found; valid: "),
+    ],
+)
+def test_bad_input_through_the_real_entry_point_is_one_line(
+    command: str, args: list[str], message: str, tmp_path: Path
+) -> None:
+    """The same as a user sees it: nothing else (no warning, no traceback) reaches stderr, and the config and
+    its data path are checked before torch is imported (a missing path took 20-100 s to be reported)."""
+    args = [*args, "--log.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path)]
+    out = meshlm(command, *args, flags=("-X", "importtime"))
     errors = [line for line in out.stderr.splitlines() if not line.startswith("import time:")]
-    assert out.returncode == 2 and errors == ["meshlm: config error: train.lr: Input should be greater than 0"], errors
+    assert out.returncode == 2 and len(errors) == 1 and errors[0].startswith(f"meshlm: {message}"), errors
     assert "torch" not in _imported(out.stderr)
 
 
@@ -106,8 +119,36 @@ def trained_run(data_cache: str, tmp_path_factory: pytest.TempPathFactory) -> Pa
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     out = meshlm("train", *small_run_args(data_cache, run_dir), "--train.steps", "6", "--train.eval_every", "3")
     assert out.returncode == 0, out.stderr
-    assert "validation loss" in out.stdout
+    assert re.search(r"^validation loss \d\.\d{4} \(step 0\) -> \d\.\d{4} \(step 6\); run directory ", out.stdout, re.M)
     return run_dir
+
+
+def test_config_show_with_init_from_prints_the_model_the_checkpoint_defines(
+    trained_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not just `preset = "small"` (the default, unused): the fine-tuned model's own fields, as TOML comments."""
+    capsys.readouterr()
+    assert main(["config", "show", "--model.init_from", str(trained_run), "--data.seq_len", "64"]) == 0
+    out = capsys.readouterr().out
+    test_model = load_config(None, [("model.preset", "test"), ("data.seq_len", 64)]).model.build()
+    assert f"# the model model.init_from {trained_run} defines (model.preset is not used):\n" in out
+    assert f"\n#   n_layers = {test_model.n_layers!r}\n" in out and f"\n#   dim = {test_model.dim!r}\n" in out, out
+    assert load_config(None, [("model.init_from", str(trained_run)), ("data.seq_len", 64)]).model.build() == test_model
+    assert tomllib.loads(out)["model"]["init_from"] == str(trained_run)  # still TOML
+
+
+def test_the_pipeline_hint_says_to_set_micro_batch() -> None:
+    """The default micro_batch (0: the whole per-replica batch) is one micro-batch: "lower" it is no advice."""
+    from meshlm.parallel.mesh import check_pipeline_schedule, parse_layout
+
+    with pytest.raises(LayoutError, match=r"got 1 \(set train.micro_batch so that the per-replica batch splits"):
+        check_pipeline_schedule(parse_layout("pp=2", 2), 1)
+
+
+def test_the_validation_line_of_a_resumed_run_reads_sensibly() -> None:
+    """A run resumed near its end evaluates once: that loss at its step, not `3.3053 -> 3.3053`."""
+    assert validation_line([(6, 3.30531)]) == "validation loss 3.3053 at step 6"
+    assert validation_line([(4, 3.4), (6, 3.3)]) == "validation loss 3.4000 (step 4) -> 3.3000 (step 6)"
 
 
 def test_train_eval_generate_through_the_entry_point(trained_run: Path) -> None:
@@ -224,6 +265,63 @@ def test_a_checkpoint_lacking_a_trained_weight_is_one_line_for_eval_generate_and
         assert code == expected_code and len(err.splitlines()) == 1, (args, err)
         assert f"{checkpoint}: model weight model.norm.weight is missing" in err, (args, err)
     assert not (tmp_path / "hf").exists()
+
+
+class Evil:
+    def __reduce__(self) -> tuple:
+        return (exec, ("import pathlib; pathlib.Path('PWNED').touch()",))
+
+
+def forge(checkpoint: Path, name: str, content: bytes) -> None:
+    """Replace checkpoint file `name` and its manifest record: the checksums pass, the content is hostile."""
+    (checkpoint / name).write_bytes(content)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": len(content), "sha256": sha256_file(checkpoint / name)}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "reason"),
+    [
+        pytest.param(
+            ".metadata",
+            pickle.dumps(Evil()),
+            "UnpicklingError: builtins.exec is not a DCP metadata class; refused",
+            id="code-in-metadata",
+        ),
+        pytest.param(
+            "__0_0.distcp",
+            pickle.dumps({"w": Evil()}),
+            "rank 0: EOFError (a file is not what DCP wrote)",
+            id="pickle-as-tensor-file",
+        ),
+    ],
+)
+def test_a_refused_checkpoint_is_one_line_for_eval_generate_and_export(
+    name: str,
+    content: bytes,
+    reason: str,
+    trained_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An unpickling attack (code in `.metadata`) or a tensor file that is not weights: refused as `train`
+    refuses it (one line, no traceback), and the payload never runs."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    checkpoint = list_checkpoints(run_dir)[-1]
+    forge(checkpoint, name, content)
+    for args, expected_code in [
+        (["eval", str(run_dir)], 2),
+        (["generate", str(run_dir)], 2),
+        (["convert", "meshlm-to-hf", str(run_dir), str(tmp_path / "hf")], 1),
+    ]:
+        code, err = run_main(args, capsys)
+        assert code == expected_code and len(err.splitlines()) == 1, (args, err)
+        assert f"checkpoint {checkpoint} cannot be loaded: {reason}" in err, (args, err)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "PWNED").exists()
 
 
 def test_eval_of_a_directory_without_run_is_a_clear_error(tmp_path: Path) -> None:

@@ -379,3 +379,23 @@ def test_token_caches_get_the_mode_the_umask_gives(tmp_path):
         os.umask(old)
     assert data.directory.stat().st_mode & 0o777 == 0o755
     assert all(p.stat().st_mode & 0o044 == 0o044 for p in data.directory.iterdir())  # group and others read
+
+
+def test_tokenizing_prints_progress_lines(tmp_path, monkeypatch, capsys):
+    """A line per PROGRESS_CHARS of text while the corpus is tokenized, and one when it is done: a batch job's
+    log is not silent for the minutes a large corpus takes."""
+    monkeypatch.setattr(dataset_module, "PROGRESS_CHARS", 1000)
+    cfg = jsonl_cfg(tmp_path, 100, val_fraction=0.1)
+    chars = sum(len(t) for t in unique_docs(100))
+    data = prepare_data(cfg, 300)
+    lines = capsys.readouterr().out.splitlines()
+    source = cfg.source
+    assert lines[0] == f"tokenizing {source}: training a 300-token BPE tokenizer on its train split first"
+    progress = [line for line in lines if line.startswith(f"tokenizing {source}: ") and " M characters, " in line]
+    assert len(progress) == chars // 1000, lines
+    assert progress[0].startswith(f"tokenizing {source}: 0.0 M characters, ")
+    assert lines[-1].startswith(f"tokenized {source} in ") and lines[-1].endswith(
+        f"{len(data.train):,} train and {len(data.val):,} validation tokens"
+    )
+    prepare_data(cfg, 300)  # the cache: nothing tokenized, nothing said
+    assert capsys.readouterr().out == ""

@@ -118,3 +118,25 @@ def test_a_metrics_write_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(StorageError) as failed:
         logger.log(1, "train", loss=1.0)
     assert str(failed.value) == f"metrics cannot be written: {logger.path}: no space left on device"
+
+
+def test_tensorboard_on_a_full_disk_is_one_line_naming_its_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TensorBoard writes from a thread of its own: the disk filling up under it ends in meshlm's one line
+    naming the tensorboard folder, with no thread traceback printed before it."""
+    errors: list[str] = []
+    monkeypatch.setattr("threading.excepthook", lambda args: errors.append(repr(args.exc_value)))
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+
+    def full(_data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async_writer = logger._tb.file_writer.event_writer._async_writer
+    monkeypatch.setattr(async_writer._writer._writer, "write", full)
+    logger.log(1, "train", loss=2.0)
+    async_writer._worker.join(timeout=60)  # the writer thread met the full disk and stopped
+    with pytest.raises(StorageError, match=f"{tmp_path / 'tensorboard'}.*no space left on device"):
+        logger.log(2, "train", loss=1.9)
+    assert errors == [] and capsys.readouterr().err == ""
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # metrics.jsonl, the source of truth, has both

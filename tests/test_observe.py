@@ -286,16 +286,21 @@ def test_mfu_always_says_what_it_is_a_fraction_of(tmp_path) -> None:
 
 def test_a_measured_peak_below_the_achieved_rate_is_raised_so_mfu_never_exceeds_100_percent() -> None:
     """The issue's 924.6 %: a CPU matmul rate measured while the CPU was busy. The observer raises such a
-    measured peak to the achieved rate and says so; a given peak (log.peak_flops) is left alone."""
+    measured peak to the achieved rate and says so; a given peak (log.peak_flops) is left alone. The first
+    step (a warm-up sample) never raises it: no "MFU 100.0% ... raised" at step 1, and no figure above 100%."""
     clock = FakeClock()
     for given in (False, True):
         timers = Timers(clock)
         observer = StepObserver(6e9, 1000, peak_flops=1e8, timers=timers)
         if not given:
             observer.mfu_basis = "measured matmul"  # as on CPU: the rate measured at start-up, here 1e8
-        observer.start_step()
-        clock.advance(3.0)  # 2e9 FLOP/s achieved: 20× the peak
-        m = observer.end_step()
+        for _ in range(2):
+            observer.start_step()
+            clock.advance(3.0)  # 2e9 FLOP/s achieved: 20× the peak
+            m = observer.end_step()
+            if observer.windows == 1 and not given:
+                assert observer.peak_flops == 1e8 and not observer.peak_raised
+                assert observer.mfu_label(m["mfu"]) == "MFU n/a (this first step ran above the measured matmul rate)"
         observer.close()
         if given:
             assert m["mfu"] == pytest.approx(20.0) and observer.mfu_label(m["mfu"]).endswith("of log.peak_flops")
@@ -330,6 +335,29 @@ def test_progress_in_a_batch_job_is_plain_lines_and_fault_lines_always_print() -
         bar.update(10, 2.5, 1.0)
         bar.print("step 10: update skipped")
     assert other.getvalue() == ""
+
+
+def test_the_progress_bar_shows_no_numbers_before_step_1() -> None:
+    """On a terminal: before step 1 the bar has no `loss 0.0000 0 tok/s` (nothing is measured yet)."""
+    import io
+
+    from rich.console import Console
+
+    from meshlm.observe.metrics import TrainProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    def shown(bar: TrainProgress) -> str:
+        console = Console(file=io.StringIO(), width=160)
+        console.print(bar._progress.get_renderable())
+        return console.file.getvalue()
+
+    bar = TrainProgress(20, 0, enabled=True, rank0=True, stream=Terminal())
+    assert "step 0/20" in shown(bar) and "loss" not in shown(bar) and "tok/s" not in shown(bar)
+    bar.update(1, 2.5, 1234.0, extra="MFU 10.0% of measured matmul")
+    assert "step 1/20" in shown(bar) and "loss 2.5000  1,234 tok/s  MFU 10.0% of measured matmul" in shown(bar)
 
 
 class FakeTracker:

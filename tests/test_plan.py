@@ -381,6 +381,33 @@ def test_cli_table_and_rejection_summary(capsys):
     assert "pp=1,dp=" in out and "layouts fit; rejected" in out
 
 
+@pytest.mark.parametrize("width", [60, 80, 120, 250])
+def test_cli_table_fits_the_terminal_with_a_legend(width, capsys, monkeypatch):
+    """The table is never wider than the terminal ($COLUMNS here): columns are left out, least useful first,
+    and named; the short column names and zb1 are explained under it."""
+    from meshlm.plan.cli import COLUMNS
+
+    monkeypatch.setenv("COLUMNS", str(width))
+    argv = ("--model", "test", "--gpus", "4", "--gpu", "cpu", "--global-batch", "8", "--top", "3")
+    assert run_plan(plan_args(*argv, "--schedule", "zb1")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("┏")) : 1 + next(
+        i for i, line in enumerate(lines) if line.startswith("└"))]  # fmt: skip
+    assert all(len(line) <= width for line in table), "\n".join(table)
+    shown = [name.strip() for name in table[1].strip("┃").split("┃")]
+    assert {"#", "layout", "MFU", "on demand"} <= set(shown) and shown == [c for c in COLUMNS if c in shown]
+    hidden = [c for c in COLUMNS if c not in shown]
+    text = " ".join(" ".join(lines).split())  # the notes under the table wrap at the width too
+    if hidden:
+        assert f"not shown at {width} columns: {', '.join(hidden)} (a wider terminal or --json shows them)" in text
+    else:
+        assert not any(line.startswith("not shown at") for line in lines) and width == 250
+    legend = {line.split(":")[0] for line in lines if line.startswith(("mb: ", "sp: ", "zb1: ", "mixed: "))}
+    uses_zb1 = "schedule" in shown and any("│ zb1 " in line for line in table)
+    assert legend == {key for key in ("mb", "sp", "mixed") if key in shown} | ({"zb1"} if uses_zb1 else set())
+    assert uses_zb1 or "schedule" not in shown
+
+
 def test_cli_405b_on_8_a100_40gb_does_not_fit(capsys):
     assert run_plan(plan_args("--model", "llama3-405b", "--gpus", "8", "--gpu", "A100-40GB")) == 2
     err = capsys.readouterr().err.strip()

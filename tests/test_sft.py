@@ -386,6 +386,20 @@ def test_bad_lines_are_one_line_naming_file_line_and_field(tmp_path: Path, line:
     assert len(str(e.value).splitlines()) == 1
 
 
+def test_many_bad_lines_are_one_error_with_a_count(tmp_path: Path) -> None:
+    """The first bad line's reason, then how many more and where the next few are: one rerun fixes them all."""
+    lines = [pair(0), "{not json", pair(1), "[1]", '{"text": "x"}', "{", "{", pair(2)]
+    cfg = sft_cfg(tmp_path, lines)
+    path = tmp_path / "sft.jsonl"
+    with pytest.raises(DataError) as e:
+        prepare_data(cfg, VOCAB)
+    assert str(e.value) == (
+        f'{path}:2: not valid JSON; each line must be a JSON object with "messages" (data.messages_field) or '
+        f'"prompt" and "response" (data.prompt_field, data.response_field) (and 4 more bad line(s): {path}:4, '
+        f"{path}:5, {path}:6, ...)"
+    )
+
+
 def test_bad_sources_and_sets_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"data.source: .*a.txt is not a .jsonl file"):
         prepare_data(DataSection(source=str(write_jsonl(tmp_path / "a.txt", [])), format="sft"), VOCAB)

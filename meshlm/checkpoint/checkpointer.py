@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import pickle
 import shutil
 import threading
 import time
@@ -33,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from meshlm.checkpoint.shards import ChunkLoadPlanner, Chunks, ChunkSavePlanner
 from meshlm.checkpoint.store import (
+    LOAD_ERRORS,
     CheckpointError,
     MetadataOnceReader,
     RunCheckpoints,
@@ -40,6 +40,7 @@ from meshlm.checkpoint.store import (
     file_record,
     staging_folder,
     storage_cause,
+    unloadable,
 )
 
 Entries = dict[str, Any]  # key -> Chunks or a plain tensor
@@ -285,14 +286,8 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint {path} lacks {what}; was it written for another model?")
             rng = {k: torch.empty(saved[k].size, dtype=torch.uint8) for k in self._rng_entries() if k in saved}
             dcp.load({**entries, **rng}, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=self.group)
-        except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, CheckpointException) as e:
-            if isinstance(e, CheckpointError):
-                raise
-            if isinstance(e, CheckpointException) and e.failures:
-                rank, cause = next(iter(sorted(e.failures.items())))
-                cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback frames)
-                e = f"rank {rank}: {type(cause).__name__}: {cause}"
-            raise CheckpointError(f"checkpoint {path} cannot be loaded: {str(e).splitlines()[0]}") from None
+        except LOAD_ERRORS as e:
+            raise unloadable(path, e) from None
         for key, state in rng.items():
             if key.startswith("rng/cpu/"):
                 torch.set_rng_state(state)

@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import socket
 import warnings
@@ -319,20 +320,42 @@ class MetadataOnceReader(SafeReader):
         return self._metadata
 
 
+# What reading a checkpoint's files raises when they are not what DCP wrote: a refused unpickling (code in
+# `.metadata`, a pickled entry, a tensor file that is not weights), a truncated or foreign file.
+LOAD_ERRORS = (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, CheckpointException)
+
+
+def unloadable(path: Path, error: BaseException) -> CheckpointError:
+    """The one-line error for checkpoint `path` that raised `error` (one of LOAD_ERRORS) while loading."""
+    if isinstance(error, CheckpointError):
+        return error
+    where = ""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, cause = next(iter(sorted(error.failures.items())))
+        error = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback frames)
+        where = f"rank {rank}: "
+    said = str(error).strip().splitlines()
+    what = f"{type(error).__name__}: {said[0]}" if said else f"{type(error).__name__} (a file is not what DCP wrote)"
+    return CheckpointError(f"checkpoint {path} cannot be loaded: {where}{what}")
+
+
 def load_model_state(path: Path) -> dict[str, torch.Tensor]:
     """The full fp32 weights (HF names) of a verified checkpoint, in this process alone (no process group):
     for generation, evaluation and export."""
     verify_checkpoint(path)
     reader = MetadataOnceReader(path)
-    metadata = reader.read_metadata()
-    state = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith("model/") and isinstance(md, TensorStorageMetadata)
-    }
-    with warnings.catch_warnings():  # DCP warns that it runs in one process: here that is the point
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), no_dist=True)
+    try:
+        metadata = reader.read_metadata()
+        state = {
+            key: torch.empty(md.size, dtype=md.properties.dtype)
+            for key, md in metadata.state_dict_metadata.items()
+            if key.startswith("model/") and isinstance(md, TensorStorageMetadata)
+        }
+        with warnings.catch_warnings():  # DCP warns that it runs in one process: here that is the point
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), no_dist=True)
+    except LOAD_ERRORS as e:
+        raise unloadable(path, e) from None
     return {key.removeprefix("model/"): t for key, t in state.items()}
 
 

@@ -41,6 +41,7 @@ FORMAT_VERSION = 2
 SPLITS = ("train", "val")
 PREPARED = "prepare-data"  # the manifest's `builder` for caches `meshlm prepare-data` made (else "inline")
 INLINE_LIMIT_BYTES = 1 << 26  # above this much text, tokenizing inline behind a barrier deserves a warning
+PROGRESS_CHARS = 1 << 24  # while tokenizing, a line per this much text encoded (a silent log looks hung)
 log = logging.getLogger(__name__)
 
 
@@ -294,7 +295,8 @@ def _tokenize_into(
     source = describe_source(cfg)
     start = time.perf_counter()
     if tokenizer_file is None:
-        log.info("training a %d-token BPE tokenizer on %s", vocab_size, source)
+        print(f"tokenizing {source}: training a {vocab_size}-token BPE tokenizer on its train split first",
+              flush=True)  # fmt: skip
     train_docs = (doc for i, doc in enumerate(iter_documents(cfg)) if not is_val_document(i, cfg.val_fraction))
     tokenizer, eot = cache_tokenizer(out, tokenizer_file, vocab_size, train_docs)
 
@@ -302,7 +304,7 @@ def _tokenize_into(
     documents = (
         ("val" if is_val_document(i, cfg.val_fraction) else "train", doc) for i, doc in enumerate(iter_documents(cfg))
     )
-    written = write_shards(out, documents, tokenizer, eot, dtype, workers, shard_tokens)
+    written = write_shards(out, _reporting(documents, source, start), tokenizer, eot, dtype, workers, shard_tokens)
     tokens, documents = written["tokens"], written["documents"]
     if documents["val"] == 0:
         raise DataError(
@@ -329,9 +331,20 @@ def _tokenize_into(
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     atomic_write(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")  # last: the cache's commit
-    log.info(
-        "tokenized %s in %.1fs with %d process(es): %s tokens", source, time.perf_counter() - start, workers, tokens
-    )
+    print(f"tokenized {source} in {time.perf_counter() - start:.0f} s with {workers} process(es): "
+          f"{tokens['train']:,} train and {tokens['val']:,} validation tokens", flush=True)  # fmt: skip
+
+
+def _reporting(documents: Iterable[tuple[str, str]], source: str, start: float) -> Iterator[tuple[str, str]]:
+    """`documents` unchanged, with a line each time another PROGRESS_CHARS characters have been read."""
+    read, count, due = 0, 0, PROGRESS_CHARS
+    for split, text in documents:
+        yield split, text
+        read, count = read + len(text), count + 1
+        if read >= due:
+            due += PROGRESS_CHARS * ((read - due) // PROGRESS_CHARS + 1)
+            print(f"tokenizing {source}: {read / 1e6:,.1f} M characters, {count:,} documents, "
+                  f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
 
 
 def prepare_data_shared(cfg: DataSection, vocab_size: int, tokenizer_file: Path | None = None) -> TokenData | SFTData:

@@ -89,16 +89,32 @@ def sft_files(cfg: DataSection) -> list[Path]:
 
 
 def iter_examples(cfg: DataSection) -> Iterator[tuple[str, list[Message]]]:
-    """Every example of the source in corpus order, as ("file:line", messages); blank lines are skipped."""
+    """Every example of the source in corpus order, as ("file:line", messages); blank lines are skipped. Bad
+    lines are one error at the end, the first one's reason and how many more there are (with where the next
+    few are), so a fix is not one rerun per bad line; nothing is yielded after the first bad line."""
+    bad: list[tuple[str, str]] = []
     for path in sft_files(cfg):
         with path.open(encoding="utf-8") as f:
             lineno = 0
             try:
                 for lineno, line in enumerate(f, 1):
-                    if line.strip():
-                        yield f"{path}:{lineno}", parse_example(line, f"{path}:{lineno}", cfg)
+                    if not line.strip():
+                        continue
+                    where = f"{path}:{lineno}"
+                    try:
+                        example = parse_example(line, where, cfg)
+                    except DataError as e:
+                        bad.append((where, str(e)))
+                        continue
+                    if not bad:
+                        yield where, example
             except UnicodeDecodeError:
-                raise DataError(f"{path}:{lineno + 1}: not UTF-8 text; convert the file to UTF-8") from None
+                bad.append((f"{path}:{lineno + 1}", f"{path}:{lineno + 1}: not UTF-8 text; convert the file to UTF-8"))
+    if len(bad) > 1:
+        listed = ", ".join(where for where, _ in bad[1:4]) + (", ..." if len(bad) > 4 else "")
+        raise DataError(f"{bad[0][1]} (and {len(bad) - 1} more bad line(s): {listed})")
+    if bad:
+        raise DataError(bad[0][1])
 
 
 def parse_example(line: str, where: str, cfg: DataSection) -> list[Message]:

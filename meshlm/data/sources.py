@@ -34,8 +34,17 @@ def describe_source(cfg: DataSection) -> str:
     return f"stdlib ({stdlib_root()})" if cfg.source == "stdlib" else cfg.source
 
 
+def check_source(cfg: DataSection) -> None:
+    """Refuse a local data.source that does not exist: cheap (no torch), so the CLI calls it before its heavy
+    imports and a mistyped path is one line within a second."""
+    local = not (cfg.source == "stdlib" or cfg.source.startswith("hf:"))
+    if local and not (Path(cfg.source).is_dir() or Path(cfg.source).is_file()):
+        raise DataError(f"data.source: {cfg.source} not found; valid: {VALID_SOURCES}")
+
+
 def source_files(cfg: DataSection) -> list[Path]:
     """The files a local source reads, in corpus order (empty for Hugging Face sources)."""
+    check_source(cfg)
     if cfg.source.startswith("hf:"):
         return []
     if cfg.source == "stdlib":
@@ -43,8 +52,6 @@ def source_files(cfg: DataSection) -> list[Path]:
     path = Path(cfg.source)
     if path.is_dir():
         return _walk(path, FILE_SUFFIXES, skip=set())
-    if not path.is_file():
-        raise DataError(f"data.source: {path} not found; valid: {VALID_SOURCES}")
     if path.suffix not in (".txt", ".jsonl"):
         raise DataError(f"data.source: {path} is not a .txt or .jsonl file; valid: {VALID_SOURCES}")
     return [path]

@@ -18,6 +18,7 @@ import importlib
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +39,20 @@ def _storage_error(error: OSError, path: Path) -> Exception:
     from meshlm.checkpoint.store import StorageError, storage_cause
 
     return StorageError(f"metrics cannot be written: {storage_cause(error, path)}")
+
+
+def _quiet_writer_thread(previous: Callable[[threading.ExceptHookArgs], Any]) -> Callable[..., Any]:
+    """A `threading.excepthook` that says nothing for a storage error in TensorBoard's writer thread: that
+    thread keeps the error and the next `add_scalar` raises it here, where it becomes one line; its own
+    traceback, printed first, would bury that line. Every other thread's error goes to `previous`."""
+
+    def hook(args: threading.ExceptHookArgs) -> Any:
+        if not (type(args.thread).__module__.startswith("tensorboard.") and isinstance(args.exc_value, OSError)):
+            return previous(args)
+        return None
+
+    hook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    return hook
 
 
 def end_torn_line(path: Path) -> int:
@@ -181,10 +196,13 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            if not getattr(threading.excepthook, "quiets_tensorboard", False):
+                threading.excepthook = _quiet_writer_thread(threading.excepthook)
+            self._tb_dir = run_dir / "tensorboard"
             try:
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+                self._tb = SummaryWriter(log_dir=str(self._tb_dir))
             except OSError as e:  # a full disk or a read-only run directory
-                raise _storage_error(e, run_dir / "tensorboard") from None
+                raise _storage_error(e, self._tb_dir) from None
         # TensorBoard and the trackers already hold the steps logged before a resume: only later ones go there
         self._mirrored_up_to = max((r["step"] for r in load_metrics(run_dir)[0]), default=-1) if resumed else -1
         if resumed and start_step is not None:
@@ -195,14 +213,17 @@ class MetricsLogger:
         try:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
-            if step <= self._mirrored_up_to:
-                return
-            scalars = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-            if self._tb is not None:
-                for name, value in scalars.items():
-                    self._tb.add_scalar(f"{kind}/{name}", value, step)
         except OSError as e:
             raise _storage_error(e, self.path) from None
+        if step <= self._mirrored_up_to:
+            return
+        scalars = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        if self._tb is not None:
+            try:
+                for name, value in scalars.items():
+                    self._tb.add_scalar(f"{kind}/{name}", value, step)
+            except OSError as e:  # what TensorBoard's writer thread met (a full disk), raised on this call
+                raise _storage_error(e, self._tb_dir) from None
         for sink in self._sinks:
             sink.log(step, kind, scalars)
 
@@ -211,10 +232,13 @@ class MetricsLogger:
             sink.close()
         try:
             self._file.close()
-            if self._tb is not None:
-                self._tb.close()
         except OSError as e:
             raise _storage_error(e, self.path) from None
+        if self._tb is not None:
+            try:
+                self._tb.close()
+            except OSError as e:
+                raise _storage_error(e, self._tb_dir) from None
 
 
 def load_metrics(run_dir: Path) -> tuple[list[dict], list[int]]:
@@ -279,14 +303,12 @@ class TrainProgress:
             self._progress = Progress(
                 TextColumn("[bold]step {task.completed}/{task.total}"),
                 BarColumn(),
-                TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[extra]}"),
+                TextColumn("{task.fields[stats]}"),  # empty until step 1's numbers: no `loss 0.0000 0 tok/s`
                 TimeElapsedColumn(),
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
             )
-            self._task = self._progress.add_task(
-                "train", total=total_steps, completed=start_step, loss=0.0, tps=0.0, extra=""
-            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
 
     def __enter__(self) -> TrainProgress:
         self._t0 = time.monotonic()
@@ -296,7 +318,8 @@ class TrainProgress:
 
     def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, loss=loss, tps=tokens_per_s, extra=extra)
+            stats = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  {extra}"
+            self._progress.update(self._task, completed=step, stats=stats)
         elif self.plain and (step % self.every == 0 or step == self.total or step == self.start_step + 1):
             elapsed = time.monotonic() - self._t0
             done = step - self.start_step

@@ -88,6 +88,7 @@ class StepObserver:
         name = torch.cuda.get_device_name(self.device) if self.cuda else ""
         self.mfu_basis = mfu_basis(self.device.type, name, given=bool(peak_flops))
         self.peak_raised = False  # a measured peak below an achieved rate is raised to it: MFU never > 100%
+        self.windows = 0  # windows closed; the first (warm-up: first calls, allocator) never raises the peak
         self.timers = timers
         self.timers.enable(cuda=self.cuda)
         self.memory = MemoryProbe(model, optimizer) if model is not None else None
@@ -128,7 +129,8 @@ class StepObserver:
         metrics["tokens_per_s"] = self.tokens_per_step / elapsed
         metrics["flops_per_s"] = self.flops_per_step / elapsed
         achieved = self.flops_per_step / elapsed / self.n_devices
-        if self.mfu_basis == MEASURED_MATMUL and achieved > self.peak_flops:
+        self.windows += 1
+        if self.mfu_basis == MEASURED_MATMUL and achieved > self.peak_flops and self.windows > 1:
             # the matmul was measured low (a CPU shared with other work then): the best rate seen is the peak
             self.peak_flops, self.peak_raised = achieved, True
         metrics["mfu"] = mfu(self.flops_per_step, elapsed, self.peak_flops, self.n_devices)
@@ -140,7 +142,10 @@ class StepObserver:
         return metrics
 
     def mfu_label(self, value: float) -> str:
-        """'MFU 86.5% of measured matmul': an MFU figure always says what it is a fraction of."""
+        """'MFU 86.5% of measured matmul': an MFU figure always says what it is a fraction of. The first window
+        above a measured peak is one warm-up sample, not a rate to take as the peak: no figure then."""
+        if value > 1 and self.mfu_basis == MEASURED_MATMUL and self.windows == 1:
+            return f"MFU n/a (this first step ran above the {self.mfu_basis} rate)"
         raised = ", raised to the best achieved rate" if self.peak_raised else ""
         return f"MFU {value:.1%} of {self.mfu_basis}{raised}"
 

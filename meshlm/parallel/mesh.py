@@ -133,7 +133,7 @@ def check_pipeline_schedule(layout: Layout, n_micro: int, schedule: str = "1f1b"
     if pp > 1 and schedule in ("1f1b", "interleaved", "zb1") and n_micro < pp:
         raise LayoutError(
             f"schedule {schedule} needs at least pp={pp} micro-batches per replica, got {n_micro} "
-            f"(lower train.micro_batch)"
+            f"(set train.micro_batch so that the per-replica batch splits into at least {pp})"
         )
     if schedule == "interleaved" and pp > 1 and n_micro % pp:
         raise LayoutError(f"interleaved schedule needs micro-batches per replica ({n_micro}) divisible by pp={pp}")

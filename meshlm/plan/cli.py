@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -478,6 +479,45 @@ def _offer(e: Estimate | None, recommended: Estimate | None) -> str:
     return f"${_si(e.usd)}, {duration_text(e.wall_s)}" + (" *" if e is recommended else "")
 
 
+# The table's columns in order, and the order they are left out in when the terminal is too narrow for all.
+COLUMNS = ["#", "layout", "zero", "mb", "schedule", "recompute", "sp", "GB/GPU", "step s", "tok/s", "TFLOP/s",
+           "MFU", "on demand", "spot", "mixed", "restarts", "ckpt every"]  # fmt: skip
+DROP_ORDER = ["TFLOP/s", "ckpt every", "restarts", "step s", "sp", "mixed", "recompute", "spot", "mb", "zero",
+              "schedule", "tok/s", "GB/GPU"]  # fmt: skip  # never dropped: #, layout, MFU, on demand
+
+
+def _fitted_table(title: str, rows: list[dict[str, str]], console: Console) -> tuple[Table, list[str]]:
+    """The table with the columns that fit `console`'s width (the least useful left out first), and the names
+    of those left out. What still does not fit is squeezed by rich to the width, never printed wider."""
+    dropped: list[str] = []
+    while True:
+        shown = [name for name in COLUMNS if name not in dropped]
+        table = Table(title=title, title_justify="left")
+        for name in shown:
+            left = name in ("layout", "schedule", "recompute")
+            table.add_column(name, justify="left" if left else "right", no_wrap=True)
+        for row in rows:
+            table.add_row(*(row[name] for name in shown))
+        needed = console.measure(table, options=console.options.update_width(10_000)).maximum
+        if needed <= console.width or len(dropped) == len(DROP_ORDER):
+            return table, dropped
+        dropped.append(DROP_ORDER[len(dropped)])
+
+
+def _legend(table: Table, rows: list[dict[str, str]]) -> list[str]:
+    """What the shown columns' short names mean (only those shown; zb1 when a row uses it)."""
+    shown = {str(column.header) for column in table.columns}
+    notes = {
+        "mb": "mb: micro-batch size, sequences per forward/backward (train.micro_batch)",
+        "sp": "sp: sequence parallelism, activations outside attention and MLP split over tp",
+        "zb1": "zb1: the zero-bubble pipeline schedule (ZB-H1: weight gradients fill the bubble)",
+        "mixed": "mixed: on-demand nodes plus spot nodes, the best such pool",
+    }
+    uses_zb1 = "schedule" in shown and any(row["schedule"] == "zb1" for row in rows)
+    wanted = [key for key in notes if key in shown or (key == "zb1" and uses_zb1)]
+    return [notes[key] for key in wanted]
+
+
 def _print_table(r: Request, args: argparse.Namespace, result: SearchResult) -> None:
     w, hw = r.workload, r.hw
     counts = param_counts(w.model)
@@ -487,27 +527,31 @@ def _print_table(r: Request, args: argparse.Namespace, result: SearchResult) -> 
         f"{w.name} ({params} params) on {gpus}× {hw.name}: seq {w.seq_len}, batch {w.global_batch} "
         f"({_si(w.global_batch * w.seq_len)} tokens), {_si(w.train_tokens)} training tokens, {w.precision}"
     )
-    table = Table(title=title, title_justify="left")
-    columns = ["#", "layout", "zero", "mb", "schedule", "recompute", "sp", "GB/GPU", "step s", "tok/s"]
-    columns += ["TFLOP/s", "MFU", "on demand", "spot", "mixed", "restarts", "ckpt every"]
-    for name in columns:
-        left = name in ("layout", "schedule", "recompute")
-        table.add_column(name, justify="left" if left else "right", no_wrap=True)
+    rows = []
     for i, plan in enumerate(result.plans[: args.top], 1):
         d = plan.to_dict()
         schedule = d["schedule"] + (f"×{d['virtual_stages']}" if d["schedule"] == "interleaved" else "")
         layout = d["layout"] + (f" {d['cp_attention']}" if d["cp_attention"] else "")
         recompute = d["recompute"] + (f" +{d['recompute_layers']} full" if d["recompute_layers"] else "")
         o = plan.offerings
-        table.add_row(
-            str(i), layout, str(d["zero"]), str(d["micro_batch"]), schedule, recompute,
-            "yes" if d["sequence_parallel"] else "", f"{d['memory_gb_per_gpu']:.1f}", f"{d['step_time_s']:.2f}",
-            f"{d['tokens_per_s']:,.0f}", f"{d['tflops_per_gpu']:.3g}", f"{d['mfu']:.1%}",
-            *(_offer(e, o.recommended) for e in (o.on_demand, o.spot, o.mixed)),
-            f"{o.recommended.restarts:,.0f}", duration_text(o.recommended.interval_s),
-        )  # fmt: skip
-    console = Console(width=max(Console().width, 200))  # 17 columns: never squeeze them into 80
+        on_demand, spot, mixed = (_offer(e, o.recommended) for e in (o.on_demand, o.spot, o.mixed))
+        rows.append({
+            "#": str(i), "layout": layout, "zero": str(d["zero"]), "mb": str(d["micro_batch"]), "schedule": schedule,
+            "recompute": recompute, "sp": "yes" if d["sequence_parallel"] else "",
+            "GB/GPU": f"{d['memory_gb_per_gpu']:.1f}", "step s": f"{d['step_time_s']:.2f}",
+            "tok/s": f"{d['tokens_per_s']:,.0f}", "TFLOP/s": f"{d['tflops_per_gpu']:.3g}", "MFU": f"{d['mfu']:.1%}",
+            "on demand": on_demand, "spot": spot, "mixed": mixed, "restarts": f"{o.recommended.restarts:,.0f}",
+            "ckpt every": duration_text(o.recommended.interval_s),
+        })  # fmt: skip
+    width = shutil.get_terminal_size().columns  # $COLUMNS, else the terminal's, else 80
+    console = Console(width=width)
+    table, dropped = _fitted_table(title, rows, console)
     console.print(table)
+    for note in _legend(table, rows):
+        console.print(note)
+    if dropped:
+        hidden = ", ".join(name for name in COLUMNS if name in dropped)
+        console.print(f"not shown at {width} columns: {hidden} (a wider terminal or --json shows them)")
     basis = _mfu_basis(hw, args)
     hint = " (`meshlm doctor --out FILE`, then --calibration FILE, measures it)" if basis == ASSUMED_MATMUL else ""
     console.print(f"MFU: of {basis}{hint}")

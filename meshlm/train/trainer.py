@@ -375,6 +375,10 @@ class Trainer:
         adapt_model(model, cfg, parts.plan)
         if autocast == torch.bfloat16:  # frozen Linear weights are cast at every use anyway: keep them in bf16
             cast_frozen_linears(model, torch.bfloat16)
+        # the whole model's counts, before ParallelModel keeps this rank's shard (pp stage, tp slice, ZeRO-3)
+        self.param_counts = (sum(p.numel() for p in model.parameters()),
+                             sum(p.numel() for p in model.parameters() if p.requires_grad))  # fmt: skip
+        self.compiled = cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda")
         if not any(p.is_meta for p in model.parameters()):  # a meta model is materialised on the mesh's device
             model.to(device)
         self.mesh = build_mesh(layout, device.type)
@@ -384,7 +388,7 @@ class Trainer:
         )  # fmt: skip
         if cfg.train.fp8:
             apply_fp8(self.model)
-        if cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda"):
+        if self.compiled:
             compile_blocks(self.model, cfg.train.compile_backend)
         if parts.optimizer is None:
             skip_late = cfg.train.sync_every not in (1, "auto") and cfg.fault.nonfinite == "skip"
@@ -464,23 +468,32 @@ class Trainer:
     def startup_summary(self, flops_per_tok: float) -> str:
         """What this run is, in a few plain lines for an operator's log: model, layout, batch, data,
         checkpoints, and where it starts."""
-        cfg, params = self.cfg, sum(p.numel() for p in self.model.parameters())
+        cfg, (total, trainable) = self.cfg, self.param_counts
         model = self.model_identity.get("class") or cfg.model.init_from or cfg.model.preset
         tokens = cfg.train.global_batch * cfg.data.seq_len
-        data = "user batches" if self.data is None else f"{cfg.data.source} (cache {cfg.data.cache_dir})"
         recompute = cfg.train.recompute + (f" (+ {k} blocks full)" if (k := cfg.train.recompute_layers) else "")
+        dtype = "bf16 autocast" if autocast_dtype(cfg.train.dtype, self.device) else "fp32"
         start = (f"resumed from {self.resumed_from} at step {self.sampler.step}" if self.resumed_from
                  else "fresh start at step 0")  # fmt: skip
+        every = f"every {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "at the end only"
         return "\n".join([
-            f"model: {model}, {flops_per_tok * tokens / 1e12:.3g} TFLOP/step; parameters on rank 0: {params:,}",
+            f"model: {model}, {flops_per_tok * tokens / 1e12:.3g} TFLOP/step; parameters: {total:,} total, "
+            f"{trainable:,} trainable",
             f"layout: {self.layout} on {dist.get_world_size()} ranks ({self.device.type}), zero "
-            f"{cfg.parallel.zero}, schedule {cfg.parallel.schedule}, recompute {recompute}, dtype "
-            f"{cfg.train.dtype}",
+            f"{cfg.parallel.zero}, schedule {cfg.parallel.schedule}, recompute {recompute}, dtype {dtype}, "
+            f"compile {'on' if self.compiled else 'off'}, fused loss {'on' if cfg.train.fused_loss else 'off'}",
             f"batch: {cfg.train.global_batch} × {cfg.data.seq_len} tokens = {tokens:,} tokens/step, micro-batch "
             f"{cfg.train.micro_batch or 'whole'}, {cfg.train.steps} steps",
-            f"data: {data}",
-            f"checkpoints: {self.run_dir} every {cfg.checkpoint.every or 'end'} steps; {start}",
+            f"corpus: {self.corpus_size()}",
+            f"checkpoints: {self.run_dir} {every}; {start}",
         ])  # fmt: skip
+
+    def corpus_size(self) -> str:
+        if self.data is None:
+            return "batches from the caller's source"
+        if isinstance(self.data, TokenData):
+            return f"{len(self.data.train):,} train and {len(self.data.val):,} validation tokens"
+        return f"{len(self.data.train):,} train and {len(self.data.val):,} validation examples"
 
     def log(self, step: int, kind: str, **values: object) -> None:
         if self.logger is not None:
@@ -498,7 +511,18 @@ class Trainer:
         if path is not None:
             saved = self.load(path, restore_data_position=True)
             self.say(f"resuming from {path} at step {self.sampler.step} (saved under {saved.get('layout')})")
+            if (was := saved.get("lr_schedule")) and was != self.lr_schedule():
+                changed = ", ".join(f"train.{k} {v} (was {was.get(k)})" for k, v in self.lr_schedule().items()
+                                    if was.get(k) != v)  # fmt: skip
+                self.say(f"warning: {changed}: the learning-rate schedule is reshaped from step {self.sampler.step} "
+                         "on (resume with the checkpoint's values to keep it)")  # fmt: skip
         self.result.start_step = self.result.final_step = self.sampler.step
+
+    def lr_schedule(self) -> dict[str, float]:
+        """The fields `lr_at` reads: a resume with others reshapes the schedule of the steps still to run."""
+        train = self.cfg.train
+        return {"steps": train.steps, "warmup_steps": train.warmup_steps, "lr": train.lr,
+                "min_lr_ratio": train.min_lr_ratio}  # fmt: skip
 
     def load_weights(self, init_from: str) -> None:
         """`model.init_from` a meshlm run or checkpoint: its weights only (rank 0 verifies it), resharded to this
@@ -561,6 +585,7 @@ class Trainer:
             "layout": str(self.layout),
             "world_size": dist.get_world_size(),
             "model": self.model_identity,
+            "lr_schedule": self.lr_schedule(),
         }
         self.checkpointer.save(step, training_entries(self.model, self.optimizer, writer=True), state)
         for callback in self.callbacks:
