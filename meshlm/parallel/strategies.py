@@ -42,7 +42,6 @@ from meshlm.parallel.mesh import (
     check_tensor_parallel,
 )
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.placement import Placements
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +52,7 @@ if TYPE_CHECKING:
     from meshlm.parallel.materialize import MetaInit
     from meshlm.parallel.mesh import Mesh
     from meshlm.parallel.pipeline import PipelineSchedule, TiedStages
+    from meshlm.parallel.placement import Placements
     from meshlm.parallel.plan import ParallelPlan
 
 LossFn = Callable[[object, "torch.Tensor"], "torch.Tensor"]
@@ -80,6 +80,13 @@ class LayoutSpec:
         return check_batch_split(self.layout, self.global_batch, self.micro_batch)
 
 
+def _placements() -> Placements:
+    """An empty placement table (imported here: the layout checks above run without torch, e.g. `meshlm plan`)."""
+    from meshlm.parallel.placement import Placements
+
+    return Placements()
+
+
 @dataclass
 class Build:
     """One ParallelModel being assembled: what the strategies read, and what they leave for the engine."""
@@ -98,7 +105,7 @@ class Build:
     gather_logits: bool = False
     fused_loss: bool = False
     ignore_index: int = -100
-    placements: Placements = field(default_factory=Placements)  # where each parameter lives (the readers' table)
+    placements: Placements = field(default_factory=_placements)  # where each parameter lives (readers' table)
     chunks: list[nn.Module] = field(default_factory=list)
     pipeline: PipelineSchedule | None = None
     dp: DataParallel | None = None
