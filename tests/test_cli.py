@@ -256,15 +256,21 @@ def test_a_checkpoint_lacking_a_trained_weight_is_one_line_for_eval_generate_and
     shutil.copytree(trained_run, run_dir)
     checkpoint = list_checkpoints(run_dir)[-1]
     drop_weight(checkpoint, "model.norm.weight")
+    missing = f"{checkpoint}: model weight model.norm.weight is missing"
+    refused_by_every_reader(run_dir, tmp_path / "hf", missing, capsys)
+
+
+def refused_by_every_reader(run_dir: Path, export: Path, line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """eval, generate and convert each end in the one line `line` (exit 2, 2, 1) and export nothing."""
     for args, expected_code in [
         (["eval", str(run_dir)], 2),
         (["generate", str(run_dir)], 2),
-        (["convert", "meshlm-to-hf", str(run_dir), str(tmp_path / "hf")], 1),
+        (["convert", "meshlm-to-hf", str(run_dir), str(export)], 1),
     ]:
         code, err = run_main(args, capsys)
         assert code == expected_code and len(err.splitlines()) == 1, (args, err)
-        assert f"{checkpoint}: model weight model.norm.weight is missing" in err, (args, err)
-    assert not (tmp_path / "hf").exists()
+        assert line in err, (args, err)
+    assert not export.exists()
 
 
 class Evil:
@@ -313,15 +319,8 @@ def test_a_refused_checkpoint_is_one_line_for_eval_generate_and_export(
     shutil.copytree(trained_run, run_dir)
     checkpoint = list_checkpoints(run_dir)[-1]
     forge(checkpoint, name, content)
-    for args, expected_code in [
-        (["eval", str(run_dir)], 2),
-        (["generate", str(run_dir)], 2),
-        (["convert", "meshlm-to-hf", str(run_dir), str(tmp_path / "hf")], 1),
-    ]:
-        code, err = run_main(args, capsys)
-        assert code == expected_code and len(err.splitlines()) == 1, (args, err)
-        assert f"checkpoint {checkpoint} cannot be loaded: {reason}" in err, (args, err)
-    assert not (tmp_path / "hf").exists() and not (tmp_path / "PWNED").exists()
+    refused_by_every_reader(run_dir, tmp_path / "hf", f"checkpoint {checkpoint} cannot be loaded: {reason}", capsys)
+    assert not (tmp_path / "PWNED").exists()
 
 
 def test_eval_of_a_directory_without_run_is_a_clear_error(tmp_path: Path) -> None:
