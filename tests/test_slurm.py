@@ -196,7 +196,10 @@ def test_a_killed_worker_restarts_in_place_and_the_job_completes(slurm: Slurm, k
 
 
 @pytest.mark.slow  # a real Slurm job stopped by its time limit's warning, requeued and resumed: ~1-2 min
-@pytest.mark.skip(reason="racy: on a loaded machine Slurm killed the job at the 1-minute limit before the test restored it (2026-12-05); the time-limit path needs a signal-time hook, not a shrunk limit")
+@pytest.mark.skip(
+    reason="racy: under load Slurm killed the job at the shrunk 1-minute limit before the test restored it "
+    "(2026-12-05); the time-limit path needs another trigger than a shrunk limit"
+)
 def test_the_time_limit_warning_saves_exits_0_requeues_and_resumes_to_the_end(
     slurm: Slurm, data_cache: str, tmp_path: Path, killed_job: tuple[Path, str]
 ) -> None:
