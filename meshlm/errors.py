@@ -2,6 +2,16 @@
 a plan request. Each is phrased as one line naming the field or file and what would be valid, so the CLI
 prints it without a traceback; a library user can catch them all as `InputError`."""
 
+import re
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def one_line(text: str) -> str:
+    """`text` with control characters (a newline in a file name or a value) written as escapes, so a message
+    that quotes what the user gave stays one line."""
+    return _CONTROL.sub(lambda m: m[0].encode("unicode_escape").decode(), text.strip())
+
 
 class InputError(ValueError):
     """Bad input, phrased as one line that names the field or file and what would be valid.
@@ -11,6 +21,9 @@ class InputError(ValueError):
     meets it prints."""
 
     rank_local = False
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        super().__init__(one_line(str(message)), *args)
 
 
 class ConfigError(InputError):
