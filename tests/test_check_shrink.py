@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from meshlm.check.shrink import Replica, ShrinkError, map_layout, shrink
 from meshlm.config import Config, load_config
 from meshlm.errors import InputError
-from meshlm.model.hf import load_hf_into_model
+from meshlm.model.hf import import_hf, load_hf_into_model
 from meshlm.parallel.mesh import Layout, parse_layout
 from meshlm.parallel.strategies import validate_layout
 from meshlm.train.trainer import check_config
@@ -345,3 +345,32 @@ def test_hf_init_from_is_sliced_and_loads_at_the_replica(family: str, tmp_path: 
         assert torch.equal(tensor, expected), name
     assert model.lm_head.weight is model.model.embed_tokens.weight or family == "llama"
     assert any(line.startswith(f"init_from {tmp_path / 'hf'} -> ") for line in replica.shrunk)
+
+
+def test_hf_moe_experts_are_sliced_from_their_own_tensors(tmp_path: Path) -> None:
+    """A Qwen2-MoE (8 experts stored one tensor each, a gated shared expert, a dense first layer) at dp=2,ep=2:
+    the replica holds the first experts of each MoE layer, each expert cut to its first rows and columns."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[0],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.normal_()
+    hf_model.save_pretrained(tmp_path / "hf")
+    overrides = [("model.init_from", str(tmp_path / "hf")), ("parallel.layout", "dp=2,ep=2"), ("data.seq_len", 128)]
+    _, replica = run(overrides, tmp_path / "work")
+    small = replica.config.model.build()
+    assert (small.n_experts, small.top_k, small.first_k_dense, small.n_layers) == (4, 2, 1, 2)
+    assert (small.dim, small.moe_intermediate_size, small.shared_expert_intermediate_size) == (8, 4, 6)
+    sliced = load_hf_into_model(replica.config.model.init_from).state_dict()
+    big = import_hf(tmp_path / "hf")[1]
+    for name in ("model.layers.1.mlp.experts.gate_proj", "model.layers.1.mlp.experts.down_proj"):
+        assert torch.equal(sliced[name], big[name][: small.n_experts, : sliced[name].shape[1], : sliced[name].shape[2]])
+    for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.shared_expert.up_proj.weight",
+                 "model.layers.1.mlp.shared_expert_gate.weight", "model.layers.0.mlp.up_proj.weight"):  # fmt: skip
+        assert torch.equal(sliced[name], big[name][: sliced[name].shape[0], : sliced[name].shape[1]]), name
