@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 
 from meshlm.check.shrink import Replica, ShrinkError, map_layout, shrink
 from meshlm.config import Config, load_config
+from meshlm.convert import load_checkpoint_model
 from meshlm.errors import InputError
 from meshlm.model.hf import import_hf, load_hf_into_model
 from meshlm.parallel.mesh import Layout, parse_layout
 from meshlm.parallel.strategies import validate_layout
-from meshlm.train.trainer import check_config
+from meshlm.train.trainer import check_config, fit
 
 LLAMA_70B_RUN = [
     ("model.preset", "llama3-70b"),
@@ -373,4 +374,38 @@ def test_hf_moe_experts_are_sliced_from_their_own_tensors(tmp_path: Path) -> Non
         assert torch.equal(sliced[name], big[name][: small.n_experts, : sliced[name].shape[1], : sliced[name].shape[2]])
     for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.shared_expert.up_proj.weight",
                  "model.layers.1.mlp.shared_expert_gate.weight", "model.layers.0.mlp.up_proj.weight"):  # fmt: skip
+        assert torch.equal(sliced[name], big[name][: sliced[name].shape[0], : sliced[name].shape[1]]), name
+
+
+def test_meshlm_run_init_from_is_sliced_with_its_tokenizer(tmp_path: Path) -> None:
+    """A meshlm run as init_from (one step of the `test` preset on a small corpus): the replica's copy holds
+    the first heads, rows and columns of the run's trained weights and the run's own tokenizer, whose size
+    bounds the shrunk vocabulary."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"doc{i:02d}.txt").write_text(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" * 3)
+    overrides = {
+        "model.preset": "test", "data.source": str(corpus), "data.cache_dir": str(tmp_path / "cache"),
+        "data.seq_len": 64, "data.val_fraction": 0.1, "train.steps": 1, "train.global_batch": 2,
+        "train.eval_every": 0, "train.device": "cpu", "checkpoint.async_save": False,
+        "log.run_dir": str(tmp_path / "run"), "log.tensorboard": False, "log.progress": False,
+    }  # fmt: skip
+    fit(load_config(None, list(overrides.items())))
+    trained, _ = load_checkpoint_model(tmp_path / "run")
+    overrides |= {"model.init_from": str(tmp_path / "run"), "parallel.layout": "dp=2,tp=2"}
+    del overrides["model.preset"]
+    _, replica = run(list(overrides.items()), tmp_path / "work")
+    copy = Path(replica.config.model.init_from)
+    assert (copy / "tokenizer.json").read_bytes() == (tmp_path / "run" / "tokenizer.json").read_bytes()
+    small = replica.config.model.build()
+    assert (small.dim, small.n_heads, small.n_kv_heads, small.n_layers) == (16, 4, 2, 2)
+    assert small.vocab_size < 512 and small.vocab_size % 2 == 0
+    sliced = load_hf_into_model(copy).state_dict()
+    big = trained.state_dict()
+    q = rows_of_heads(4, 16, 4)
+    assert torch.equal(
+        sliced["model.layers.1.self_attn.q_proj.weight"], big["model.layers.1.self_attn.q_proj.weight"][q][:, :16]
+    )
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.down_proj.weight"):
         assert torch.equal(sliced[name], big[name][: sliced[name].shape[0], : sliced[name].shape[1]]), name

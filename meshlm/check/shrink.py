@@ -65,7 +65,7 @@ def shrink(config: Config, workdir: Path, *, world: int | None = None, max_ranks
     mapped = map_layout(target, max_ranks)
     kept: list[str] = []
     shrunk: list[str] = [f"layout {target} -> {mapped}"]
-    train = _train_section(cfg, target, mapped, n_micro, kept, shrunk)
+    train = _train_section(cfg, target, mapped, n_micro, shrunk)
     original = cfg.model.build()
     vocab_floor = _vocab_floor(cfg, original)
     model, seq_len = shrink_model(original, cfg, target, mapped, train, vocab_floor)
@@ -148,9 +148,7 @@ def map_layout(target: Layout, max_ranks: int = 8) -> Layout:
     return mapped
 
 
-def _train_section(
-    cfg: Config, target: Layout, mapped: Layout, n_micro: int, kept: list[str], shrunk: list[str]
-) -> dict[str, object]:
+def _train_section(cfg: Config, target: Layout, mapped: Layout, n_micro: int, shrunk: list[str]) -> dict[str, object]:
     """The [train] fields the replica changes: CPU fp32 eager, and the batch at the mapped data-parallel size
     with the run's micro-batches per replica, each of at most MICRO_ROWS rows."""
     train = cfg.train
