@@ -409,3 +409,51 @@ def test_meshlm_run_init_from_is_sliced_with_its_tokenizer(tmp_path: Path) -> No
     )
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.down_proj.weight"):
         assert torch.equal(sliced[name], big[name][: sliced[name].shape[0], : sliced[name].shape[1]]), name
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    pp=DIM_SIZES,
+    dp=DIM_SIZES,
+    ep=DIM_SIZES,
+    tp=DIM_SIZES,
+    experts=st.sampled_from([2, 4, 8, 16, 64]),
+    top_k=st.sampled_from([1, 2, 4]),
+    first_k_dense=st.sampled_from([0, 1]),
+    step=st.sampled_from([1, 2]),
+    layers=st.integers(2, 12),
+)
+def test_every_moe_replica_passes_meshlms_own_layout_checks(
+    tmp_path: Path, pp: int, dp: int, ep: int, tp: int, experts: int, top_k: int, first_k_dense: int, step: int,
+    layers: int,
+) -> None:  # fmt: skip
+    """The same for mixture-of-experts runs under ep: the experts split over the mapped ep, routing still
+    chooses top_k of more experts than it takes, and the dense and MoE layers keep their pattern."""
+    overrides = [
+        ("model.preset", "tiny-moe"),
+        ("model.n_experts", experts),
+        ("model.top_k", top_k),
+        ("model.first_k_dense", first_k_dense),
+        ("model.moe_layer_step", step),
+        ("model.n_layers", layers),
+        ("parallel.layout", f"pp={pp},dp={dp},ep={ep},tp={tp}"),
+        ("train.global_batch", dp * ep * pp),
+        ("train.micro_batch", 1),
+    ]
+    try:
+        cfg = load_config(None, overrides)
+        check_config(cfg, pp * dp * ep * tp)
+    except InputError:
+        assume(False)
+    try:
+        replica = shrink(cfg, tmp_path)
+    except ShrinkError as e:
+        assert "\n" not in str(e)
+        assume(False)
+    mapped = map_layout(Layout(pp=pp, dp=dp, tp=tp, ep=ep))
+    check_config(replica.config, mapped.world_size)
+    model, small = cfg.model.build(), replica.config.model.build()
+    assert small.n_experts % mapped.ep == 0 and small.n_experts <= max(experts, 2 * mapped.ep)
+    assert small.top_k == top_k and (small.top_k < small.n_experts) == (top_k < experts)
+    assert (small.first_k_dense, small.moe_layer_step) == (first_k_dense, step)
+    assert small.moe_layers and (small.moe_layers[0] == first_k_dense) == (model.moe_layers[0] == first_k_dense)
