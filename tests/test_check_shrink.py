@@ -283,6 +283,9 @@ def test_every_replica_passes_meshlms_own_layout_checks(
     model, small = cfg.model.build(), replica.config.model.build()
     assert small.n_heads // small.n_kv_heads == ratio
     assert (kv % tp == 0) == (small.n_kv_heads % mapped.tp == 0)  # KV heads split or replicated, as in the run
+    chunks = 2 if interleaved else 1
+    if pp > 1:  # layers split evenly over the pipeline chunks, or not, as in the run
+        assert (small.n_layers % (mapped.pp * chunks) == 0) == (layers % (pp * chunks) == 0)
     assert small.dim <= model.dim and small.n_layers <= max(model.n_layers, 2) and small.vocab_size <= 1024
     assert replica.config.data.seq_len <= 64
 
