@@ -460,3 +460,11 @@ def test_every_moe_replica_passes_meshlms_own_layout_checks(
     assert small.top_k == top_k and (small.top_k < small.n_experts) == (top_k < experts)
     assert (small.first_k_dense, small.moe_layer_step) == (first_k_dense, step)
     assert small.moe_layers and (small.moe_layers[0] == first_k_dense) == (model.moe_layers[0] == first_k_dense)
+
+
+def test_hybrid_zero_shards_over_two_ranks(tmp_path: Path) -> None:
+    overrides = [("model.preset", "test"), ("data.seq_len", 64), ("parallel.layout", "dp=8,cp=2")]
+    overrides += [("parallel.zero", 2), ("parallel.zero_shard_size", 4)]
+    _, replica = run(overrides, tmp_path)
+    assert (replica.config.parallel.zero, replica.config.parallel.zero_shard_size) == (2, 2)
+    assert "ZeRO shard groups of 4 -> 2 ranks" in replica.shrunk

@@ -84,10 +84,10 @@ def shrink(config: Config, workdir: Path, *, world: int | None = None, max_ranks
     data["data"]["seq_len"] = seq_len
     data["train"].update(train)
     data["parallel"]["layout"] = str(mapped)
-    if cfg.parallel.zero_shard_size is not None:
-        data["parallel"]["zero_shard_size"] = min(cfg.parallel.zero_shard_size, mapped.dp)
-        if cfg.parallel.zero_shard_size < target.dp:
-            shrunk.append(f"hybrid ZeRO shard groups of {cfg.parallel.zero_shard_size} -> {mapped.dp} (all of dp)")
+    shard_size = cfg.parallel.zero_shard_size
+    if shard_size is not None and shard_size > 2:  # the mapped replicas are 2 or 4 ranks: shard over 2 of them
+        data["parallel"]["zero_shard_size"] = 2
+        shrunk.append(f"ZeRO shard groups of {shard_size} -> 2 ranks")
     if cfg.lora.init_from is not None:
         data["lora"]["init_from"] = None
         shrunk.append(f"lora.init_from {cfg.lora.init_from} -> not sliced: adapters from their init rule")
