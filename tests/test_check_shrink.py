@@ -468,3 +468,16 @@ def test_hybrid_zero_shards_over_two_ranks(tmp_path: Path) -> None:
     _, replica = run(overrides, tmp_path)
     assert (replica.config.parallel.zero, replica.config.parallel.zero_shard_size) == (2, 2)
     assert "ZeRO shard groups of 4 -> 2 ranks" in replica.shrunk
+
+
+@pytest.mark.parametrize(("blocks", "layers"), [(3, 4), (16, 2)])
+def test_recompute_of_the_first_blocks_of_each_chunk_stays_partial_or_whole(
+    blocks: int, layers: int, tmp_path: Path
+) -> None:
+    """3 of a chunk's 16 blocks recomputed: the replica's chunks get 2 blocks and recompute the first; all 16:
+    its chunks get 1 block, recomputed."""
+    overrides = [("model.preset", "llama3-8b"), ("parallel.layout", "pp=2,dp=2"), ("data.seq_len", 2048)]
+    overrides += [("train.micro_batch", 1), ("train.recompute", "selective"), ("train.recompute_layers", blocks)]
+    _, replica = run(overrides, tmp_path)
+    assert replica.config.model.build().n_layers == layers
+    assert (replica.config.train.recompute, replica.config.train.recompute_layers) == ("selective", 1)
