@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -409,6 +410,7 @@ def slice_init_from(cfg: Config, small: ModelConfig, out: Path, shrunk: list[str
                 unsliced.append(name)
             else:
                 params[name].copy_(part)
+    shutil.rmtree(out, ignore_errors=True)  # no tokenizer file of an earlier replica's init_from stays beside it
     try:
         export_hf(model, out)
     except ValueError as e:
