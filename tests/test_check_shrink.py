@@ -166,6 +166,7 @@ def test_lora_and_freeze_are_kept(tmp_path: Path) -> None:
         ("data.seq_len", 2048),
     ]
     cfg, replica = run(overrides, tmp_path)
+    assert replica.config.data.seq_len == 64
     lora = replica.config.lora
     assert (lora.targets, lora.dropout, replica.config.train.freeze) == (cfg.lora.targets, 0.0, cfg.train.freeze)
     assert replica.config.parallel.zero == 3
@@ -481,3 +482,11 @@ def test_recompute_of_the_first_blocks_of_each_chunk_stays_partial_or_whole(
     _, replica = run(overrides, tmp_path)
     assert replica.config.model.build().n_layers == layers
     assert (replica.config.train.recompute, replica.config.train.recompute_layers) == ("selective", 1)
+
+
+def test_sft_keeps_its_data_section_with_room_for_prompts(tmp_path: Path) -> None:
+    (tmp_path / "chats.jsonl").write_text('{"prompt": "2 + 2?", "response": "4"}\n')
+    overrides = [("model.preset", "llama3-8b"), ("parallel.layout", "dp=2,tp=2"), ("data.seq_len", 4096)]
+    overrides += [("data.format", "sft"), ("data.source", str(tmp_path / "chats.jsonl")), ("data.sft_packing", False)]
+    cfg, replica = run(overrides, tmp_path / "work")
+    assert replica.config.data == cfg.data.model_copy(update={"seq_len": 256})

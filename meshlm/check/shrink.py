@@ -39,7 +39,8 @@ from meshlm.ties import unique_state_names
 from meshlm.train.trainer import check_config, resolve_auto_layout
 
 HEAD_DIM = 4  # the narrowest head with two rotary pairs (rotate-half pairs element i with i + head_dim / 2)
-SEQ_LEN = 64  # tokens per sequence at most (fewer if the run has fewer): room for an SFT prompt and its answer
+SEQ_LEN = 64  # tokens per sequence at most (fewer if the run has fewer)
+SFT_SEQ_LEN = 256  # an SFT row: room for a whole prompt and part of its answer (labels in every row)
 MICRO_ROWS = 2  # rows per micro-batch at most: two, so a row split inside a micro-batch still shows
 ROOMY = 1 << 10  # a size every check of a mapped layout (dims of 2) accepts, for the fields not searched yet
 SEARCH = 1 << 12  # candidates tried above a floor before a size is declared impossible
@@ -257,7 +258,7 @@ def shrink_model(
         "model.n_layers",
         lambda n: mapped.pp == 1 or (n % chunks == 0) == even,
     )
-    seq_floor = min(SEQ_LEN, cfg.data.seq_len)
+    seq_floor = min(SFT_SEQ_LEN if cfg.data.format == "sft" else SEQ_LEN, cfg.data.seq_len)
     for seq_len in range(seq_floor, seq_floor + SEARCH):
         if accepts(found, seq_len):
             return model.replace(**(roomy | found)), seq_len
