@@ -41,6 +41,7 @@ from meshlm.observe.doctor import doctor
 from meshlm.observe.memory import ActivationMeter, MemoryProbe
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, parse_layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.strategies import validate_layout
 from meshlm.plan import Strategy, Workload, evaluate, hardware
 from meshlm.plan.memory import model_state_bytes, rank_layers, stage_params
@@ -105,7 +106,7 @@ def build_case(
     par = ParallelSection(layout=case.layout, zero=case.zero, schedule=case.schedule)
     train = TrainSection(steps=2, global_batch=batch, micro_batch=micro_batch, lr=1e-3)
     lay = parse_layout(case.layout, dist.get_world_size())
-    n_micro = validate_layout(lay, model_cfg, batch, micro_batch, 1, case.schedule, seq_len, False)
+    n_micro = validate_layout(lay, model_cfg, batch, micro_batch, seq_len, ParallelOptions(schedule=case.schedule))
     mesh = build_mesh(lay, "cpu")
     torch.manual_seed(0)
     pm = ParallelModel(Transformer(model_cfg), mesh, par, n_micro)

@@ -119,9 +119,7 @@ def train_layout(
         seed=seed,
     )
     lay = parse_layout(layout, world)
-    n_micro = validate_layout(
-        lay, model_cfg, batch, micro_batch, par.virtual_stages, par.schedule, seq_len, par.sequence_parallel
-    )
+    n_micro = validate_layout(lay, model_cfg, batch, micro_batch, seq_len, par.options())
     mesh = build_mesh(lay, "cpu")
     torch.manual_seed(seed)
     model = Transformer(model_cfg)

@@ -138,7 +138,7 @@ def set_up(directory: str, layout: str, zero: int = 0, mutation: str | None = No
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = read_hf_config(directory)
     lay = parse_layout(layout, dist.get_world_size())
-    n_micro = validate_layout(lay, cfg, BATCH, 2 if lay.pp > 1 else 0, 1, "1f1b", SEQ, False)
+    n_micro = validate_layout(lay, cfg, BATCH, 2 if lay.pp > 1 else 0, SEQ)
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=0)
     model.init_source = source = RecordingWeights(directory, mutation)

@@ -80,10 +80,7 @@ def runtime_accepts(strategy: Strategy, model: ModelConfig, seq_len: int, global
     ParallelModel's checks of the model against its parallel plan at this layout (check_model)."""
     s = strategy
     try:
-        validate_layout(
-            s.mesh, model, global_batch, s.micro_batch, s.virtual_stages, s.schedule, seq_len, s.sequence_parallel,
-            s.cp_attention,
-        )  # fmt: skip
+        validate_layout(s.mesh, model, global_batch, s.micro_batch, seq_len, s.options)
     except (LayoutError, PlanError):
         return False
     return model_accepted(model, s.mesh, s.zero, s.sequence_parallel, s.cp_attention)

@@ -94,7 +94,7 @@ class ParallelModel:
     vocabulary head, chunk by chunk, never materialising the logits (meshlm.parallel.fused_loss; the head
     returns them again in eval). `model` may be built on the `meta` device: each rank then
     materialises only its shard (see the module docstring), on the mesh's device. `parallel` is a
-    ParallelOptions, or anything with its fields (the run config's ParallelSection)."""
+    ParallelOptions (the run config's ParallelSection is one) or a dict of its fields."""
 
     def __init__(
         self,

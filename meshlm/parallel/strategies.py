@@ -60,18 +60,16 @@ LossFn = Callable[[object, "torch.Tensor"], "torch.Tensor"]
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    """What a layout is checked against without a model in hand. `n_layers` bounds the pipeline chunks (the
-    model's layers; the planner passes the chunks its modelled runtime cuts)."""
+    """What a layout is checked against without a model in hand: the sizes, and the parallel options as they
+    are declared (meshlm.parallel.options). `n_layers` bounds the pipeline chunks (the model's layers; the
+    planner passes the chunks its modelled runtime cuts)."""
 
     model: ModelConfig
     layout: Layout
     global_batch: int
     micro_batch: int = 0
-    virtual_stages: int = 1
-    schedule: str = "1f1b"
     seq_len: int = 0
-    sequence_parallel: bool = False
-    cp_attention: str = "ring"
+    options: ParallelOptions = ParallelOptions()
     n_layers: int = 0
 
     @property
@@ -147,7 +145,7 @@ class TensorParallel:
         return layout.tp > 1
 
     def check_layout(self, spec: LayoutSpec) -> None:
-        check_tensor_parallel(spec.model, spec.layout.tp, spec.seq_len, spec.sequence_parallel)
+        check_tensor_parallel(spec.model, spec.layout.tp, spec.seq_len, spec.options.sequence_parallel)
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
         from meshlm.parallel.plan import check_tp_plan
@@ -211,7 +209,10 @@ class ContextParallel(_Unsplit):
 
     def check_layout(self, spec: LayoutSpec) -> None:
         lay = spec.layout
-        check_context_parallel(spec.model, lay.cp, lay.tp, spec.seq_len, spec.cp_attention, spec.sequence_parallel)
+        options = spec.options
+        check_context_parallel(
+            spec.model, lay.cp, lay.tp, spec.seq_len, options.cp_attention, options.sequence_parallel
+        )
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
         from meshlm.parallel.context_parallel import check_cp_plan
@@ -261,8 +262,8 @@ class PipelineParallel:
 
     def check_layout(self, spec: LayoutSpec) -> None:
         n_layers = spec.n_layers or spec.model.n_layers
-        check_pipeline_chunks(spec.layout, n_layers, spec.virtual_stages, spec.schedule)
-        check_pipeline_schedule(spec.layout, spec.n_micro, spec.schedule)
+        check_pipeline_chunks(spec.layout, n_layers, spec.options.virtual_stages, spec.options.schedule)
+        check_pipeline_schedule(spec.layout, spec.n_micro, spec.options.schedule)
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
         from meshlm.parallel.pipeline import check_stage_forwards, hidden_size
@@ -379,18 +380,11 @@ def validate_layout(
     model: ModelConfig,
     global_batch: int,
     micro_batch: int = 0,
-    virtual_stages: int = 1,
-    schedule: str = "1f1b",
     seq_len: int = 0,
-    sequence_parallel: bool = False,
-    cp_attention: str = "ring",
+    options: ParallelOptions = ParallelOptions(),
 ) -> int:
     """Check that the model and batch split evenly over the layout; return micro-batches per replica."""
-    return check_layout(
-        LayoutSpec(
-            model, layout, global_batch, micro_batch, virtual_stages, schedule, seq_len, sequence_parallel, cp_attention
-        )
-    )
+    return check_layout(LayoutSpec(model, layout, global_batch, micro_batch, seq_len, options))
 
 
 def check_model(model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:

@@ -96,11 +96,8 @@ def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
         cfg.model.build(),
         cfg.train.global_batch,
         cfg.train.micro_batch,
-        cfg.parallel.virtual_stages,
-        cfg.parallel.schedule,
         cfg.data.seq_len,
-        cfg.parallel.sequence_parallel,
-        cfg.parallel.cp_attention,
+        cfg.parallel.options(),
     )
     if cfg.train.freeze or cfg.lora.rank:
         with torch.device("meta"):
