@@ -36,10 +36,9 @@ from meshlm.checkpoint import (
 from meshlm.parallel.distributed import init_distributed, resolve_device
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.materialize import is_meta_model
-from meshlm.parallel.mesh import Mesh, build_mesh, check_batch_and_schedule, parse_layout
+from meshlm.parallel.mesh import Mesh, build_mesh, parse_layout
 from meshlm.parallel.options import Loss, ParallelOptions
-from meshlm.parallel.plan import ParallelPlan, plan_for
-from meshlm.parallel.strategies import check_model
+from meshlm.parallel.plan import ParallelPlan
 
 __all__ = ["Checkpoints", "init_mesh", "parallelize", "shutdown"]
 
@@ -98,13 +97,6 @@ def parallelize(
     `forward_backward` takes full rows, the model itself `seq_shard` of them."""
     parallel = ParallelOptions.of(options)
     loss = loss or Loss()
-    plan = plan or plan_for(model)
-    layout = mesh.layout
-    check_model(model, plan, layout, parallel)
-    n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
-    check_batch_and_schedule(
-        layout, n_layers, micro_batches * layout.data_parallel, 1, parallel.virtual_stages, parallel.schedule
-    )
     device = torch.device(mesh.device_mesh.device_type)
     if device.type == "cuda" and not is_meta_model(model):
         model.to(torch.device("cuda", torch.cuda.current_device()))

@@ -42,7 +42,7 @@ from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import ParallelPlan, PlanError
-from meshlm.parallel.strategies import validate_layout
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.plan.hardware import hardware
 from meshlm.plan.memory import Strategy, Workload, layer_activation_bytes, logits_bytes
 from meshlm.plan.step_time import cp_attention_factor, cp_layer_time, step_time
@@ -106,7 +106,9 @@ def test_impossible_cp_layouts_are_one_line_errors(
     layout: Layout, cfg: ModelConfig, seq_len: int, attention: str, sp: bool, message: str
 ) -> None:
     with pytest.raises(LayoutError, match=message) as err:
-        validate_layout(layout, cfg, 8, 0, seq_len, ParallelOptions(sequence_parallel=sp, cp_attention=attention))
+        check_layout(
+            LayoutSpec(cfg, layout, 8, 0, seq_len, ParallelOptions(sequence_parallel=sp, cp_attention=attention))
+        )
     assert "\n" not in str(err.value)
 
 
@@ -116,8 +118,13 @@ def test_unknown_cp_attention_is_refused_by_the_options() -> None:
 
 
 def test_cp_layout_checks_pass_valid_layouts() -> None:
-    assert validate_layout(Layout(cp=4), MHA_MODEL, 8, 0, 32, ParallelOptions(cp_attention="ulysses")) == 1
-    assert validate_layout(Layout(pp=2, cp=2, tp=2), TEST_MODEL, 8, 2, 32, ParallelOptions(sequence_parallel=True)) == 4
+    assert check_layout(LayoutSpec(MHA_MODEL, Layout(cp=4), 8, 0, 32, ParallelOptions(cp_attention="ulysses"))) == 1
+    assert (
+        check_layout(
+            LayoutSpec(TEST_MODEL, Layout(pp=2, cp=2, tp=2), 8, 2, 32, ParallelOptions(sequence_parallel=True))
+        )
+        == 4
+    )
 
 
 def test_plan_without_cp_hook_is_refused() -> None:
