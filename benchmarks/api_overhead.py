@@ -34,7 +34,7 @@ def main() -> None:
     builtin = ParallelModel(Transformer(cfg), mesh, ParallelSection(zero=args.zero), n_micro=1)
     builtin_opt = build_optimizer(builtin, train)
     torch.manual_seed(0)
-    api = meshlm.parallelize(Transformer(cfg), mesh, zero=args.zero)
+    api = meshlm.parallelize(Transformer(cfg), mesh, {"zero": args.zero})
     api_opt = build_optimizer(api, train)
 
     g = torch.Generator().manual_seed(0)

@@ -41,7 +41,7 @@ def measure(model_name: str, layout: str, zero: int, rank: int, seq_len: int) ->
     model = Transformer(cfg)
     if rank:
         apply_lora(model, rank, 2.0 * rank)
-    pm = meshlm.parallelize(model, mesh, zero=zero)
+    pm = meshlm.parallelize(model, mesh, {"zero": zero})
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     dp = mesh.size("dp")
     x, y = global_batch(0, 2 * dp, seq_len, cfg.vocab_size)

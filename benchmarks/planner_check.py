@@ -41,7 +41,8 @@ from meshlm.observe.doctor import doctor
 from meshlm.observe.memory import ActivationMeter, MemoryProbe
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, parse_layout
-from meshlm.parallel.strategies import validate_layout
+from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.plan import Strategy, Workload, evaluate, hardware
 from meshlm.plan.memory import model_state_bytes, rank_layers, stage_params
 from meshlm.testing import global_batch, run_distributed
@@ -105,7 +106,9 @@ def build_case(
     par = ParallelSection(layout=case.layout, zero=case.zero, schedule=case.schedule)
     train = TrainSection(steps=2, global_batch=batch, micro_batch=micro_batch, lr=1e-3)
     lay = parse_layout(case.layout, dist.get_world_size())
-    n_micro = validate_layout(lay, model_cfg, batch, micro_batch, 1, case.schedule, seq_len, False)
+    n_micro = check_layout(
+        LayoutSpec(model_cfg, lay, batch, micro_batch, seq_len, ParallelOptions(schedule=case.schedule))
+    )
     mesh = build_mesh(lay, "cpu")
     torch.manual_seed(0)
     pm = ParallelModel(Transformer(model_cfg), mesh, par, n_micro)

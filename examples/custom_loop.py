@@ -23,7 +23,7 @@ args = args.parse_args()
 mesh = meshlm.init_mesh(args.layout, device="cpu")
 data = prepare_data_shared(DataSection(max_chars=1_000_000, val_fraction=0.05), vocab_size=512)
 torch.manual_seed(0)  # the same initial weights on every rank
-model = meshlm.parallelize(GPT2(), mesh, plan=GPT2_PLAN, zero=args.zero, gather_logits=True)
+model = meshlm.parallelize(GPT2(), mesh, {"zero": args.zero}, plan=GPT2_PLAN, loss=meshlm.Loss(gather_logits=True))
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 batches = GlobalBatchSampler(data.train, seq_len=64, global_batch=8, seed=0)
 

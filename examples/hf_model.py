@@ -28,7 +28,7 @@ config = LlamaConfig(
     num_key_value_heads=2, max_position_embeddings=64,
 )  # fmt: skip
 torch.manual_seed(0)
-model = meshlm.parallelize(LlamaForCausalLM(config), mesh, zero=args.zero)
+model = meshlm.parallelize(LlamaForCausalLM(config), mesh, {"zero": args.zero})
 optimizer = torch.optim.AdamW(model.optimizer_param_groups(weight_decay=0.1), lr=3e-3)
 batches = GlobalBatchSampler(data.train, seq_len=64, global_batch=8, seed=0)
 

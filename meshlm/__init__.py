@@ -3,6 +3,7 @@
 The public API (docs/api.md), importable from `meshlm` directly:
 
     init_mesh, parallelize, ParallelModel, Checkpoints, shutdown your model and your loop
+    ParallelOptions, Loss                                        parallelize's options and loss
     ParallelPlan, PipelineSplit, register_plan, plan_for,        per-family plan tables
     COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, SEQUENCE_PARALLEL
     FusedColwise, InterleavedColwise                             styles for fused projections
@@ -28,6 +29,8 @@ _EXPORTS = {
     "shutdown": "meshlm.api",
     "Checkpoints": "meshlm.api",
     "ParallelModel": "meshlm.parallel.engine",
+    "ParallelOptions": "meshlm.parallel.options",
+    "Loss": "meshlm.parallel.options",
     "ParallelPlan": "meshlm.parallel.plan",
     "PipelineSplit": "meshlm.parallel.plan",
     "register_plan": "meshlm.parallel.plan",

@@ -1,7 +1,7 @@
 """meshlm as a library: your model, your loss, your loop, and every meshlm strategy under it.
 
     mesh = meshlm.init_mesh("dp=2,tp=2")                     # under torchrun, or one process
-    model = meshlm.parallelize(MyModel(), mesh, zero=1)     # the class's registered plan, or plan=...
+    model = meshlm.parallelize(MyModel(), mesh, {"zero": 1})  # the class's registered plan, or plan=...
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     for x, y in batches:                                     # global batches, the same on every rank
         loss = my_loss(model(model.local_batch(x)), model.local_batch(y))
@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import ValidationError
 from torch import nn
 
 from meshlm.checkpoint import (
@@ -34,13 +33,12 @@ from meshlm.checkpoint import (
     step_counts,
     training_entries,
 )
-from meshlm.config import ConfigError, ParallelSection
 from meshlm.parallel.distributed import init_distributed, resolve_device
-from meshlm.parallel.engine import LossFn, ParallelModel
+from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.materialize import is_meta_model
-from meshlm.parallel.mesh import Mesh, build_mesh, check_batch_and_schedule, parse_layout
-from meshlm.parallel.plan import ParallelPlan, plan_for
-from meshlm.parallel.strategies import check_model
+from meshlm.parallel.mesh import Mesh, build_mesh, parse_layout
+from meshlm.parallel.options import Loss, ParallelOptions
+from meshlm.parallel.plan import ParallelPlan
 
 __all__ = ["Checkpoints", "init_mesh", "parallelize", "shutdown"]
 
@@ -73,72 +71,46 @@ def shutdown() -> None:
 def parallelize(
     model: nn.Module,
     mesh: Mesh,
+    options: ParallelOptions | dict[str, Any] | None = None,
     *,
     plan: ParallelPlan | None = None,
-    zero: int = 0,
-    zero_shard_size: int | None = None,
-    zero_param_dtype: str = "fp32",
-    sequence_parallel: bool = False,
-    schedule: str = "1f1b",
-    virtual_stages: int = 1,
+    loss: Loss | None = None,
     micro_batches: int = 1,
-    bucket_mb: float = 25.0,
-    cp_attention: str = "ring",
-    loss_fn: LossFn | None = None,
-    gather_logits: bool = False,
     autocast_dtype: torch.dtype | None = None,
-    ignore_index: int = -100,
-    fused_loss: bool = False,
 ) -> ParallelModel:
     """Apply the mesh's layout to `model` in place, as `plan` (default: the plan registered for the model's
     class, else DP/ZeRO only) says: tensor parallel, then pipeline stages, then data parallel / ZeRO.
 
+    `options` are the `[parallel]` options of a run config (ZeRO stage, pipeline schedule, sequence
+    parallelism, context-parallel attention...): a ParallelOptions, or a dict of its fields
+    (`{"zero": 1}`), validated with one-line InputErrors naming the field; None is the defaults.
     Every rank must build `model` with the same weights (same seed) before calling this, or build it on the
     `meta` device (`with torch.device("meta"): model = MyModel()`): then each rank allocates and initialises
     only its own shard, from the model's `init_rule` (meshlm's Llama: the weights of a one-process build,
     bit for bit) or else each module's `reset_parameters()` (see meshlm.parallel.materialize). The plan is
     checked first; a mismatch raises a one-line PlanError naming the module, with the model untouched.
     `micro_batches` is how many micro-batches `forward_backward` cuts this replica's batch into (gradient
-    accumulation; under pp the pipeline's micro-batches). `loss_fn(output, targets)` returns per-token losses
-    (default: token cross-entropy), which `forward_backward` averages over the targets that are not
-    `ignore_index` in the whole global batch; `gather_logits` gives a tp model full logits for a loss of
-    one's own; `fused_loss` computes the default loss with the vocabulary head, chunk by chunk, without
-    materialising the logits in training. Under a `cp` mesh dimension `cp_attention` ("ring" or "ulysses") picks
-    the context-parallel attention; `forward_backward` takes full rows, the model itself `seq_shard` of them."""
-    try:
-        parallel = ParallelSection(
-            layout=str(mesh.layout),
-            zero=zero,
-            zero_shard_size=zero_shard_size,
-            zero_param_dtype=zero_param_dtype,
-            sequence_parallel=sequence_parallel,
-            schedule=schedule,
-            virtual_stages=virtual_stages,
-            bucket_mb=bucket_mb,
-            cp_attention=cp_attention,
-        )
-    except ValidationError as e:
-        error = e.errors()[0]
-        raise ConfigError(f"parallelize: {error['loc'][0]}: {error['msg']}") from None
-    plan = plan or plan_for(model)
-    layout = mesh.layout
-    check_model(model, plan, layout, parallel.options())
-    n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
-    check_batch_and_schedule(layout, n_layers, micro_batches * layout.data_parallel, 1, virtual_stages, schedule)
+    accumulation; under pp the pipeline's micro-batches). `loss` (a Loss; default: token cross-entropy)
+    is what `forward_backward` averages over the targets that are not `loss.ignore_index` in the whole global
+    batch; `Loss(gather_logits=True)` gives a tp model full logits for a loss of one's own, `Loss(fused=True)`
+    computes the default loss with the vocabulary head, chunk by chunk. Under a `cp` mesh dimension
+    `forward_backward` takes full rows, the model itself `seq_shard` of them."""
+    parallel = ParallelOptions.of(options)
+    loss = loss or Loss()
     device = torch.device(mesh.device_mesh.device_type)
     if device.type == "cuda" and not is_meta_model(model):
         model.to(torch.device("cuda", torch.cuda.current_device()))
     return ParallelModel(
         model,
         mesh,
-        parallel.options(),
+        parallel,
         micro_batches,
         autocast_dtype,
         plan,
-        loss_fn,
-        gather_logits,
-        ignore_index,
-        fused_loss,
+        loss.fn,
+        loss.gather_logits,
+        loss.ignore_index,
+        loss.fused,
     )
 
 

@@ -6,12 +6,13 @@ with a one-line message that names the field (`ConfigError`), before any work st
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import FAMILY_FIELDS, PRESETS, ModelConfig
@@ -38,62 +39,11 @@ class Section(BaseModel):
         return value
 
 
-class ModelSection(Section):
-    """A preset, optionally with any shape field overridden (e.g. `--model.n_layers 2`)."""
+class _PresetSection(Section):
+    """A preset, optionally with any shape field overridden (e.g. `--model.n_layers 2`). ModelSection adds
+    one optional field per ModelConfig field, generated from its declaration (below)."""
 
     preset: str = Field("tiny", description="named model shape: " + ", ".join(PRESETS))
-    vocab_size: int | None = Field(None, gt=0)
-    dim: int | None = Field(None, gt=0)
-    n_layers: int | None = Field(None, gt=0)
-    n_heads: int | None = Field(None, gt=0)
-    n_kv_heads: int | None = Field(None, gt=0)
-    intermediate_size: int | None = Field(None, gt=0)
-    max_seq_len: int | None = Field(None, gt=0)
-    rope_theta: float | None = Field(None, gt=0)
-    norm_eps: float | None = Field(None, gt=0)
-    tie_embeddings: bool | None = None
-    init_std: float | None = Field(None, gt=0)
-    head_dim_override: int | None = Field(None, ge=0, description="width of one attention head; 0 = dim / n_heads")
-    qkv_bias: bool | None = Field(
-        None, description="biases on the q/k/v projections (Qwen2; needs hf_model_type qwen2)"
-    )
-    rope_type: Literal["default", "llama3"] | None = Field(
-        None, description="'default', or 'llama3': Llama 3.1+ RoPE frequency scaling by the four rope_* fields"
-    )
-    rope_factor: float | None = Field(None, ge=0, description="llama3 RoPE: factor (the rope_* fields are 0 otherwise)")
-    rope_low_freq_factor: float | None = Field(None, ge=0, description="llama3 RoPE: low_freq_factor")
-    rope_high_freq_factor: float | None = Field(None, ge=0, description="llama3 RoPE: high_freq_factor")
-    rope_original_max_seq_len: int | None = Field(
-        None, ge=0, description="llama3 RoPE: original_max_position_embeddings"
-    )
-    sliding_window: int | None = Field(
-        None, ge=0, description="Mistral attention window, 0 = none; data.seq_len may not exceed it"
-    )
-    hf_model_type: Literal["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"] | None = Field(
-        None,
-        description="Hugging Face family that export writes: llama (default), qwen2, mistral; with experts "
-        "mixtral, qwen2_moe or qwen3_moe",
-    )
-    qk_norm: bool | None = Field(
-        None, description="RMSNorm on each q and k head (Qwen3; needs hf_model_type qwen3_moe)"
-    )
-    n_experts: int | None = Field(
-        None, ge=0, description="routed experts per MoE layer; 0 = a dense model (docs/moe.md)"
-    )
-    top_k: int | None = Field(None, ge=0, description="experts each token is routed to (1..n_experts)")
-    moe_intermediate_size: int | None = Field(None, ge=0, description="width of one routed expert's SwiGLU")
-    shared_expert_intermediate_size: int | None = Field(
-        None, ge=0, description="width of the shared expert every token passes through; 0 = none"
-    )
-    shared_expert_gate: bool | None = Field(None, description="scale the shared expert by sigmoid(x·w) (Qwen2-MoE)")
-    moe_score: Literal["softmax", "sigmoid"] | None = Field(None, description="router scores: softmax or sigmoid")
-    norm_topk: bool | None = Field(None, description="renormalise each token's top-k scores to sum to 1")
-    first_k_dense: int | None = Field(None, ge=0, description="the first k layers keep a dense MLP")
-    moe_layer_step: int | None = Field(
-        None, gt=0, description="after those, layer i is MoE when (i + 1) % step == 0 (Qwen's decoder_sparse_step)"
-    )
-    aux_loss_coef: float | None = Field(None, ge=0, description="load-balancing loss coefficient, per MoE layer")
-    z_loss_coef: float | None = Field(None, ge=0, description="router z-loss coefficient, per MoE layer")
     init_from: str | None = Field(
         None,
         description="fine-tune from: a Hugging Face checkpoint directory (config.json + safetensors) or a meshlm "
@@ -122,6 +72,22 @@ class ModelSection(Section):
                     f"({getattr(cfg, name)!r}); leave it unset or equal"
                 )
         return cfg
+
+
+def _override(f: dataclasses.Field, annotation: Any) -> tuple[Any, Any]:
+    """The `[model]` field overriding ModelConfig's field `f`: optional (None keeps the preset's), with the
+    description and bounds that `f` declares (meshlm.model.config.option)."""
+    meta = dict(f.metadata)
+    return annotation | None, Field(None, description=meta.pop("description", None), **meta)
+
+
+_SHAPE_TYPES = get_type_hints(ModelConfig)
+ModelSection = create_model(
+    "ModelSection",
+    __base__=_PresetSection,
+    __doc__="A preset, optionally with any shape field overridden (e.g. `--model.n_layers 2`).",
+    **{f.name: _override(f, _SHAPE_TYPES[f.name]) for f in dataclasses.fields(ModelConfig)},
+)
 
 
 class DataSection(Section):
@@ -213,40 +179,26 @@ class LoraSection(Section):
     init_from: str | None = Field(None, description="start the adapters from a PEFT adapter directory")
 
 
-class ParallelSection(Section):
+class ParallelSection(ParallelOptions, Section):
+    """The engine's options (meshlm.parallel.options, declared there once), plus the layout, which builds the
+    mesh, and the timeout, which sets up the process group."""
+
+    model_config = ConfigDict(frozen=False)
+    # pydantic's own: errors are ValidationErrors that Config names by section (ParallelOptions' one-line
+    # InputError is for the library, where the options are built alone; pydantic would nest it here).
+    __init__ = BaseModel.__init__
+
     layout: str = Field(
         "",
         description=(
             "e.g. 'dp=4', 'pp=2,dp=2,tp=2' or 'dp=2,ep=2'; empty = all ranks data parallel; 'auto' = planner's pick"
         ),
     )
-    zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + grads, 3 + params")
-    zero_shard_size: int | None = Field(
-        None, gt=0, description="hybrid sharding: shard within groups of this many dp ranks, replicate across"
-    )
-    zero_param_dtype: Literal["auto", "fp32", "bf16"] = Field(
-        "auto",
-        description="ZeRO ≥ 1: dtype of the working (gathered) weights over fp32 master shards; auto: bf16 "
-        "under bf16 autocast on CUDA, else fp32",
-    )
-    zero_reduce_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="dtype gradients are summed in across data-parallel ranks (bf16 halves the traffic)"
-    )
-    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size of the overlapped reduction")
-    sequence_parallel: bool = Field(False, description="shard norms/residuals along the sequence over tp")
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = Field(
-        "1f1b", description="pipeline schedule (zb1: zero-bubble ZB-H1, weight gradients fill the bubble)"
-    )
-    virtual_stages: int = Field(1, gt=0, description="model chunks per pipeline rank (interleaved)")
-    cp_attention: Literal["ring", "ulysses"] = Field(
-        "ring", description="context parallel (layout cp > 1): KV ring with send/recv, or all-to-all heads"
-    )
     timeout_s: float = Field(300.0, gt=0, le=7 * 24 * 3600, description="collective timeout before a rank gives up")
 
     def options(self) -> ParallelOptions:
-        """The engine's options (meshlm.parallel.options): every field but the layout, which builds the mesh,
-        and the timeout, which sets up the process group."""
-        return ParallelOptions.of(self)
+        """The engine's options alone (without the layout and the timeout)."""
+        return ParallelOptions(**self.model_dump(include=set(ParallelOptions.model_fields)))
 
 
 class CheckpointSection(Section):

@@ -56,7 +56,7 @@ from meshlm.config import ParallelSection, TrainSection, load_config, parse_over
 from meshlm.model import ModelConfig, Transformer, preset
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout
-from meshlm.parallel.strategies import validate_layout
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.testing import global_batch, mask_prompts, rank_threads
 from meshlm.train.optim import build_optimizer, lr_at, train_step
 from meshlm.train.trainer import train
@@ -119,9 +119,7 @@ def train_layout(
         seed=seed,
     )
     lay = parse_layout(layout, world)
-    n_micro = validate_layout(
-        lay, model_cfg, batch, micro_batch, par.virtual_stages, par.schedule, seq_len, par.sequence_parallel
-    )
+    n_micro = check_layout(LayoutSpec(model_cfg, lay, batch, micro_batch, seq_len, par.options()))
     mesh = build_mesh(lay, "cpu")
     torch.manual_seed(seed)
     model = Transformer(model_cfg)

@@ -88,10 +88,8 @@ def api_run(
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = build_mesh(parse_layout(layout, world), "cpu")
     torch.manual_seed(0)
-    model = meshlm.parallelize(
-        model_fn(), mesh, plan=plan, loss_fn=loss, gather_logits=loss is not None, micro_batches=micro_batches,
-        **parallel,
-    )  # fmt: skip
+    own_loss = meshlm.Loss(loss, gather_logits=True) if loss is not None else None
+    model = meshlm.parallelize(model_fn(), mesh, parallel, plan=plan, loss=own_loss, micro_batches=micro_batches)
     opt = OPTIMIZERS[optimizer](model.parameters())
     saves = meshlm.Checkpoints(checkpoints, async_save=False) if checkpoints else None
     if saves is not None and (saved := saves.load_latest(model, opt)) is not None:
@@ -219,7 +217,7 @@ def _llama_through_api(layout: str, zero: int) -> list[float]:
     mesh = build_mesh(parse_layout(layout, world), "cpu")
     train = TrainSection(steps=STEPS, global_batch=BATCH, lr=3e-3, eps=1e-6, warmup_steps=2, grad_clip=1.0, seed=0)
     torch.manual_seed(0)
-    model = meshlm.parallelize(Transformer(TEST_MODEL), mesh, zero=zero)
+    model = meshlm.parallelize(Transformer(TEST_MODEL), mesh, {"zero": zero})
     opt = build_optimizer(model, train)
     losses = []
     for step in range(STEPS):
@@ -341,7 +339,7 @@ def _bad_plans() -> list[tuple[str, bool]]:
         modules = [type(m) for m in model.modules()]
         plan = meshlm.ParallelPlan(**{**vars(GPT2_PLAN), **change})
         try:
-            meshlm.parallelize(model, mesh, plan=plan, zero=3 if "zero3_units" in change else 0, micro_batches=2)
+            meshlm.parallelize(model, mesh, {"zero": 3 if "zero3_units" in change else 0}, plan=plan, micro_batches=2)
             message = "no error"
         except meshlm.PlanError as e:
             message = str(e)

@@ -31,6 +31,7 @@ from equivalence import (
 
 from meshlm.config import ParallelSection, load_config, parse_overrides
 from meshlm.data import prepare_data
+from meshlm.errors import InputError
 from meshlm.model import Transformer, preset
 from meshlm.model.config import ModelConfig
 from meshlm.model.llama import causal_attention, rotary_tables
@@ -39,8 +40,9 @@ from meshlm.parallel import context_parallel as cpm
 from meshlm.parallel import data_parallel
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import ParallelPlan, PlanError
-from meshlm.parallel.strategies import validate_layout
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.plan.hardware import hardware
 from meshlm.plan.memory import Strategy, Workload, layer_activation_bytes, logits_bytes
 from meshlm.plan.step_time import cp_attention_factor, cp_layer_time, step_time
@@ -98,20 +100,31 @@ def test_layout_with_cp() -> None:
         (Layout(cp=4), TEST_MODEL.replace(n_heads=2, n_kv_heads=2), 32, "ulysses", False, r"model.n_heads \(2\)"),
         (Layout(cp=2), MISTRAL, 32, "ring", False, "not model.sliding_window"),
         (Layout(cp=2, tp=4), TEST_MODEL, 36, "ring", True, r"not divisible by cp×tp = 8 under sequence_parallel"),
-        (Layout(cp=2), TEST_MODEL, 32, "star", False, "valid: 'ring', 'ulysses'"),
     ],
 )
 def test_impossible_cp_layouts_are_one_line_errors(
     layout: Layout, cfg: ModelConfig, seq_len: int, attention: str, sp: bool, message: str
 ) -> None:
     with pytest.raises(LayoutError, match=message) as err:
-        validate_layout(layout, cfg, 8, 0, 1, "1f1b", seq_len, sp, attention)
+        check_layout(
+            LayoutSpec(cfg, layout, 8, 0, seq_len, ParallelOptions(sequence_parallel=sp, cp_attention=attention))
+        )
     assert "\n" not in str(err.value)
 
 
+def test_unknown_cp_attention_is_refused_by_the_options() -> None:
+    with pytest.raises(InputError, match=r"^parallel.cp_attention: Input should be 'ring' or 'ulysses'$"):
+        ParallelOptions(cp_attention="star")
+
+
 def test_cp_layout_checks_pass_valid_layouts() -> None:
-    assert validate_layout(Layout(cp=4), MHA_MODEL, 8, 0, 1, "1f1b", 32, False, "ulysses") == 1
-    assert validate_layout(Layout(pp=2, cp=2, tp=2), TEST_MODEL, 8, 2, 1, "1f1b", 32, True, "ring") == 4
+    assert check_layout(LayoutSpec(MHA_MODEL, Layout(cp=4), 8, 0, 32, ParallelOptions(cp_attention="ulysses"))) == 1
+    assert (
+        check_layout(
+            LayoutSpec(TEST_MODEL, Layout(pp=2, cp=2, tp=2), 8, 2, 32, ParallelOptions(sequence_parallel=True))
+        )
+        == 4
+    )
 
 
 def test_plan_without_cp_hook_is_refused() -> None:

@@ -25,7 +25,7 @@ from meshlm.config import ParallelSection
 from meshlm.model import Transformer, preset
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
-from meshlm.parallel.strategies import validate_layout
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 
 SAVED_AT = 5  # the ep=2 checkpoint's step; resumed at ep=1 and ep=4 for the remaining steps
 
@@ -37,7 +37,7 @@ def test_layouts_with_ep() -> None:
     assert parse_layout("ep=2", 8) == Layout(dp=4, ep=2)  # dp takes what the world leaves
     assert str(Layout(dp=2, ep=2)) == "pp=1,dp=2,ep=2,tp=1" and str(Layout(dp=2)) == "pp=1,dp=2,tp=1"
     assert Layout(dp=2, ep=2).data_parallel == 4  # the global batch splits over dp × ep
-    assert validate_layout(Layout(dp=2, ep=2), MOE_MODEL, global_batch=8, micro_batch=1) == 2
+    assert check_layout(LayoutSpec(MOE_MODEL, Layout(dp=2, ep=2), 8, 1)) == 2
 
 
 @pytest.mark.parametrize(
@@ -52,13 +52,13 @@ def test_layouts_with_ep() -> None:
 )
 def test_bad_ep_layouts_are_one_line(layout: str, world: int, model: object, batch: int, message: str) -> None:
     with pytest.raises(LayoutError) as e:
-        validate_layout(parse_layout(layout, world), model, global_batch=batch, seq_len=32)
+        check_layout(LayoutSpec(model, parse_layout(layout, world), batch, seq_len=32))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_ep_composes_with_pp_and_cp() -> None:
-    assert validate_layout(Layout(pp=2, ep=2), MOE_MODEL, global_batch=8, micro_batch=2, seq_len=32) == 2
-    assert validate_layout(Layout(ep=2, cp=2), MOE_MODEL, global_batch=8, micro_batch=1, seq_len=32) == 4
+    assert check_layout(LayoutSpec(MOE_MODEL, Layout(pp=2, ep=2), 8, 2, 32)) == 2
+    assert check_layout(LayoutSpec(MOE_MODEL, Layout(ep=2, cp=2), 8, 1, 32)) == 4
 
 
 def test_hybrid_shard_blocks_nest_the_expert_groups() -> None:

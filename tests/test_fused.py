@@ -203,7 +203,7 @@ def run(
     torch.manual_seed(0)
     module = model_fn()
     initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    pm = meshlm.parallelize(module, mesh, plan=plan or default_plan, **parallel)
+    pm = meshlm.parallelize(module, mesh, parallel, plan=plan or default_plan)
     if optimizer == "sgd":
         opt = torch.optim.SGD(pm.parameters(), lr=0.2)
     else:
@@ -251,7 +251,7 @@ def _world4(run_dir: str) -> dict:
     # Checkpoint and meta materialisation of the fused shards, dp=2×tp=2 ZeRO-3.
     mesh = build_mesh(parse_layout("dp=2,tp=2", 4), "cpu")
     torch.manual_seed(0)
-    pm = meshlm.parallelize(Phi3(), mesh, plan=PHI3_PLAN, zero=3)
+    pm = meshlm.parallelize(Phi3(), mesh, {"zero": 3}, plan=PHI3_PLAN)
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     x, y = global_batch(0, BATCH, SEQ, VOCAB)
     pm.forward_backward(pm.local_batch(x), pm.local_batch(y))
@@ -261,7 +261,7 @@ def _world4(run_dir: str) -> dict:
     saves.wait()
     with torch.device("meta"):
         meta = Phi3(init_seed=0)
-    start = meshlm.parallelize(meta, mesh, plan=PHI3_PLAN, zero=3).full_state_dict()
+    start = meshlm.parallelize(meta, mesh, {"zero": 3}, plan=PHI3_PLAN).full_state_dict()
     return {"runs": runs, "saved": pm.full_state_dict(), "meta_start": start}
 
 

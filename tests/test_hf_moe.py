@@ -17,7 +17,7 @@ from meshlm.model.pretrained import HFWeights
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import PlanError, plan_for
-from meshlm.parallel.strategies import check_model
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 
 transformers = pytest.importorskip("transformers")
 
@@ -210,8 +210,8 @@ def test_hf_moe_plans_refuse_tensor_parallel_in_one_line() -> None:
         plan = plan_for(model)
         assert plan.name == "hf-moe"
         with pytest.raises(PlanError, match=r"^tp=2: tensor parallelism does not split mixture-of-experts layers"):
-            check_model(model, plan, Layout(tp=2, pp=1), ParallelOptions(zero=3, sequence_parallel=False))
-        check_model(model, plan, Layout(tp=1, pp=1), ParallelOptions(zero=3, sequence_parallel=False))
+            check_layout(LayoutSpec(None, Layout(tp=2), 1, options=ParallelOptions(zero=3)), model, plan)
+        check_layout(LayoutSpec(None, Layout(), 1, options=ParallelOptions(zero=3)), model, plan)
 
 
 # ---- the HF module trees under data parallel / ZeRO --------------------------------------------------------------

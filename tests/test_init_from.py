@@ -29,7 +29,7 @@ from meshlm.model.llama import Transformer  # noqa: E402
 from meshlm.model.pretrained import HFWeights  # noqa: E402
 from meshlm.parallel.engine import ParallelModel  # noqa: E402
 from meshlm.parallel.mesh import build_mesh, parse_layout  # noqa: E402
-from meshlm.parallel.strategies import validate_layout  # noqa: E402
+from meshlm.parallel.strategies import LayoutSpec, check_layout  # noqa: E402
 from meshlm.testing import global_batch  # noqa: E402
 from meshlm.train.trainer import fit, open_init_from  # noqa: E402
 
@@ -138,7 +138,7 @@ def set_up(directory: str, layout: str, zero: int = 0, mutation: str | None = No
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = read_hf_config(directory)
     lay = parse_layout(layout, dist.get_world_size())
-    n_micro = validate_layout(lay, cfg, BATCH, 2 if lay.pp > 1 else 0, 1, "1f1b", SEQ, False)
+    n_micro = check_layout(LayoutSpec(cfg, lay, BATCH, 2 if lay.pp > 1 else 0, SEQ))
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=0)
     model.init_source = source = RecordingWeights(directory, mutation)

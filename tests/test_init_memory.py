@@ -171,12 +171,12 @@ def test_meta_llama_starts_bit_identical_to_one_process_under_every_layout() -> 
 
 
 # ---- a model without an element init: module by module --------------------------------------------------------
-GPT2_LAYOUTS = [("dp=4", {"zero": 0}), ("dp=2,tp=2", {"zero": 3}), ("pp=2,tp=2", {"micro_batches": 2})]
+GPT2_LAYOUTS = [("dp=4", {"zero": 0}, 1), ("dp=2,tp=2", {"zero": 3}, 1), ("pp=2,tp=2", {}, 2)]  # + micro-batches
 
 
 def _gpt2_layouts() -> list[dict[str, torch.Tensor]]:
     states = []
-    for layout, par in GPT2_LAYOUTS:
+    for layout, options, micro_batches in GPT2_LAYOUTS:
         torch.manual_seed(dist.get_rank())  # the ranks disagree: rank 0's seed is used by all
         # Without its init_weights(), in __init__ (meta counts its writes: refused) or after: each module's
         # reset_parameters().
@@ -184,7 +184,7 @@ def _gpt2_layouts() -> list[dict[str, torch.Tensor]]:
             model = GPT2(vocab=128, dim=32, n_layers=4, n_heads=4, max_len=16)
         model.init_weights = None
         mesh = build_mesh(parse_layout(layout, dist.get_world_size()), "cpu")
-        pm = meshlm.parallelize(model, mesh, plan=GPT2_PLAN, **par)
+        pm = meshlm.parallelize(model, mesh, options, plan=GPT2_PLAN, micro_batches=micro_batches)
         states.append(pm.full_state_dict())
     return states
 
@@ -195,7 +195,7 @@ def test_meta_model_without_init_rule_agrees_across_layouts_and_ranks() -> None:
     assert first["wte.weight"].std().item() == pytest.approx(1.0, rel=0.2)  # nn.Embedding's own init
     assert torch.equal(first["ln_f.weight"], torch.ones(32))
     for rank, states in enumerate(results):
-        for (layout, _), state in zip(GPT2_LAYOUTS, states, strict=True):
+        for (layout, _, _), state in zip(GPT2_LAYOUTS, states, strict=True):
             assert state.keys() == first.keys()
             for name in first:
                 assert torch.equal(state[name], first[name]), f"rank {rank} {layout}: {name}"
@@ -247,7 +247,7 @@ def _budgeted_run(mesh: Mesh, zero: int, meta: bool) -> dict:
                     model = Transformer(BIG)
             else:
                 model = Transformer(BIG)
-            pm = meshlm.parallelize(model, mesh, zero=zero)
+            pm = meshlm.parallelize(model, mesh, {"zero": zero})
         except RuntimeError as e:
             assert "can't allocate memory" in str(e), e
             return {"setup": False}

@@ -1,8 +1,8 @@
 """The planner and the runtime check layouts with the same functions: over a generated grid of layouts (world
 sizes, pp/dp/ep/cp/tp, schedules, virtual stages, micro-batches, sequence lengths, head counts, dense and
 mixture-of-experts models, sequence parallel, cp attention) the planner's search accepts exactly the layouts
-the trainer accepts: its `validate_layout`, then the checks ParallelModel makes of the model against its parallel
-plan before any work (`check_model`: every enabled strategy's `check`)."""
+the trainer accepts: its `check_layout` (sizes only), then the check ParallelModel makes of the model against its
+parallel plan before any work (`check_layout` with the model: every enabled strategy's `check`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from meshlm.model import Transformer, preset
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.mesh import Layout, LayoutError
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.plan import PlanError, plan_for
-from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, check_layout, check_model, validate_layout
+from meshlm.parallel.plan import PlanError
+from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, check_layout
 from meshlm.plan import Workload
 from meshlm.plan.memory import Strategy
 from meshlm.plan.search import Constraints, enumerate_strategies
@@ -76,14 +76,12 @@ def meta_model(model: ModelConfig) -> Transformer:
 
 
 def runtime_accepts(strategy: Strategy, model: ModelConfig, seq_len: int, global_batch: int) -> bool:
-    """What the trainer decides before any work: check_config (meshlm.parallel.strategies.validate_layout), then
-    ParallelModel's checks of the model against its parallel plan at this layout (check_model)."""
+    """What the trainer decides before any work: check_config (meshlm.parallel.strategies.check_layout, sizes
+    only), then ParallelModel's check of the model against its parallel plan at this layout (check_layout with
+    the model)."""
     s = strategy
     try:
-        validate_layout(
-            s.mesh, model, global_batch, s.micro_batch, s.virtual_stages, s.schedule, seq_len, s.sequence_parallel,
-            s.cp_attention,
-        )  # fmt: skip
+        check_layout(LayoutSpec(model, s.mesh, global_batch, s.micro_batch, seq_len, s.options))
     except (LayoutError, PlanError):
         return False
     return model_accepted(model, s.mesh, s.zero, s.sequence_parallel, s.cp_attention)
@@ -91,12 +89,13 @@ def runtime_accepts(strategy: Strategy, model: ModelConfig, seq_len: int, global
 
 @functools.cache
 def model_accepted(model: ModelConfig, mesh: Layout, zero: int, sequence_parallel: bool, cp_attention: str) -> bool:
-    """ParallelModel's checks of the model against its plan (check_model), which read only these: once per
+    """ParallelModel's check of the model against its plan (check_layout with the model, at a batch of pp
+    micro-batches, which every schedule takes), which reads only these: once per
     distinct set (a search's plans share them by the thousand; each check probes every pipeline stage)."""
     net = meta_model(model)
     options = ParallelOptions(zero=zero, sequence_parallel=sequence_parallel, cp_attention=cp_attention)
     try:
-        check_model(net, plan_for(net), mesh, options)
+        check_layout(LayoutSpec(None, mesh, mesh.data_parallel * mesh.pp, 1, options=options), net)
     except (LayoutError, PlanError):
         return False
     return True

@@ -91,7 +91,7 @@ def lora_run(
         apply_lora(whole, RANK, ALPHA, seed=1)
     initial = {n: t.detach().clone() for n, t in whole.state_dict().items()}
     micro = 2 if "pp" in layout else 1
-    pm = meshlm.parallelize(model, mesh, micro_batches=micro, **parallel)
+    pm = meshlm.parallelize(model, mesh, parallel, micro_batches=micro)
     steps = 4 if optimizer == "sgd" else 10
     if optimizer == "sgd":
         opt = torch.optim.SGD(pm.parameters(), lr=0.2)
@@ -287,7 +287,7 @@ def _held_bytes(lora: bool) -> dict[str, int]:
     model = llama()
     if lora:
         apply_lora(model, RANK, ALPHA)
-    pm = meshlm.parallelize(model, mesh, zero=3)
+    pm = meshlm.parallelize(model, mesh, {"zero": 3})
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     x, y = global_batch(0, 4, SEQ, TEST_MODEL.vocab_size)
     pm.forward_backward(pm.local_batch(x), pm.local_batch(y))
@@ -327,7 +327,7 @@ def _autocast_losses(bf16_base: bool, zero: int) -> tuple[list[float], object]:
     apply_lora(model, RANK, ALPHA, seed=1)
     if bf16_base:
         assert cast_frozen_linears(model, torch.bfloat16) == 7 * TEST_MODEL.n_layers + 1  # and the head
-    pm = meshlm.parallelize(model, mesh, zero=zero, autocast_dtype=torch.bfloat16)
+    pm = meshlm.parallelize(model, mesh, {"zero": zero}, autocast_dtype=torch.bfloat16)
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     losses = []
     for step in range(3):

@@ -182,7 +182,7 @@ def test_every_layout_matches_the_plain_loop_with_masked_labels_world_4() -> Non
 def _custom_loop(layout: str, accumulate: bool) -> list[float]:
     mesh = build_mesh(parse_layout(layout, dist.get_world_size()), "cpu")
     torch.manual_seed(0)
-    model = meshlm.parallelize(Transformer(TEST_MODEL), mesh, zero=1)
+    model = meshlm.parallelize(Transformer(TEST_MODEL), mesh, {"zero": 1})
     opt = torch.optim.AdamW(model.optimizer_param_groups(0.1), lr=ADAMW_LR, eps=1e-6, betas=(0.9, 0.95))
     train = TrainSection(steps=ADAMW_STEPS, global_batch=BATCH, lr=ADAMW_LR, warmup_steps=2)
     losses = []
@@ -237,16 +237,16 @@ def _refusals() -> dict[str, str]:
     def scalar_loss(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.flatten(0, 1), t.flatten())
 
-    attempt("scalar loss", lambda: meshlm.parallelize(Transformer(TEST_MODEL), dp_mesh, loss_fn=scalar_loss))
+    attempt("scalar loss", lambda: meshlm.parallelize(Transformer(TEST_MODEL), dp_mesh, loss=meshlm.Loss(scalar_loss)))
     pp_mesh = build_mesh(parse_layout("pp=2", world), "cpu")  # refused on every stage, not on the last at step 1
     attempt(
         "scalar loss under pp",
-        lambda: meshlm.parallelize(Transformer(TEST_MODEL), pp_mesh, micro_batches=2, loss_fn=scalar_loss),
+        lambda: meshlm.parallelize(Transformer(TEST_MODEL), pp_mesh, loss=meshlm.Loss(scalar_loss), micro_batches=2),
     )
     tp_mesh = build_mesh(parse_layout("tp=2", world), "cpu")
     attempt(
         "own loss on sharded logits",
-        lambda: meshlm.parallelize(Transformer(TEST_MODEL), tp_mesh, loss_fn=lambda out, t: out.sum(-1)),
+        lambda: meshlm.parallelize(Transformer(TEST_MODEL), tp_mesh, loss=meshlm.Loss(lambda out, t: out.sum(-1))),
     )
     return out
 

@@ -36,7 +36,7 @@ from meshlm.model.moe import (
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import plan_for
-from meshlm.parallel.strategies import check_model
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 
 # The `test` preset's shape with a Qwen2-MoE-style feed-forward in layers 1-3: every option on (shared expert
 # and its gate, a dense first layer) and aux coefficients large enough that a missing aux gradient shows.
@@ -283,7 +283,8 @@ def test_tensor_and_context_parallel_are_accepted_for_meshlms_moe_model() -> Non
         model = Transformer(MOE_MODEL)
     plan = plan_for(model)
     check_cp_plan(model, plan)  # the balancing statistics are summed over the cp group
-    check_model(model, plan, Layout(tp=2, pp=2), ParallelOptions(zero=3, sequence_parallel=True))  # tp: test_moe_tp
+    options = ParallelOptions(zero=3, sequence_parallel=True)
+    check_layout(LayoutSpec(None, Layout(tp=2, pp=2), 2, 1, options=options), model, plan)  # tp: test_moe_tp
 
 
 # ---- training like one process -----------------------------------------------------------------------------------

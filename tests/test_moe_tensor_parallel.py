@@ -30,7 +30,7 @@ from meshlm.parallel.mesh import Layout, LayoutError, parse_layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import PlanError, SplitMoE, plan_for
 from meshlm.parallel.plans import MOE_LAYER
-from meshlm.parallel.strategies import check_model, validate_layout
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 
 SAVED_AT = 5  # the ep=2×tp=2 checkpoint's step, resumed in one process
 
@@ -43,7 +43,8 @@ def test_moe_layers_get_the_moe_style_and_dense_layers_the_mlp_pair() -> None:
     split = [pattern for pattern, style in table.items() if isinstance(style, SplitMoE)]
     assert split == [f"model.layers.{i}.mlp" for i in (1, 2, 3)]
     assert "model.layers.*.mlp.gate_proj" in table  # the dense layer's colwise/rowwise pair
-    check_model(model, plan_for(model), Layout(tp=2, pp=2), ParallelOptions(zero=3, sequence_parallel=True))
+    options = ParallelOptions(zero=3, sequence_parallel=True)
+    check_layout(LayoutSpec(None, Layout(tp=2, pp=2), 2, 1, options=options), model)
     with torch.device("meta"):
         all_moe = Transformer(MOE_MODEL.replace(first_k_dense=0))
     assert plan_for(all_moe).tensor_parallel["model.layers.*.mlp"] == MOE_LAYER
@@ -64,12 +65,12 @@ def test_expert_widths_not_divisible_by_tp_are_one_line(changes: dict, message: 
     cfg = MOE_MODEL.replace(**changes)
     for layout, world in (("tp=4", 4), ("ep=2,tp=4", 8)):
         with pytest.raises(LayoutError) as e:
-            validate_layout(parse_layout(layout, world), cfg, global_batch=8, seq_len=32)
+            check_layout(LayoutSpec(cfg, parse_layout(layout, world), 8, seq_len=32))
         assert str(e.value) == message
     with torch.device("meta"):
         model = Transformer(cfg)
     with pytest.raises(PlanError) as e:  # the plan check names the module (a config of one's own skips the above)
-        check_model(model, plan_for(model), Layout(tp=4, pp=1), ParallelOptions(zero=0, sequence_parallel=False))
+        check_layout(LayoutSpec(None, Layout(tp=4), 1), model)
     assert "module model.layers.1.mlp (MoE, moe)" in str(e.value) and "\n" not in str(e.value)
     assert "is not divisible by tp=4" in str(e.value)
 
@@ -89,7 +90,7 @@ def test_bad_moe_styles_are_one_line(pattern: str, style: SplitMoE, message: str
     plan = plan_for(model)
     bad = dataclasses.replace(plan, tensor_parallel={**plan.tensor_parallel, pattern: style})
     with pytest.raises(PlanError, match=message) as e:
-        check_model(model, bad, Layout(tp=2, pp=1), ParallelOptions(zero=0, sequence_parallel=False))
+        check_layout(LayoutSpec(None, Layout(tp=2), 1), model, bad)
     assert "\n" not in str(e.value)
 
 

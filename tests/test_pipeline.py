@@ -26,6 +26,7 @@ from meshlm.model.flops import part_costs
 from meshlm.model.llama import cross_entropy_loss
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.pipeline import PipelineError, split_model
 from meshlm.parallel.schedules import (
     SCHEDULES,
@@ -42,16 +43,17 @@ from meshlm.parallel.schedules import (
     validate,
 )
 from meshlm.parallel.stages import stage_layers
-from meshlm.parallel.strategies import validate_layout
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 
 EIGHT_LAYERS = TEST_MODEL.replace(n_layers=8)
 
 
 def allowed(p_max: int = 6, m_max: int = 13, v_max: int = 3):
-    """Every (schedule, p, m, v) within the bounds that the config accepts (mesh.validate_layout)."""
+    """Every (schedule, p, m, v) within the bounds that the config accepts (strategies.check_layout)."""
     for name, p, v, m in itertools.product(SCHEDULES, range(1, p_max + 1), range(1, v_max + 1), range(1, m_max + 1)):
         try:
-            validate_layout(Layout(pp=p), TEST_MODEL.replace(n_layers=p * v), m, 1, v, name)
+            options = ParallelOptions(virtual_stages=v, schedule=name)
+            check_layout(LayoutSpec(TEST_MODEL.replace(n_layers=p * v), Layout(pp=p), m, 1, options=options))
         except LayoutError:
             continue
         yield name, p, m, v

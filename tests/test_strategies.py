@@ -10,8 +10,8 @@ from meshlm.model import Transformer, preset
 from meshlm.parallel import strategies
 from meshlm.parallel.mesh import Layout, LayoutError
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.plan import PlanError, plan_for
-from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, check_model, validate_layout
+from meshlm.parallel.plan import PlanError
+from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, check_layout
 from meshlm.plan import Workload
 from meshlm.plan.memory import Strategy as PlannedStrategy
 from meshlm.plan.search import Constraints, enumerate_strategies
@@ -59,24 +59,24 @@ def test_a_new_strategy_is_checked_by_the_runtime_and_the_planner_alike(monkeypa
         return any(isinstance(x, PlannedStrategy) for x in found)
 
     assert offered(3) and offered(2)
-    validate_layout(Layout(dp=3), MODEL, global_batch=6)
+    check_layout(LayoutSpec(MODEL, Layout(dp=3), 6))
     monkeypatch.setattr(strategies, "STRATEGIES", (*STRATEGIES, NoOddData()))
     with pytest.raises(LayoutError, match="dp=3 is odd"):
-        validate_layout(Layout(dp=3), MODEL, global_batch=6)
+        check_layout(LayoutSpec(MODEL, Layout(dp=3), 6))
     assert not offered(3) and offered(2)
     with torch.device("meta"):
         model = Transformer(MODEL)
     with pytest.raises(PlanError, match="dp=3 is odd"):
-        check_model(model, plan_for(model), Layout(dp=3), ParallelOptions())
+        check_layout(LayoutSpec(None, Layout(dp=3), 3), model)
 
 
 def test_model_checks_run_only_for_enabled_strategies() -> None:
     """A model with no MoE layers is refused by expert parallel's check only when ep > 1."""
     with torch.device("meta"):
         model = Transformer(MODEL)
-    check_model(model, plan_for(model), Layout(dp=2), ParallelOptions())
+    check_layout(LayoutSpec(None, Layout(dp=2), 2), model)
     with pytest.raises(PlanError, match="no mixture-of-experts layers"):
-        check_model(model, plan_for(model), Layout(ep=2), ParallelOptions())
+        check_layout(LayoutSpec(None, Layout(ep=2), 2), model)
 
 
 class NormCountedElsewhere:
@@ -166,3 +166,51 @@ def test_the_engine_names_no_parallelism_in_its_run_time_methods() -> None:
         function.body = function.body[1:]
         named = [m.group(0) for m in words.finditer(ast.unparse(function))]
         assert not named, (method.__name__, named)
+
+
+class CountedChecks:
+    """A strategy of one's own that only counts how often a build checks the layout and the model."""
+
+    dim = ""
+
+    def __init__(self) -> None:
+        self.calls = {"sizes": 0, "model": 0}
+
+    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
+        return True
+
+    def check_layout(self, spec: LayoutSpec) -> None:
+        self.calls["sizes"] += 1
+
+    def check(self, model: object, plan: object, layout: Layout, options: ParallelOptions) -> None:
+        self.calls["model"] += 1
+
+    def apply(self, build: strategies.Build) -> None:
+        pass
+
+    def gather_state(self, state: dict, model: object) -> dict:
+        return state
+
+
+def _checks_per_build() -> dict[str, int]:
+    import meshlm
+    from meshlm.parallel.mesh import build_mesh
+
+    counted = CountedChecks()
+    original = strategies.STRATEGIES
+    strategies.STRATEGIES = (*original, counted)
+    try:
+        with torch.device("meta"):
+            model = Transformer(MODEL)
+        meshlm.parallelize(model, build_mesh(Layout(), "cpu"), {"zero": 1})
+    finally:
+        strategies.STRATEGIES = original
+    return counted.calls
+
+
+def test_a_build_checks_the_layout_and_the_model_once() -> None:
+    """`meshlm.parallelize` (as the trainer) goes through the one entry point, check_layout, once: each strategy
+    checks the sizes and the model a single time per build (the tp plan was checked up to three times)."""
+    from distributed import run_shared
+
+    assert run_shared(_checks_per_build, 1)[0] == {"sizes": 1, "model": 1}

@@ -40,7 +40,7 @@ def run(layout: str, plan: meshlm.ParallelPlan = GPT2_PLAN, **parallel: object) 
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = build_mesh(parse_layout(layout, world), "cpu")
     torch.manual_seed(0)
-    model = meshlm.parallelize(gpt2(), mesh, plan=plan, **parallel)
+    model = meshlm.parallelize(gpt2(), mesh, parallel, plan=plan)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
     losses, norms = [], []
     for step in range(STEPS):

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt2 import GPT2, GPT2_PLAN
 
 VOCAB, SEQ, SEED = 128, 16, 7
-LAYOUTS = [("", {}), ("tp=2", {}), ("dp=2", {"zero": 3}), ("pp=2", {"micro_batches": 2})]
+LAYOUTS = [("", {}, 1), ("tp=2", {}, 1), ("dp=2", {"zero": 3}, 1), ("pp=2", {}, 2)]  # layout, options, micro
 
 
 def meta_gpt2() -> GPT2:
@@ -48,11 +48,11 @@ def reference() -> dict[str, torch.Tensor]:
 
 def _starts() -> list[dict]:
     out = []
-    for layout, par in LAYOUTS[1:]:
+    for layout, options, micro_batches in LAYOUTS[1:]:
         torch.manual_seed(SEED + dist.get_rank())  # the ranks disagree: rank 0's seed is the one used
         model = meta_gpt2()
         mesh = build_mesh(parse_layout(layout, dist.get_world_size()), "cpu")
-        pm = meshlm.parallelize(model, mesh, plan=GPT2_PLAN, **par)
+        pm = meshlm.parallelize(model, mesh, options, plan=GPT2_PLAN, micro_batches=micro_batches)
         x, y = global_batch(0, 4, SEQ, VOCAB)
         loss = pm.eval_loss(pm.local_batch(x), pm.local_batch(y)).item()
         out.append({"start": pm.full_state_dict(), "loss": loss})
@@ -68,11 +68,11 @@ def test_meta_model_init_weights_survives_every_layout() -> None:
     assert_identical_weights(want, world1.full_state_dict())
     assert want["wte.weight"].std().item() == pytest.approx(0.02, rel=0.1)  # GPT-2's, not nn.Embedding's 1.0
     for rank, starts in enumerate(run_shared(_starts, 2)):
-        for (layout, par), got in zip(LAYOUTS[1:], starts, strict=True):
+        for (layout, options, micro_batches), got in zip(LAYOUTS[1:], starts, strict=True):
             try:
                 assert_identical_weights(want, got["start"])
             except AssertionError as e:
-                raise AssertionError(f"rank {rank} {layout} {par}: {e}") from None
+                raise AssertionError(f"rank {rank} {layout} {options} {micro_batches}: {e}") from None
             # The user's small init gives a first loss near ln(vocab), as a model built whole does.
             assert abs(got["loss"] - math.log(VOCAB)) < 0.1, (layout, got["loss"])
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
-HF_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+HfModelType = Literal["llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"]
+HF_MODEL_TYPES = get_args(HfModelType)
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-MOE_SCORES = ("softmax", "sigmoid")
+MoeScore = Literal["softmax", "sigmoid"]
+MOE_SCORES = get_args(MoeScore)
 LLAMA3_ROPE_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
 # Fields added after checkpoints recorded ModelConfig: one that lacks them holds a plain Llama (the defaults).
 MOE_FIELDS = (
@@ -35,47 +38,63 @@ FAMILY_FIELDS = (
 )
 
 
+def option(default: Any, description: str | None = None, **constraints: float) -> Any:
+    """A ModelConfig field with its meaning and bounds, declared once: the run config's `[model]` section
+    (meshlm.config.ModelSection) is generated from these, so `--help` and `meshlm config reference` print them
+    and validate the bounds (`gt`, `ge`) with one-line errors."""
+    return dataclasses.field(default=default, metadata={"description": description, **constraints})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-style decoder. Field names follow the usual Llama vocabulary."""
 
-    vocab_size: int = 2048
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    intermediate_size: int = 688
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+    vocab_size: int = option(2048, gt=0)
+    dim: int = option(256, gt=0)
+    n_layers: int = option(4, gt=0)
+    n_heads: int = option(8, gt=0)
+    n_kv_heads: int = option(4, gt=0)
+    intermediate_size: int = option(688, gt=0)
+    max_seq_len: int = option(256, gt=0)
+    rope_theta: float = option(10000.0, gt=0)
+    norm_eps: float = option(1e-5, gt=0)
+    tie_embeddings: bool = option(False)
+    init_std: float = option(0.02, gt=0)
     # Hugging Face families beyond plain Llama. The defaults are plain Llama, so a model without these
     # fields (a checkpoint written before they existed) is the same model; 0 means unset.
-    head_dim_override: int = 0  # width of one attention head; 0: dim // n_heads
-    qkv_bias: bool = False  # biases on q/k/v_proj, none on o_proj (Qwen2)
-    rope_type: str = "default"  # or "llama3": Llama 3.1+ frequency scaling, by the four rope_* fields below
-    rope_factor: float = 0.0
-    rope_low_freq_factor: float = 0.0
-    rope_high_freq_factor: float = 0.0
-    rope_original_max_seq_len: int = 0
-    # Mistral's attention window (0: none). meshlm runs full causal attention, which is the same function for
-    # sequences of at most this many tokens; longer ones are refused.
-    sliding_window: int = 0
-    hf_model_type: str = "llama"  # the Hugging Face family export writes (HF_MODEL_TYPES)
-    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3)
+    head_dim_override: int = option(0, "width of one attention head; 0 = dim / n_heads", ge=0)
+    qkv_bias: bool = option(False, "biases on the q/k/v projections (Qwen2; needs hf_model_type qwen2)")
+    rope_type: Literal["default", "llama3"] = option(
+        "default", "'default', or 'llama3': Llama 3.1+ RoPE frequency scaling by the four rope_* fields"
+    )
+    rope_factor: float = option(0.0, "llama3 RoPE: factor (the rope_* fields are 0 otherwise)", ge=0)
+    rope_low_freq_factor: float = option(0.0, "llama3 RoPE: low_freq_factor", ge=0)
+    rope_high_freq_factor: float = option(0.0, "llama3 RoPE: high_freq_factor", ge=0)
+    rope_original_max_seq_len: int = option(0, "llama3 RoPE: original_max_position_embeddings", ge=0)
+    # meshlm runs full causal attention, which is the same function for sequences of at most this many tokens.
+    sliding_window: int = option(0, "Mistral attention window, 0 = none; data.seq_len may not exceed it", ge=0)
+    hf_model_type: HfModelType = option(
+        "llama",
+        "Hugging Face family that export writes: llama (default), qwen2, mistral; with experts "
+        "mixtral, qwen2_moe or qwen3_moe",
+    )
+    qk_norm: bool = option(False, "RMSNorm on each q and k head (Qwen3; needs hf_model_type qwen3_moe)")
     # Mixture of experts (meshlm.model.moe); n_experts = 0 is a dense model and the other fields stay unset.
-    n_experts: int = 0  # routed experts per MoE layer
-    top_k: int = 0  # experts each token is sent to
-    moe_intermediate_size: int = 0  # width of one routed expert's SwiGLU
-    shared_expert_intermediate_size: int = 0  # width of the shared expert every token passes through; 0: none
-    shared_expert_gate: bool = False  # scale the shared expert by sigmoid(x · w) (Qwen2-MoE)
-    moe_score: str = "softmax"  # router scores: softmax over experts (Mixtral, Qwen) or per-expert sigmoid
-    norm_topk: bool = False  # renormalise the top-k scores of a token to sum to 1 (Mixtral; Qwen3's config)
-    first_k_dense: int = 0  # the first k layers keep the dense MLP (DeepSeek's first_k_dense_replace)
-    moe_layer_step: int = 1  # of the others, layer i is MoE when (i + 1) % step == 0 (Qwen's decoder_sparse_step)
-    aux_loss_coef: float = 0.0  # load-balancing loss coefficient (per MoE layer, summed over layers)
-    z_loss_coef: float = 0.0  # router z-loss coefficient (ST-MoE)
+    n_experts: int = option(0, "routed experts per MoE layer; 0 = a dense model (docs/moe.md)", ge=0)
+    top_k: int = option(0, "experts each token is routed to (1..n_experts)", ge=0)
+    moe_intermediate_size: int = option(0, "width of one routed expert's SwiGLU", ge=0)
+    shared_expert_intermediate_size: int = option(
+        0, "width of the shared expert every token passes through; 0 = none", ge=0
+    )
+    shared_expert_gate: bool = option(False, "scale the shared expert by sigmoid(x·w) (Qwen2-MoE)")
+    moe_score: MoeScore = option("softmax", "router scores: softmax or sigmoid")
+    norm_topk: bool = option(False, "renormalise each token's top-k scores to sum to 1")
+    first_k_dense: int = option(0, "the first k layers keep a dense MLP", ge=0)
+    moe_layer_step: int = option(
+        1, "after those, layer i is MoE when (i + 1) % step == 0 (Qwen's decoder_sparse_step)", gt=0
+    )
+    aux_loss_coef: float = option(0.0, "load-balancing loss coefficient, per MoE layer", ge=0)
+    z_loss_coef: float = option(0.0, "router z-loss coefficient, per MoE layer", ge=0)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "max_seq_len")

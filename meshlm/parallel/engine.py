@@ -31,7 +31,7 @@ from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.placement import Placements
 from meshlm.parallel.plan import ParallelPlan, PlanError, plan_for
 from meshlm.parallel.probe import MetaFailure, meta_forward, meta_tokens
-from meshlm.parallel.strategies import Build, LossFn, apply_strategies, check_model
+from meshlm.parallel.strategies import Build, LayoutSpec, LossFn, apply_strategies, check_layout
 from meshlm.parallel.timers import comm
 from meshlm.ties import tied_aliases
 
@@ -94,7 +94,7 @@ class ParallelModel:
     vocabulary head, chunk by chunk, never materialising the logits (meshlm.parallel.fused_loss; the head
     returns them again in eval). `model` may be built on the `meta` device: each rank then
     materialises only its shard (see the module docstring), on the mesh's device. `parallel` is a
-    ParallelOptions, or anything with its fields (the run config's ParallelSection)."""
+    ParallelOptions (the run config's ParallelSection is one) or a dict of its fields."""
 
     def __init__(
         self,
@@ -118,7 +118,7 @@ class ParallelModel:
         self.autocast_dtype = autocast_dtype
         self.plan = plan = plan or plan_for(model)
         layout = mesh.layout
-        check_model(model, plan, layout, parallel)  # every strategy's, before anything changes
+        check_layout(LayoutSpec(None, layout, n_micro * layout.data_parallel, 1, options=parallel), model, plan)
         if layout.tp > 1 and loss_fn is not None and not gather_logits:
             raise PlanError(
                 "loss_fn: under tp the model's logits are sharded over the vocabulary; pass gather_logits=True "

@@ -86,22 +86,6 @@ def product(sizes: dict[str, int], *dims: str) -> str:
     return "×".join(d for d in dims if d != "ep" or d in sizes)
 
 
-def check_batch_and_schedule(
-    layout: Layout,
-    n_layers: int,
-    global_batch: int,
-    micro_batch: int = 0,
-    virtual_stages: int = 1,
-    schedule: str = "1f1b",
-) -> int:
-    """The model-independent half of the layout checks (any nn.Module): the batch splits over dp × ep and
-    micro-batches, the layers over pipeline chunks, and the schedule has enough micro-batches."""
-    check_pipeline_chunks(layout, n_layers, virtual_stages, schedule)
-    n_micro = check_batch_split(layout, global_batch, micro_batch)
-    check_pipeline_schedule(layout, n_micro, schedule)
-    return n_micro
-
-
 def check_batch_split(layout: Layout, global_batch: int, micro_batch: int = 0) -> int:
     """The batch splits over the data replicas (dp × ep) and each replica's rows into micro-batches of
     `micro_batch` (0: one); return the micro-batches per replica."""

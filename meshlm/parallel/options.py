@@ -1,34 +1,89 @@
-"""What the parallel engine needs to know beyond the mesh: its own options, not the run config.
+"""The parallel options, declared once: how each strategy runs on the mesh, beyond the mesh's sizes.
 
-The run config's `[parallel]` section (meshlm.config.ParallelSection) validates the user's input and builds
-one of these (`ParallelSection.options()`); the library API builds one from `parallelize`'s arguments. The
-engine never imports the config, so `meshlm.parallel` sits below it in meshlm's layers (tests/test_layers.py).
+Everything else derives from this model: the run config's `[parallel]` section (meshlm.config.ParallelSection
+adds only the layout, which builds the mesh, and the timeout, which sets up the process group), so `--help`
+and `meshlm config reference` print these descriptions; the library API's `meshlm.parallelize(model, mesh,
+options)`; the layout checks' `LayoutSpec.options` (meshlm.parallel.strategies); the planner's candidates
+(meshlm.plan.memory.Strategy.options). tests/test_options.py fails if one of them re-declares an option.
+A new strategy's option is one field here. The engine never imports the config, so `meshlm.parallel` sits
+below it in meshlm's layers (tests/test_layers.py); this module needs no torch.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from meshlm.errors import InputError
+
+
+class ParallelOptions(BaseModel):
+    """How each strategy runs on the mesh. Bad values raise a one-line InputError naming the field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + grads, 3 + params")
+    zero_shard_size: int | None = Field(
+        None, gt=0, description="hybrid sharding: shard within groups of this many dp ranks, replicate across"
+    )
+    zero_param_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="ZeRO ≥ 1: dtype of the working (gathered) weights over fp32 master shards; auto: bf16 "
+        "under bf16 autocast on CUDA, else fp32",
+    )
+    zero_reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype gradients are summed in across data-parallel ranks (bf16 halves the traffic)"
+    )
+    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size of the overlapped reduction")
+    sequence_parallel: bool = Field(False, description="shard norms/residuals along the sequence over tp")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = Field(
+        "1f1b", description="pipeline schedule (zb1: zero-bubble ZB-H1, weight gradients fill the bubble)"
+    )
+    virtual_stages: int = Field(1, gt=0, description="model chunks per pipeline rank (interleaved)")
+    cp_attention: Literal["ring", "ulysses"] = Field(
+        "ring", description="context parallel (layout cp > 1): KV ring with send/recv, or all-to-all heads"
+    )
+
+    def __init__(self, **values: Any) -> None:
+        """Validated like the config's `[parallel]` section; a bad value is one line, not a traceback."""
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            error = e.errors()[0]
+            field = ".".join(str(part) for part in error["loc"])
+            raise InputError(f"parallel.{field}: {error['msg']}") from None
+
+    @classmethod
+    def of(cls, source: ParallelOptions | dict[str, Any] | None) -> ParallelOptions:
+        """`source` itself (a ParallelOptions, or the config's ParallelSection, which is one), the options a
+        dict of its fields names, or the defaults for None."""
+        if isinstance(source, cls):
+            return source
+        if source is None:
+            return cls()
+        if not isinstance(source, dict):
+            raise InputError(
+                f"parallel options: expected ParallelOptions or a dict of its fields, got {type(source).__name__}"
+            )
+        return cls(**source)
 
 
 @dataclass(frozen=True)
-class ParallelOptions:
-    """How each strategy runs on the mesh (field meanings: the README's `parallel.*` config reference)."""
+class Loss:
+    """The loss `forward_backward` averages over a global batch's kept tokens (meshlm.parallel.engine).
 
-    zero: int = 0
-    zero_shard_size: int | None = None
-    zero_param_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    zero_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    bucket_mb: float = 25.0
-    sequence_parallel: bool = False
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"
-    virtual_stages: int = 1
-    cp_attention: Literal["ring", "ulysses"] = "ring"
+    `fn(output, targets)` returns per-token losses (None: token cross-entropy, vocabulary-parallel under tp);
+    targets equal to `ignore_index` carry none. `gather_logits` makes a tp model return full logits (a loss
+    of one's own under tp needs it); `fused` computes the default loss together with the vocabulary head,
+    chunk by chunk, never materialising the logits in training (meshlm.parallel.fused_loss)."""
 
-    @classmethod
-    def of(cls, source: object) -> ParallelOptions:
-        """`source` itself if it is ParallelOptions, else its same-named attributes (e.g. a ParallelSection)."""
-        if isinstance(source, cls):
-            return source
-        return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls)})
+    fn: Callable[[Any, Any], Any] | None = None
+    ignore_index: int = -100
+    gather_logits: bool = False
+    fused: bool = False
+
+
+__all__ = ["Loss", "ParallelOptions"]

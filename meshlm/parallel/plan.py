@@ -15,7 +15,7 @@ modules only the first or the last stage runs. A new model family is one `Parall
 Patterns are `fnmatch` globs over module names (`model.layers.*.self_attn.q_proj`); ZeRO-3 units match a
 module name or a class name, and a tuple of patterns makes one unit of several modules. `plan_for(model)`
 picks the registered plan of a model's class, else a generic data-parallel / ZeRO plan. The strategies'
-`check`s (meshlm.parallel.strategies.check_model) validate a plan against a model and a layout before anything
+`check`s (meshlm.parallel.strategies.check_layout) validate a plan against a model and a layout before anything
 is changed, so nothing is ever trained on a
 half-applied plan.
 """

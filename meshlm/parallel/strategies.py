@@ -3,12 +3,9 @@
 A strategy owns one mesh dimension and three steps, each a call into its own module:
 
   check_layout(spec)                   sizes only — the model's shape, the batch, the sequence; no model, no
-                                       torch. The run config's validation (`check_layout`) and the planner's
-                                       search (meshlm.plan.search) call exactly these, so they accept the same
-                                       layouts (tests/test_layout_agreement.py).
+                                       torch: one-line LayoutErrors.
   check(model, plan, layout, options)  the model in hand against its plan, before anything changes: a one-line
-                                       PlanError naming the module (`check_model`: trainer, `parallelize`,
-                                       ParallelModel).
+                                       PlanError naming the module.
   apply(build)                         transforms this rank's model in place (`build.model`, `build.chunks`)
                                        and records every parameter it cuts or ties in `build.placements`
                                        (meshlm.parallel.placement: its slice along which dim, which runs of the
@@ -17,6 +14,11 @@ A strategy owns one mesh dimension and three steps, each a call into its own mod
                                        dimension (ParallelModel.full_state_dict runs the applied strategies'
                                        in order). Which rank counts a gradient-norm term or writes a
                                        replicated tensor is recorded by `apply` in the placement table.
+
+`check_layout(spec, model, plan)` below is the one entry point to both: sizes only (no model, no torch) for the
+run config's validation (meshlm.train.trainer.check_config) and the planner's search (meshlm.plan.search), so
+they accept the same layouts (tests/test_layout_agreement.py); with the model, once per build, by ParallelModel
+(meshlm's model and a user's alike, whether from `meshlm train` or `meshlm.parallelize`).
 
 STRATEGIES lists them in composition order: tensor parallel swaps the modules its plan names for sharded ones;
 the fused loss (not a mesh dimension, but a transform of the head that must see tp's) fuses the head with the
@@ -27,6 +29,7 @@ model's shard on the device) and owns gradient reduction. A new strategy is one 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -60,18 +63,17 @@ LossFn = Callable[[object, "torch.Tensor"], "torch.Tensor"]
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    """What a layout is checked against without a model in hand. `n_layers` bounds the pipeline chunks (the
-    model's layers; the planner passes the chunks its modelled runtime cuts)."""
+    """What a layout is checked against: the sizes, and the parallel options as they are declared
+    (meshlm.parallel.options). `model` is meshlm's model shape, or None for a model whose shape only its plan
+    knows (its `check`s cover the shape). `n_layers` bounds the pipeline chunks (the model's layers; the planner
+    passes the chunks its modelled runtime cuts)."""
 
-    model: ModelConfig
+    model: ModelConfig | None
     layout: Layout
     global_batch: int
     micro_batch: int = 0
-    virtual_stages: int = 1
-    schedule: str = "1f1b"
     seq_len: int = 0
-    sequence_parallel: bool = False
-    cp_attention: str = "ring"
+    options: ParallelOptions = ParallelOptions()
     n_layers: int = 0
 
     @property
@@ -147,7 +149,8 @@ class TensorParallel:
         return layout.tp > 1
 
     def check_layout(self, spec: LayoutSpec) -> None:
-        check_tensor_parallel(spec.model, spec.layout.tp, spec.seq_len, spec.sequence_parallel)
+        if spec.model is not None:
+            check_tensor_parallel(spec.model, spec.layout.tp, spec.seq_len, spec.options.sequence_parallel)
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
         from meshlm.parallel.plan import check_tp_plan
@@ -210,8 +213,11 @@ class ContextParallel(_Unsplit):
         return layout.cp > 1
 
     def check_layout(self, spec: LayoutSpec) -> None:
-        lay = spec.layout
-        check_context_parallel(spec.model, lay.cp, lay.tp, spec.seq_len, spec.cp_attention, spec.sequence_parallel)
+        lay, options = spec.layout, spec.options
+        if spec.model is not None:
+            check_context_parallel(
+                spec.model, lay.cp, lay.tp, spec.seq_len, options.cp_attention, options.sequence_parallel
+            )
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
         from meshlm.parallel.context_parallel import check_cp_plan
@@ -233,7 +239,8 @@ class ExpertParallel:
         return layout.ep > 1
 
     def check_layout(self, spec: LayoutSpec) -> None:
-        check_expert_parallel(spec.model, spec.layout)
+        if spec.model is not None:
+            check_expert_parallel(spec.model, spec.layout)
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
         from meshlm.parallel.expert_parallel import check_ep_model
@@ -260,9 +267,9 @@ class PipelineParallel:
         return layout.pp > 1
 
     def check_layout(self, spec: LayoutSpec) -> None:
-        n_layers = spec.n_layers or spec.model.n_layers
-        check_pipeline_chunks(spec.layout, n_layers, spec.virtual_stages, spec.schedule)
-        check_pipeline_schedule(spec.layout, spec.n_micro, spec.schedule)
+        n_layers = spec.n_layers or (spec.model.n_layers if spec.model is not None else 1)
+        check_pipeline_chunks(spec.layout, n_layers, spec.options.virtual_stages, spec.options.schedule)
+        check_pipeline_schedule(spec.layout, spec.n_micro, spec.options.schedule)
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
         from meshlm.parallel.pipeline import check_stage_forwards, hidden_size
@@ -367,37 +374,23 @@ STRATEGIES: tuple[Strategy, ...] = (
 )
 
 
-def check_layout(spec: LayoutSpec) -> int:
-    """Every strategy's size checks (one-line LayoutErrors); the micro-batches per replica."""
+def check_layout(spec: LayoutSpec, model: nn.Module | None = None, plan: ParallelPlan | None = None) -> int:
+    """The one layout check: with `model`, every enabled strategy's check of it against `plan` (default: the
+    plan registered for its class), before anything changes (one-line PlanErrors); then every strategy's size
+    checks (one-line LayoutErrors). Returns the micro-batches per replica."""
+    if model is not None:
+        from meshlm.parallel.plan import plan_for
+
+        plan = plan or plan_for(model)
+        for strategy in STRATEGIES:
+            if strategy.enabled(spec.layout, spec.options):
+                strategy.check(model, plan, spec.layout, spec.options)
+        if spec.model is None and not spec.n_layers:
+            n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
+            spec = dataclasses.replace(spec, n_layers=n_layers)
     for strategy in STRATEGIES:
         strategy.check_layout(spec)
     return spec.n_micro
-
-
-def validate_layout(
-    layout: Layout,
-    model: ModelConfig,
-    global_batch: int,
-    micro_batch: int = 0,
-    virtual_stages: int = 1,
-    schedule: str = "1f1b",
-    seq_len: int = 0,
-    sequence_parallel: bool = False,
-    cp_attention: str = "ring",
-) -> int:
-    """Check that the model and batch split evenly over the layout; return micro-batches per replica."""
-    return check_layout(
-        LayoutSpec(
-            model, layout, global_batch, micro_batch, virtual_stages, schedule, seq_len, sequence_parallel, cp_attention
-        )
-    )
-
-
-def check_model(model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
-    """Every enabled strategy's check of `model` against `plan`, before anything changes (one-line PlanErrors)."""
-    for strategy in STRATEGIES:
-        if strategy.enabled(layout, options):
-            strategy.check(model, plan, layout, options)
 
 
 def apply_strategies(build: Build) -> list[Strategy]:
@@ -417,6 +410,4 @@ __all__ = [
     "Strategy",
     "apply_strategies",
     "check_layout",
-    "check_model",
-    "validate_layout",
 ]

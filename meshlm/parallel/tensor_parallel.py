@@ -50,7 +50,6 @@ from meshlm.parallel.plan import (
     ParallelPlan,
     SplitMoE,
     Style,
-    check_tp_plan,
     fused_widths,
     moe_split_params,
     plan_for,
@@ -340,10 +339,10 @@ def apply_tensor_parallel(
 ) -> TPState:
     """Keep this rank's shards of `model` (built whole from the same seed on every rank, or on the meta
     device) in place, as the model's plan (or `plan`) says, recording each one's TPShard in `placements` (and
-    on tp ranks > 0, what tp rank 0 counts). The plan is checked against the model before anything changes."""
+    on tp ranks > 0, what tp rank 0 counts). The plan was checked against the model before anything changed
+    (meshlm.parallel.strategies.check_layout, once per build)."""
     plan = plan or plan_for(model)
     tp = TPState(group, dist.get_rank(group), dist.get_world_size(group), sequence_parallel)
-    check_tp_plan(model, plan, tp.size, sequence_parallel)
     sharder = _Sharder(model, plan, tp, placements)
     for name, module, style in list(tp_modules(model, plan)):
         parallel = sharder.build(name, module, style)

@@ -15,6 +15,7 @@ from typing import Literal
 
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.mesh import Layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.schedules import compute_order
 from meshlm.parallel.stages import stage_layers
 from meshlm.plan.hardware import GB, Hardware
@@ -58,8 +59,19 @@ class Strategy:
     virtual_stages: int = 1
     recompute: Recompute = "none"
     sequence_parallel: bool = False
-    cp_attention: str = "ring"  # under mesh.cp > 1: "ring" or "ulysses" (meshlm.parallel.context_parallel)
+    cp_attention: Literal["ring", "ulysses"] = "ring"  # under mesh.cp > 1 (meshlm.parallel.context_parallel)
     recompute_layers: int = 0  # the first N layers of each pipeline chunk fully recomputed, the rest `recompute`
+
+    @property
+    def options(self) -> ParallelOptions:
+        """The runtime's parallel options this candidate sets (the rest at their defaults)."""
+        return ParallelOptions(
+            zero=self.zero,
+            schedule=self.schedule,
+            virtual_stages=self.virtual_stages,
+            sequence_parallel=self.sequence_parallel,
+            cp_attention=self.cp_attention,
+        )
 
     @property
     def pp(self) -> int:

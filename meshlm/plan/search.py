@@ -173,10 +173,7 @@ def layout_problem(
     ep. `uneven=False` adds the planner-only preference for n_layers divisible by the pipeline split. A
     micro_batch of 0 is the whole replica batch."""
     mesh = s.mesh if runtime == "meshlm" else dataclasses.replace(s.mesh, dp=s.dp * s.ep, ep=1)
-    spec = LayoutSpec(
-        w.model, mesh, w.global_batch, s.micro_batch, s.virtual_stages, s.schedule, w.seq_len,
-        s.sequence_parallel, s.cp_attention, n_layers=chunks,
-    )  # fmt: skip
+    spec = LayoutSpec(w.model, mesh, w.global_batch, s.micro_batch, w.seq_len, s.options, n_layers=chunks)
     try:
         check_layout(spec)
         if runtime != "meshlm":

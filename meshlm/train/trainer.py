@@ -56,9 +56,9 @@ from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.fp8 import apply_fp8, check_fp8_device
-from meshlm.parallel.mesh import Layout, build_mesh, check_batch_and_schedule, parse_layout
+from meshlm.parallel.mesh import Layout, build_mesh, parse_layout
 from meshlm.parallel.plan import ParallelPlan, plan_for
-from meshlm.parallel.strategies import check_model, validate_layout
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.train import signals
 from meshlm.train.compile import compile_blocks
 from meshlm.train.guards import (
@@ -91,17 +91,11 @@ class TrainResult:
 def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
     """Every layout check that needs no process group: fails fast, before data or model work."""
     layout = parse_layout(cfg.parallel.layout, world_size)
-    n_micro = validate_layout(
-        layout,
-        cfg.model.build(),
-        cfg.train.global_batch,
-        cfg.train.micro_batch,
-        cfg.parallel.virtual_stages,
-        cfg.parallel.schedule,
-        cfg.data.seq_len,
-        cfg.parallel.sequence_parallel,
-        cfg.parallel.cp_attention,
+    train = cfg.train
+    spec = LayoutSpec(
+        cfg.model.build(), layout, train.global_batch, train.micro_batch, cfg.data.seq_len, cfg.parallel.options()
     )
+    n_micro = check_layout(spec)  # sizes only: ParallelModel checks the model against its plan
     if cfg.train.freeze or cfg.lora.rank:
         with torch.device("meta"):
             check_adaptation(Transformer(cfg.model.build()), cfg)
@@ -120,20 +114,16 @@ def check_adaptation(model: nn.Module, cfg: Config, plan: ParallelPlan | None = 
 
 
 def check_user_layout(cfg: Config, world_size: int, model: nn.Module, parts: TrainParts) -> tuple[Layout, int]:
-    """The same fail-fast checks for a model of the user's: its plan against the layout, then the batch and
-    the schedule."""
+    """The same fail-fast checks for a model of the user's: the batch, the schedule and the pipeline chunks of
+    its plan's layers (sizes only: ParallelModel checks the model against its plan)."""
     if cfg.parallel.layout == "auto":
         raise ConfigError("parallel.layout = 'auto' plans meshlm's own model shapes; give a layout for your model")
     layout = parse_layout(cfg.parallel.layout, world_size)
     plan = parts.plan or plan_for(model)
     check_adaptation(model, cfg, plan)
-    check_model(model, plan, layout, cfg.parallel.options())
     n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
-    n_micro = check_batch_and_schedule(
-        layout, n_layers, cfg.train.global_batch, cfg.train.micro_batch, cfg.parallel.virtual_stages,
-        cfg.parallel.schedule,
-    )  # fmt: skip
-    return layout, n_micro
+    spec = LayoutSpec(None, layout, cfg.train.global_batch, cfg.train.micro_batch, 0, cfg.parallel.options(), n_layers)
+    return layout, check_layout(spec)
 
 
 def resolve_auto_layout(cfg: Config, world_size: int) -> Config:

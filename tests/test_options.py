@@ -1,0 +1,73 @@
+"""The parallel options are declared once (meshlm.parallel.options) and the model's fields once
+(meshlm.model.config.ModelConfig): the run config, the library API, the layout checks and the planner derive
+from those declarations, and these tests fail if one of them re-declares or drops a field."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import get_args, get_type_hints
+
+import pytest
+
+import meshlm
+from meshlm.config import ModelSection, ParallelSection, reference_help
+from meshlm.errors import InputError
+from meshlm.model.config import ModelConfig
+from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.strategies import LayoutSpec
+from meshlm.plan.memory import Strategy
+
+OPTIONS = set(ParallelOptions.model_fields)
+
+
+def test_the_config_section_is_the_options_plus_layout_and_timeout() -> None:
+    assert set(ParallelSection.model_fields) == OPTIONS | {"layout", "timeout_s"}
+    assert set(ParallelSection.__annotations__) == {"layout", "timeout_s"}  # declares no option of its own
+    for name in OPTIONS:
+        assert repr(ParallelSection.model_fields[name]) == repr(ParallelOptions.model_fields[name]), name
+        assert f"--parallel.{name} (default " in reference_help()
+    section = ParallelSection(zero=2, schedule="gpipe", layout="dp=2")
+    assert section.options() == ParallelOptions(zero=2, schedule="gpipe")
+
+
+def test_parallelize_takes_the_options_whole() -> None:
+    """No option is a keyword argument of its own (they drifted: zero_reduce_dtype was missing)."""
+    params = inspect.signature(meshlm.parallelize).parameters
+    assert set(params) == {"model", "mesh", "options", "plan", "loss", "micro_batches", "autocast_dtype"}
+    assert "ParallelOptions" in str(params["options"].annotation)
+
+
+def test_the_layout_spec_and_the_planner_carry_the_options() -> None:
+    spec_fields = {f.name: f for f in dataclasses.fields(LayoutSpec)}
+    assert not OPTIONS & set(spec_fields)
+    assert get_type_hints(LayoutSpec)["options"] is ParallelOptions
+    hints = get_type_hints(Strategy)
+    for name in OPTIONS & set(hints):  # the candidate's choices: the same values as the option allows
+        declared = ParallelOptions.model_fields[name].annotation
+        assert get_args(hints[name]) == get_args(declared), name
+    candidate = Strategy(zero=2, schedule="zb1", virtual_stages=1, sequence_parallel=True, cp_attention="ulysses")
+    assert candidate.options == ParallelOptions(zero=2, schedule="zb1", sequence_parallel=True, cp_attention="ulysses")
+
+
+def test_options_refuse_bad_values_in_one_line() -> None:
+    for bad, field in [({"zero": 4}, "parallel.zero"), ({"zeros": 1}, "parallel.zeros"), ({"schedule": "x"}, "")]:
+        with pytest.raises(InputError) as e:
+            ParallelOptions.of(bad)
+        assert str(e.value).startswith(field or "parallel.schedule: Input should be 'gpipe'")
+        assert "\n" not in str(e.value)
+    assert ParallelOptions.of(None) == ParallelOptions()
+    with pytest.raises(InputError, match="expected ParallelOptions or a dict"):
+        ParallelOptions.of(["zero"])
+
+
+def test_the_model_section_is_generated_from_model_config() -> None:
+    fields = dataclasses.fields(ModelConfig)
+    assert list(ModelSection.model_fields) == ["preset", "init_from", *(f.name for f in fields)]
+    for f in fields:
+        section = ModelSection.model_fields[f.name]
+        assert section.default is None and section.description == f.metadata.get("description"), f.name
+    assert ModelSection.model_fields["n_heads"].metadata[0].gt == 0  # the bound declared in ModelConfig
+    assert get_args(get_args(ModelSection.model_fields["hf_model_type"].annotation)[0]) == get_args(
+        get_type_hints(ModelConfig)["hf_model_type"]
+    )
