@@ -148,7 +148,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from meshlm.parallel.distributed import autocast_dtype, init_distributed, resolve_device
     from meshlm.parallel.engine import ParallelModel
     from meshlm.parallel.mesh import build_mesh, parse_layout
-    from meshlm.train.trainer import evaluate
+    from meshlm.train.evaluation import evaluate
 
     batches = [] if args.batches is None else [("train.eval_batches", args.batches)]
     cfg = _run_config(args.run_dir, [*SINGLE_PROCESS, *batches])

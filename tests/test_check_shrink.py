@@ -16,7 +16,7 @@ from meshlm.convert import load_checkpoint_model
 from meshlm.errors import InputError
 from meshlm.model.hf import import_hf, load_hf_into_model
 from meshlm.parallel.mesh import Layout, parse_layout
-from meshlm.parallel.strategies import validate_layout
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.train.trainer import check_config, fit
 
 LLAMA_70B_RUN = [
@@ -81,10 +81,11 @@ def test_sizes_are_the_smallest_the_mapped_layout_accepts(tmp_path: Path) -> Non
 
     def fits(**changes: int) -> bool:
         try:
-            validate_layout(
-                layout, small.replace(**changes), train.global_batch, train.micro_batch, par.virtual_stages,
-                par.schedule, replica.config.data.seq_len, par.sequence_parallel, par.cp_attention,
+            spec = LayoutSpec(
+                small.replace(**changes), layout, train.global_batch, train.micro_batch, replica.config.data.seq_len,
+                par.options(),
             )  # fmt: skip
+            check_layout(spec)
         except ValueError:
             return False
         return True

@@ -47,7 +47,8 @@ from meshlm.plan.hardware import hardware
 from meshlm.plan.memory import Strategy, Workload, layer_activation_bytes, logits_bytes
 from meshlm.plan.step_time import cp_attention_factor, cp_layer_time, step_time
 from meshlm.testing import global_batch
-from meshlm.train.trainer import check_config, train
+from meshlm.train.startup import check_config
+from meshlm.train.trainer import train
 
 MHA_MODEL = TEST_MODEL.replace(n_kv_heads=4)  # Ulysses at cp=4 needs key/value heads divisible by 4
 MISTRAL = TEST_MODEL.replace(sliding_window=16, hf_model_type="mistral")

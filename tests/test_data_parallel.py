@@ -253,14 +253,14 @@ def test_norm_of_a_long_flat_buffer_is_as_exact_as_per_tensor_norms(monkeypatch:
     """ZeRO-0 flat gradient buffers are long: the CPU's fp32 running sum of 262144 squares is off by ~1e-5
     relative (more than the equivalence tests' 1e-5 on the gradient norm), so squared_norm_sum cuts them into
     pieces (~1e-8). The mutation (piece = 2**30: one running sum per buffer) must fail the 1e-6 bound."""
-    from meshlm.parallel import data_parallel
+    from meshlm.parallel import gradients
 
     if piece is not None:
-        monkeypatch.setattr(data_parallel, "CPU_NORM_PIECE", piece)
+        monkeypatch.setattr(gradients, "CPU_NORM_PIECE", piece)
     torch.manual_seed(0)
     flat = torch.randn(2**18) * torch.rand(2**18)  # uneven magnitudes, as gradients have
     exact = flat.double().square().sum()
-    got = data_parallel.squared_norm_sum([flat], torch.device("cpu"))
+    got = gradients.squared_norm_sum([flat], torch.device("cpu"))
     error = abs(got.item() - exact.item()) / exact.item()
     # 1e-6: 25× the pieces' measured error (~4e-8), 6× below the unpieced one's (6e-6 to 1e-5)
     assert (error <= 1e-6) == (piece is None), error

@@ -31,7 +31,8 @@ from meshlm.parallel.engine import ParallelModel  # noqa: E402
 from meshlm.parallel.mesh import build_mesh, parse_layout  # noqa: E402
 from meshlm.parallel.strategies import LayoutSpec, check_layout  # noqa: E402
 from meshlm.testing import global_batch  # noqa: E402
-from meshlm.train.trainer import fit, open_init_from  # noqa: E402
+from meshlm.train.startup import open_init_from  # noqa: E402
+from meshlm.train.trainer import fit  # noqa: E402
 
 VOCAB, TOKENIZER_VOCAB, SEQ, BATCH = 320, 300, 16, 8
 LOSS_RTOL = 1e-5  # the suite's loss criterion (tests/equivalence.py): same fp32 graph, other summation order

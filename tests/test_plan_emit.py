@@ -37,7 +37,7 @@ from meshlm.plan.cost import DEFAULT_COSTS
 from meshlm.plan.emit import TARGET_SHAPES, Launch, Site, grace_for, kubernetes, launch_for, skypilot, slurm
 from meshlm.plan.search import Constraints, elastic_shrink
 from meshlm.plan.spot import Pool, Shapes
-from meshlm.train.trainer import check_config
+from meshlm.train.startup import check_config
 
 RUN_TOML = """[model]
 preset = "test"

@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+import re
+import textwrap
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -11,6 +17,7 @@ from meshlm.parallel import strategies
 from meshlm.parallel.mesh import Layout, LayoutError
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import PlanError
+from meshlm.parallel.runtime import Applied
 from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, check_layout
 from meshlm.plan import Workload
 from meshlm.plan.memory import Strategy as PlannedStrategy
@@ -94,11 +101,9 @@ class NormCountedElsewhere:
     def check(self, model: object, plan: object, layout: Layout, options: ParallelOptions) -> None:
         pass
 
-    def apply(self, build: strategies.Build) -> None:
+    def apply(self, build: strategies.Build) -> Applied:
         build.placements.record(build.model.model.norm.weight, counted=False)
-
-    def gather_state(self, state: dict, model: object) -> dict:
-        return state
+        return Applied()  # no run-time hook of its own
 
 
 def _norms_and_saved_names(toy: bool) -> tuple[float, float, list[str], list[str]]:
@@ -148,24 +153,66 @@ def _toy_strategy_runs() -> tuple[tuple, tuple]:
     return _norms_and_saved_names(False), _norms_and_saved_names(True)
 
 
-def test_the_engine_names_no_parallelism_in_its_run_time_methods() -> None:
-    """Clipping, checkpoint shards and the full state dict read the placement table and the applied strategies'
-    hooks; none of them names tensor, expert or pipeline parallelism (their code, docstrings aside)."""
-    import ast
-    import inspect
-    import re
-    import textwrap
+# A parallelism named in code: a mesh dimension or group, a strategy's module or object, a ZeRO stage.
+PARALLELISM = re.compile(
+    r"'(tp|ep|pp|dp|cp|data|dp_cp)'|\b(pipeline|tensor_parallel|context_parallel|expert\w*|data_parallel|zero|tied"
+    r"|dp|cp|DataParallel\w*|PipelineSchedule|TiedStages)\b",
+    re.IGNORECASE,
+)
 
+
+def _named_parallelism(function: Callable) -> list[str]:
+    """The parallelisms `function`'s code names (its docstring and comments aside)."""
+    (tree,) = ast.parse(textwrap.dedent(inspect.getsource(function))).body
+    body = tree.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        tree.body = body[1:] or [ast.Pass()]
+    return [m.group(0) for m in PARALLELISM.finditer(ast.unparse(tree))]
+
+
+def run_time_methods() -> list[Callable]:
+    """Every method of ParallelModel but its construction: the step, the loss, the optimizer interface, state."""
     from meshlm.parallel.engine import ParallelModel
 
-    words = re.compile(r"'tp'|'ep'|'pp'|\b(pipeline|tensor_parallel|expert\w*|self\.tied)\b")
-    for method in (ParallelModel.clip_grad_norm_, ParallelModel.local_shards, ParallelModel.full_state_dict):
-        (function,) = ast.parse(textwrap.dedent(inspect.getsource(method))).body
-        docstring = function.body[0]
-        assert isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)
-        function.body = function.body[1:]
-        named = [m.group(0) for m in words.finditer(ast.unparse(function))]
-        assert not named, (method.__name__, named)
+    out = []
+    for name, member in vars(ParallelModel).items():
+        function = getattr(member, "fget", member)
+        if name != "__init__" and inspect.isfunction(function):
+            out.append(function)
+    return out
+
+
+def test_the_engine_names_no_parallelism_in_its_run_time_methods() -> None:
+    """The step (batch split, micro-batches, gradient synchronisation), the loss, clipping, the optimizer
+    interface, checkpoint shards and the full state dict run the applied strategies' hooks
+    (meshlm.parallel.runtime) and read the placement table; none names a parallelism."""
+    methods = run_time_methods()
+    assert {"forward_backward", "backward", "no_sync", "step", "local_batch", "clip_grad_norm_"} <= {
+        m.__name__ for m in methods
+    }
+    named = {m.__name__: words for m in methods if (words := _named_parallelism(m))}
+    assert not named, named
+
+
+def test_the_parallelism_check_is_sharp() -> None:
+    """The check reads what the engine had before its run time became hooks: a pipeline branch, the dp rows."""
+
+    def forward_backward(self, inputs):
+        if self.pipeline is not None:
+            return self.pipeline.train_step(inputs)
+        return None
+
+    def local_batch(self, batch):
+        """This replica's rows."""
+        dp, rank = self.mesh.size("data"), self.mesh.rank("data")
+        return batch[rank::dp]
+
+    def sum_tied(self):
+        return self.tied is None
+
+    assert _named_parallelism(forward_backward) == ["pipeline", "pipeline"]
+    assert _named_parallelism(local_batch) == ["dp", "'data'", "'data'", "dp"]
+    assert _named_parallelism(sum_tied) == ["tied"]
 
 
 class CountedChecks:
@@ -185,11 +232,8 @@ class CountedChecks:
     def check(self, model: object, plan: object, layout: Layout, options: ParallelOptions) -> None:
         self.calls["model"] += 1
 
-    def apply(self, build: strategies.Build) -> None:
-        pass
-
-    def gather_state(self, state: dict, model: object) -> dict:
-        return state
+    def apply(self, build: strategies.Build) -> Applied:
+        return Applied()
 
 
 def _checks_per_build() -> dict[str, int]:

@@ -7,7 +7,7 @@ replica, LoRA, train.freeze and the [data] section. The model keeps its family a
 function's form (GQA ratio and whether KV heads are split or replicated over tp, the head_dim rule, ties,
 biases, norms, RoPE scaling, the MoE routing and which layers are MoE) and shrinks its sizes: each is searched
 upward from a floor that keeps the structure, candidate by candidate through ModelConfig's own checks and
-meshlm's layout checks for the mapped layout (meshlm.parallel.strategies.validate_layout), whose rules are
+meshlm's layout checks for the mapped layout (meshlm.parallel.strategies.check_layout), whose rules are
 never copied here. With `model.init_from`, the replica starts from a sliced copy of the checkpoint's real
 weights (the first heads, rows, columns, experts and layers), written as an HF directory.
 """
@@ -34,7 +34,7 @@ from meshlm.model.hf import export_hf, hf_tensor_names
 from meshlm.model.llama import Transformer
 from meshlm.model.pretrained import TOKENIZER_FILES, HFWeights, init_tokenizer, is_hf_directory
 from meshlm.parallel.mesh import DIMS, Layout, parse_layout
-from meshlm.parallel.strategies import validate_layout
+from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.ties import unique_state_names
 from meshlm.train.trainer import check_config, resolve_auto_layout
 
@@ -196,10 +196,8 @@ def shrink_model(
     def accepts(fields: dict[str, int], seq_len: int = ROOMY) -> bool:
         try:
             candidate = model.replace(**(roomy | fields))
-            validate_layout(
-                mapped, candidate, int(train["global_batch"]), int(train["micro_batch"]), par.virtual_stages,
-                par.schedule, seq_len, par.sequence_parallel, par.cp_attention,
-            )  # fmt: skip
+            batch, micro = int(train["global_batch"]), int(train["micro_batch"])
+            check_layout(LayoutSpec(candidate, mapped, batch, micro, seq_len, par.options()))
         except ValueError as e:  # ModelConfig's checks and the layout's (LayoutError is one)
             refusal[0] = str(e)
             return False

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshlm.parallel.gradients import ShardedTensor, optimizer_state_keys, squared_norm_sum, unique_storage_bytes
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.placement import Placements
@@ -45,11 +46,13 @@ from meshlm.parallel.zero import (
     Unit,
     Zero3Hooks,
     all_gather_flat,
+    bucket_params,
     decays,
     direct_params,
     hybrid_shard_groups,
     nested_shard_groups,
     reduce_scatter_flat,
+    split_by_kind,
 )
 
 # ZeRO-2/3 wait for the oldest reduction beyond this many in flight, so freed gradient buffers bound memory.
@@ -93,71 +96,6 @@ class ReduceGroups:
         """This rank is the one replica whose (identical) reduced gradients and shards count in norms and
         checkpoints."""
         return self.replicate is None or dist.get_rank(self.replicate) == 0
-
-
-@dataclass
-class ShardedTensor:
-    """Elements [offset, offset + local.numel()) of the flattened tensor `name` of shape `global_shape`."""
-
-    name: str
-    global_shape: torch.Size
-    offset: int
-    local: torch.Tensor
-
-
-def bucket_params(params: list[nn.Parameter], bucket_bytes: float, placements: Placements) -> list[list[nn.Parameter]]:
-    """Buckets in reverse order of registration, which is roughly the order gradients become ready in backward,
-    so the first buckets fill (and start reducing) early; one kind (decay or not) per bucket. A weight both
-    ends of a pipeline hold (a tied embedding) is a bucket of its own, so both ends shard it alike."""
-    buckets: list[list[nn.Parameter]] = []
-    filling: dict[bool, list[nn.Parameter]] = {True: [], False: []}
-    size = {True: 0, False: 0}
-    for p in reversed(params):
-        if placements[p].pp_tied:
-            buckets.append([p])
-            continue
-        kind = decays(p)
-        filling[kind].append(p)
-        size[kind] += p.numel() * p.element_size()
-        if size[kind] >= bucket_bytes:
-            buckets.append(filling[kind])
-            filling[kind], size[kind] = [], 0
-    return buckets + [b for b in filling.values() if b]
-
-
-def split_by_kind(params: list[nn.Parameter], placements: Placements) -> list[list[nn.Parameter]]:
-    """Matrices, vectors, and each weight both ends of a pipeline hold alone (see bucket_params)."""
-    alone = [[p] for p in params if placements[p].pp_tied]
-    rest = [p for p in params if not placements[p].pp_tied]
-    return alone + [group for group in ([p for p in rest if decays(p)], [p for p in rest if not decays(p)]) if group]
-
-
-def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one flat buffer count once, padding included)."""
-    sizes = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.nbytes():
-            sizes[storage.data_ptr()] = storage.nbytes()
-    return sum(sizes.values())
-
-
-# The CPU kernel of `_foreach_norm` accumulates a tensor's squares in one fp32 running sum, whose relative error
-# grows with its length: 2e-5 on a 233k-element flat gradient buffer, 2e-8 on 4096-element pieces (measured).
-CPU_NORM_PIECE = 4096
-
-
-def squared_norm_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Σ‖t‖² in float64 on `device`, without a float64 copy of any tensor: one fused `_foreach_norm` gives each
-    tensor's norm in fp32, whose squares are summed in float64 (so a model of any size adds no error across
-    tensors). On the CPU each tensor is cut into CPU_NORM_PIECE-element views first, so that the fp32
-    accumulation stays as exact as the gradients themselves (CUDA's kernel reduces in a tree already)."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    tensors = [t if t.dtype == torch.float32 else t.float() for t in tensors]
-    tensors = [piece for t in tensors for piece in (t.reshape(-1).split(CPU_NORM_PIECE) if t.is_cpu else (t,))]
-    norms = torch._foreach_norm(tensors)
-    return torch.stack(norms).to(device=device, dtype=torch.float64).square().sum()
 
 
 class DataParallel:
@@ -578,8 +516,6 @@ class DataParallel:
         Tied parameters appear once, under their first name."""
         if replicas not in ("primary", "spread", "all"):
             raise ValueError(f"replicas must be 'primary', 'spread' or 'all', got {replicas!r}")
-        from meshlm.parallel.engine import optimizer_state_keys
-
         keys = ["model"] + (optimizer_state_keys(optimizer) if optimizer is not None else [])
         out: dict[str, list[ShardedTensor]] = {key: [] for key in keys}
         mine = []

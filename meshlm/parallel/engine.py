@@ -4,8 +4,12 @@ Composition: each parallelism is a strategy (meshlm.parallel.strategies) with on
 check the model against its plan, apply — and `ParallelModel` runs every strategy's check, then applies them in
 order (tensor parallel, the fused loss, context parallel, expert parallel, pipeline, data parallel / ZeRO), each
 driven by the model's ParallelPlan (meshlm.parallel.plan), never by its attribute names. None touches the model
-code. Every gradient is correct after `forward_backward` (or `backward`) returns, so clipping and the optimizer
-are layout-agnostic, and any torch.optim optimizer steps what `parameters()` returns.
+code. Each applied strategy returns its run-time hooks (meshlm.parallel.runtime: the batch split, the
+micro-batches, the gradient synchronisation, gathering the state), and the run-time methods below keep the loss
+contract and run those hooks in order, naming no parallelism. The gradients and optimizer tensors have one owner
+(`grads`, meshlm.parallel.gradients). Every gradient is correct after `forward_backward` (or `backward`)
+returns, so clipping and the optimizer are layout-agnostic, and any torch.optim optimizer steps what
+`parameters()` returns.
 
 A model built on the `meta` device goes through the module swaps and the pipeline split as meta tensors; then
 each rank allocates only what it keeps (its tp slice of its stage, under ZeRO-3 only its flat shard), directly
@@ -23,28 +27,18 @@ from torch import nn
 
 from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
 from meshlm.model.moe import set_aux_loss_scale
-from meshlm.parallel.data_parallel import ShardedTensor, squared_norm_sum
 from meshlm.parallel.fused_loss import HeadOutput, fused_cross_entropy_sum
+from meshlm.parallel.gradients import ShardedTensor
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.placement import Placements
 from meshlm.parallel.plan import ParallelPlan, PlanError, plan_for
 from meshlm.parallel.probe import MetaFailure, meta_forward, meta_tokens
+from meshlm.parallel.runtime import Applied
 from meshlm.parallel.strategies import Build, LayoutSpec, LossFn, apply_strategies, check_layout
 from meshlm.parallel.timers import comm
 from meshlm.ties import tied_aliases
-
-
-def optimizer_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
-    """The optimizer's per-element state (AdamW: exp_avg, exp_avg_sq; SGD: momentum_buffer): the tensors
-    shaped like their parameter, which are sharded with it. Scalars (step counts) are not."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if state:
-                return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape and v.ndim)
-    return []
 
 
 def mesh_device(mesh: Mesh) -> torch.device:
@@ -114,7 +108,6 @@ class ParallelModel:
         self.n_micro = n_micro
         self.ignore_index = ignore_index
         self._tokens_scale: torch.Tensor | None = None  # replicas / global kept tokens, set per step
-        self._batch_checked = False
         self.autocast_dtype = autocast_dtype
         self.plan = plan = plan or plan_for(model)
         layout = mesh.layout
@@ -148,9 +141,10 @@ class ParallelModel:
             ignore_index=ignore_index,
             placements=self.placements,
         )
-        self.strategies = apply_strategies(build)
-        self.chunks, self.token_loss = build.chunks, build.token_loss
-        self.pipeline, self.dp, self.tied = build.pipeline, build.dp, build.tied
+        self.applied: list[Applied] = apply_strategies(build)  # their run-time hooks, in composition order
+        self.chunks, self.token_loss, self.grads = build.chunks, build.token_loss, build.grads
+        self.replicas = mesh.size("data") * mesh.size("cp")  # ranks whose gradients are averaged: dp × ep × cp
+        self.pipeline, self.dp = build.pipeline, build.dp  # for inspection (tests, benchmarks): None when unused
         for chunk in self.chunks:  # MoE aux losses: each micro-batch's share, like the loss's / n_micro
             set_aux_loss_scale(chunk, 1.0 / n_micro)
 
@@ -164,11 +158,6 @@ class ParallelModel:
             with comm("all_reduce"):
                 dist.all_reduce(count, group=self.mesh.group("replicas"))
         return count
-
-    @property
-    def replicas(self) -> int:
-        """Ranks whose gradients data parallel averages: dp × ep × cp."""
-        return self.mesh.size("data") * self.mesh.size("cp")
 
     def _cross_entropy(self, output: object, targets: torch.Tensor) -> torch.Tensor:
         return token_cross_entropy(getattr(output, "logits", output), targets, self.ignore_index)
@@ -206,27 +195,15 @@ class ParallelModel:
         self._tokens_scale = self.replicas / self.count_tokens(targets).clamp(min=1)
 
     def _check_batch(self, inputs: torch.Tensor) -> None:
-        """The batch splits into the micro-batches; and, once, that each dp replica got rows of its own (the
-        same rows on every replica is a global batch passed where a local one belongs)."""
+        """The batch splits into the micro-batches, and every applied strategy takes it (data parallel: each
+        replica got rows of its own)."""
         if inputs.shape[0] % self.n_micro:
             raise PlanError(
                 f"forward_backward: {inputs.shape[0]} rows do not split into {self.n_micro} micro-batches; "
                 f"pass a multiple of {self.n_micro} rows (this replica's share of the global batch)"
             )
-        dp = self.mesh.size("data")  # dp × ep ranks get rows of their own
-        if self._batch_checked or dp == 1:
-            return
-        positions = torch.arange(1, inputs.numel() + 1, dtype=torch.float64, device=inputs.device)
-        fingerprint = (inputs.double().flatten() * positions).sum()  # order-sensitive: equal only for equal rows
-        seen = [torch.zeros_like(fingerprint) for _ in range(dp)]
-        with comm("all_gather"):
-            dist.all_gather(seen, fingerprint, group=self.mesh.group("data"))
-        if all(torch.equal(seen[0], f) for f in seen[1:]):
-            raise PlanError(
-                f"forward_backward: every one of the {dp} dp ranks got the same {inputs.shape[0]} rows; pass each "
-                "rank its own share of the global batch (model.local_batch(batch))"
-            )
-        self._batch_checked = True
+        for hooks in self.applied:
+            hooks.check_batch(inputs)
 
     # ---- helpers the strategies share -------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -235,9 +212,9 @@ class ParallelModel:
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
     def set_grad_sync(self, chunk: int, enabled: bool) -> None:
-        """Whether the next backward of `chunk` should reduce gradients across dp (last micro-batch only)."""
-        if self.dp is not None:
-            self.dp.set_grad_sync(chunk, enabled)
+        """Whether the next backward of `chunk` should reduce gradients across replicas (last micro-batch only)."""
+        for hooks in self.applied:
+            hooks.set_grad_sync(chunk, enabled)
 
     def train(self, mode: bool = True) -> None:
         for chunk in self.chunks:
@@ -255,16 +232,14 @@ class ParallelModel:
                 return self.forward_backward(inputs, targets)
             finally:
                 self.loss_fn = previous
-        if self.dp is not None:
-            self.dp.check_not_synced()
+        self._start_backward()
         self.train(True)
         self._check_batch(inputs)
         inputs, targets = self.seq_shard(inputs), self.seq_shard(targets)
         self._start_step(targets)
         micro_inputs, micro_targets = inputs.chunk(self.n_micro), targets.chunk(self.n_micro)
-        if self.pipeline is not None:
-            loss = self.pipeline.train_step(micro_inputs, micro_targets)
-        else:
+        loss = self._run_hooks(micro_inputs, micro_targets, train=True)
+        if loss is None:
             model = self.chunks[0]
             loss = torch.zeros((), device=inputs.device)
             for i, (x, y) in enumerate(zip(micro_inputs, micro_targets, strict=True)):
@@ -273,23 +248,28 @@ class ParallelModel:
                     micro_loss = self._scaled_loss(model(x), y)
                 micro_loss.backward()
                 loss += micro_loss.detach()
-        if self.dp is not None:
-            self.dp.finish_grad_sync()
-        self._sum_tied_grads()
+        self._end_backward(step=True)
         return self.replica_mean(loss)
 
-    def _sum_tied_grads(self) -> None:
-        """Under pp, sum the gradients of the weights both ends of the pipeline hold (pipeline.TiedStages)."""
-        if self.tied is None:
-            return
-        if self.dp is not None:
-            grads = self.dp.grad_shards_of(self.tied.params)
-        else:
-            for p in self.tied.params:
-                if p.grad is None:  # no gradient on this end this step: the other end's still counts
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in self.tied.params]
-        self.tied.all_reduce_grads(grads)
+    def _run_hooks(
+        self, micro_inputs: tuple[torch.Tensor, ...], micro_targets: tuple[torch.Tensor, ...], train: bool
+    ) -> torch.Tensor | None:
+        """This rank's loss from the first applied strategy that runs the micro-batches itself; None if none does."""
+        for hooks in self.applied:
+            loss = hooks.run_micro_batches(micro_inputs, micro_targets, train)
+            if loss is not None:
+                return loss
+        return None
+
+    def _start_backward(self) -> None:
+        for hooks in self.applied:
+            hooks.start_backward()
+
+    def _end_backward(self, step: bool) -> None:
+        """The applied strategies' gradient hooks, last applied first (data parallel reduces before anything
+        acts on the reduced gradients)."""
+        for hooks in reversed(self.applied):
+            hooks.end_backward(step)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -297,9 +277,8 @@ class ParallelModel:
         self.train(False)
         inputs, targets = self.seq_shard(inputs), self.seq_shard(targets)
         self._start_step(targets)
-        if self.pipeline is not None:
-            loss = self.pipeline.eval_step(inputs.chunk(self.n_micro), targets.chunk(self.n_micro))
-        else:
+        loss = self._run_hooks(inputs.chunk(self.n_micro), targets.chunk(self.n_micro), train=False)
+        if loss is None:
             with self.autocast():
                 loss = self._scaled_loss(self.chunks[0](inputs), targets)
         return self.replica_mean(loss)
@@ -309,8 +288,8 @@ class ParallelModel:
         under pp). Each holds its kept-token loss sum × replicas / the global kept tokens (`loss_fn`), so
         their mean is the global-batch token mean."""
         loss = loss.detach().float().clone()
-        if self.pipeline is not None:
-            self.pipeline.broadcast_from_last_stage(loss)
+        for hooks in self.applied:
+            hooks.share_loss(loss)
         if self.replicas > 1:
             with comm("all_reduce"):
                 dist.all_reduce(loss, group=self.mesh.group("replicas"))
@@ -320,18 +299,16 @@ class ParallelModel:
     # ---- a loop of one's own: forward, backward, no_sync, step ------------------------------------------
     def __call__(self, *args: object, **kwargs: object) -> object:
         """The model's forward on this rank (not under pipeline parallelism: use `forward_backward`)."""
-        if self.pipeline is not None:
-            raise RuntimeError("under pipeline parallelism call forward_backward(inputs, targets, loss_fn)")
+        for hooks in self.applied:
+            hooks.check_direct_call()
         with self.autocast():
             return self.chunks[0](*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), then (outside `no_sync`) wait for the overlapped gradient reduction to finish."""
-        if self.dp is not None:
-            self.dp.check_not_synced()
+        self._start_backward()
         loss.backward()
-        if self.dp is not None and all(self.dp.grad_sync):
-            self.dp.finish_grad_sync()
+        self._end_backward(step=False)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -355,21 +332,17 @@ class ParallelModel:
     def seq_shard(self, batch: torch.Tensor) -> torch.Tensor:
         """This cp rank's load-balanced chunks of every row (meshlm.parallel.context_parallel), which
         `forward_backward` and `eval_loss` take themselves; without context parallel the rows unchanged."""
-        if self.mesh.size("cp") == 1:
-            return batch
-        from meshlm.parallel.context_parallel import shard_sequence
-
-        return shard_sequence(batch, self.mesh.size("cp"), self.mesh.rank("cp"))
+        for hooks in self.applied:
+            batch = hooks.shard_sequence(batch)
+        return batch
 
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
         """This data-parallel replica's rows of a global batch (dp × ep ranks each get their own; the same on
         every tp / pp / cp rank: a loop of one's own calling the model directly under cp passes it `seq_shard`
         of them)."""
-        dp, rank = self.mesh.size("data"), self.mesh.rank("data")
-        if batch.shape[0] % dp:
-            raise ValueError(f"global batch of {batch.shape[0]} rows does not split over dp={dp}")
-        rows = batch.shape[0] // dp
-        return batch[rank * rows : (rank + 1) * rows]
+        for hooks in self.applied:
+            batch = hooks.local_rows(batch)
+        return batch
 
     # ---- optimizer interface ------------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -385,56 +358,33 @@ class ParallelModel:
     def named_optimizer_tensors(self) -> list[tuple[str, nn.Parameter]]:
         """(parameter name, tensor) for each tensor `parameters()` gives the optimizer; under ZeRO the pieces
         of this rank's master shards, each under the name of the parameter it is a piece of."""
-        if self.dp is not None:
-            return [(self.tied_aliases.get(name, name), t) for name, t in self.dp.named_steps()]
-        return [(name, p) for name, p in self.named_parameters() if p.requires_grad]
+        return [(self.tied_aliases.get(name, name), t) for name, t in self.grads.named_steps()]
 
     def optimizer_param_groups(self, weight_decay: float) -> list[dict]:
         """Matrices decay, vectors (norm weights, biases) do not; under ZeRO the groups hold flat shards."""
-        if self.dp is not None:
-            return self.dp.optimizer_param_groups(weight_decay)
-        params = [p for _, p in self.named_parameters() if p.requires_grad]
-        return [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]
+        return self.grads.optimizer_param_groups(weight_decay)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the true global norm: every gradient element counted once over the whole world.
         Stays on the device, no host sync: a non-finite norm leaves the gradients unscaled (coefficient 1)."""
-        skip = self._not_counted
-
         device = next(self.chunks[0].parameters()).device
-        if self.dp is not None:
-            sq = self.dp.grad_sq_sum(skip=skip).to(device)
-        else:
-            grads = [p.grad.detach() for _, p in self.named_parameters() if p.grad is not None and not skip(p)]
-            sq = squared_norm_sum(grads, device)
+        sq = self.grads.grad_sq_sum(skip=self._not_counted).to(device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             with comm("all_reduce"):
                 dist.all_reduce(sq)
         norm = sq.sqrt().float()
         if max_norm > 0:
             coef = torch.where(norm.isfinite(), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
-            if self.dp is not None:
-                self.dp.scale_grads_(coef)
-            else:
-                grads = [p.grad.detach() for _, p in self.named_parameters() if p.grad is not None]
-                if grads:
-                    torch._foreach_mul_(grads, coef.to(grads[0].device))
+            self.grads.scale_grads_(coef)
         return norm
 
     def after_optimizer_step(self) -> None:
-        if self.dp is not None:
-            self.dp.after_optimizer_step()
+        """What the gradients' owner does after the optimizer stepped (ZeRO-1/2: all-gather the new weights)."""
+        self.grads.after_optimizer_step()
 
     def zero_grad(self) -> None:
-        if self.dp is not None:
-            self.dp.zero_grad()
-        else:
-            for _, p in self.named_parameters():
-                p.grad = None
+        self.grads.zero_grad()
 
     # ---- state for checkpoints ----------------------------------------------------------------------
     def local_shards(
@@ -449,27 +399,15 @@ class ParallelModel:
         state and are left out; `frozen` (to load a base into, not to save) gives them too, whole, as held."""
         if frozen and writer:
             raise ValueError("frozen parameters are loaded, never saved, from here")
-        if self.dp is not None:
-            out = self.dp.sharded_state_dict(optimizer, replicas="spread" if writer else "all")
-            aliases = self.tied_aliases
-            out = {
-                key: [ShardedTensor(aliases.get(s.name, s.name), s.global_shape, s.offset, s.local) for s in pieces]
-                for key, pieces in out.items()
-            }
-        else:
-            keys = ["model"] + (optimizer_state_keys(optimizer) if optimizer is not None else [])
-            out = {key: [] for key in keys}
-            for name, p in self.named_parameters():
-                if not p.requires_grad:
-                    continue
-                out["model"].append(ShardedTensor(name, p.shape, 0, p.detach().view(-1)))
-                for key in keys[1:]:
-                    out[key].append(ShardedTensor(name, p.shape, 0, optimizer.state[p][key].view(-1)))
-        if frozen:
-            seen = set()
-            if self.dp is not None:  # ZeRO-3 shards frozen parameters too: their pieces are the masters'
-                out["model"] += self.dp.frozen_shards()
-                seen = {id(p) for buf in self.dp.frozen_buffers for p in buf.params}
+        out = self.grads.sharded_state_dict(optimizer, replicas="spread" if writer else "all")
+        aliases = self.tied_aliases
+        out = {
+            key: [ShardedTensor(aliases.get(s.name, s.name), s.global_shape, s.offset, s.local) for s in pieces]
+            for key, pieces in out.items()
+        }
+        if frozen:  # ZeRO-3 shards frozen parameters too: their pieces are the masters'
+            out["model"] += self.grads.frozen_shards()
+            seen = {id(p) for buf in self.grads.frozen_buffers for p in buf.params}
             for name, p in self.named_parameters():
                 if not p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
@@ -492,12 +430,7 @@ class ParallelModel:
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded fp32 weights under the model's names, on every rank (tests, export, generation)."""
-        if self.dp is not None:
-            state = self.dp.unsharded_state_dict()
-        else:
-            state = {}
-            for chunk in self.chunks:
-                state.update({k: v.detach().float().cpu().clone() for k, v in chunk.state_dict().items()})
-        for strategy in self.strategies:  # each gathers what it split over its mesh dimension, in order
-            state = strategy.gather_state(state, self)
+        state = self.grads.unsharded_state_dict()
+        for hooks in self.applied:  # each gathers what it split over its mesh dimension, in order
+            state = hooks.gather_state(state, self)
         return state

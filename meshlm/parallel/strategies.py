@@ -6,14 +6,15 @@ A strategy owns one mesh dimension and three steps, each a call into its own mod
                                        torch: one-line LayoutErrors.
   check(model, plan, layout, options)  the model in hand against its plan, before anything changes: a one-line
                                        PlanError naming the module.
-  apply(build)                         transforms this rank's model in place (`build.model`, `build.chunks`)
-                                       and records every parameter it cuts or ties in `build.placements`
+  apply(build) -> Applied              transforms this rank's model in place (`build.model`, `build.chunks`),
+                                       records every parameter it cuts or ties in `build.placements`
                                        (meshlm.parallel.placement: its slice along which dim, which runs of the
-                                       full tensor; nothing is stored on a tensor).
-  gather_state(state, model)           run time: this rank's full-precision state dict -> gathered over its
-                                       dimension (ParallelModel.full_state_dict runs the applied strategies'
-                                       in order). Which rank counts a gradient-norm term or writes a
-                                       replicated tensor is recorded by `apply` in the placement table.
+                                       full tensor; nothing is stored on a tensor), and returns its run-time
+                                       hooks (meshlm.parallel.runtime: the batch split, the micro-batches, the
+                                       gradient synchronisation, gathering the state), which ParallelModel
+                                       runs for every applied strategy in order. Which rank counts a
+                                       gradient-norm term or writes a replicated tensor is recorded by `apply`
+                                       in the placement table.
 
 `check_layout(spec, model, plan)` below is the one entry point to both: sizes only (no model, no torch) for the
 run config's validation (meshlm.train.trainer.check_config) and the planner's search (meshlm.plan.search), so
@@ -24,7 +25,8 @@ STRATEGIES lists them in composition order: tensor parallel swaps the modules it
 the fused loss (not a mesh dimension, but a transform of the head that must see tp's) fuses the head with the
 cross-entropy; context parallel swaps the attention cores; expert parallel keeps this rank's experts; pipeline
 parallel keeps this rank's stages; data parallel / ZeRO lays out what is left (materialising a meta-built
-model's shard on the device) and owns gradient reduction. A new strategy is one class here and one module.
+model's shard on the device) and owns gradient reduction: it sets `build.grads`, the one owner of the gradients
+and optimizer tensors (meshlm.parallel.gradients). A new strategy is one class here and one module.
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ if TYPE_CHECKING:
 
     from meshlm.parallel.data_parallel import DataParallel
     from meshlm.parallel.engine import ParallelModel
+    from meshlm.parallel.gradients import LocalGradients
     from meshlm.parallel.materialize import MetaInit
     from meshlm.parallel.mesh import Mesh
     from meshlm.parallel.pipeline import PipelineSchedule, TiedStages
     from meshlm.parallel.placement import Placements
     from meshlm.parallel.plan import ParallelPlan
+    from meshlm.parallel.runtime import Applied
 
 LossFn = Callable[[object, "torch.Tensor"], "torch.Tensor"]
 
@@ -110,7 +114,8 @@ class Build:
     placements: Placements = field(default_factory=_placements)  # where each parameter lives (readers' table)
     chunks: list[nn.Module] = field(default_factory=list)
     pipeline: PipelineSchedule | None = None
-    dp: DataParallel | None = None
+    dp: DataParallel | None = None  # data parallel / ZeRO's, where replicas reduce or ZeRO shards
+    grads: DataParallel | LocalGradients | None = None  # the gradients' owner: `dp`, else the local parameters'
     tied: TiedStages | None = None
 
 
@@ -123,21 +128,7 @@ class Strategy(Protocol):
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None: ...
 
-    def apply(self, build: Build) -> None: ...
-
-    def gather_state(self, state: dict[str, torch.Tensor], model: ParallelModel) -> dict[str, torch.Tensor]: ...
-
-
-def _held_params(model: ParallelModel) -> dict[str, nn.Parameter]:
-    """Every name under which this rank's chunks hold a parameter (tied aliases included)."""
-    return {n: p for chunk in model.chunks for n, p in chunk.named_parameters(remove_duplicate=False)}
-
-
-class _Unsplit:
-    """The run-time hooks of a strategy that leaves every tensor whole on its ranks."""
-
-    def gather_state(self, state: dict[str, torch.Tensor], model: ParallelModel) -> dict[str, torch.Tensor]:
-        return state
+    def apply(self, build: Build) -> Applied: ...
 
 
 class TensorParallel:
@@ -157,7 +148,8 @@ class TensorParallel:
 
         check_tp_plan(model, plan, layout.tp, options.sequence_parallel)
 
-    def apply(self, build: Build) -> None:
+    def apply(self, build: Build) -> Applied:
+        from meshlm.parallel.runtime import TensorParallelHooks
         from meshlm.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 
         tp = apply_tensor_parallel(
@@ -174,14 +166,10 @@ class TensorParallel:
                 return vocab_parallel_cross_entropy(logits, targets, tp.group, ignore_index)
 
             build.token_loss = tp_loss
-
-    def gather_state(self, state: dict[str, torch.Tensor], model: ParallelModel) -> dict[str, torch.Tensor]:
-        from meshlm.parallel.tensor_parallel import unshard_state_dict
-
-        return unshard_state_dict(state, _held_params(model), model.placements, model.mesh.group("tp"))
+        return TensorParallelHooks()
 
 
-class FusedLoss(_Unsplit):
+class FusedLoss:
     """meshlm.parallel.fused_loss: the vocabulary head and meshlm's cross-entropy computed together, chunk by
     chunk (vocabulary-parallel after tensor parallel). Only for meshlm's own loss on logits it never returns.
     Under ZeRO-3 the head's unit stays gathered until the fused loss has run (docs/zero.md)."""
@@ -197,14 +185,16 @@ class FusedLoss(_Unsplit):
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
         pass
 
-    def apply(self, build: Build) -> None:
+    def apply(self, build: Build) -> Applied:
         from meshlm.parallel.fused_loss import apply_fused_loss
+        from meshlm.parallel.runtime import Applied
 
         if build.fused_loss and build.loss_fn is None and not build.gather_logits:
             apply_fused_loss(build.model, build.plan)
+        return Applied()
 
 
-class ContextParallel(_Unsplit):
+class ContextParallel:
     """meshlm.parallel.context_parallel: each rank holds part of every sequence; ring or Ulysses attention."""
 
     dim = "cp"
@@ -224,10 +214,12 @@ class ContextParallel(_Unsplit):
 
         check_cp_plan(model, plan)
 
-    def apply(self, build: Build) -> None:
+    def apply(self, build: Build) -> Applied:
         from meshlm.parallel.context_parallel import apply_context_parallel
+        from meshlm.parallel.runtime import ContextParallelHooks
 
         apply_context_parallel(build.model, build.plan, build.mesh.group("cp"), build.options.cp_attention)
+        return ContextParallelHooks(build.mesh)
 
 
 class ExpertParallel:
@@ -247,15 +239,12 @@ class ExpertParallel:
 
         check_ep_model(model, layout, options)
 
-    def apply(self, build: Build) -> None:
+    def apply(self, build: Build) -> Applied:
         from meshlm.parallel.expert_parallel import apply_expert_parallel
+        from meshlm.parallel.runtime import ExpertParallelHooks
 
         apply_expert_parallel(build.model, build.mesh.group("ep"), build.placements)
-
-    def gather_state(self, state: dict[str, torch.Tensor], model: ParallelModel) -> dict[str, torch.Tensor]:
-        from meshlm.parallel.expert_parallel import unshard_experts
-
-        return unshard_experts(state, _held_params(model), model.placements, model.mesh.group("ep"))
+        return ExpertParallelHooks()
 
 
 class PipelineParallel:
@@ -279,8 +268,9 @@ class PipelineParallel:
         hidden_size(model, plan.pipeline)
         check_stage_forwards(model, plan, layout.pp * options.virtual_stages)
 
-    def apply(self, build: Build) -> None:
+    def apply(self, build: Build) -> Applied:
         from meshlm.parallel.pipeline import PipelineSchedule, TiedStages, hidden_size, split_model
+        from meshlm.parallel.runtime import PipelineHooks
 
         mesh, options, engine = build.mesh, build.options, build.engine
         layout = mesh.layout
@@ -307,17 +297,10 @@ class PipelineParallel:
         if build.tied is not None and build.tied.replica:  # the first stage counts and writes a tied weight
             for p in build.tied.params:
                 build.placements.record(p, counted=False)
-
-    def gather_state(self, state: dict[str, torch.Tensor], model: ParallelModel) -> dict[str, torch.Tensor]:
-        """Every stage's tensors, on every rank of the pipeline."""
-        import torch.distributed as dist
-
-        parts: list[dict[str, torch.Tensor] | None] = [None] * model.mesh.size("pp")
-        dist.all_gather_object(parts, state, group=model.mesh.group("pp"))
-        return {k: v for part in parts for k, v in part.items()}
+        return PipelineHooks(build.pipeline, build.tied, build)
 
 
-class DataParallelism(_Unsplit):
+class DataParallelism:
     """meshlm.parallel.data_parallel: replicas average their gradients (overlapped, bucketed); ZeRO 1-3 shards
     optimizer state, gradients and weights. Always applied: at one replica without ZeRO it only materialises a
     meta-built model on the device."""
@@ -336,10 +319,12 @@ class DataParallelism(_Unsplit):
         if options.zero == 3:
             check_zero3_units(model, plan)
 
-    def apply(self, build: Build) -> None:
+    def apply(self, build: Build) -> Applied:
         import torch
 
         from meshlm.parallel.data_parallel import DataParallel, replica_group, zero_param_dtype
+        from meshlm.parallel.gradients import LocalGradients
+        from meshlm.parallel.runtime import DataParallelHooks
 
         mesh, options = build.mesh, build.options
         replicas = mesh.size("data") * mesh.size("cp")
@@ -362,6 +347,8 @@ class DataParallelism(_Unsplit):
             )
         if build.meta_init is not None:
             build.meta_init.check_done()
+        build.grads = build.dp or LocalGradients(build.chunks)
+        return DataParallelHooks(build.grads, mesh)
 
 
 STRATEGIES: tuple[Strategy, ...] = (
@@ -393,14 +380,10 @@ def check_layout(spec: LayoutSpec, model: nn.Module | None = None, plan: Paralle
     return spec.n_micro
 
 
-def apply_strategies(build: Build) -> list[Strategy]:
-    """Every enabled strategy's transform, in composition order; the strategies applied (whose run-time hooks
-    the engine runs)."""
+def apply_strategies(build: Build) -> list[Applied]:
+    """Every enabled strategy's transform, in composition order; their run-time hooks, in the same order."""
     build.chunks = [build.model]
-    applied = [s for s in STRATEGIES if s.enabled(build.mesh.layout, build.options)]
-    for strategy in applied:
-        strategy.apply(build)
-    return applied
+    return [s.apply(build) for s in STRATEGIES if s.enabled(build.mesh.layout, build.options)]
 
 
 __all__ = [

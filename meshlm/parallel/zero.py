@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.parallel.fused_loss import HeadOutput
+from meshlm.parallel.placement import Placements
 from meshlm.parallel.timers import timed_wait
 
 # torch 2.13 renamed the flat collectives; fall back to the older names (same semantics) on earlier versions.
@@ -426,3 +427,30 @@ class Zero3Hooks:
         following = self._neighbour(self.own[module], +1)
         if following is not None and following.in_backward and following.trainable < len(following.buffers):
             following.end_backward()  # its backward fed this gradient: done, frozen weights included
+
+
+def bucket_params(params: list[nn.Parameter], bucket_bytes: float, placements: Placements) -> list[list[nn.Parameter]]:
+    """Buckets in reverse order of registration, which is roughly the order gradients become ready in backward,
+    so the first buckets fill (and start reducing) early; one kind (decay or not) per bucket. A weight both
+    ends of a pipeline hold (a tied embedding) is a bucket of its own, so both ends shard it alike."""
+    buckets: list[list[nn.Parameter]] = []
+    filling: dict[bool, list[nn.Parameter]] = {True: [], False: []}
+    size = {True: 0, False: 0}
+    for p in reversed(params):
+        if placements[p].pp_tied:
+            buckets.append([p])
+            continue
+        kind = decays(p)
+        filling[kind].append(p)
+        size[kind] += p.numel() * p.element_size()
+        if size[kind] >= bucket_bytes:
+            buckets.append(filling[kind])
+            filling[kind], size[kind] = [], 0
+    return buckets + [b for b in filling.values() if b]
+
+
+def split_by_kind(params: list[nn.Parameter], placements: Placements) -> list[list[nn.Parameter]]:
+    """Matrices, vectors, and each weight both ends of a pipeline hold alone (see bucket_params)."""
+    alone = [[p] for p in params if placements[p].pp_tied]
+    rest = [p for p in params if not placements[p].pp_tied]
+    return alone + [group for group in ([p for p in rest if decays(p)], [p for p in rest if not decays(p)]) if group]

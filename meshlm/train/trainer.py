@@ -2,16 +2,16 @@
 
 `fit(cfg, model=..., loss_fn=..., data=..., optimizer=..., callbacks=...)` checks the layout, joins the
 process group and runs a `Trainer` over the user's pieces or meshlm's built-in ones (meshlm.train.parts);
-`train(cfg)` is `fit` with every built-in, what `meshlm train` runs. The Trainer's methods each own one
-concern: set-up, resume and rollback (sharded checkpoints, any layout), one step, what follows a step
-(logging, fault guards, evaluation, callbacks) and saves. It drives the model only through the public
-ParallelModel calls a custom loop uses too (forward_backward, clip_grad_norm_, step).
+`train(cfg)` is `fit` with every built-in, what `meshlm train` runs. `Trainer.__init__` runs the build steps
+(meshlm.train.startup: batches, model, parallel model, optimizer, checkpoints, run files, observers); its other
+methods each own one concern: resume and rollback (sharded checkpoints, any layout), one step, what follows a
+step (logging, fault guards, evaluation: meshlm.train.evaluation, callbacks) and saves. It drives the model
+only through the public ParallelModel calls a custom loop uses too (forward_backward, clip_grad_norm_, step).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,47 +31,40 @@ from meshlm.checkpoint import (
     training_entries,
     verify_checkpoint,
 )
-from meshlm.checkpoint.store import RunDirInUse, RunLock, StorageError, atomic_write, run_dir_problem, storage_cause
-from meshlm.config import Config, ConfigError, to_toml
-from meshlm.data import SFTData, TokenData, prepare_data_shared
-from meshlm.data.dataset import check_tokenizer, document_separator
+from meshlm.checkpoint.store import RunLock
+from meshlm.config import Config, ConfigError
+from meshlm.data import TokenData
 from meshlm.faults import fault_point
-from meshlm.lora import (
-    apply_lora,
-    cast_frozen_linears,
-    freeze,
-    freeze_patterns_match,
-    load_adapter,
-    lora_targets,
-    read_peft_config,
-)
-from meshlm.model import Transformer, flops_per_token
-from meshlm.model.llama import set_recompute
 from meshlm.model.moe import moe_losses
-from meshlm.model.pretrained import HFWeights, init_tokenizer, is_hf_directory, keep_tokenizer
+from meshlm.model.pretrained import init_tokenizer
 from meshlm.observe import StepObserver, aggregate
 from meshlm.observe.env import environment
 from meshlm.observe.metrics import MetricsLogger, TrainProgress, trackers
 from meshlm.observe.profile import StepProfiler
 from meshlm.parallel.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
-from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.fp8 import apply_fp8, check_fp8_device
-from meshlm.parallel.mesh import Layout, build_mesh, parse_layout
-from meshlm.parallel.plan import ParallelPlan, plan_for
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.fp8 import check_fp8_device
+from meshlm.parallel.mesh import Layout, build_mesh
 from meshlm.train import signals
-from meshlm.train.compile import compile_blocks
-from meshlm.train.guards import (
-    DeviceStepGuard,
-    Preemption,
-    StepGuard,
-    TrainingFault,
-    Watchdog,
-    check_replicas_in_sync,
+from meshlm.train.evaluation import evaluate, evaluate_batches
+from meshlm.train.guards import Preemption, StepGuard, TrainingFault, Watchdog, check_replicas_in_sync
+from meshlm.train.optim import device_train_step, lr_at, train_step
+from meshlm.train.parts import BatchSource, Callback, TrainParts
+from meshlm.train.startup import (
+    LORA_KEYS,
+    build_model,
+    build_run_optimizer,
+    check_config,
+    check_user_layout,
+    flat_config,
+    open_batches,
+    open_init_from,
+    parallelize,
+    resolve_auto_layout,
+    resolve_sync,
+    take_run_lock,
+    with_absolute_cache,
+    write_run_files,
 )
-from meshlm.train.optim import build_optimizer, device_train_step, lr_at, skips_on_device, train_step
-from meshlm.train.parts import Batch, BatchSource, Callback, TrainParts
-from meshlm.train.prefetch import Prefetcher
 
 __all__ = ["BatchSource", "Callback", "TrainParts", "TrainResult", "Trainer", "fit", "train"]
 
@@ -86,115 +79,6 @@ class TrainResult:
     skipped_steps: list[int] = field(default_factory=list)
     rollbacks: list[int] = field(default_factory=list)  # steps after which weights were rolled back
     preempted: bool = False
-
-
-def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
-    """Every layout check that needs no process group: fails fast, before data or model work."""
-    layout = parse_layout(cfg.parallel.layout, world_size)
-    train = cfg.train
-    spec = LayoutSpec(
-        cfg.model.build(), layout, train.global_batch, train.micro_batch, cfg.data.seq_len, cfg.parallel.options()
-    )
-    n_micro = check_layout(spec)  # sizes only: ParallelModel checks the model against its plan
-    if cfg.train.freeze or cfg.lora.rank:
-        with torch.device("meta"):
-            check_adaptation(Transformer(cfg.model.build()), cfg)
-    return layout, n_micro
-
-
-def check_adaptation(model: nn.Module, cfg: Config, plan: ParallelPlan | None = None) -> None:
-    """train.freeze patterns, lora.targets and lora.init_from checked against the model (meta is enough)."""
-    if cfg.train.freeze:
-        freeze_patterns_match(model, cfg.train.freeze)
-    if cfg.lora.rank:
-        lora = cfg.lora
-        lora_targets(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, plan)
-        if lora.init_from:
-            read_peft_config(lora.init_from)
-
-
-def check_user_layout(cfg: Config, world_size: int, model: nn.Module, parts: TrainParts) -> tuple[Layout, int]:
-    """The same fail-fast checks for a model of the user's: the batch, the schedule and the pipeline chunks of
-    its plan's layers (sizes only: ParallelModel checks the model against its plan)."""
-    if cfg.parallel.layout == "auto":
-        raise ConfigError("parallel.layout = 'auto' plans meshlm's own model shapes; give a layout for your model")
-    layout = parse_layout(cfg.parallel.layout, world_size)
-    plan = parts.plan or plan_for(model)
-    check_adaptation(model, cfg, plan)
-    n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
-    spec = LayoutSpec(None, layout, cfg.train.global_batch, cfg.train.micro_batch, 0, cfg.parallel.options(), n_layers)
-    return layout, check_layout(spec)
-
-
-def resolve_auto_layout(cfg: Config, world_size: int) -> Config:
-    """`--parallel.layout auto`: the planner's fastest layout for this model, batch and world size."""
-    if cfg.parallel.layout != "auto":
-        return cfg
-    from meshlm.plan import plan_for_config
-
-    choice = plan_for_config(cfg, world_size)
-    data = cfg.model_dump()
-    data["train"]["recompute_layers"] = 0  # the planner's choice, named in the overrides only when > 0
-    for key, value in choice.overrides().items():
-        section, name = key.split(".")
-        data[section][name] = value
-    return Config.model_validate(data)
-
-
-def open_init_from(init_from: str, vocab_size: int) -> HFWeights | None:
-    """`model.init_from`'s HF weights (None for a meshlm checkpoint, which the trainer loads through its
-    checkpointer) and tokenizer, checked (names, shapes, every listed shard present; the tokenizer loads, fits
-    the vocabulary and has a document separator) on every rank before any work starts; a problem is one
-    ConfigError or DataError line naming the file."""
-    weights = None
-    if is_hf_directory(init_from):
-        try:
-            weights = HFWeights(init_from)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"model.init_from: {e}") from None
-    tokenizer_file = init_tokenizer(init_from)
-    if tokenizer_file is not None:
-        document_separator(tokenizer_file, check_tokenizer(tokenizer_file, vocab_size))
-    return weights
-
-
-def evaluate(model: ParallelModel, data: TokenData | SFTData, cfg: Config, dp_rank: int, dp: int) -> float:
-    """Mean loss over a fixed set of validation batches (the same windows every time)."""
-    device = model_device(model)
-    losses = [
-        model.eval_loss(x.to(device), y.to(device)).item()
-        for x, y in data.eval_batches(cfg.data.seq_len, cfg.train.global_batch, cfg.train.eval_batches, dp_rank, dp)
-    ]
-    return sum(losses) / len(losses)
-
-
-def evaluate_batches(model: ParallelModel, batches: Iterable[Batch]) -> float:
-    """Mean loss over user-given global validation batches (this replica's rows of each)."""
-    device = model_device(model)
-    losses = [
-        model.eval_loss(model.local_batch(x).to(device), model.local_batch(y).to(device)).item() for x, y in batches
-    ]
-    if not losses:
-        raise ValueError("eval_data yielded no batches")
-    return sum(losses) / len(losses)
-
-
-def model_device(model: ParallelModel) -> torch.device:
-    return next(model.chunks[0].parameters()).device
-
-
-LORA_KEYS = (".lora_A", ".lora_B")
-
-
-def adapt_model(model: nn.Module, cfg: Config, plan: ParallelPlan | None = None) -> None:
-    """train.freeze and the [lora] section, applied to the plain model before it is parallelized."""
-    if cfg.train.freeze:
-        freeze(model, cfg.train.freeze)
-    if cfg.lora.rank:
-        lora = cfg.lora
-        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, plan, seed=cfg.train.seed)
-        if lora.init_from:
-            load_adapter(model, lora.init_from)
 
 
 def train(cfg: Config) -> TrainResult:
@@ -252,23 +136,6 @@ def _fit(cfg: Config, parts: TrainParts) -> TrainResult:
             dist.destroy_process_group()
 
 
-def take_run_lock(lock: RunLock) -> None:
-    """Rank 0 takes the run directory's lock (one job per run directory) and tells the others: a directory in
-    use stops every rank with rank 0's line."""
-    verdict: list[Exception | None] = [None]
-    if dist.get_rank() == 0:
-        try:
-            if taken_over := lock.acquire():
-                print(taken_over, flush=True)
-        except RunDirInUse as e:
-            verdict = [e]
-        except OSError as e:  # a file where the directory should be, a read-only mount
-            verdict = [StorageError(run_dir_problem(lock.path.parent, e))]
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise verdict[0]
-
-
 # The sampler's state that fixes the batch stream, and the config field each comes from
 _STREAM_FIELDS = {"global_batch": "train.global_batch", "seed": "train.seed", "seq_len": "data.seq_len"}
 
@@ -285,23 +152,6 @@ def _data_mismatch(saved: dict, current: dict) -> str | None:
             f"data.max_chars, data.val_fraction or the tokenizer changed): resume with the run's own config.toml"
         )
     return None
-
-
-def with_absolute_cache(cfg: Config) -> Config:
-    """`cfg` with data.cache_dir made absolute (against this process's working directory)."""
-    cache = str(Path(cfg.data.cache_dir).expanduser().resolve())
-    return (
-        cfg
-        if cache == cfg.data.cache_dir
-        else cfg.model_copy(update={"data": cfg.data.model_copy(update={"cache_dir": cache})})
-    )
-
-
-def flat_config(cfg: Config) -> dict:
-    """{'train.lr': 0.003, ...}: the config as an experiment tracker's parameters."""
-    return {
-        f"{section}.{name}": value for section, fields in cfg.model_dump().items() for name, value in fields.items()
-    }
 
 
 def _differing_field(saved: dict, current: dict) -> str:
@@ -322,6 +172,8 @@ class Trainer:
         parts: TrainParts | None = None,
         model: nn.Module | None = None,
     ) -> None:
+        """The run's build steps (meshlm.train.startup), in order: batches, model, parallel model, optimizer,
+        checkpoints (fine-tuned or resumed from), run files, observers and guards."""
         cfg = with_absolute_cache(cfg)  # saved in config.toml: `meshlm eval/generate RUN` from anywhere reuses it
         self.cfg, self.layout, self.device, self.watchdog = cfg, layout, device, watchdog
         self.parts = parts = parts or TrainParts()
@@ -329,90 +181,56 @@ class Trainer:
         self.rank = dist.get_rank()
         self.run_dir = Path(cfg.log.run_dir)
         self.say = print if self.rank == 0 else (lambda *_, **__: None)
-
         init_from = cfg.model.init_from if model is None else None  # fine-tuning meshlm's own model
         init_source = open_init_from(init_from, cfg.model.build().vocab_size) if init_from else None
         given_tokenizer = init_tokenizer(cfg.model.init_from)  # None: trained from the corpus
-        self.data = None
-        source = parts.batch_source()
-        if source is None:
-            watchdog.disarm()  # tokenizing the corpus is bounded by the barrier's own timeout
-            self.say(f"data: {cfg.data.source} (token cache {cfg.data.cache_dir}; tokenized once, then reused)",
-                     flush=True)  # fmt: skip
-            self.data = prepare_data_shared(cfg.data, cfg.model.build().vocab_size, given_tokenizer)
-            watchdog.arm()
-            source = self.data.sampler(cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed)
-        self.sampler: BatchSource = Prefetcher(source, cfg.train.steps, pin=device.type == "cuda")
-
-        if model is None:
-            model_cfg = cfg.model.build()
-            torch.manual_seed(cfg.train.seed)
-            with torch.device("meta"):  # ParallelModel materialises only this rank's shard, seeded per element
-                model = Transformer(model_cfg, init_seed=cfg.train.seed)
-            model.init_source = init_source  # model.init_from: each rank reads its shard from the checkpoint
-            set_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
-            self.model_identity = model_cfg.to_dict()
-            flops_per_tok = flops_per_token(model_cfg, cfg.data.seq_len)
-            if cfg.lora.rank:  # MFU of what a LoRA step computes: no weight gradients of the frozen base
-                from meshlm.plan.step_time import lora_flops_per_token
-
-                flops_per_tok = lora_flops_per_token(model_cfg, cfg.data.seq_len, cfg.lora.rank)
-        else:
-            n_params = sum(p.numel() for p in model.parameters())
-            self.model_identity = {"class": type(model).__qualname__, "parameters": n_params}
-            flops_per_tok = 6.0 * n_params  # forward + backward matmuls; attention scores not counted
-        autocast = autocast_dtype(cfg.train.dtype, device)
-        adapt_model(model, cfg, parts.plan)
-        if autocast == torch.bfloat16:  # frozen Linear weights are cast at every use anyway: keep them in bf16
-            cast_frozen_linears(model, torch.bfloat16)
+        self.data, self.sampler = open_batches(cfg, parts, device, watchdog, given_tokenizer, self.say)
+        model, self.model_identity, flops_per_tok = build_model(cfg, parts, device, model, init_source)
         # the whole model's counts, before ParallelModel keeps this rank's shard (pp stage, tp slice, ZeRO-3)
         self.param_counts = (sum(p.numel() for p in model.parameters()),
                              sum(p.numel() for p in model.parameters() if p.requires_grad))  # fmt: skip
         self.compiled = cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda")
-        if not any(p.is_meta for p in model.parameters()):  # a meta model is materialised on the mesh's device
-            model.to(device)
         self.mesh = build_mesh(layout, device.type)
-        self.model = ParallelModel(
-            model, self.mesh, cfg.parallel.options(), n_micro, autocast, parts.plan, parts.loss_fn, parts.gather_logits,
-            cfg.train.ignore_index, cfg.train.fused_loss,
-        )  # fmt: skip
-        if cfg.train.fp8:
-            apply_fp8(self.model)
-        if self.compiled:
-            compile_blocks(self.model, cfg.train.compile_backend)
-        if parts.optimizer is None:
-            skip_late = cfg.train.sync_every not in (1, "auto") and cfg.fault.nonfinite == "skip"
-            self.optimizer = build_optimizer(self.model, cfg.train, fused=device.type == "cuda" or skip_late)
-        else:
-            self.optimizer = parts.optimizer(self.model.optimizer_param_groups(cfg.train.weight_decay))
-        self.sync_every, self.device_guard = self.resolve_sync(device)
-        init_optimizer_state(self.optimizer)  # so checkpoints and rollbacks can fill it in place
-        self.checkpointer = Checkpointer(
-            self.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.parallel.timeout_s,
-            on_shard_written=lambda step: fault_point("save", self.rank, step), say=self.say,
-            record=lambda step, outcome: self.log(step, "checkpoint", **outcome),
-        )  # fmt: skip
+        self.model = parallelize(cfg, parts, device, model, self.mesh, n_micro, self.compiled)
         self.dp_rank, self.dp = self.mesh.rank("data"), layout.data_parallel  # ep ranks get rows of their own
-
+        self.optimizer = build_run_optimizer(cfg, parts, device, self.model)
+        self.sync_every, self.device_guard = resolve_sync(cfg, self.optimizer, device)
+        init_optimizer_state(self.optimizer)  # so checkpoints and rollbacks can fill it in place
+        self.checkpointer = self.open_checkpointer()
         self.result = TrainResult(run_dir=self.run_dir)
         if init_from and init_source is None:
             self.load_weights(init_from)
         self.resume()
-        self.logger = None
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            try:
-                atomic_write(self.run_dir / "config.toml", to_toml(cfg))  # a resume never reads half of it
-                tokenizer = given_tokenizer
-                if tokenizer is None and self.data is not None:
-                    tokenizer = self.data.directory / "tokenizer.json"
-                if tokenizer is not None:
-                    keep_tokenizer(self.run_dir, tokenizer)  # exported with the weights by meshlm convert
-            except OSError as e:  # a full disk or a read-only run directory: one line naming the file
-                raise StorageError(f"run directory cannot be written: {storage_cause(e, self.run_dir)}") from None
-            sinks = trackers(self.run_dir, cfg.log.wandb_project, cfg.log.mlflow_experiment, flat_config(cfg))
-            self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, start_step=self.sampler.step,
-                                        sinks=sinks)  # fmt: skip
+        self.logger = self.open_logs(given_tokenizer)
+        self.start_observers(flops_per_tok)
+        self.preemption = Preemption()
+        self.guard = StepGuard(cfg.fault.nonfinite, cfg.fault.spike_factor)
+        self.check_desync = cfg.fault.desync_every and layout.dp > 1 and cfg.parallel.zero < 3
+        # Steps since the last host sync: (step, loss, grad norm, lr, applied); under train.sync_every != 1
+        # loss and norm are device tensors and `applied` the device guard's verdict (None without it).
+        self.pending: list[tuple[int, object, object, float, bool | None]] = []
+        self.vetoed_run, self.save_deferred = 0, False  # updates vetoed in a row; a due save waits for a sound one
+
+    def open_checkpointer(self) -> Checkpointer:
+        cfg = self.cfg
+        return Checkpointer(
+            self.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.parallel.timeout_s,
+            on_shard_written=lambda step: fault_point("save", self.rank, step), say=self.say,
+            record=lambda step, outcome: self.log(step, "checkpoint", **outcome),
+        )  # fmt: skip
+
+    def open_logs(self, given_tokenizer: Path | None) -> MetricsLogger | None:
+        """Rank 0: the run files (config.toml, the tokenizer) and the metrics logger; None on the others."""
+        cfg = self.cfg
+        if self.rank != 0:
+            return None
+        write_run_files(cfg, self.run_dir, self.data, given_tokenizer)
+        sinks = trackers(self.run_dir, cfg.log.wandb_project, cfg.log.mlflow_experiment, flat_config(cfg))
+        return MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, start_step=self.sampler.step, sinks=sinks)
+
+    def start_observers(self, flops_per_tok: float) -> None:
+        """Step timing and MFU, the profiler, the environment's log line and the start-up summary."""
+        cfg, device = self.cfg, self.device
         tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         dist.barrier()  # ranks sharing a CPU measure its matmul peak together
         self.observer = StepObserver(
@@ -422,38 +240,10 @@ class Trainer:
         )  # fmt: skip
         self.profiler = StepProfiler(cfg.log.profile_steps, self.run_dir / "profile", self.rank, device)
         self.log(
-            self.sampler.step, "env", **environment(device, str(layout)), peak_flops=self.observer.peak_flops,
+            self.sampler.step, "env", **environment(device, str(self.layout)), peak_flops=self.observer.peak_flops,
             mfu_of=self.observer.mfu_basis,
         )  # fmt: skip
         self.say(self.startup_summary(flops_per_tok), flush=True)
-        self.preemption = Preemption()
-        self.guard = StepGuard(cfg.fault.nonfinite, cfg.fault.spike_factor)
-        self.check_desync = cfg.fault.desync_every and layout.dp > 1 and cfg.parallel.zero < 3
-        # Steps since the last host sync: (step, loss, grad norm, lr, applied); under train.sync_every != 1
-        # loss and norm are device tensors and `applied` the device guard's verdict (None without it).
-        self.pending: list[tuple[int, object, object, float, bool | None]] = []
-        self.vetoed_run, self.save_deferred = 0, False  # updates vetoed in a row; a due save waits for a sound one
-
-    def resolve_sync(self, device: torch.device) -> tuple[int, DeviceStepGuard | None]:
-        """(steps between host syncs, 0 = only where a log, eval or checkpoint needs one; the device guard or
-        None). `train.sync_every = auto` syncs every step on CPU; on CUDA only where needed, when the optimizer
-        can skip a vetoed update on the device (or the policy never skips). Past one step, an optimizer that
-        can skips on the device; with another, a vetoed update is applied before it is read (rolled back or
-        the run stops), so policy 'skip' is refused."""
-        cfg, can_skip = self.cfg, skips_on_device(self.optimizer)
-        every = cfg.train.sync_every
-        if every == "auto":
-            every = 0 if device.type == "cuda" and (can_skip or cfg.fault.nonfinite != "skip") else 1
-        if every == 1:
-            return 1, None
-        if can_skip:
-            return every, DeviceStepGuard(cfg.fault.spike_factor, device)
-        if cfg.fault.nonfinite == "skip":
-            raise ConfigError(
-                f"train.sync_every = {every} with fault.nonfinite = 'skip' needs an optimizer that skips on the "
-                "device (fused AdamW, meshlm's default); use 'rollback' or 'stop', or sync_every 1"
-            )
-        return every, None
 
     def startup_summary(self, flops_per_tok: float) -> str:
         """What this run is, in a few plain lines for an operator's log: model, layout, batch, data,
