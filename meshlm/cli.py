@@ -59,9 +59,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
     owns_handler = signals.install()  # `meshlm train` installed it on import; an in-process call, here
     launch.worker_started()
+    finished = False
     try:
         signals.raise_from_here()
-        code = _train(args, extra)
+        code, finished = _train(args, extra)
     except BaseException:
         if not signals.stopped_start_up():
             raise
@@ -72,13 +73,14 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         signals.finish_run(release=owns_handler)  # the CLI's stays until the process exits: teardown is covered
         signals.ignore_from_here()  # the exit code is decided, also when an error is on its way to its line
     if code == 0:  # finished, saved after a signal, or stopped before its first step: nothing left unsaved
-        launch.report_stopped()
+        launch.report_stopped(finished)
         if signals.interrupted():  # Ctrl-C: saved (or nothing to save yet), and the shell's code for an interrupt
             return signals.INTERRUPTED_EXIT
     return code
 
 
-def _train(args: argparse.Namespace, extra: list[str]) -> int:
+def _train(args: argparse.Namespace, extra: list[str]) -> tuple[int, bool]:
+    """The exit code, and whether the run trained to its last step (a signal then has nothing left to save)."""
     cfg = _config_from(args, extra)  # before torch is imported: a bad config fails in well under a second
     check_source(cfg.data)  # so does a missing data path
 
@@ -96,10 +98,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         from meshlm.launch import report_error
 
         report_error(line)
-        return 1
+        return 1, False
     if result.eval_losses and os.environ.get("RANK", "0") == "0":
         print(f"{validation_line(result.eval_losses)}; run directory {result.run_dir}")
-    return 0
+    return 0, result.final_step >= cfg.train.steps
 
 
 def validation_line(eval_losses: list[tuple[int, float]]) -> str:
@@ -386,7 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):  # torchrun's own arguments, verbatim
         from meshlm.launch import main as launch
 
-        return launch(argv[1:])
+        try:
+            return launch(argv[1:])
+        except KeyboardInterrupt:  # Ctrl-C while torch is imported, before the launcher's handler: no worker yet
+            print("meshlm launch: SIGINT before any worker started: nothing to save", file=sys.stderr)
+            return signals.INTERRUPTED_EXIT
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.func not in (cmd_train, cmd_config_show, cmd_prepare_data):

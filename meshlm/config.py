@@ -443,7 +443,9 @@ def _toml_string(text: str) -> str:
 
 def init_from_config(init_from: str) -> ModelConfig:
     """The model `init_from` defines: an HF directory's config.json, or the model config a meshlm checkpoint
-    records. One-line ValueError naming the file otherwise."""
+    records. One-line ValueError naming the file otherwise; a path that is none of these is refused before
+    the checkpoint modules (and torch) are imported, so a mistyped path is one line within a second."""
+    check_init_from(init_from)
     from meshlm.checkpoint import meshlm_checkpoint, read_trainer_state
     from meshlm.model.hf import read_hf_config
     from meshlm.model.pretrained import is_hf_directory
@@ -455,10 +457,24 @@ def init_from_config(init_from: str) -> ModelConfig:
     try:
         return read_hf_config(init_from)
     except OSError as e:
-        raise ValueError(
-            f"{e.filename or init_from}: {e.strerror or e}; valid: a Hugging Face checkpoint directory with "
-            "config.json and *.safetensors, a meshlm run directory or one of its checkpoints"
-        ) from None
+        raise ValueError(f"{e.filename or init_from}: {e.strerror or e}; valid: {INIT_FROM_VALID}") from None
+
+
+INIT_FROM_VALID = (
+    "a Hugging Face checkpoint directory with config.json and *.safetensors, a meshlm run directory "
+    "or one of its checkpoints"
+)
+
+
+def check_init_from(init_from: str) -> None:
+    """Refuse an init_from that is not a directory holding config.json (Hugging Face), trainer.json (a meshlm
+    checkpoint) or checkpoints/ (a meshlm run): cheap, no torch; what the files hold is checked when read."""
+    path = Path(init_from)
+    if not path.exists():
+        raise ValueError(f"{init_from} not found; valid: {INIT_FROM_VALID}")
+    markers = ("config.json", "trainer.json", "checkpoints")
+    if not path.is_dir() or not any((path / name).exists() for name in markers):
+        raise ValueError(f"{init_from} is not a checkpoint (no {', '.join(markers)} in it); valid: {INIT_FROM_VALID}")
 
 
 def model_config_from_dict(values: object, where: str) -> ModelConfig:

@@ -35,11 +35,10 @@ from meshlm.model.hf import (
     _expected_shapes,
     _first_line,
     _open_safetensors,
-    _save_meshlm_file,
-    export_hf,
     load_hf_into_model,
     tied_names,
 )
+from meshlm.model.hf_export import _save_meshlm_file, export_hf
 from meshlm.model.pretrained import check_run_tokenizer, copy_run_tokenizer, is_hf_directory
 from meshlm.ties import canonical_state, load_state, unique_state_names
 

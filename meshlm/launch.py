@@ -13,21 +13,28 @@ rendezvous, restarts and worker supervision), and differs only in how it ends:
   SIGUSR1, which many Slurm sites send as the warning (`--signal=USR1@…`), is the same notice: one save,
   exit 0. A signal that comes after the workers finished (teardown), or before any worker started, exits 0
   too: the work is committed, or there was none to save.
+- Ctrl-C (SIGINT) to the agent (a terminal's reaches only the agent: torchrun starts its workers in their own
+  sessions): the same one save, forwarded as SIGINT so each worker says so, then exit 130, the shell's code
+  for an interrupt. A second Ctrl-C is forwarded too: the workers stop at once without saving (the newest
+  committed checkpoint stays), and the launcher exits 130.
 - a failed worker: one line naming the rank and its exit code (and its one-line error, where rank 0 did not
   print it), exit 1, instead of torchrun's ChildFailedError traceback and banner. Where the ranks that
   failed by themselves all lost a peer, the line names the rank they lost (stalled or killed) instead.
   torchrun's own log lines are shown from `LOGLEVEL=WARNING` (its variable) up; by default only critical ones.
 
 Workers tell the launcher how far they got through a file each, in a directory the launcher names in
-MESHLM_LAUNCH_DIR: "started" (`worker_started`), then "stopped" once the run ended with its work committed
-(`report_stopped`). After a signal, a worker that started and never stopped cleanly (killed, still saving at the
-SIGKILL, failed) makes the launcher exit 143, the code of a process ended by SIGTERM. A launcher a signal
-stopped cleanly also writes the file MESHLM_STOPPED_FILE names, if any: the sbatch script requeues on it
-(Slurm signals the step's tasks, not the batch shell).
+MESHLM_LAUNCH_DIR, each with its process id: "started" (`worker_started`), then "stopped" once the run ended
+with its work committed (`report_stopped`), or "finished" when it also trained to its last step. After a
+signal, a worker that started and never stopped cleanly (killed, still saving at the SIGKILL, failed) makes
+the launcher exit 143, the code of a process ended by SIGTERM. A launcher a save signal stopped cleanly before
+its run finished also writes the file MESHLM_STOPPED_FILE names, if any: the sbatch script requeues on it
+(Slurm signals the step's tasks, not the batch shell). A signal after every worker finished writes no such
+file: requeueing would only start a job with nothing left to train.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,9 +47,10 @@ from types import FrameType
 
 LAUNCH_DIR = "MESHLM_LAUNCH_DIR"
 STOPPED_FILE = "MESHLM_STOPPED_FILE"
-STARTED, STOPPED = "started", "stopped"
+STARTED, STOPPED, FINISHED = "started", "stopped", "finished"
 SIGTERM_EXIT = 128 + signal.SIGTERM
-SAVE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # each asks for one save
+INTERRUPTED_EXIT = 128 + signal.SIGINT
+SAVE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # each asks for one save
 LOST_PEER = "lost a peer"  # a worker's error line when a collective failed because another rank is gone
 
 
@@ -51,11 +59,21 @@ def _status_file() -> Path | None:
     return Path(directory) / f"rank{os.environ.get('LOCAL_RANK', '0')}" if directory else None
 
 
-def _write_status(text: str) -> None:
+def _write_status(word: str) -> None:
     if (path := _status_file()) is not None:
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
+        tmp.write_text(f"{word} {os.getpid()}")
         os.replace(tmp, path)
+
+
+def _read_status(directory: Path, nproc: int) -> dict[int, tuple[str, int]]:
+    """Each local rank's word and process id, for the workers that started."""
+    found = {}
+    for rank in range(nproc):
+        if (path := directory / f"rank{rank}").is_file():
+            word, pid = path.read_text().split()
+            found[rank] = (word, int(pid))
+    return found
 
 
 def worker_started() -> None:
@@ -64,10 +82,10 @@ def worker_started() -> None:
     _write_status(STARTED)
 
 
-def report_stopped() -> None:
-    """A worker under `meshlm launch` ended with its work committed: finished, saved after a signal, or stopped
-    before its first step with nothing to save."""
-    _write_status(STOPPED)
+def report_stopped(finished: bool) -> None:
+    """A worker under `meshlm launch` ended with its work committed: saved after a signal, stopped before its
+    first step with nothing to save, or `finished` (trained to its last step: nothing left to requeue)."""
+    _write_status(FINISHED if finished else STOPPED)
 
 
 def report_error(message: str) -> None:
@@ -80,40 +98,61 @@ def report_error(message: str) -> None:
 
 
 class _FirstSignalOnly:
-    """The agent's SIGTERM / SIGUSR1 handler: the first raises torchrun's SignalException for SIGTERM, so its agent
-    forwards SIGTERM to the workers and waits for them; later ones are the same notice again and must not abandon
-    that wait."""
+    """The agent's SIGTERM / SIGUSR1 / SIGINT handler: the first raises torchrun's SignalException, so its agent
+    forwards SIGTERM (SIGINT for a Ctrl-C) to the workers and waits for them; later ones are the same notice
+    again and must not abandon that wait, except a second Ctrl-C, which goes on to the workers: they stop at
+    once."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: Path, nproc: int) -> None:
+        self.directory, self.nproc = directory, nproc
         self.received: signal.Signals | None = None
+        self.interrupts = 0
+        self.stopped_at_once = False  # a second Ctrl-C reached workers still running
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        if self.received is not None:
-            return
-        self.received = signal.Signals(signum)
-        raise SignalException(f"Process {os.getpid()} got signal: {self.received}", sigval=signal.SIGTERM)
+        self.interrupts += signum == signal.SIGINT
+        if self.received is None:
+            self.received = signal.Signals(signum)
+            forward = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
+            raise SignalException(f"Process {os.getpid()} got signal: {self.received}", sigval=forward)
+        if signum == signal.SIGINT and self.interrupts == 2:
+            for word, pid in _read_status(self.directory, self.nproc).values():
+                if word == STARTED:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGINT)
+                        self.stopped_at_once = True
 
 
-def _stop_outcome(directory: Path, nproc: int, received: signal.Signals) -> int:
-    """After a save signal: 0 when every worker that started ended with its work committed, else 143."""
-    words = {r: (directory / f"rank{r}").read_text() for r in range(nproc) if (directory / f"rank{r}").is_file()}
-    unfinished = [r for r, word in words.items() if word != STOPPED]
+def _stop_outcome(directory: Path, nproc: int, received: signal.Signals, at_once: bool = False) -> int:
+    """After a save signal: 0 when every worker that started ended with its work committed (130 after a Ctrl-C),
+    else 143. `at_once`: a second Ctrl-C stopped the workers without their save."""
+    words = {rank: word for rank, (word, _) in _read_status(directory, nproc).items()}
+    unfinished = [r for r, word in words.items() if word not in (STOPPED, FINISHED)]
     name = received.name
+    if at_once:
+        print("meshlm launch: SIGINT again: workers stopped at once, nothing more saved; the next start resumes "
+              "from the newest valid checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+        return INTERRUPTED_EXIT
     if unfinished:
         print(f"meshlm launch: {name}: local rank(s) {', '.join(map(str, unfinished))} did not stop cleanly "
               "(killed, failed or still saving at the shutdown timeout); the next start resumes from the newest "
               "valid checkpoint", file=sys.stderr, flush=True)  # fmt: skip
         return SIGTERM_EXIT
-    if words:
-        print(f"meshlm launch: {name}: every worker stopped cleanly; exiting 0", file=sys.stderr, flush=True)
-    else:
-        print(f"meshlm launch: {name} before any worker started: nothing to save; exiting 0", file=sys.stderr,
+    code = INTERRUPTED_EXIT if received == signal.SIGINT else 0
+    finished = bool(words) and set(words.values()) == {FINISHED}
+    if finished:
+        print(f"meshlm launch: {name} after the run finished: nothing to save; exiting {code}", file=sys.stderr,
               flush=True)  # fmt: skip
-    if stopped := os.environ.get(STOPPED_FILE):
+    elif words:
+        print(f"meshlm launch: {name}: every worker stopped cleanly; exiting {code}", file=sys.stderr, flush=True)
+    else:
+        print(f"meshlm launch: {name} before any worker started: nothing to save; exiting {code}", file=sys.stderr,
+              flush=True)  # fmt: skip
+    if (stopped := os.environ.get(STOPPED_FILE)) and not finished and code == 0:  # a Ctrl-C is a person: no requeue
         Path(stopped).write_text(f"{name}\n")
-    return 0
+    return code
 
 
 def _how(failure: object) -> str:
@@ -162,8 +201,8 @@ def main(argv: list[str]) -> int:
     # signals stay ours
     ours = {s.name for s in SAVE_SIGNALS}
     args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() not in ours)
-    handler = _FirstSignalOnly()
     with tempfile.TemporaryDirectory(prefix="meshlm-launch-") as directory:
+        handler = _FirstSignalOnly(Path(directory), nproc)
         os.environ[LAUNCH_DIR] = directory
         for sig in SAVE_SIGNALS:
             signal.signal(sig, handler)
@@ -171,7 +210,7 @@ def main(argv: list[str]) -> int:
             torchrun.run(args)
         except SignalException as e:
             if handler.received is not None:
-                return _stop_outcome(Path(directory), nproc, handler.received)
+                return _stop_outcome(Path(directory), nproc, handler.received, handler.stopped_at_once)
             print(f"meshlm launch: {e.sigval.name}: workers stopped", file=sys.stderr, flush=True)
             return 128 + e.sigval
         except ChildFailedError as e:
@@ -179,7 +218,7 @@ def main(argv: list[str]) -> int:
             return 1
         except Exception as e:  # rendezvous and agent errors: torchrun's own words, in one line
             if handler.received is not None:  # a save signal in the rendezvous: torchrun's error is its consequence
-                return _stop_outcome(Path(directory), nproc, handler.received)
+                return _stop_outcome(Path(directory), nproc, handler.received, handler.stopped_at_once)
             first = (str(e).strip().splitlines() or [""])[0]
             print(f"meshlm launch: {type(e).__name__}: {first}", file=sys.stderr, flush=True)
             return 1

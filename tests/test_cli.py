@@ -99,13 +99,16 @@ def test_every_bad_input_error_is_an_input_error_the_cli_prints_as_one_line(
         ("train", ["--config", "missing.toml"], "config error: file missing.toml not found"),
         ("train", ["--data.source", "/no/such/corpus.txt"], "data.source: /no/such/corpus.txt not found; valid: "),
         ("prepare-data", ["--data.source", "/no/such/dir/"], "data.source: /no/such/dir/ not found; valid: "),
+        ("train", ["--model.init_from", "/no/such/model"], "config error: model.init_from: /no/such/model not found"),
+        ("config", ["show", "--model.init_from", "/"], "config error: model.init_from: / is not a checkpoint (no "),
     ],
 )
 def test_bad_input_through_the_real_entry_point_is_one_line(
     command: str, args: list[str], message: str, tmp_path: Path
 ) -> None:
     """The same as a user sees it: nothing else (no warning, no traceback) reaches stderr, and the config and
-    its data path are checked before torch is imported (a missing path took 20-100 s to be reported)."""
+    its data and model.init_from paths are checked before torch is imported (a missing path took 20-100 s to be
+    reported)."""
     args = [*args, "--log.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path)]
     out = meshlm(command, *args, flags=("-X", "importtime"))
     errors = [line for line in out.stderr.splitlines() if not line.startswith("import time:")]

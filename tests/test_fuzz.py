@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from meshlm.cli import main
 from meshlm.config import Config, ConfigError, load_config, parse_overrides, to_toml
 from meshlm.model.config import ModelConfig
-from meshlm.model.hf import _save_meshlm_file, export_hf, hf_config_from_model, model_config_from_hf
+from meshlm.model.hf import model_config_from_hf
+from meshlm.model.hf_export import _save_meshlm_file, export_hf, hf_config_from_model
 from meshlm.model.llama import Transformer
 
 if sys.version_info >= (3, 11):

@@ -15,13 +15,8 @@ transformers = pytest.importorskip("transformers")
 from meshlm.cli import add_convert_parser  # noqa: E402
 from meshlm.convert import run_convert  # noqa: E402
 from meshlm.model.config import ModelConfig  # noqa: E402
-from meshlm.model.hf import (  # noqa: E402
-    export_hf,
-    hf_config_from_model,
-    import_hf,
-    load_hf_into_model,
-    model_config_from_hf,
-)
+from meshlm.model.hf import import_hf, load_hf_into_model, model_config_from_hf  # noqa: E402
+from meshlm.model.hf_export import export_hf, hf_config_from_model  # noqa: E402
 from meshlm.model.llama import Transformer  # noqa: E402
 
 VOCAB, SEQ = 128, 16

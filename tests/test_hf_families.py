@@ -21,11 +21,8 @@ from meshlm.convert import run_convert
 from meshlm.model import ModelConfig, Transformer, flops_per_token, param_counts
 from meshlm.model.config import LLAMA3_ROPE_FIELDS
 from meshlm.model.flops import matmul_params
-from meshlm.model.hf import (
-    hf_config_from_model,
-    load_hf_into_model,
-    model_config_from_hf,
-)
+from meshlm.model.hf import load_hf_into_model, model_config_from_hf
+from meshlm.model.hf_export import hf_config_from_model
 
 transformers = pytest.importorskip("transformers")
 

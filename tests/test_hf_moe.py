@@ -12,7 +12,8 @@ import torch
 from distributed import run_shared
 
 from meshlm.model import Transformer
-from meshlm.model.hf import export_hf, import_hf, load_hf_into_model, model_config_from_hf, read_hf_config
+from meshlm.model.hf import import_hf, load_hf_into_model, model_config_from_hf, read_hf_config
+from meshlm.model.hf_export import export_hf
 from meshlm.model.pretrained import HFWeights
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions

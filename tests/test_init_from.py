@@ -369,7 +369,9 @@ def test_config_json_problems_are_one_line(checkpoints: dict[str, Path], tmp_pat
     message = one_line_config_error({"model.init_from": str(bad)})
     assert f"model.init_from: {bad / 'config.json'}: invalid JSON" in message, message
     message = one_line_config_error({"model.init_from": str(tmp_path / "absent")})
-    assert f"model.init_from: {tmp_path / 'absent' / 'config.json'}: No such file or directory" in message
+    assert f"model.init_from: {tmp_path / 'absent'} not found; valid: a Hugging Face checkpoint" in message
+    message = one_line_config_error({"model.init_from": str(checkpoints["untied"] / "config.json")})
+    assert f"model.init_from: {checkpoints['untied'] / 'config.json'} is not a checkpoint (no config.json" in message
     message = one_line_config_error({"model.init_from": str(checkpoints["untied"]), "model.dim": 128})
     assert f"model.dim: 128 conflicts with the model of model.init_from {checkpoints['untied']} (64)" in message
     agreeing = {"model.init_from": str(checkpoints["untied"]), "model.dim": 64, "model.preset": "small"}

@@ -22,7 +22,7 @@ from meshlm.lora import (
     merged_state_dict,
 )
 from meshlm.model import Transformer, preset
-from meshlm.model.hf import export_hf
+from meshlm.model.hf_export import export_hf
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -11,7 +11,7 @@ import pytest
 
 from meshlm.config import load_config, parse_overrides
 from meshlm.model.config import PRESETS
-from meshlm.model.hf import hf_config_from_model
+from meshlm.model.hf_export import hf_config_from_model
 from meshlm.plan import PlanError
 from meshlm.plan.cli import add_plan_parser, resolve_model, run_plan
 

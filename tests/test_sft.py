@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshlm.cli import main
 from meshlm.config import ConfigError, DataSection, load_config, parse_overrides
+from meshlm.convert import load_checkpoint_model
 from meshlm.data import IGNORE, DataError, prepare_data, prepare_data_shared
 from meshlm.data.sft import PackedBatchSampler, PackedRows, PlainTemplate, SFTSplit
 
@@ -515,3 +516,23 @@ def test_sft_from_a_hugging_face_checkpoint_with_its_chat_template_exports_to_tr
         out = model.generate(prompt_ids, max_new_tokens=20, do_sample=False, logits_processor=forced)
     answer = out[0, prompt_ids.shape[1] :].tolist()  # it may end its turn by itself before the third token
     assert answer[-1] == im_end and im_end not in answer[:-1] and len(answer) <= 3, answer
+    # lm-eval moves a context's trailing whitespace to the continuation: the context ends without it
+    check_lm_eval_scores_like_meshlm(tmp_path / "out", run_dir, hf, prompt.removesuffix("\n"), "\n6<|im_end|>")
+
+
+def check_lm_eval_scores_like_meshlm(export: Path, run_dir: Path, hf: object, context: str, answer: str) -> None:
+    """EleutherAI's lm-evaluation-harness (installed as `pip install 'lm-eval[hf]'`, docs/finetune.md) loads the
+    export through its Hugging Face model class and scores an answer as meshlm's own model of the run does
+    (fp32 both sides: the suite's loss tolerance)."""
+    huggingface = pytest.importorskip("lm_eval.models.huggingface")
+    from lm_eval.api.instance import Instance
+
+    lm = huggingface.HFLM(pretrained=str(export), device="cpu", batch_size=1)
+    [(got, _)] = lm.loglikelihood([Instance("loglikelihood", {}, (context, answer), 0)], disable_tqdm=True)
+    ids = hf(context + answer, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    n_context = len(hf(context, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+    model, _ = load_checkpoint_model(run_dir)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model.eval()(torch.tensor([ids])), dim=-1)[0]
+    want = sum(logprobs[i - 1, ids[i]].item() for i in range(n_context, len(ids)))
+    assert len(ids) > n_context and abs(got - want) <= 1e-5 * abs(want), (got, want)

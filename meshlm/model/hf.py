@@ -1,5 +1,5 @@
 """Hugging Face Llama, Qwen2, Mistral and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints
-in and out of meshlm.
+into meshlm (out of it: meshlm.model.hf_export).
 
 The three families share Llama's parameter names and rotary layout, which meshlm's model uses too, so
 conversion is a matter of translating `config.json`, checking every tensor's name and shape, and
@@ -27,9 +27,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file, save_model
 
-from meshlm.files import atomic_write
 from meshlm.model.config import ModelConfig
 from meshlm.model.llama import Transformer
 from meshlm.ties import load_state, tied_aliases, unique_state_names
@@ -178,33 +176,38 @@ def _check_qwen2_window(hf_config: dict, n_layers: int, max_seq_len: int) -> Non
         )
 
 
-def model_config_from_hf(hf_config: object) -> ModelConfig:
-    """Translate a Llama, Qwen2 or Mistral `config.json` object, refusing features meshlm's model does not
-    implement and values of the wrong type or range, each with one line naming the field. A null counts as
-    absent, except where transformers reads it differently (num_key_value_heads, sliding_window)."""
-    if not isinstance(hf_config, dict):
-        raise ValueError(f"config.json: should be a JSON object of fields, got {type(hf_config).__name__}")
+def _get(hf_config: dict, field: str, default: object = None) -> object:
+    """A config.json field; a null counts as absent."""
+    value = hf_config.get(field)
+    return default if value is None else value
 
-    def get(field: str, default: object = None) -> object:
-        value = hf_config.get(field)
-        return default if value is None else value
 
-    def integer(field: str, default: int | None = None) -> int:
-        return _positive_int(field, get(field, default))
+def _integer(hf_config: dict, field: str, default: int | None = None) -> int:
+    return _positive_int(field, _get(hf_config, field, default))
 
-    model_type = get("model_type", "llama")  # first: another family's fields are named differently
+
+def _model_type(hf_config: dict) -> str:
+    """The family, once every field meshlm's model needs is present and no feature it lacks is asked for."""
+    model_type = _get(hf_config, "model_type", "llama")  # first: another family's fields are named differently
     if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise _unsupported("model_type", model_type, " or ".join(repr(f) for f in FAMILIES))
     for field in _REQUIRED_FIELDS:
-        if get(field) is None:
+        if _get(hf_config, field) is None:
             raise ValueError(f"config.json: missing required field {field}")
-    if get("hidden_act", "silu") != "silu":
+    if _get(hf_config, "hidden_act", "silu") != "silu":
         raise _unsupported("hidden_act", hf_config["hidden_act"], "'silu'")
     for field in ("attention_bias", "mlp_bias"):
-        if get(field, False) is not False:
+        if _get(hf_config, field, False) is not False:
             raise _unsupported(field, hf_config[field], "false; q/k/v-only biases are model_type 'qwen2'")
-    dim, n_heads = integer("hidden_size"), integer("num_attention_heads")
-    kv_heads = hf_config.get("num_key_value_heads", _KV_HEADS[model_type])
+    if model_type == "qwen2_moe" and _get(hf_config, "qkv_bias", True) is not True:
+        raise _unsupported("qkv_bias", hf_config["qkv_bias"], "true (Qwen2-MoE's q/k/v biases)")
+    return model_type
+
+
+def _attention_shape(hf_config: dict, model_type: str) -> tuple[int, int, int, int]:
+    """hidden_size, attention heads, key/value heads and head_dim, checked against each other."""
+    dim, n_heads = _integer(hf_config, "hidden_size"), _integer(hf_config, "num_attention_heads")
+    kv_heads = hf_config.get("num_key_value_heads", _KV_HEADS[model_type])  # a null: as many as heads
     n_kv_heads = n_heads if kv_heads is None else _positive_int("num_key_value_heads", kv_heads)
     if dim % n_heads:
         raise ValueError(f"config.json: hidden_size ({dim}) must be divisible by num_attention_heads ({n_heads})")
@@ -212,38 +215,55 @@ def model_config_from_hf(hf_config: object) -> ModelConfig:
         raise ValueError(
             f"config.json: num_attention_heads ({n_heads}) must be divisible by num_key_value_heads ({n_kv_heads})"
         )
-    head_dim = integer("head_dim", dim // n_heads)
+    head_dim = _integer(hf_config, "head_dim", dim // n_heads)
     if head_dim % 2:
-        field = "head_dim" if get("head_dim") is not None else "hidden_size / num_attention_heads"
+        field = "head_dim" if _get(hf_config, "head_dim") is not None else "hidden_size / num_attention_heads"
         raise ValueError(f"config.json: {field} = {head_dim} must be even (rotary embeddings)")
-    tie = get("tie_word_embeddings", False)
-    if not isinstance(tie, bool):
-        raise ValueError(f"config.json: tie_word_embeddings={_short(tie)} should be true or false")
-    vocab_size, intermediate_size = integer("vocab_size"), integer("intermediate_size")
-    n_layers = integer("num_hidden_layers")
-    max_seq_len = integer("max_position_embeddings", _MAX_POSITIONS[model_type])
-    rope = _rope_fields(hf_config, max_seq_len, _ROPE_THETA.get(model_type, 10000.0))
-    sliding_window = 0
-    if model_type in ("mistral", "mixtral"):
-        window = hf_config.get("sliding_window", _SLIDING_WINDOW)
-        sliding_window = 0 if window is None else _positive_int("sliding_window", window)
+    return dim, n_heads, n_kv_heads, head_dim
+
+
+def _sliding_window(hf_config: dict, model_type: str, n_layers: int, max_seq_len: int) -> int:
+    """Mistral's window (a recorded limit; 0: none); Qwen's must not change attention within the model."""
     if model_type in ("qwen2", "qwen2_moe", "qwen3_moe"):
         _check_qwen2_window(hf_config, n_layers, max_seq_len)
-    if model_type == "qwen2_moe" and get("qkv_bias", True) is not True:
-        raise _unsupported("qkv_bias", hf_config["qkv_bias"], "true (Qwen2-MoE's q/k/v biases)")
+    if model_type not in ("mistral", "mixtral"):
+        return 0
+    window = hf_config.get("sliding_window", _SLIDING_WINDOW)  # a null: no window
+    return 0 if window is None else _positive_int("sliding_window", window)
+
+
+def _check_tensor_sizes(largest: dict[str, int]) -> None:
+    """Refuse a config whose largest weight or rotary table (product -> elements) cannot be one fp32 tensor."""
+    for product, numel in largest.items():
+        if numel * 4 >= 2**63:
+            raise ValueError(f"config.json: {product} = {numel} elements: too large for one fp32 tensor")
+
+
+def model_config_from_hf(hf_config: object) -> ModelConfig:
+    """Translate a Llama, Qwen2 or Mistral `config.json` object, refusing features meshlm's model does not
+    implement and values of the wrong type or range, each with one line naming the field. A null counts as
+    absent, except where transformers reads it differently (num_key_value_heads, sliding_window)."""
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"config.json: should be a JSON object of fields, got {type(hf_config).__name__}")
+    model_type = _model_type(hf_config)
+    dim, n_heads, n_kv_heads, head_dim = _attention_shape(hf_config, model_type)
+    tie = _get(hf_config, "tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ValueError(f"config.json: tie_word_embeddings={_short(tie)} should be true or false")
+    vocab_size, intermediate_size = _integer(hf_config, "vocab_size"), _integer(hf_config, "intermediate_size")
+    n_layers = _integer(hf_config, "num_hidden_layers")
+    max_seq_len = _integer(hf_config, "max_position_embeddings", _MAX_POSITIONS[model_type])
+    rope = _rope_fields(hf_config, max_seq_len, _ROPE_THETA.get(model_type, 10000.0))
+    sliding_window = _sliding_window(hf_config, model_type, n_layers, max_seq_len)
     moe = _moe_fields(hf_config, model_type, n_layers, intermediate_size) if model_type in _MOE_DEFAULTS else {}
-    largest = {  # every weight and rotary table of llama.py is at most one of these
+    _check_tensor_sizes({  # every weight and rotary table of llama.py is at most one of these
         "vocab_size × hidden_size": vocab_size * dim,
         "intermediate_size × hidden_size": intermediate_size * dim,
         "num_attention_heads × head_dim × hidden_size": n_heads * head_dim * dim,
         "max_position_embeddings × head_dim": max_seq_len * head_dim,
         "num_experts × moe_intermediate_size × hidden_size": moe.get("n_experts", 0)
-        * moe.get("moe_intermediate_size", 0)
-        * dim,
-    }
-    for product, numel in largest.items():
-        if numel * 4 >= 2**63:
-            raise ValueError(f"config.json: {product} = {numel} elements: too large for one fp32 tensor")
+        * moe.get("moe_intermediate_size", 0) * dim,
+    })  # fmt: skip
     return ModelConfig(
         vocab_size=vocab_size,
         dim=dim,
@@ -252,9 +272,9 @@ def model_config_from_hf(hf_config: object) -> ModelConfig:
         n_kv_heads=n_kv_heads,
         intermediate_size=intermediate_size,
         max_seq_len=max_seq_len,
-        norm_eps=_number("rms_norm_eps", get("rms_norm_eps", _NORM_EPS.get(model_type, 1e-6))),
+        norm_eps=_number("rms_norm_eps", _get(hf_config, "rms_norm_eps", _NORM_EPS.get(model_type, 1e-6))),
         tie_embeddings=tie,
-        init_std=_number("initializer_range", get("initializer_range", 0.02)),
+        init_std=_number("initializer_range", _get(hf_config, "initializer_range", 0.02)),
         head_dim_override=0 if head_dim == dim // n_heads else head_dim,
         qkv_bias=model_type in ("qwen2", "qwen2_moe"),
         sliding_window=sliding_window,
@@ -335,94 +355,6 @@ def _hf_expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         stored = hf_tensor_names(cfg, name)
         expected.update(dict.fromkeys(stored, shape[1:] if len(stored) > 1 else shape))
     return expected
-
-
-def _check_moe_export(cfg: ModelConfig) -> None:
-    """Refuse, in one line, an MoE model its family's transformers class cannot hold exactly."""
-    family = cfg.hf_model_type
-    wants = {"moe_score": "softmax"}
-    if family == "mixtral":
-        wants |= {"norm_topk": True, "shared_expert_intermediate_size": 0, "first_k_dense": 0, "moe_layer_step": 1}
-    elif family == "qwen2_moe":
-        wants["shared_expert_gate"] = True
-    elif family == "qwen3_moe":
-        wants["shared_expert_intermediate_size"] = 0
-    for name, value in wants.items():
-        if getattr(cfg, name) != value:
-            raise ValueError(
-                f"model.{name}={getattr(cfg, name)!r} cannot be exported as {FAMILIES[family]} (it needs {value!r})"
-            )
-    if family == "mixtral" and cfg.moe_intermediate_size != cfg.intermediate_size:
-        raise ValueError(
-            f"model.moe_intermediate_size ({cfg.moe_intermediate_size}) must equal model.intermediate_size "
-            f"({cfg.intermediate_size}) to export as MixtralForCausalLM (its experts are intermediate_size wide)"
-        )
-
-
-def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """A `config.json` dict that both transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`) and 5
-    (`rope_parameters`; reads `torch_dtype` too) turn into the same config of the model's family."""
-    scaling: dict[str, object] = {}
-    if cfg.llama3_rope is not None:
-        factor, low, high, original = cfg.llama3_rope
-        scaling = {
-            "rope_type": "llama3",
-            "factor": factor,
-            "low_freq_factor": low,
-            "high_freq_factor": high,
-            "original_max_position_embeddings": original,
-        }
-    if cfg.n_experts:
-        _check_moe_export(cfg)
-    moe = {
-        "num_experts": cfg.n_experts,
-        "num_experts_per_tok": cfg.top_k,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "norm_topk_prob": cfg.norm_topk,
-        "decoder_sparse_step": cfg.moe_layer_step,
-        "mlp_only_layers": list(range(cfg.first_k_dense)),
-        "router_aux_loss_coef": cfg.aux_loss_coef,
-    }
-    family: dict[str, object] = {
-        "llama": {"attention_bias": False, "mlp_bias": False},
-        "qwen2": {"use_sliding_window": False, "sliding_window": None},
-        "mistral": {"sliding_window": cfg.sliding_window or None},  # written even when null: absent means 4096
-        "mixtral": {
-            "sliding_window": cfg.sliding_window or None,
-            "num_local_experts": cfg.n_experts,
-            "num_experts_per_tok": cfg.top_k,
-            "router_aux_loss_coef": cfg.aux_loss_coef,
-            "router_jitter_noise": 0.0,
-        },
-        "qwen2_moe": {
-            "use_sliding_window": False,
-            "sliding_window": None,
-            **moe,
-            "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
-        },
-        "qwen3_moe": {"use_sliding_window": False, "sliding_window": None, "attention_bias": False, **moe},
-    }[cfg.hf_model_type]
-    return {
-        "architectures": [FAMILIES[cfg.hf_model_type]],
-        "model_type": cfg.hf_model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta} | scaling,
-        **({"rope_scaling": scaling} if scaling else {}),
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu",
-        **family,
-        "initializer_range": cfg.init_std,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
 
 
 @functools.lru_cache(maxsize=8)
@@ -556,66 +488,3 @@ def load_hf_into_model(directory: str | Path) -> Transformer:
     model = Transformer(cfg)
     load_state(model, state, str(directory))
     return model
-
-
-def export_hf(
-    model: Transformer,
-    directory: str | Path,
-    dtype: torch.dtype = torch.float32,
-    max_shard_bytes: int | None = None,
-) -> None:
-    """Write `model` as an HF checkpoint directory that its family's class (`LlamaForCausalLM`,
-    `Qwen2ForCausalLM` or `MistralForCausalLM`, by `model.cfg.hf_model_type`) or `AutoModelForCausalLM` loads.
-
-    Tensors go to `model.safetensors`, or to `model-0000i-of-0000n.safetensors` plus an index when
-    they exceed `max_shard_bytes`; weights files from an earlier export to `directory` are removed
-    so they cannot be mixed with the new ones. `model` must be a whole single-device model, not a
-    pipeline stage or tensor-parallel shard."""
-    cfg = model.cfg
-    full = model.state_dict()
-    state = {name: full[name] for name in unique_state_names(model)}  # a tied head once, as HF stores it
-    _check_shapes(
-        {n: tuple(t.shape) for n, t in state.items()},
-        _expected_shapes(cfg),
-        lambda _: "export_hf (needs the whole, unsharded model)",
-    )
-    if cfg.n_experts:
-        _check_moe_export(cfg)
-    stored = {}
-    for name, tensor in state.items():
-        parts = hf_tensor_names(cfg, name)
-        stored.update(zip(parts, tensor.unbind(0), strict=True) if len(parts) > 1 else {parts[0]: tensor})
-    tensors = {name: stored[name].detach().to("cpu", dtype).contiguous() for name in sorted(stored)}
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if max_shard_bytes is not None and shards[-1] and shard_bytes + nbytes > max_shard_bytes:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = tensor
-        shard_bytes += nbytes
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    for stale in [directory / WEIGHTS_NAME, directory / INDEX_NAME, *directory.glob("model-*-of-*.safetensors")]:
-        stale.unlink(missing_ok=True)
-    atomic_write(directory / CONFIG_NAME, json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
-    if len(shards) == 1:
-        save_file(shards[0], directory / WEIGHTS_NAME, metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, directory / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    total_size = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    atomic_write(directory / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-
-
-def _save_meshlm_file(model: Transformer, path: Path) -> None:
-    """Interim meshlm checkpoint: one safetensors file, the model config as JSON in its metadata."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(path), metadata={"format": "pt", MESHLM_CONFIG_KEY: json.dumps(model.cfg.to_dict())})
