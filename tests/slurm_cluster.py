@@ -4,6 +4,12 @@ Only the processes started here are stopped at the end, by the pids they wrote.
 
 The node claims 16 CPUs whatever the machine has (`SlurmdParameters=config_overrides`), so an emitted script's
 `--cpus-per-task` fits; the jobs are tiny. The daemons and the jobs run as the user running the tests.
+
+`OverTimeLimit=OVER_TIME_LIMIT_MIN` makes a job's time limit soft by that many minutes (slurm.conf(5): "Adding
+the OverTimeLimit value to the soft time limit provides a hard time limit, at which point the job is
+canceled"); Slurm still sends `--signal`'s warning relative to the soft limit (src/slurmctld/job_mgr.c,
+send_job_warn_signal, compares warn_time with the job's end_time, not with the end plus OverTimeLimit). A
+test that brings a time limit close can so see the warning without racing the kill.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import TypeVar
 from distributed import free_port
 
 T = TypeVar("T")
+OVER_TIME_LIMIT_MIN = 10
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "srun")
 CONF = """ClusterName=meshlmtest
 SlurmctldHost={host}
@@ -53,6 +60,7 @@ SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=60
+OverTimeLimit={over_time_limit}
 MinJobAge=3600
 NodeName={host} CPUs=16 Boards=1 SocketsPerBoard=1 CoresPerSocket=16 ThreadsPerCore=1 RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
@@ -118,7 +126,7 @@ def start(root: Path) -> Slurm:
     host = socket.gethostname().split(".")[0]
     conf = root / "slurm.conf"
     conf.write_text(CONF.format(host=host, user=getpass.getuser(), root=root, ctld_port=free_port(),
-                                slurmd_port=free_port()))  # fmt: skip
+                                slurmd_port=free_port(), over_time_limit=OVER_TIME_LIMIT_MIN))  # fmt: skip
     env = {**os.environ, "SLURM_CONF": str(conf)}
     for name in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k != "SLURM_CONF"]:
         del env[name]  # a test run inside a Slurm job must not leak that job's settings into these

@@ -123,9 +123,9 @@ def test_an_elastic_range_is_valid_at_every_node_count_it_allows() -> None:
     hw = hardware("H100-SXM")
     for batch in (512, 840):
         w = Workload(PRESETS["llama3-70b"], 8192, batch, 1.4e12, name="llama3-70b")
-        # The issue's layout family: without context parallel (the search's pick with cp is pp=8, cp=8, dp=1,
-        # which has no dp to shrink).
-        plan = search(w, 64, hw, constraints=Constraints(cp=1), priced=1).plans[0]
+        # The issue's layout family, fixed: pp=1, tp=8 and no context parallel (the search's own pick moves with
+        # the step-time model; with cp it has no dp to shrink).
+        plan = search(w, 64, hw, constraints=Constraints(cp=1, pp=1, tp=8), priced=1).plans[0]
         speed, fewest = elastic_shrink(w, plan.strategy, hw)
         pool = plan.cost.pool
         low = pool.min_nodes if pool.elastic else pool.nodes
@@ -205,10 +205,10 @@ def test_pytorchjob_has_a_claim_shm_grace_spares_and_spot_nodes() -> None:
 def test_each_launcher_is_priced_only_on_pools_it_can_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """70B, batch 840: Slurm and Kubernetes get the elastic spot pool; SkyPilot (rigid, no spares) is priced
     without elastic shrink or spares; none is priced on a mixed pool, which no launcher runs."""
-    # The issue's layout family, without context parallel: the pick keeps a dp to shrink.
+    # The issue's layout family, fixed (pp=1, tp=8, no context parallel): it keeps a dp to shrink.
     argv = ["--model", "llama3-70b", "--gpus", "64", "--seq-len", "8192", "--global-batch", "840", "--train-tokens",
             "1.4T", "--top", "1", "--json", "--data-source", "/data", "--image", "i", "--bucket", "s3://b",
-            "--install", INSTALL, "--layout", "cp=1"]  # fmt: skip
+            "--install", INSTALL, "--layout", "pp=1,tp=8,cp=1"]  # fmt: skip
     for target, shapes in TARGET_SHAPES.items():
         path = tmp_path / target
         assert run_plan(plan_args(*argv, "--emit", target, "--emit-to", str(path))) == 0

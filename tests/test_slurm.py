@@ -8,9 +8,10 @@
   requeue, and the steps it redoes have the same losses;
 and the three jobs' loss curves, interrupted at different steps, are identical at every step.
 
-Slurm checks time limits every 30 s; so that a 24-step run is still training when the warning comes, the test
-pauses the workers (SIGSTOP) once they have trained a step and lets them go on (SIGCONT) as soon as Slurm's
-SIGTERM is pending on them. `meshlm` is this worktree's CLI, put where the script installs meshlm (MESHLM_VENV
+So that a 24-step run is still training when the warning comes (Slurm checks time limits every 30 s), the test
+pauses the workers (SIGSTOP) once they have trained a step, brings the notice, and lets them go on (SIGCONT) as
+soon as Slurm's SIGTERM is pending on them (or they are gone: Slurm sends the time limit's warning after a
+SIGCONT of its own). `meshlm` is this worktree's CLI, put where the script installs meshlm (MESHLM_VENV
 with its install marker), so the script's own pip install is skipped. Every wait polls with a generous bound."""
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 INSTALL = "meshlm==0.1.0"
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
 ROOT = Path(__file__).resolve().parents[1]
+PERIODIC_S = 30  # slurmctld's PERIODIC_TIMEOUT: how often it checks time limits
+
+
+def seconds(duration: str) -> int:
+    """Slurm's [D-]HH:MM:SS (`scontrol show job`'s RunTime) in seconds."""
+    days, _, clock = duration.rpartition("-")
+    hours, minutes, secs = (int(part) for part in clock.split(":"))
+    return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + secs
 
 
 @pytest.fixture(scope="module")
@@ -196,25 +205,29 @@ def test_a_killed_worker_restarts_in_place_and_the_job_completes(slurm: Slurm, k
 
 
 @pytest.mark.slow  # a real Slurm job stopped by its time limit's warning, requeued and resumed: ~1-2 min
-@pytest.mark.skip(
-    reason="racy: under load Slurm killed the job at the shrunk 1-minute limit before the test restored it "
-    "(2026-12-05); the time-limit path needs another trigger than a shrunk limit"
-)
 def test_the_time_limit_warning_saves_exits_0_requeues_and_resumes_to_the_end(
     slurm: Slurm, data_cache: str, tmp_path: Path, killed_job: tuple[Path, str]
 ) -> None:
-    """The limit is brought to 1 minute while the job trains (Slurm then sends the script's `--signal=TERM@G`,
-    G > 60 s, at its next check) and restored once the signal is out, so the requeued job runs to the end,
-    on the loss curve of the job killed at step 5 (resumed from another step)."""
+    """While the workers are paused, the limit is brought to where Slurm's next check sends the script's
+    `--signal=TERM@G`, and restored once the signal is out, so the requeued job runs to the end, on the loss
+    curve of the job killed at step 5 (resumed from another step)."""
     job = submit(slurm, tmp_path, data_cache)
     text = (tmp_path / "job.sbatch").read_text()
     warn = int(text.split("#SBATCH --signal=")[1].split()[0].split("@")[1])
-    assert warn > 60 and "#SBATCH --time=0-00:10:00" in text  # warned at once once the limit is 1 minute
+    assert warn > PERIODIC_S and "#SBATCH --time=0-00:10:00" in text
 
-    def shorten() -> None:
-        slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=1")
+    def warn_at_next_check() -> None:
+        """The limit, in whole minutes from the job's start, that puts its end between G - 30 s and G + 30 s from
+        now. slurmctld checks limits every PERIODIC_TIMEOUT = 30 s (src/slurmctld/controller.c); it sends the
+        warning once `now + warn_time + PERIODIC_TIMEOUT >= end_time` (send_job_warn_signal in
+        src/slurmctld/job_mgr.c, Slurm 22.05: so at its next check) and kills only once
+        `end_time <= now - OverTimeLimit * 60` (job_time_limit), which is at least G - 30 s plus the test
+        cluster's OVER_TIME_LIMIT_MIN away, however late the test gets to restore the limit."""
+        elapsed = seconds(slurm.job(job)["RunTime"])
+        minutes = min((elapsed + warn + PERIODIC_S) // 60, 10)
+        slurm.run("scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}")
 
-    paused_until_sigterm(slurm, job, tmp_path, shorten)
+    paused_until_sigterm(slurm, job, tmp_path, warn_at_next_check)
     slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
     check_requeued_and_resumed(slurm, job, tmp_path)
     assert losses(tmp_path) == losses(killed_job[0])

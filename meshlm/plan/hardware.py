@@ -21,6 +21,7 @@ GB = 2**30  # memory sizes are GiB, the unit the product names (A100-40GB, ...) 
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
+RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 # Achievable fraction of nominal per-direction link speed for large messages (typical nccl-tests busbw).
 NVLINK_EFFICIENCY = 0.8
@@ -64,11 +65,18 @@ class Hardware:
     attention_efficiency: float = 1.0  # flash-attention FLOP rate as a fraction of the GEMM rate
     links: dict[tuple[str, str], Link] = field(default_factory=dict, compare=False)  # (dim|kind, op) -> Link
 
-    def link(self, dim: str, crosses_nodes: bool, op: str) -> Link:
-        """The link a collective on mesh dim `dim` uses: measured per dim, else per link kind, else table."""
+    def link(self, dim: str, crosses_nodes: bool, op: str, rails: int = 1) -> Link:
+        """The link a collective on mesh dim `dim` uses: measured per dim, else per link kind, else table.
+        `rails`: the group's members in each node. A ring collective (all-reduce, all-gather, reduce-scatter)
+        across nodes runs one ring per NIC (NCCL channels, rail-optimised), so a group with k members in each
+        node drives k NICs per node: the table's per-GPU network figure times k, up to NVLink's."""
         kind = "inter" if crosses_nodes else "intra"
-        default = self.inter if crosses_nodes else self.intra
-        return self.links.get((dim, op)) or self.links.get((kind, op)) or default
+        measured = self.links.get((dim, op)) or self.links.get((kind, op))
+        if measured:
+            return measured
+        if crosses_nodes and rails > 1 and op in RING_OPS:
+            return Link(alpha=self.inter.alpha, beta=min(self.inter.beta * rails, self.intra.beta))
+        return self.inter if crosses_nodes else self.intra
 
     def per_rank(self, world: int, busy: float | None = None) -> Hardware:
         """Figures one rank gets: unchanged for GPUs. On a shared node memory is split between the `world`

@@ -92,6 +92,25 @@ def crosses_nodes(mesh: Layout, dim: str, gpus_per_node: int) -> bool:
     return False
 
 
+@lru_cache(maxsize=4096)
+def rails(mesh: Layout, dim: str, gpus_per_node: int) -> int:
+    """The fewest members that a group of mesh dim `dim` (or flattened group, `GROUPS`) has in one of the
+    nodes it spans, for the group of rank 0 (every group of a dim has the same stride pattern): how many
+    NICs per node its ring collectives drive (`Hardware.link`)."""
+    dims = GROUPS.get(dim, (dim,))
+    strides, stride = {}, 1
+    for d in reversed(DIMS):
+        strides[d] = stride
+        stride *= getattr(mesh, d)
+    members = [0]
+    for d in dims:
+        members = [r + i * strides[d] for r in members for i in range(getattr(mesh, d))]
+    per_node: dict[int, int] = {}
+    for r in members:
+        per_node[r // gpus_per_node] = per_node.get(r // gpus_per_node, 0) + 1
+    return min(per_node.values())
+
+
 def fill_slots(schedule: str, pp: int, virtual_stages: int = 1) -> float:
     """Fill and drain of a pipeline step in micro-batch slots (F+B+W): p−1 for GPipe and 1F1B, (p−1)/v
     interleaved (Narayanan et al. 2021), (p−1)/3 for ZB-H1, whose idle time per rank is (p−1)(F+B−W) with
@@ -284,11 +303,12 @@ def _dp_exposed(
         return 0.0
     w_bytes, g_bytes, _, _ = BYTES[w.precision]
     cross = crosses_nodes(s.mesh, group, hw.gpus_per_node)
+    nics = rails(s.mesh, group, hw.gpus_per_node) if cross else 1
     bucket = a.bucket_mb * 1e6
 
     def t(op: str, nbytes: float, calls: int | None = None) -> float:
         calls = calls or max(1, math.ceil(nbytes / bucket))  # default: one call per bucket
-        return calls * collective_time(op, nbytes / calls, n, hw.link("dp", cross, op))
+        return calls * collective_time(op, nbytes / calls, n, hw.link("dp", cross, op, nics))
 
     m = s.micro_batches(w.global_batch)
     trainable = psi if trainable is None else trainable
