@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("observe",),
     ("plan",),
     ("train",),
-    ("api", "convert", "launch", "testing"),
+    ("api", "convert", "launch", "testing", "check"),
     ("cli",),
     ("meshlm",),
 ]

@@ -83,13 +83,15 @@ def max_rel(got: list[float], ref: list[float]) -> float:
     return max((rel(a, b) for a, b in zip(got, ref, strict=True)), default=0.0)
 
 
-def weights_rel(got: dict, ref: dict, start: dict | None) -> float:
-    """max over tensors of ‖got - ref‖ / ‖ref - start‖ (‖ref‖ without a start)."""
-    worst = 0.0
+def weights_rel(got: dict, ref: dict) -> tuple[float, str]:
+    """max over tensors of ‖got - ref‖ / ‖ref‖, and the first tensor (forward order) beyond WEIGHT_RTOL."""
+    worst, first = 0.0, ""
     for name, r in ref.items():
-        scale = (r - start[name]).norm() if start is not None else r.norm()
-        worst = max(worst, ((got[name] - r).norm() / scale.clamp(min=1e-30)).item())
-    return worst
+        d = ((got[name] - r).norm() / r.norm().clamp(min=1e-30)).item()
+        worst = max(worst, d)
+        if d > WEIGHT_RTOL and not first:
+            first = f"first tensor whose final weights differ: {name} ({d:.1e} rel)"
+    return worst, first
 
 
 def run_job(
@@ -105,6 +107,8 @@ def run_job(
     """`meshlm.fit(cfg)` on `world` gloo ranks under torchrun; rank 0's result (meshlm.check.worker)."""
     job, out = workdir / f"{name}.job", workdir / f"{name}.out"
     parts = {key: by_name(value) for key, value in (parts or {}).items()}
+    if mode != "resume":  # a run directory left by an earlier check would be resumed
+        shutil.rmtree(cfg.log.run_dir, ignore_errors=True)
     job.write_bytes(pickle.dumps({"config": cfg, "batches": batches, "parts": parts, "mode": mode, "out": str(out)}))
     path = os.pathsep.join(p for p in sys.path if p and Path(p).is_dir())  # the ranks import what the caller does
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
@@ -130,7 +134,8 @@ def run_job(
 
 def by_name(value: object) -> object:
     """A user's piece as (module, name) when a module holds it under a name (a plan of lambdas cannot be pickled
-    by value); the ranks import it (meshlm.check.worker.resolve)."""
+    by value), or as (script path, name) when the caller's script does; the ranks import it
+    (meshlm.check.worker.resolve). Anything else is pickled as it is."""
     if value is None or isinstance(value, bool):
         return value
     home = getattr(value, "__module__", None)
@@ -141,6 +146,11 @@ def by_name(value: object) -> object:
         for attr, held in list(vars(module).items()):
             if held is value:
                 return ("meshlm.check:by-name", module_name, attr)
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None):  # the ranks load the script under another name: its main part stays idle
+        for attr, held in list(vars(main).items()):
+            if held is value:
+                return ("meshlm.check:by-path", str(Path(main.__file__).resolve()), attr)
     return value
 
 
@@ -212,7 +222,7 @@ def check(
     lay_cfg = run_config(cfg, workdir / "layout", layout, steps)
     got, t_lay = timed(f"layout {layout} ({world} ranks)", lay_cfg, world, batches, workdir, "layout", parts=parts)
     d_loss, d_norm = max_rel(got["losses"], ref["losses"]), max_rel(got["grad_norms"], ref["grad_norms"])
-    d_w = weights_rel(got["weights"], ref["weights"], None)
+    d_w, first = weights_rel(got["weights"], ref["weights"])
     report.rows.append(
         Row(
             f"{steps} steps at {layout} vs world 1",
@@ -222,6 +232,7 @@ def check(
             f"loss, norm <= {LOSS_RTOL:g} ({WHY['loss']}); weights <= {WEIGHT_RTOL:g} ({WHY['weights']})",
             t_ref + t_lay,
             d_loss <= LOSS_RTOL and d_norm <= LOSS_RTOL and d_w <= WEIGHT_RTOL,
+            first,
         )
     )
 
@@ -235,12 +246,12 @@ def check(
             shutil.rmtree(path)
     res_cfg = run_config(cfg, resume_dir, "", steps, **single_process(cfg))
     if saved:
-        res, t_res = timed(f"resume step {middle} at world 1", res_cfg, 1, batches, workdir, "resumed", parts=parts)
+        res, t_res = timed(f"resume step {middle} at world 1", res_cfg, 1, batches, workdir, "resumed", "resume", parts)
         ref_tail = dict(zip(ref["steps"], ref["losses"], strict=True))
         ref_norms = dict(zip(ref["steps"], ref["grad_norms"], strict=True))
         d_loss = max_rel(res["losses"], [ref_tail[s] for s in res["steps"]])
         d_norm = max_rel(res["grad_norms"], [ref_norms[s] for s in res["steps"]])
-        d_w = weights_rel(res["weights"], ref["weights"], None)
+        d_w, first = weights_rel(res["weights"], ref["weights"])
         report.rows.append(
             Row(
                 f"save at {layout} step {middle}, resume at world 1",
@@ -250,6 +261,7 @@ def check(
                 "as above: loading reshards bytes, no arithmetic",
                 t_res,
                 d_loss <= LOSS_RTOL and d_norm <= LOSS_RTOL and d_w <= WEIGHT_RTOL,
+                first,
             )
         )
     if not report.passed:
@@ -258,10 +270,12 @@ def check(
 
 
 def grads_differ(got: dict, ref: dict) -> list[tuple[str, float]]:
-    """(name, rel) of each gradient that differs, in the reference model's order (forward order)."""
+    """(name, rel) of each gradient that differs, in the reference model's order (forward order): the gathered
+    full one or any rank's own copy of one it holds whole."""
     out = []
     for name, r in ref.items():
-        d = ((got[name] - r).norm() / r.norm().clamp(min=1e-30)).item()
+        held = [got["weights"][name], *(copies[name] for copies in got["copies"] if name in copies)]
+        d = max(((g - r).norm() / r.norm().clamp(min=1e-30)).item() for g in held)
         if d > GRAD_RTOL:
             out.append((name, d))
     return out
@@ -278,9 +292,17 @@ def localise(cfg: Config, batches: list, workdir: Path, report: CheckReport, par
     ref, _ = timed("step-1 gradients at world 1", r_cfg, 1, batches, workdir, "grads-reference", "grads", parts)
     g_cfg = run_config(plain, workdir / "grads", layout, 1)
     got, t = timed("step-1 gradients at the layout", g_cfg, world_of(layout), batches, workdir, "grads", "grads", parts)
-    differ = grads_differ(got["weights"], ref["weights"])
+    differ = grads_differ(got, ref["weights"])
     if not differ:
-        report.culprit = "step-1 gradients agree: the difference is in the optimizer step or the checkpoint"
+        d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
+        if d_norm > LOSS_RTOL:
+            report.culprit = (
+                f"step-1 gradients agree on every rank, their global norm differs {d_norm:.1e} rel: a tensor's "
+                "norm term is counted on more ranks than hold it or on none (a plan entry missing for a tensor "
+                "that is split or held whole, Placement.counted), so clipping scales every update wrongly"
+            )
+        else:
+            report.culprit = "step-1 gradients and norm agree: the difference is in the optimizer or the checkpoint"
         return
     name, d = differ[0]
     module = name.rsplit(".", 1)[0]
@@ -303,7 +325,7 @@ def localise(cfg: Config, batches: list, workdir: Path, report: CheckReport, par
             )
         except CheckError:
             continue
-        if not grads_differ(res["weights"], ref["weights"]):
+        if not grads_differ(res, ref["weights"]):
             culprit += f"; exact with {dim}=1 ({smaller})"
             break
     report.culprit = culprit
@@ -392,7 +414,26 @@ def render(report: CheckReport, kept: tuple[str, ...] = (), shrunk: tuple[str, .
         table.add_row(r.check, num(r.d_loss), num(r.d_grad_norm), num(r.d_weights), r.tolerance,
                       f"{r.seconds:.1f} s", verdict)  # fmt: skip
     console.print(table)
+    for r in report.rows:
+        if r.note:
+            console.print(f"{r.check}: {r.note}", highlight=False)
     if report.culprit:
-        console.print(f"first module whose gradient differs: {report.culprit}", highlight=False)
+        console.print(f"localised: {report.culprit}", highlight=False)
     console.print("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in report.phases.items()), highlight=False)
     console.print("PASS: the layout reproduces one process" if report.passed else "FAIL", highlight=False)
+
+
+def check_config(cfg: Config, *, steps: int, world: int | None, max_ranks: int, workdir: Path,
+                 say=lambda line: None) -> tuple[CheckReport, object]:  # fmt: skip
+    """`meshlm check`: the run's replica (meshlm.check.shrink), its first batches, and `check`."""
+    from meshlm.check.shrink import shrink
+
+    start = time.monotonic()
+    replica = shrink(cfg, workdir, world=world, max_ranks=max_ranks)
+    shrunk_s = time.monotonic() - start
+    start = time.monotonic()
+    batches = first_batches(cfg, replica.config, steps)
+    data_s = time.monotonic() - start
+    report = check(replica.config, batches, workdir, steps=steps, say=say)
+    report.phases = {"shrink": round(shrunk_s, 2), "data": round(data_s, 2), **report.phases}
+    return report, replica

@@ -1,7 +1,8 @@
 """One rank of a check run, started by torchrun: `python -m torch.distributed.run ... -m meshlm.check.worker JOB`.
 
 JOB is a pickle written by meshlm.check.run: the run's Config, the global batches, the user's pieces (model
-factory, plan, loss) if any, and the mode. The run is `meshlm.fit` itself, with the batches as its data and
+factory, plan, loss) if any, and the mode ('train', 'resume': the same from the run directory's checkpoint,
+or 'grads'). The run is `meshlm.fit` itself, with the batches as its data and
 a callback that records what the trainer does not already write to metrics.jsonl: the full weights after the
 last step. Mode 'grads' steps once with an optimizer that copies each gradient into its weight, so the full
 weights it gathers (through the placement table, `ParallelModel.full_state_dict`) are the step's full
@@ -11,6 +12,7 @@ gradients, under any layout. Rank 0 writes the result pickle named in the job.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import pickle
 import sys
@@ -58,8 +60,12 @@ def placement_line(trainer: Trainer, name: str) -> str | None:
 
 
 class Record(Callback):
+    """After the last step: the full weights, each parameter's placement line and every rank's own copy of the
+    parameters it holds whole (a copy that drifted from its replicas is invisible in the full weights, which
+    take one of them)."""
+
     def __init__(self, steps: int) -> None:
-        self.steps, self.weights, self.placements = steps, None, {}
+        self.steps, self.weights, self.placements, self.copies = steps, None, {}, []
 
     def on_step_end(self, trainer: Trainer, step: int, loss: float, metrics: dict[str, float]) -> None:
         if step != self.steps:
@@ -67,16 +73,29 @@ class Record(Callback):
         self.weights = trainer.model.full_state_dict()
         names = list(self.weights)
         mine = {name: line for name in names if (line := placement_line(trainer, name)) is not None}
-        every: list[dict] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(every, mine)
-        for found in every:
+        model = trainer.model
+        whole = {
+            name: p.detach().float().clone()
+            for name, p in model.named_parameters()
+            if model.placements[p].tp is None and model.placements[p].ep is None
+        }
+        every: list[tuple] = [() for _ in range(dist.get_world_size())]
+        dist.all_gather_object(every, (mine, whole))
+        for found, copies in every:
             self.placements.update(found)
+            self.copies.append(copies)
 
 
 def resolve(value: object) -> object:
     """A piece meshlm.check.run.by_name sent as (module, name), imported; any other as it came."""
     if isinstance(value, tuple) and len(value) == 3 and value[0] == "meshlm.check:by-name":
         return getattr(importlib.import_module(value[1]), value[2])
+    if isinstance(value, tuple) and len(value) == 3 and value[0] == "meshlm.check:by-path":  # the caller's script
+        spec = importlib.util.spec_from_file_location("meshlm_check_script", value[1])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)  # its `if __name__ == "__main__":` part does not run
+        return getattr(module, value[2])
     return value
 
 
@@ -99,6 +118,7 @@ def main(job_path: str) -> None:
         "grad_norms": [train[s]["grad_norm"] for s in steps],
         "weights": record.weights,
         "placements": record.placements,
+        "copies": record.copies,
     }
     Path(job["out"]).write_bytes(pickle.dumps(out))
 
