@@ -18,6 +18,8 @@ Bottom to top (a unit is a subpackage of meshlm or a top-level module):
     train            the loop and its pieces
     api, convert, launch, testing   library entry points, `meshlm convert`, `meshlm launch` around torchrun's
                      agent, the spawned-rank helper
+    check            `meshlm check`: a run's shrunken CPU replica (it reads runs and checkpoints as convert does
+                     and trains as api does) run against one process
     cli              the `meshlm` command
     meshlm           the package's own __init__ (lazy names of everything)
 
@@ -44,7 +46,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("observe",),
     ("plan",),
     ("train",),
-    ("api", "convert", "launch", "testing", "check"),
+    ("api", "convert", "launch", "testing"),
+    ("check",),
     ("cli",),
     ("meshlm",),
 ]
