@@ -9,6 +9,7 @@ The public API (docs/api.md), importable from `meshlm` directly:
     FusedColwise, InterleavedColwise                             styles for fused projections
     Normal, Constant                                             what a model's init_rule returns
     fit, Callback, BatchSource                                   meshlm's loop with your model, loss and data
+    check                                                        a layout proven against one process (docs/check.md)
     StepObserver, StepGuard, Preemption, Watchdog                metrics and guards as calls
     Transformer, ModelConfig, preset                             the built-in Llama
     apply_lora, merge_lora                                       LoRA adapters, before parallelize (docs/lora.md)
@@ -47,6 +48,7 @@ _EXPORTS = {
     "InterleavedColwise": "meshlm.parallel.plan",
     "Normal": "meshlm.model.init",
     "Constant": "meshlm.model.init",
+    "check": "meshlm.check",
     "fit": "meshlm.train.trainer",
     "Callback": "meshlm.train.trainer",
     "BatchSource": "meshlm.train.trainer",

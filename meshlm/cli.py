@@ -1,4 +1,4 @@
-"""The `meshlm` command: train, launch, eval, generate, convert, plan, prepare-data and config show.
+"""The `meshlm` command: train, check, launch, eval, generate, convert, plan, prepare-data and config show.
 
 Configuration errors, impossible layouts and bad data or checkpoints end with one line on stderr and exit
 code 2, before any work starts.
@@ -189,6 +189,28 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace, extra: list[str]) -> int:
+    """Prove the run exact before it starts: its replica at world 1 and at the mapped layout (docs/check.md)."""
+    import json
+    import tempfile
+
+    cfg = _config_from(args, extra)
+    check_source(cfg.data)
+    if args.steps < 2:
+        raise ConfigError(f"--steps {args.steps}: the check needs at least 2 (one before and one after the resume)")
+    from meshlm.check.run import check_config, render
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="meshlm-check-"))
+    say = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
+    report, replica = check_config(cfg, steps=args.steps, world=args.world, max_ranks=args.max_ranks,
+                                   workdir=workdir, say=say)  # fmt: skip
+    if args.json:
+        print(json.dumps({**report.to_json(), "kept": replica.kept, "shrunk": replica.shrunk}, indent=1))
+    else:
+        render(report, replica.kept, replica.shrunk)
+    return 0 if report.passed else 1
+
+
 def cmd_prepare_data(args: argparse.Namespace, extra: list[str]) -> int:
     from meshlm.data.prepare import prepare_corpus
 
@@ -322,6 +344,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
+        "check",
+        help="prove a run exact before it starts: a shrunken CPU replica of its model, plan, data and layout "
+        "against one process (takes what train takes)",
+        **with_fields,
+    )
+    p.add_argument("--config", help="TOML config file (defaults apply to everything it omits)")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps of each run (default 5)")
+    p.add_argument("--world", type=int, help="the run's GPU count (needed for parallel.layout auto)")
+    p.add_argument("--max-ranks", type=int, default=8, help="CPU ranks the replica may use (default 8)")
+    p.add_argument("--json", action="store_true", help="the verdict as JSON (for CI)")
+    p.add_argument("--workdir", help="where the replica's runs go (default: a fresh temporary directory)")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser(
         "launch",
         help="torchrun with torchrun's own arguments, e.g. `meshlm launch --nproc-per-node 4 -m meshlm.cli train "
         "--config run.toml`; exits 0 after a clean preemption and says a failure in one line",
@@ -395,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             return signals.INTERRUPTED_EXIT
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.func not in (cmd_train, cmd_config_show, cmd_prepare_data):
+    if extra and args.func not in (cmd_train, cmd_check, cmd_config_show, cmd_prepare_data):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         code = args.func(args, extra)

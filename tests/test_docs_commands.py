@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.cli import build_parser, cmd_config_show, cmd_prepare_data, cmd_train
+from meshlm.cli import build_parser, cmd_check, cmd_config_show, cmd_prepare_data, cmd_train
 from meshlm.cli import main as cli_main
 from meshlm.config import ConfigError, load_config, parse_overrides
 from meshlm.plan.cli import run_plan
@@ -101,7 +101,7 @@ def test_every_command_in_the_docs_parses(where: str, argv: list[str], tmp_path:
 
 def check_overrides(where: str, args: object, extra: list[str]) -> None:
     """Trainer arguments are config fields with valid values (ConfigError otherwise); others take none."""
-    takes_overrides = args.func in (cmd_train, cmd_config_show, cmd_prepare_data)
+    takes_overrides = args.func in (cmd_train, cmd_check, cmd_config_show, cmd_prepare_data)
     assert takes_overrides or not extra, f"{where}: unknown arguments {extra}"
     if takes_overrides:
         config = getattr(args, "config", None)

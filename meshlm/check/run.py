@@ -1,0 +1,439 @@
+"""Run a replica at world 1 and at its layout, each by the real trainer under torchrun on gloo, and compare.
+
+Tolerances (fp32 on CPU, as the equivalence suite, tests/equivalence.py): two correct layouts differ only by
+float32 rounding in another order. A loss is a mean over the global batch's tokens and a gradient norm a sum
+of squares: reordering changes them by ~1e-7 relative, so every step's loss and norm must agree within 1e-5;
+a wrong reduction changes a gradient by O(1) and the next step's loss by far more. The final weights are
+compared norm-wise per tensor (‖Δw‖/‖w‖): AdamW can turn the rounding of a near-cancelling gradient element
+into an lr-sized step of that element, which the norm over the tensor dilutes (measured 2e-7 after 5 steps,
+dp=2 ZeRO-3 on the test preset), within the same 1e-5; a bug moves whole tensors elsewhere.
+A checkpoint reshards bytes, so the resumed run must continue the reference's steps within the same 1e-5.
+The step-1 gradients of the localisation are compared per tensor within 1e-5 (same reason as the loss).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from meshlm.checkpoint.store import list_checkpoints
+from meshlm.config import Config
+from meshlm.errors import InputError
+from meshlm.parallel.mesh import DIMS
+
+LOSS_RTOL = 1e-5
+WEIGHT_RTOL = 1e-5
+GRAD_RTOL = 1e-5
+WHY = {
+    "loss": "fp32: reduction order moves a mean by ~1e-7 rel; a bug by O(1e-2)",
+    "weights": "norm-wise per tensor: AdamW amplifies rounding on few elements only",
+}
+
+
+class CheckError(InputError):
+    """A check that cannot run (a replica too wide for the machine, a run that failed to start)."""
+
+
+@dataclass
+class Row:
+    check: str
+    d_loss: float | None
+    d_grad_norm: float | None
+    d_weights: float | None
+    tolerance: str
+    seconds: float
+    passed: bool
+    note: str = ""
+
+
+@dataclass
+class CheckReport:
+    layout: str
+    rows: list[Row] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    culprit: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows)
+
+    def to_json(self) -> dict:
+        return {
+            "layout": self.layout,
+            "passed": self.passed,
+            "checks": [r.__dict__ for r in self.rows],
+            "phases_s": self.phases,
+            "culprit": self.culprit,
+        }
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def max_rel(got: list[float], ref: list[float]) -> float:
+    return max((rel(a, b) for a, b in zip(got, ref, strict=True)), default=0.0)
+
+
+def weights_rel(got: dict, ref: dict) -> tuple[float, str]:
+    """max over tensors of ‖got - ref‖ / ‖ref‖, and the first tensor (forward order) beyond WEIGHT_RTOL."""
+    worst, first = 0.0, ""
+    for name, r in ref.items():
+        d = ((got[name] - r).norm() / r.norm().clamp(min=1e-30)).item()
+        worst = max(worst, d)
+        if d > WEIGHT_RTOL and not first:
+            first = f"first tensor whose final weights differ: {name} ({d:.1e} rel)"
+    return worst, first
+
+
+def run_job(
+    cfg: Config,
+    world: int,
+    batches: list,
+    workdir: Path,
+    name: str,
+    mode: str = "train",
+    parts: dict | None = None,
+    timeout: float = 900,
+) -> dict:
+    """`meshlm.fit(cfg)` on `world` gloo ranks under torchrun; rank 0's result (meshlm.check.worker)."""
+    job, out = workdir / f"{name}.job", workdir / f"{name}.out"
+    parts = {key: by_name(value) for key, value in (parts or {}).items()}
+    if mode != "resume":  # a run directory left by an earlier check would be resumed
+        shutil.rmtree(cfg.log.run_dir, ignore_errors=True)
+    job.write_bytes(pickle.dumps({"config": cfg, "batches": batches, "parts": parts, "mode": mode, "out": str(out)}))
+    path = os.pathsep.join(p for p in sys.path if p and Path(p).is_dir())  # the ranks import what the caller does
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "-m",
+        "meshlm.check.worker",
+        str(job),
+    ]
+    log = workdir / f"{name}.log"
+    with open(log, "w") as f:
+        done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    if done.returncode or not out.exists():
+        lines = log.read_text().splitlines()
+        tail = [line for line in lines if "Error:" in line and "ChildFailedError" not in line][-1:] or ["no output"]
+        raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}) failed: {tail[0]} (log {log})")
+    return pickle.loads(out.read_bytes())
+
+
+def by_name(value: object) -> object:
+    """A user's piece as (module, name) when a module holds it under a name (a plan of lambdas cannot be pickled
+    by value), or as (script path, name) when the caller's script does; the ranks import it
+    (meshlm.check.worker.resolve). Anything else is pickled as it is."""
+    if value is None or isinstance(value, bool):
+        return value
+    home = getattr(value, "__module__", None)
+    candidates = [(home, sys.modules.get(home))] if isinstance(home, str) else []
+    for module_name, module in candidates + list(sys.modules.items()):
+        if module_name in ("__main__", "__mp_main__") or module is None:
+            continue
+        for attr, held in list(vars(module).items()):
+            if held is value:
+                return ("meshlm.check:by-name", module_name, attr)
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None):  # the ranks load the script under another name: its main part stays idle
+        for attr, held in list(vars(main).items()):
+            if held is value:
+                return ("meshlm.check:by-path", str(Path(main.__file__).resolve()), attr)
+    return value
+
+
+def run_config(cfg: Config, run_dir: Path, layout: str, steps: int, **parallel: object) -> Config:
+    """The replica's config for one check run: its own run directory, a metric line each step, nothing else."""
+    data = cfg.model_dump()
+    data["parallel"].update(layout=layout, **parallel)
+    data["train"].update(steps=steps, eval_every=0, device="cpu")
+    data["log"].update(
+        run_dir=str(run_dir),
+        every=1,
+        tensorboard=False,
+        progress=False,
+        aggregate_every=0,
+        wandb_project="",
+        mlflow_experiment="",
+    )
+    data["checkpoint"].update(every=max(1, steps // 2), keep=steps + 1, async_save=False, resume=True)
+    data["fault"].update(desync_every=0)
+    return Config.model_validate(data)
+
+
+def single_process(cfg: Config) -> dict[str, object]:
+    """The [parallel] of one process: no layout, no ZeRO, no schedule options."""
+    return {"zero": 0, "zero_shard_size": None, "sequence_parallel": False, "virtual_stages": 1}
+
+
+def without(cfg: Config, dim: str) -> tuple[str, dict]:
+    """The layout with `dim` set to 1, and the options that need that dimension dropped."""
+    sizes = {d: v for d, v in (part.split("=") for part in cfg.parallel.layout.split(",") if part)}
+    sizes[dim] = "1"
+    options: dict = {}
+    if dim == "pp":
+        options["virtual_stages"] = 1
+    if dim == "tp":
+        options["sequence_parallel"] = False
+    if dim == "dp":
+        options.update(zero=0, zero_shard_size=None)
+    return ",".join(f"{d}={v}" for d, v in sizes.items()), options
+
+
+def world_of(layout: str) -> int:
+    sizes = dict(part.split("=") for part in layout.split(",") if part)
+    n = 1
+    for dim in DIMS:
+        n *= int(sizes.get(dim, 1))
+    return n
+
+
+def check(
+    cfg: Config, batches: list, workdir: Path, *, steps: int = 5, parts: dict | None = None, say=lambda line: None
+) -> CheckReport:
+    """Train `cfg` (a replica: CPU, fp32, an explicit layout) for `steps` steps at world 1 and at its layout on
+    `batches`, resume the layout's middle checkpoint at world 1, and localise a difference."""
+    layout = cfg.parallel.layout
+    world = world_of(layout)
+    report = CheckReport(layout=layout)
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    def timed(phase: str, *job: object, **kw: object) -> tuple[dict, float]:
+        say(f"{phase} ...")
+        start = time.monotonic()
+        value = run_job(*job, **kw)
+        report.phases[phase] = round(time.monotonic() - start, 2)
+        return value, report.phases[phase]
+
+    ref_cfg = run_config(cfg, workdir / "reference", "", steps, **single_process(cfg))
+    ref, t_ref = timed("reference (world 1)", ref_cfg, 1, batches, workdir, "reference", parts=parts)
+    lay_cfg = run_config(cfg, workdir / "layout", layout, steps)
+    got, t_lay = timed(f"layout {layout} ({world} ranks)", lay_cfg, world, batches, workdir, "layout", parts=parts)
+    d_loss, d_norm = max_rel(got["losses"], ref["losses"]), max_rel(got["grad_norms"], ref["grad_norms"])
+    d_w, first = weights_rel(got["weights"], ref["weights"])
+    report.rows.append(
+        Row(
+            f"{steps} steps at {layout} vs world 1",
+            d_loss,
+            d_norm,
+            d_w,
+            f"loss, norm <= {LOSS_RTOL:g} ({WHY['loss']}); weights <= {WEIGHT_RTOL:g} ({WHY['weights']})",
+            t_ref + t_lay,
+            d_loss <= LOSS_RTOL and d_norm <= LOSS_RTOL and d_w <= WEIGHT_RTOL,
+            first,
+        )
+    )
+
+    saved = list_checkpoints(workdir / "layout")
+    middle = max(1, steps // 2)
+    resume_dir = workdir / "resumed"
+    shutil.rmtree(resume_dir, ignore_errors=True)
+    shutil.copytree(workdir / "layout", resume_dir)
+    for path in list_checkpoints(resume_dir):
+        if int(path.name.removeprefix("step_")) > middle:
+            shutil.rmtree(path)
+    res_cfg = run_config(cfg, resume_dir, "", steps, **single_process(cfg))
+    if saved:
+        res, t_res = timed(f"resume step {middle} at world 1", res_cfg, 1, batches, workdir, "resumed", "resume", parts)
+        ref_tail = dict(zip(ref["steps"], ref["losses"], strict=True))
+        ref_norms = dict(zip(ref["steps"], ref["grad_norms"], strict=True))
+        d_loss = max_rel(res["losses"], [ref_tail[s] for s in res["steps"]])
+        d_norm = max_rel(res["grad_norms"], [ref_norms[s] for s in res["steps"]])
+        d_w, first = weights_rel(res["weights"], ref["weights"])
+        report.rows.append(
+            Row(
+                f"save at {layout} step {middle}, resume at world 1",
+                d_loss,
+                d_norm,
+                d_w,
+                "as above: loading reshards bytes, no arithmetic",
+                t_res,
+                d_loss <= LOSS_RTOL and d_norm <= LOSS_RTOL and d_w <= WEIGHT_RTOL,
+                first,
+            )
+        )
+    if not report.passed:
+        localise(cfg, batches, workdir, report, parts, timed)
+    return report
+
+
+def grads_differ(got: dict, ref: dict) -> list[tuple[str, float]]:
+    """(name, rel) of each gradient that differs, in the reference model's order (forward order): the gathered
+    full one or any rank's own copy of one it holds whole."""
+    out = []
+    for name, r in ref.items():
+        held = [got["weights"][name], *(copies[name] for copies in got["copies"] if name in copies)]
+        d = max(((g - r).norm() / r.norm().clamp(min=1e-30)).item() for g in held)
+        if d > GRAD_RTOL:
+            out.append((name, d))
+    return out
+
+
+def localise(cfg: Config, batches: list, workdir: Path, report: CheckReport, parts: dict | None, timed) -> None:
+    """Step 1's full gradients (unclipped) at the layout against world 1: the first tensor in forward order
+    that differs, where it lives, and the layout dimension whose removal makes every gradient exact."""
+    layout = cfg.parallel.layout
+    data = cfg.model_dump()
+    data["train"]["grad_clip"] = 0.0
+    plain = Config.model_validate(data)
+    r_cfg = run_config(plain, workdir / "grads-reference", "", 1, **single_process(plain))
+    ref, _ = timed("step-1 gradients at world 1", r_cfg, 1, batches, workdir, "grads-reference", "grads", parts)
+    g_cfg = run_config(plain, workdir / "grads", layout, 1)
+    got, t = timed("step-1 gradients at the layout", g_cfg, world_of(layout), batches, workdir, "grads", "grads", parts)
+    differ = grads_differ(got, ref["weights"])
+    if not differ:
+        d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
+        if d_norm > LOSS_RTOL:
+            report.culprit = (
+                f"step-1 gradients agree on every rank, their global norm differs {d_norm:.1e} rel: a tensor's "
+                "norm term is counted on more ranks than hold it or on none (a plan entry missing for a tensor "
+                "that is split or held whole, Placement.counted), so clipping scales every update wrongly"
+            )
+        else:
+            report.culprit = "step-1 gradients and norm agree: the difference is in the optimizer or the checkpoint"
+        return
+    name, d = differ[0]
+    module = name.rsplit(".", 1)[0]
+    culprit = f"{module}: grad differs {d:.1e} rel; {got['placements'].get(name, '')}"
+    for dim in DIMS:
+        if f"{dim}=" not in layout or f"{dim}=1" in layout.split(","):
+            continue
+        smaller, options = without(plain, dim)
+        s_cfg = run_config(plain, workdir / f"grads-no-{dim}", smaller, 1, **options)
+        try:
+            res, _ = timed(
+                f"step-1 gradients at {smaller}",
+                s_cfg,
+                world_of(smaller),
+                batches,
+                workdir,
+                f"grads-no-{dim}",
+                "grads",
+                parts,
+            )
+        except CheckError:
+            continue
+        if not grads_differ(res, ref["weights"]):
+            culprit += f"; exact with {dim}=1 ({smaller})"
+            break
+    report.culprit = culprit
+    report.rows.append(
+        Row("step-1 gradients per tensor", None, None, d, f"<= {GRAD_RTOL:g} per tensor", t, False, culprit)
+    )
+
+
+def map_ids(batches: list, vocab_size: int, ignore_index: int) -> list:
+    """Token ids folded into the replica's vocabulary (id % vocab_size), ignored labels kept."""
+    out = []
+    for x, y in batches:
+        y = torch.where(y == ignore_index, y, y % vocab_size)
+        out.append((x % vocab_size, y))
+    return out
+
+
+def first_batches(original: Config, replica: Config, steps: int) -> list:
+    """The first `steps` global batches of the run's own data (its corpus or SFT set, tokenized as the run
+    tokenizes it: the same token cache), cut at the replica's seq_len and global batch, ids folded into the
+    replica's vocabulary."""
+    from meshlm.data import prepare_data
+    from meshlm.model.pretrained import init_tokenizer
+
+    data = prepare_data(original.data, original.model.build().vocab_size, init_tokenizer(original.model.init_from))
+    sampler = data.sampler(replica.data.seq_len, replica.train.global_batch, replica.train.seed)
+    batches = [sampler.next_batch(0, 1) for _ in range(steps)]
+    return map_ids(batches, replica.model.build().vocab_size, replica.train.ignore_index)
+
+
+def check_model(
+    model: object,
+    data: list,
+    layout: str,
+    *,
+    plan: object = None,
+    loss_fn: object = None,
+    gather_logits: bool = False,
+    steps: int = 5,
+    micro_batch: int = 0,
+    workdir: Path | None = None,
+    say=lambda line: None,
+    **parallel: object,
+) -> CheckReport:
+    """`meshlm.check`: the user's model factory, plan and loss (what `meshlm.fit` takes), on the first `steps`
+    global batches of `data`, at `layout` (at most a few CPU ranks: give a small model) against one process.
+    `parallel` are [parallel] fields (zero=, sequence_parallel=, schedule=, virtual_stages=, ...). The model
+    factory and loss must be importable (module-level), as torchrun's ranks unpickle them."""
+    import tempfile
+
+    batches = [batch for batch, _ in zip(data, range(steps), strict=False)]
+    if len(batches) < steps:
+        raise CheckError(f"data: {len(batches)} batches, the check needs steps = {steps}")
+    rows, seq_len = batches[0][0].shape
+    cfg = Config.model_validate(
+        {
+            "data": {"seq_len": seq_len},
+            "train": {"global_batch": rows, "micro_batch": micro_batch, "device": "cpu", "compile": False},
+            "parallel": {"layout": layout, **parallel},
+        }
+    )
+    parts = {"model": model, "plan": plan, "loss_fn": loss_fn, "gather_logits": gather_logits}
+    if workdir is None:
+        workdir = Path(tempfile.mkdtemp(prefix="meshlm-check-"))
+    return check(cfg, batches, Path(workdir), steps=steps, parts=parts, say=say)
+
+
+def render(report: CheckReport, kept: tuple[str, ...] = (), shrunk: tuple[str, ...] = ()) -> None:
+    """The verdict table, the replica's kept and shrunk lines and each phase's time, on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def num(x: float | None) -> str:
+        return "" if x is None else f"{x:.1e}"
+
+    console = Console(width=max(120, Console().width))
+    for line in kept:
+        console.print(f"kept: {line}", highlight=False)
+    for line in shrunk:
+        console.print(f"shrunk: {line}", highlight=False)
+    table = Table(title=f"meshlm check: layout {report.layout} against one process (relative differences)")
+    for column in ("check", "Δ loss", "Δ grad norm", "Δ weights", "tolerance and why", "time", "verdict"):
+        table.add_column(column)
+    for r in report.rows:
+        verdict = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
+        table.add_row(r.check, num(r.d_loss), num(r.d_grad_norm), num(r.d_weights), r.tolerance,
+                      f"{r.seconds:.1f} s", verdict)  # fmt: skip
+    console.print(table)
+    for r in report.rows:
+        if r.note:
+            console.print(f"{r.check}: {r.note}", highlight=False)
+    if report.culprit:
+        console.print(f"localised: {report.culprit}", highlight=False)
+    console.print("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in report.phases.items()), highlight=False)
+    console.print("PASS: the layout reproduces one process" if report.passed else "FAIL", highlight=False)
+
+
+def check_config(cfg: Config, *, steps: int, world: int | None, max_ranks: int, workdir: Path,
+                 say=lambda line: None) -> tuple[CheckReport, object]:  # fmt: skip
+    """`meshlm check`: the run's replica (meshlm.check.shrink), its first batches, and `check`."""
+    from meshlm.check.shrink import shrink
+
+    start = time.monotonic()
+    replica = shrink(cfg, workdir, world=world, max_ranks=max_ranks)
+    shrunk_s = time.monotonic() - start
+    start = time.monotonic()
+    batches = first_batches(cfg, replica.config, steps)
+    data_s = time.monotonic() - start
+    report = check(replica.config, batches, workdir, steps=steps, say=say)
+    report.phases = {"shrink": round(shrunk_s, 2), "data": round(data_s, 2), **report.phases}
+    return report, replica

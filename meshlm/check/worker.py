@@ -1,0 +1,127 @@
+"""One rank of a check run, started by torchrun: `python -m torch.distributed.run ... -m meshlm.check.worker JOB`.
+
+JOB is a pickle written by meshlm.check.run: the run's Config, the global batches, the user's pieces (model
+factory, plan, loss) if any, and the mode ('train', 'resume': the same from the run directory's checkpoint,
+or 'grads'). The run is `meshlm.fit` itself, with the batches as its data and
+a callback that records what the trainer does not already write to metrics.jsonl: the full weights after the
+last step. Mode 'grads' steps once with an optimizer that copies each gradient into its weight, so the full
+weights it gathers (through the placement table, `ParallelModel.full_state_dict`) are the step's full
+gradients, under any layout. Rank 0 writes the result pickle named in the job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshlm.observe.metrics import load_metrics
+from meshlm.train.parts import Callback, IterableBatches
+from meshlm.train.trainer import Trainer, fit
+
+
+class CopyGradient(torch.optim.Optimizer):
+    """weight := gradient (0 where a parameter got none): the weights after one step are the gradients."""
+
+    def __init__(self, groups: list[dict]) -> None:
+        super().__init__([{"params": g["params"]} for g in groups], {"lr": 0.0})
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+
+
+def placement_line(trainer: Trainer, name: str) -> str | None:
+    """How this rank holds parameter `name` ('sharded tp dim 0 per-head; reduced over dp'), None if not here."""
+    model = trainer.model
+    param = dict(model.named_parameters()).get(name)
+    if param is None:
+        return None
+    place, layout, parts = model.placements[param], trainer.layout, []
+    if place.ep is not None:
+        parts.append("experts sharded over ep")
+    if place.tp is not None:
+        parts.append(f"sharded tp dim {place.tp.dim}" + (" per-head" if len(place.tp.pieces) > 1 else ""))
+    elif layout.tp > 1:
+        parts.append("replicated over tp")
+    if place.pp_tied:
+        parts.append("tied over the first and last pipeline stages")
+    if layout.dp * layout.cp > 1:
+        parts.append("reduced over the expert's dp group" if place.expert else "reduced over dp")
+    return "; ".join(parts) or "whole on one rank"
+
+
+class Record(Callback):
+    """After the last step: the full weights, each parameter's placement line and every rank's own copy of the
+    parameters it holds whole (a copy that drifted from its replicas is invisible in the full weights, which
+    take one of them)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.weights, self.placements, self.copies = steps, None, {}, []
+
+    def on_step_end(self, trainer: Trainer, step: int, loss: float, metrics: dict[str, float]) -> None:
+        if step != self.steps:
+            return
+        self.weights = trainer.model.full_state_dict()
+        names = list(self.weights)
+        mine = {name: line for name in names if (line := placement_line(trainer, name)) is not None}
+        model = trainer.model
+        whole = {
+            name: p.detach().float().clone()
+            for name, p in model.named_parameters()
+            if model.placements[p].tp is None and model.placements[p].ep is None
+        }
+        every: list[tuple] = [() for _ in range(dist.get_world_size())]
+        dist.all_gather_object(every, (mine, whole))
+        for found, copies in every:
+            self.placements.update(found)
+            self.copies.append(copies)
+
+
+def resolve(value: object) -> object:
+    """A piece meshlm.check.run.by_name sent as (module, name), imported; any other as it came."""
+    if isinstance(value, tuple) and len(value) == 3 and value[0] == "meshlm.check:by-name":
+        return getattr(importlib.import_module(value[1]), value[2])
+    if isinstance(value, tuple) and len(value) == 3 and value[0] == "meshlm.check:by-path":  # the caller's script
+        spec = importlib.util.spec_from_file_location("meshlm_check_script", value[1])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)  # its `if __name__ == "__main__":` part does not run
+        return getattr(module, value[2])
+    return value
+
+
+def main(job_path: str) -> None:
+    job = pickle.loads(Path(job_path).read_bytes())
+    cfg = job["config"]
+    record = Record(cfg.train.steps)
+    pieces = {key: resolve(value) for key, value in (job.get("parts") or {}).items()}
+    if job["mode"] == "grads":
+        pieces["optimizer"] = CopyGradient
+    result = fit(cfg, data=IterableBatches(job["batches"]), callbacks=[record], **pieces)
+    if os.environ.get("RANK", "0") != "0" or not job.get("out"):  # fit has left the process group
+        return
+    records, _ = load_metrics(Path(cfg.log.run_dir))
+    train = {r["step"]: r for r in records if r["kind"] == "train"}
+    steps = range(result.start_step + 1, result.final_step + 1)
+    out = {
+        "steps": list(steps),
+        "losses": [train[s]["loss"] for s in steps],
+        "grad_norms": [train[s]["grad_norm"] for s in steps],
+        "weights": record.weights,
+        "placements": record.placements,
+        "copies": record.copies,
+    }
+    Path(job["out"]).write_bytes(pickle.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
