@@ -17,9 +17,11 @@ with its install marker), so the script's own pip install is skipped. Every wait
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -159,8 +161,17 @@ def output(tmp_path: Path, job: str) -> str:
 
 def check_requeued_and_resumed(slurm: Slurm, job: str, tmp_path: Path) -> int:
     """The job saved mid-run, exited 0, requeued itself once and trained to the end: the saved step. Slurm holds
-    a requeued job for two minutes (its BeginTime); the test lets it start now."""
+    a requeued job for two minutes (its BeginTime); the test lets it start early, but only once the node has
+    cleaned up the first run: slurmd revokes the job's credential when it terminates that run
+    (`_rpc_terminate_job`) and refuses a launch whose credential is not newer than the revocation in whole
+    seconds (`slurm_cred_revoked`: ctime <= revoked; "Job N already killed, do not launch batch job", the job
+    then FAILS). scontrol shows the job PENDING only once the node's terminate is done (job_state_string names
+    the COMPLETING and REQUEUED flags first), so a credential made in a later second than that is newer (Slurm
+    22.05 src/slurmd/slurmd/req.c, src/common/slurm_cred.c, src/common/slurm_protocol_defs.c)."""
     wait_for("the requeue", lambda: (j := slurm.job(job))["Restarts"] != "0" or j["JobState"] in ENDED, timeout=300)
+    wait_for("the first run's clean-up", lambda: slurm.job(job)["JobState"] in ("PENDING", *ENDED), timeout=300)
+    cleaned_up = time.time()
+    time.sleep(math.floor(cleaned_up) + 1.2 - cleaned_up)  # into the next whole second (same clock as slurmd's)
     slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)  # refused once it runs: fine
     state = finished(slurm, job)
     out = output(tmp_path, job)

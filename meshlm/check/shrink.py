@@ -30,7 +30,8 @@ from meshlm.data.tokenizer import MIN_VOCAB
 from meshlm.errors import InputError
 from meshlm.files import atomic_copy
 from meshlm.model.config import ModelConfig
-from meshlm.model.hf import export_hf, hf_tensor_names
+from meshlm.model.hf import hf_tensor_names
+from meshlm.model.hf_export import export_hf
 from meshlm.model.llama import Transformer
 from meshlm.model.pretrained import TOKENIZER_FILES, HFWeights, init_tokenizer, is_hf_directory
 from meshlm.parallel.mesh import DIMS, Layout, parse_layout

@@ -114,8 +114,9 @@ class ParallelModel:
         check_layout(LayoutSpec(None, layout, n_micro * layout.data_parallel, 1, options=parallel), model, plan)
         if layout.tp > 1 and loss_fn is not None and not gather_logits:
             raise PlanError(
-                "loss_fn: under tp the model's logits are sharded over the vocabulary; pass gather_logits=True "
-                "for a loss of one's own, or leave loss_fn unset for meshlm's vocabulary-parallel cross-entropy"
+                "loss_fn: under tp the model's logits are sharded over the vocabulary; a loss of one's own needs "
+                "gather_logits=True (meshlm.Loss(fn, gather_logits=True) for meshlm.parallelize, gather_logits=True "
+                "for meshlm.fit), or leave loss_fn unset for meshlm's vocabulary-parallel cross-entropy"
             )
         if loss_fn is not None and not fused_loss:
             check_loss_shape(model, loss_fn)
