@@ -27,14 +27,18 @@ from meshlm.train.trainer import Trainer, fit
 
 
 class CopyGradient(torch.optim.Optimizer):
-    """weight := gradient (0 where a parameter got none): the weights after one step are the gradients."""
+    """weight := gradient (0 where a parameter got none): the weights after one step are the gradients. A step
+    at learning rate 0 leaves the weights as they are, as any optimizer's does (the trainer creates optimizer
+    state ahead of the first step with one: meshlm.checkpoint.state.init_optimizer_state)."""
 
     def __init__(self, groups: list[dict]) -> None:
-        super().__init__([{"params": g["params"]} for g in groups], {"lr": 0.0})
+        super().__init__([{"params": g["params"]} for g in groups], {"lr": 1.0})
 
     @torch.no_grad()
     def step(self, closure: object = None) -> None:
         for group in self.param_groups:
+            if group["lr"] == 0.0:
+                continue
             for p in group["params"]:
                 p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
 
