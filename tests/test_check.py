@@ -1,14 +1,20 @@
-"""`meshlm.check`: a correct layout passes against one process; a wrong plan entry fails and is localised.
+"""`meshlm.check`: a correct layout passes against one process; the suite's mutations (a wrong plan entry, a
+missing gradient sum over tp, a tied weight counted twice in the norm) fail and are localised to the module
+responsible.
 
 Each check starts torchrun several times (world 1, the layout, the resume; on a failure the step-1 gradient
-runs), ~20 s each on a loaded 2-core machine, so these tests are slow.
+runs), ~10-20 s each on a loaded 2-core machine, so these tests are slow.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 
 import pytest
+from equivalence import tp_input_gradient_not_all_reduced
+from test_tied import TIED, tied_weight_counted_twice_in_the_norm
 
 import meshlm
 from meshlm.model import Transformer, preset
@@ -28,6 +34,21 @@ def make_model() -> Transformer:
     return Transformer(MODEL)
 
 
+# The suite's code mutations, injected by the model factory: it runs on every rank of every check run before
+# anything is parallelised, and the bug stays for the rank's lifetime (at world 1 it has nothing to act on).
+_BUGS = contextlib.ExitStack()
+
+
+def tp_input_gradient_not_summed() -> Transformer:
+    _BUGS.enter_context(tp_input_gradient_not_all_reduced())
+    return Transformer(MODEL)
+
+
+def tied_counted_twice_in_the_norm() -> Transformer:
+    _BUGS.enter_context(tied_weight_counted_twice_in_the_norm())
+    return Transformer(TIED)
+
+
 def batches() -> list:
     return [global_batch(step, 8, 32, MODEL.vocab_size) for step in range(5)]
 
@@ -39,13 +60,39 @@ def test_correct_plan_passes(tmp_path) -> None:
     assert [r.passed for r in report.rows] == [True, True]
 
 
-@pytest.mark.slow  # five torchrun starts (the runs, then the step-1 gradients): ~1.5 min on 2 cores
-def test_wrong_plan_entry_fails_and_is_localised(tmp_path) -> None:
-    report = meshlm.check(make_model, batches(), "tp=2", plan=WRONG_PLAN, sequence_parallel=True, workdir=tmp_path)
-    assert not report.passed
-    layout_run = report.rows[0]
-    assert layout_run.d_loss <= 1e-5 < layout_run.d_weights, layout_run
-    assert layout_run.note.startswith("first tensor whose final weights differ: "), layout_run.note
+# (model factory, plan, layout, [parallel]; the module the localisation must name, its placement, the
+# dimension whose removal makes it exact)
+MUTATIONS = {
+    # the blocks' second norm not summed over tp: its step-1 gradient alone differs
+    "wrong plan entry": (
+        make_model, WRONG_PLAN, "tp=2", {"sequence_parallel": True},
+        "model.layers.0.post_attention_layernorm: grad differs", "replicated over tp", "tp=1",
+    ),
+    # Megatron's f without its backward all-reduce: backward meets it first at lm_head's input, so every
+    # gradient before lm_head differs and lm_head's own agrees
+    "missing gradient sum over tp": (
+        tp_input_gradient_not_summed, LLAMA, "tp=2", {},
+        "lm_head: its input gradient differs", "sharded tp dim 0", "tp=1",
+    ),
+    # the tied weight's copy on the last stage counted in the global norm too: gradients agree, the norm not
+    "tied weight counted twice in the norm": (
+        tied_counted_twice_in_the_norm, LLAMA, "pp=2", {"micro_batch": 2},
+        "model.embed_tokens: gradients agree, their global norm differs", "tied over the first and last", "pp=1",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.slow  # per mutation 5 torchrun starts (no resume after a failure): 29-39 s each on 2 shared cores
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_mutations_fail_and_are_localised(mutation: str, tmp_path) -> None:
+    factory, plan, layout, parallel, culprit, placement, exact = MUTATIONS[mutation]
+    report = meshlm.check(factory, batches(), layout, plan=plan, workdir=tmp_path, **parallel)
+    out = json.loads(json.dumps(report.to_json()))  # what `meshlm check --json` prints, less kept/shrunk
+    assert set(out) == {"layout", "passed", "checks", "phases_s", "culprit"} and out["layout"] == layout
+    assert not out["passed"] and not out["checks"][0]["passed"], out
+    assert [c["check"] for c in out["checks"]] == [f"5 steps at {layout} vs world 1", "step-1 gradients per tensor"]
+    assert out["culprit"].startswith(culprit), out["culprit"]
+    assert placement in out["culprit"] and f"exact with {exact}" in out["culprit"], out["culprit"]
 
 
 def test_ids_fold_into_the_replica_vocabulary_keeping_ignored_labels() -> None:

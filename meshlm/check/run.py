@@ -238,14 +238,14 @@ def check(
 
     saved = list_checkpoints(workdir / "layout")
     middle = max(1, steps // 2)
-    resume_dir = workdir / "resumed"
-    shutil.rmtree(resume_dir, ignore_errors=True)
-    shutil.copytree(workdir / "layout", resume_dir)
-    for path in list_checkpoints(resume_dir):
-        if int(path.name.removeprefix("step_")) > middle:
-            shutil.rmtree(path)
-    res_cfg = run_config(cfg, resume_dir, "", steps, **single_process(cfg))
-    if saved:
+    if saved and report.passed:  # a checkpoint of a run that already differs proves nothing more
+        resume_dir = workdir / "resumed"
+        shutil.rmtree(resume_dir, ignore_errors=True)
+        shutil.copytree(workdir / "layout", resume_dir)
+        for path in list_checkpoints(resume_dir):
+            if int(path.name.removeprefix("step_")) > middle:
+                shutil.rmtree(path)
+        res_cfg = run_config(cfg, resume_dir, "", steps, **single_process(cfg))
         res, t_res = timed(f"resume step {middle} at world 1", res_cfg, 1, batches, workdir, "resumed", "resume", parts)
         ref_tail = dict(zip(ref["steps"], ref["losses"], strict=True))
         ref_norms = dict(zip(ref["steps"], ref["grad_norms"], strict=True))
@@ -281,9 +281,39 @@ def grads_differ(got: dict, ref: dict) -> list[tuple[str, float]]:
     return out
 
 
+def entry_point(differ: list[tuple[str, float]], names: list[str]) -> str | None:
+    """The parameter at whose module a wrong activation gradient entered the backward pass, if the differing
+    gradients say so: backward runs from the loss to the embedding, so such a gradient makes every parameter
+    before that module (in forward order) differ and the module's own agree. That is the case when the
+    differing ones are exactly the first ones, spanning two modules at least, and some agree after them;
+    otherwise (one parameter's own reduction wrong: a plan entry, a bucket) there is none."""
+    n = len(differ)
+    if n == len(names) or [name for name, _ in differ] != names[:n]:
+        return None
+    modules = {name.rsplit(".", 1)[0] for name in names[:n]}
+    return names[n] if len(modules) > 1 else None
+
+
+def counted_wrongly(got_norm: float, ref_norm: float, grads: dict) -> tuple[str, str] | None:
+    """The tensor whose norm term the layout counts twice or never, when the gradients agree and their global
+    norm does not: the squared norms differ by that tensor's ‖g‖² (within the 1e-5 rel of either norm)."""
+    excess, tol = got_norm**2 - ref_norm**2, 2 * GRAD_RTOL * ref_norm**2
+    fits = [
+        (abs(excess - sign * g.square().sum().item()), name, how)
+        for name, g in grads.items()
+        for sign, how in ((1, "counted twice"), (-1, "never counted"))
+    ]
+    miss, name, how = min(fits, key=lambda fit: fit[0])  # the first in forward order of equal fits (a tie)
+    return (name, how) if miss <= tol else None
+
+
 def localise(cfg: Config, batches: list, workdir: Path, report: CheckReport, parts: dict | None, timed) -> None:
-    """Step 1's full gradients (unclipped) at the layout against world 1: the first tensor in forward order
-    that differs, where it lives, and the layout dimension whose removal makes every gradient exact."""
+    """Step 1's full gradients (unclipped) at the layout against world 1: the module responsible, where its
+    tensor lives, and the layout dimension whose removal makes every gradient and their norm exact.
+
+    The module: where a wrong activation gradient entered backward (entry_point) if the differing gradients
+    show one, else the first tensor in forward order whose gradient differs; when every gradient agrees and
+    their global norm does not, the tensor whose norm term is counted twice or never (counted_wrongly)."""
     layout = cfg.parallel.layout
     data = cfg.model_dump()
     data["train"]["grad_clip"] = 0.0
@@ -292,21 +322,40 @@ def localise(cfg: Config, batches: list, workdir: Path, report: CheckReport, par
     ref, _ = timed("step-1 gradients at world 1", r_cfg, 1, batches, workdir, "grads-reference", "grads", parts)
     g_cfg = run_config(plain, workdir / "grads", layout, 1)
     got, t = timed("step-1 gradients at the layout", g_cfg, world_of(layout), batches, workdir, "grads", "grads", parts)
+    names = list(ref["weights"])
+
+    def exact(run: dict) -> bool:
+        return not grads_differ(run, ref["weights"]) and rel(run["grad_norms"][0], ref["grad_norms"][0]) <= LOSS_RTOL
+
     differ = grads_differ(got, ref["weights"])
-    if not differ:
-        d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
-        if d_norm > LOSS_RTOL:
-            report.culprit = (
-                f"step-1 gradients agree on every rank, their global norm differs {d_norm:.1e} rel: a tensor's "
-                "norm term is counted on more ranks than hold it or on none (a plan entry missing for a tensor "
-                "that is split or held whole, Placement.counted), so clipping scales every update wrongly"
-            )
-        else:
-            report.culprit = "step-1 gradients and norm agree: the difference is in the optimizer or the checkpoint"
+    d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
+    if len(differ) == len(names):  # no one module: the forward (or the loss) already differs
+        (name, d), d_first = differ[0], rel(got["losses"][0], ref["losses"][0])
+        module = "every tensor"
+        what = f"grad differs (from {name} {d:.1e} rel; step-1 loss {d_first:.1e} rel): the forward pass differs"
+    elif differ:
+        entry = entry_point(differ, names)
+        name, d = (entry, differ[0][1]) if entry else differ[0]
+        module = name.rsplit(".", 1)[0]
+        what = (
+            f"its input gradient differs (every gradient before it in forward order differs, from {differ[0][0]} "
+            f"{d:.1e} rel; its own agree)"
+            if entry
+            else f"grad differs {d:.1e} rel"
+        )
+    elif d_norm > LOSS_RTOL and (wrong := counted_wrongly(got["grad_norms"][0], ref["grad_norms"][0], ref["weights"])):
+        (name, how), d = wrong, d_norm
+        module = name.rsplit(".", 1)[0]
+        what = f"gradients agree, their global norm differs {d_norm:.1e} rel: {name} {how} in it (Placement.counted)"
+    else:
+        report.culprit = (
+            f"step-1 gradients agree on every rank, their global norm differs {d_norm:.1e} rel (no one tensor's "
+            "term accounts for it)"
+            if d_norm > LOSS_RTOL
+            else "step-1 gradients and norm agree: the difference arises in a later step"
+        )
         return
-    name, d = differ[0]
-    module = name.rsplit(".", 1)[0]
-    culprit = f"{module}: grad differs {d:.1e} rel; {got['placements'].get(name, '')}"
+    culprit = f"{module}: {what}; {got['placements'].get(name, '')}"
     for dim in DIMS:
         if f"{dim}=" not in layout or f"{dim}=1" in layout.split(","):
             continue
@@ -325,12 +374,12 @@ def localise(cfg: Config, batches: list, workdir: Path, report: CheckReport, par
             )
         except CheckError:
             continue
-        if not grads_differ(res, ref["weights"]):
+        if exact(res):
             culprit += f"; exact with {dim}=1 ({smaller})"
             break
     report.culprit = culprit
     report.rows.append(
-        Row("step-1 gradients per tensor", None, None, d, f"<= {GRAD_RTOL:g} per tensor", t, False, culprit)
+        Row("step-1 gradients per tensor", None, d_norm, d, f"<= {GRAD_RTOL:g} per tensor", t, False, culprit)
     )
 
 
