@@ -7,6 +7,7 @@ code 2, before any work starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -202,8 +203,9 @@ def cmd_check(args: argparse.Namespace, extra: list[str]) -> int:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="meshlm-check-"))
     say = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
-    report, replica = check_config(cfg, steps=args.steps, world=args.world, max_ranks=args.max_ranks,
-                                   workdir=workdir, say=say)  # fmt: skip
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():  # stdout: the JSON only
+        report, replica = check_config(cfg, steps=args.steps, world=args.world, max_ranks=args.max_ranks,
+                                       workdir=workdir, say=say)  # fmt: skip
     if args.json:
         print(json.dumps({**report.to_json(), "kept": replica.kept, "shrunk": replica.shrunk}, indent=1))
     else:

@@ -13,10 +13,12 @@ import dataclasses
 import json
 
 import pytest
+from conftest import small_run_args
 from equivalence import tp_input_gradient_not_all_reduced
 from test_tied import TIED, tied_weight_counted_twice_in_the_norm
 
 import meshlm
+from meshlm.cli import main
 from meshlm.model import Transformer, preset
 from meshlm.parallel.plans import LLAMA
 from meshlm.testing import global_batch
@@ -107,8 +109,28 @@ def test_ids_fold_into_the_replica_vocabulary_keeping_ignored_labels() -> None:
 
 
 def test_too_few_steps_is_one_line(capsys) -> None:
-    from meshlm.cli import main
-
     assert main(["check", "--steps", "1", "--model.preset", "test", "--data.seq_len", "32"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--steps 1" in err, err
+
+
+@pytest.mark.slow  # corpus tokenized (shared with other tests), 5 torchrun starts: 31-52 s on 2 shared cores
+def test_the_cli_fails_a_mutated_run_with_json_naming_the_module(data_cache, tmp_path, monkeypatch, capsys) -> None:
+    """`meshlm check --json` on a run's config, with the missing gradient sum over tp injected into every Python
+    process the check starts (a sitecustomize on their path): exit 1, and the JSON names lm_head."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "from equivalence import tp_input_gradient_not_all_reduced\n\n"
+        "BUG = tp_input_gradient_not_all_reduced()  # held: a collected one would undo the patch\n"
+        "BUG.__enter__()\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    run = small_run_args(data_cache, tmp_path / "run")
+    assert main(["check", "--json", "--workdir", str(tmp_path / "check"), "--parallel.layout", "tp=2", *run]) == 1
+    out = json.loads(capsys.readouterr().out)  # stdout is the JSON alone (the tokenizer's lines go to stderr)
+    assert set(out) == {"layout", "passed", "checks", "phases_s", "culprit", "kept", "shrunk"}, out
+    assert out["layout"] == "pp=1,dp=1,tp=2" and not out["passed"] and not out["checks"][0]["passed"], out
+    assert out["culprit"].startswith("lm_head: its input gradient differs"), out["culprit"]
+    assert "sharded tp dim 0" in out["culprit"] and "exact with tp=1" in out["culprit"], out["culprit"]
+    assert list(out["phases_s"])[:2] == ["shrink", "data"], out["phases_s"]

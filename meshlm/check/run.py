@@ -375,12 +375,10 @@ def localise(cfg: Config, batches: list, workdir: Path, report: CheckReport, par
         except CheckError:
             continue
         if exact(res):
-            culprit += f"; exact with {dim}=1 ({smaller})"
+            culprit += f"; exact with {dim}=1" + (f" ({smaller})" if world_of(smaller) > 1 else "")
             break
     report.culprit = culprit
-    report.rows.append(
-        Row("step-1 gradients per tensor", None, d_norm, d, f"<= {GRAD_RTOL:g} per tensor", t, False, culprit)
-    )
+    report.rows.append(Row("step-1 gradients per tensor", None, d_norm, d, f"<= {GRAD_RTOL:g} per tensor", t, False))
 
 
 def map_ids(batches: list, vocab_size: int, ignore_index: int) -> list:
