@@ -1,5 +1,5 @@
 """`meshlm.check` on a plan with a wrong entry: the layout is run against one process and the check names the
-first tensor that differs (docs/check.md).
+module responsible, with its placement and the layout dimension without which it is exact (docs/check.md).
 
     python examples/check_plan.py            # the wrong plan: FAIL, exit 1
     python examples/check_plan.py --correct  # meshlm's own plan: PASS, exit 0

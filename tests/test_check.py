@@ -18,6 +18,7 @@ from equivalence import tp_input_gradient_not_all_reduced
 from test_tied import TIED, tied_weight_counted_twice_in_the_norm
 
 import meshlm
+from meshlm.check.run import CheckError
 from meshlm.cli import main
 from meshlm.model import Transformer, preset
 from meshlm.parallel.plans import LLAMA
@@ -32,8 +33,18 @@ WRONG_PLAN = dataclasses.replace(
 )
 
 
+# A half-tied plan: the tied model's head split vocab-parallel, its embedding left whole.
+HALF_TIED = dataclasses.replace(
+    LLAMA, tensor_parallel={k: v for k, v in LLAMA.tensor_parallel.items() if k != "model.embed_tokens"}
+)
+
+
 def make_model() -> Transformer:
     return Transformer(MODEL)
+
+
+def make_tied() -> Transformer:
+    return Transformer(TIED)
 
 
 # The suite's code mutations, injected by the model factory: it runs on every rank of every check run before
@@ -95,6 +106,15 @@ def test_mutations_fail_and_are_localised(mutation: str, tmp_path) -> None:
     assert [c["check"] for c in out["checks"]] == [f"5 steps at {layout} vs world 1", "step-1 gradients per tensor"]
     assert out["culprit"].startswith(culprit), out["culprit"]
     assert placement in out["culprit"] and f"exact with {exact}" in out["culprit"], out["culprit"]
+
+
+@pytest.mark.slow  # one torchrun start, refused: 5 s measured, more on a loaded machine
+def test_a_half_tied_plan_is_refused_naming_both_modules_before_the_reference(tmp_path) -> None:
+    with pytest.raises(CheckError) as e:
+        meshlm.check(make_tied, batches(), "tp=2", plan=HALF_TIED, workdir=tmp_path)
+    line = str(e.value)
+    assert "\n" not in line and "model.embed_tokens (not in tensor_parallel) and lm_head (vocab_head)" in line, line
+    assert not (tmp_path / "reference").exists()  # the layout runs first: refused before any other work
 
 
 def test_ids_fold_into_the_replica_vocabulary_keeping_ignored_labels() -> None:

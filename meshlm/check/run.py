@@ -217,10 +217,10 @@ def check(
         report.phases[phase] = round(time.monotonic() - start, 2)
         return value, report.phases[phase]
 
+    lay_cfg = run_config(cfg, workdir / "layout", layout, steps)  # first: what the layout refuses, it refuses at once
+    got, t_lay = timed(f"layout {layout} ({world} ranks)", lay_cfg, world, batches, workdir, "layout", parts=parts)
     ref_cfg = run_config(cfg, workdir / "reference", "", steps, **single_process(cfg))
     ref, t_ref = timed("reference (world 1)", ref_cfg, 1, batches, workdir, "reference", parts=parts)
-    lay_cfg = run_config(cfg, workdir / "layout", layout, steps)
-    got, t_lay = timed(f"layout {layout} ({world} ranks)", lay_cfg, world, batches, workdir, "layout", parts=parts)
     d_loss, d_norm = max_rel(got["losses"], ref["losses"]), max_rel(got["grad_norms"], ref["grad_norms"])
     d_w, first = weights_rel(got["weights"], ref["weights"])
     report.rows.append(
