@@ -1,6 +1,6 @@
-"""`meshlm.check`: a correct layout passes against one process; the suite's mutations (a wrong plan entry, a
-missing gradient sum over tp, a tied weight counted twice in the norm) fail and are localised to the module
-responsible.
+"""`meshlm.check`: correct layouts (tp=2 SP, pp=2 interleaved, LoRA at dp=2,tp=2 ZeRO-1) pass against one
+process; the suite's mutations (a wrong plan entry, a missing gradient sum over tp, a tied weight counted twice
+in the norm) fail and are localised to the module responsible; a half-tied plan is refused naming both modules.
 
 Each check starts torchrun several times (world 1, the layout, the resume; on a failure the step-1 gradient
 runs), ~10-20 s each on a loaded 2-core machine, so these tests are slow.
@@ -66,9 +66,17 @@ def batches() -> list:
     return [global_batch(step, 8, 32, MODEL.vocab_size) for step in range(5)]
 
 
-@pytest.mark.slow  # three torchrun starts (world 1, tp=2, the resume): ~60 s on 2 cores
-def test_correct_plan_passes(tmp_path) -> None:
-    report = meshlm.check(make_model, batches(), "tp=2", plan=LLAMA, sequence_parallel=True, workdir=tmp_path)
+PASSING = {
+    "tp=2 sp": ("tp=2", {"sequence_parallel": True}),
+    "pp=2 interleaved x2": ("pp=2", {"schedule": "interleaved", "virtual_stages": 2, "micro_batch": 2}),
+}
+
+
+@pytest.mark.slow  # three torchrun starts (the layout, world 1, the resume): 17-28 s on 2 shared cores
+@pytest.mark.parametrize("case", PASSING)
+def test_correct_plan_passes(case: str, tmp_path) -> None:
+    layout, parallel = PASSING[case]
+    report = meshlm.check(make_model, batches(), layout, plan=LLAMA, workdir=tmp_path, **parallel)
     assert report.passed, report.to_json()
     assert [r.passed for r in report.rows] == [True, True]
 
@@ -95,7 +103,7 @@ MUTATIONS = {
 }  # fmt: skip
 
 
-@pytest.mark.slow  # per mutation 5 torchrun starts (no resume after a failure): 29-39 s each on 2 shared cores
+@pytest.mark.slow  # per mutation 5 torchrun starts (no resume after a failure): 29-65 s each on 2 shared cores
 @pytest.mark.parametrize("mutation", MUTATIONS)
 def test_mutations_fail_and_are_localised(mutation: str, tmp_path) -> None:
     factory, plan, layout, parallel, culprit, placement, exact = MUTATIONS[mutation]
@@ -108,7 +116,7 @@ def test_mutations_fail_and_are_localised(mutation: str, tmp_path) -> None:
     assert placement in out["culprit"] and f"exact with {exact}" in out["culprit"], out["culprit"]
 
 
-@pytest.mark.slow  # one torchrun start, refused: 5 s measured, more on a loaded machine
+@pytest.mark.slow  # one torchrun start, refused: 5-11 s on 2 shared cores
 def test_a_half_tied_plan_is_refused_naming_both_modules_before_the_reference(tmp_path) -> None:
     with pytest.raises(CheckError) as e:
         meshlm.check(make_tied, batches(), "tp=2", plan=HALF_TIED, workdir=tmp_path)
@@ -134,23 +142,40 @@ def test_too_few_steps_is_one_line(capsys) -> None:
     assert err.count("\n") == 0 and "--steps 1" in err, err
 
 
-@pytest.mark.slow  # corpus tokenized (shared with other tests), 5 torchrun starts: 31-52 s on 2 shared cores
-def test_the_cli_fails_a_mutated_run_with_json_naming_the_module(data_cache, tmp_path, monkeypatch, capsys) -> None:
-    """`meshlm check --json` on a run's config, with the missing gradient sum over tp injected into every Python
-    process the check starts (a sitecustomize on their path): exit 1, and the JSON names lm_head."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        "from equivalence import tp_input_gradient_not_all_reduced\n\n"
-        "BUG = tp_input_gradient_not_all_reduced()  # held: a collected one would undo the patch\n"
-        "BUG.__enter__()\n"
-    )
-    monkeypatch.syspath_prepend(str(site))
+# `meshlm check --json` on a run's config: (overrides, a suite mutation injected into every Python process the
+# check starts or None, exit code, how the culprit starts)
+CLI = {
+    # Megatron's f without its backward all-reduce: named at lm_head, as through meshlm.check
+    "missing gradient sum over tp": (["--parallel.layout", "tp=2"], "tp_input_gradient_not_all_reduced", 1, "lm_head"),
+    # LoRA adapters over a frozen base at tp=2 with ZeRO-1: passes
+    "lora tp=2": (["--parallel.layout", "dp=2,tp=2", "--parallel.zero", "1", "--lora.rank", "4"], None, 0, ""),
+}
+
+
+@pytest.mark.slow  # corpus tokenized (shared with other tests), then 3-5 torchrun starts: 26-55 s on 2 shared cores
+@pytest.mark.parametrize("case", CLI)
+def test_the_cli_json_and_exit_code(case: str, data_cache, tmp_path, monkeypatch, capsys) -> None:
+    """The mutation is injected by a sitecustomize on the ranks' path (the check passes them the caller's): the
+    run's own config, the user's command, with a bug in meshlm's code."""
+    overrides, mutation, code, culprit = CLI[case]
+    if mutation:
+        site = tmp_path / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(
+            f"from equivalence import {mutation}\n\n"
+            f"BUG = {mutation}()  # held: a collected one would undo the patch\n"
+            "BUG.__enter__()\n"
+        )
+        monkeypatch.syspath_prepend(str(site))
     run = small_run_args(data_cache, tmp_path / "run")
-    assert main(["check", "--json", "--workdir", str(tmp_path / "check"), "--parallel.layout", "tp=2", *run]) == 1
+    assert main(["check", "--json", "--workdir", str(tmp_path / "check"), *overrides, *run]) == code
     out = json.loads(capsys.readouterr().out)  # stdout is the JSON alone (the tokenizer's lines go to stderr)
     assert set(out) == {"layout", "passed", "checks", "phases_s", "culprit", "kept", "shrunk"}, out
-    assert out["layout"] == "pp=1,dp=1,tp=2" and not out["passed"] and not out["checks"][0]["passed"], out
-    assert out["culprit"].startswith("lm_head: its input gradient differs"), out["culprit"]
-    assert "sharded tp dim 0" in out["culprit"] and "exact with tp=1" in out["culprit"], out["culprit"]
+    assert out["passed"] == (code == 0) and out["checks"][0]["passed"] == (code == 0), out
     assert list(out["phases_s"])[:2] == ["shrink", "data"], out["phases_s"]
+    if code:
+        assert out["culprit"].startswith(f"{culprit}: its input gradient differs"), out["culprit"]
+        assert "sharded tp dim 0" in out["culprit"] and "exact with tp=1" in out["culprit"], out["culprit"]
+    else:
+        assert [c["passed"] for c in out["checks"]] == [True, True] and not out["culprit"], out
+        assert any("LoRA" in line or "lora" in line for line in out["kept"]), out["kept"]
