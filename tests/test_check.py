@@ -72,7 +72,7 @@ PASSING = {
 }
 
 
-@pytest.mark.slow  # three torchrun starts (the layout, world 1, the resume): 17-28 s on 2 shared cores
+@pytest.mark.slow  # three torchrun starts (the layout, world 1, the resume): 17-37 s on 2 shared cores
 @pytest.mark.parametrize("case", PASSING)
 def test_correct_plan_passes(case: str, tmp_path) -> None:
     layout, parallel = PASSING[case]
@@ -116,7 +116,7 @@ def test_mutations_fail_and_are_localised(mutation: str, tmp_path) -> None:
     assert placement in out["culprit"] and f"exact with {exact}" in out["culprit"], out["culprit"]
 
 
-@pytest.mark.slow  # one torchrun start, refused: 5-11 s on 2 shared cores
+@pytest.mark.slow  # one torchrun start, refused: 5-14 s on 2 shared cores
 def test_a_half_tied_plan_is_refused_naming_both_modules_before_the_reference(tmp_path) -> None:
     with pytest.raises(CheckError) as e:
         meshlm.check(make_tied, batches(), "tp=2", plan=HALF_TIED, workdir=tmp_path)
@@ -152,7 +152,7 @@ CLI = {
 }
 
 
-@pytest.mark.slow  # corpus tokenized (shared with other tests), then 3-5 torchrun starts: 26-55 s on 2 shared cores
+@pytest.mark.slow  # corpus tokenized (shared with other tests), then 3-5 torchrun starts: 26-70 s on 2 shared cores
 @pytest.mark.parametrize("case", CLI)
 def test_the_cli_json_and_exit_code(case: str, data_cache, tmp_path, monkeypatch, capsys) -> None:
     """The mutation is injected by a sitecustomize on the ranks' path (the check passes them the caller's): the
