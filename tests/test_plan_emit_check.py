@@ -18,7 +18,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_plan_emit import INSTALL, LAUNCH, SITE, plan_args, shims, two_node_cpu_plan, typed_round_trip
+from test_plan_emit import (
+    INSTALL,
+    LAUNCH,
+    RUN_TOML,
+    SITE,
+    local_env,
+    plan_args,
+    shims,
+    small_train,
+    two_node_cpu_plan,
+    typed_round_trip,
+)
 from test_plan_skypilot import block
 
 from meshlm.cli import _config_from, build_parser, cmd_check, cmd_train
@@ -145,6 +156,28 @@ def test_the_sbatch_script_stops_on_the_real_check_refusing_the_run(tmp_path: Pa
         "training, not requeueing job 42", done.stderr  # fmt: skip
     assert lines[-2].startswith("meshlm: ") and "global_batch" in lines[-2]
     assert not (tmp_path / "trained").exists() and not (tmp_path / "requeued").exists()
+
+
+@pytest.mark.slow  # the real check (three runs of the `test` model's replica at 1 and 2 ranks), then training: ~40 s
+def test_the_sbatch_script_trains_after_the_real_check_passes(data_cache: str, tmp_path: Path) -> None:
+    """One node of two cpu ranks: the real `meshlm check` passes on the run's own config (and the overrides
+    given to the script), leaves .check-passed, and the script's `meshlm launch` trains the run to its end."""
+    config, calibration = tmp_path / "run.toml", tmp_path / "cal.json"
+    config.write_text(RUN_TOML)
+    calibration.write_text(json.dumps({"device": "cpu", "gpus_per_node": 2}))
+    script = tmp_path / "job.sbatch"
+    assert run_plan(plan_args("--model", str(config), "--gpu", "cpu", "--gpus", "2", "--calibration", str(calibration),
+                              "--top", "1", "--emit", "slurm", "--emit-to", str(script), "--install", INSTALL,
+                              "--check")) == 0  # fmt: skip
+    env = local_env(tmp_path)
+    done = subprocess.run(["bash", str(script), *small_train(data_cache, 4)], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    assert "PASS: the layout reproduces one process" in done.stdout
+    run_dir = tmp_path / "run"
+    assert (run_dir / ".check-passed").is_file() and (run_dir / "check" / "layout").is_dir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in records if r["kind"] == "train"][-1] == 4
 
 
 def pod(script: str, name: str, env: dict[str, str]) -> subprocess.Popen:
