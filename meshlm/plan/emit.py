@@ -443,6 +443,8 @@ def _kubernetes_check(launch: Launch, image: str, run_dir: str, data: str, comma
         'mkdir -p "$MESHLM_RUN_DIR"',
         'HOST="${PET_RDZV_ENDPOINT:?set by the training operator}"',
         'HOST="${HOST%:*}"',
+        "# this pod's hostname, its name: from the container runtime, else the kernel's",
+        'ME="${HOSTNAME:-$(cat /proc/sys/kernel/hostname)}"',
         "# --check: `meshlm check` trains a shrunken replica of this run on this node's CPUs at world 1 and at the",
         "# layout mapped onto a few ranks and compares them (docs/check.md), on the first worker only, before",
         "# any training; once per arguments and image (.check-passed, .check-failed in the run directory)",
@@ -455,7 +457,7 @@ def _kubernetes_check(launch: Launch, image: str, run_dir: str, data: str, comma
         '    echo "meshlm: meshlm check failed before with these arguments: not training (remove'
         ' $MESHLM_RUN_DIR/.check-failed to check again)" >&2',
         "    return 1",
-        '  elif [ "$HOST" = "${HOSTNAME:-}" ]; then',
+        '  elif [ "$HOST" = "$ME" ]; then',
         '    meshlm check "$@" || {',
         "      CHECK_RC=$?",
         '      cp "$ARGS" "$MESHLM_RUN_DIR/.check-failed"',
