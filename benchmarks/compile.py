@@ -20,8 +20,8 @@ from side_by_side import one_process, step_arguments
 
 from meshlm.config import ParallelSection
 from meshlm.model import Transformer
+from meshlm.parallel.compile import compile_blocks
 from meshlm.parallel.engine import ParallelModel
-from meshlm.train.compile import compile_blocks
 from meshlm.train.optim import build_optimizer, train_step
 
 
@@ -35,7 +35,7 @@ def main() -> None:
         torch.manual_seed(0)
         models[name] = ParallelModel(Transformer(cfg), mesh, ParallelSection(), n_micro=1)
         optimizers[name] = build_optimizer(models[name], train)
-    compile_blocks(models["compiled"], args.backend)
+    compile_blocks(models["compiled"].chunks, models["compiled"].plan, args.backend)
 
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=g) for _ in range(args.steps)]

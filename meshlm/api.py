@@ -19,7 +19,7 @@ other layout. meshlm's own trainer is built on exactly these calls (meshlm.train
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from meshlm.checkpoint import (
 )
 from meshlm.parallel.distributed import init_distributed, resolve_device
 from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.fp8 import check_fp8_device
 from meshlm.parallel.materialize import is_meta_model
 from meshlm.parallel.mesh import Mesh, build_mesh, parse_layout
 from meshlm.parallel.options import Loss, ParallelOptions
@@ -77,6 +78,8 @@ def parallelize(
     loss: Loss | None = None,
     micro_batches: int = 1,
     autocast_dtype: torch.dtype | None = None,
+    fp8: bool | Literal["emulate"] = False,
+    compile_backend: str | None = None,
 ) -> ParallelModel:
     """Apply the mesh's layout to `model` in place, as `plan` (default: the plan registered for the model's
     class, else DP/ZeRO only) says: tensor parallel, then pipeline stages, then data parallel / ZeRO.
@@ -94,10 +97,15 @@ def parallelize(
     is what `forward_backward` averages over the targets that are not `loss.ignore_index` in the whole global
     batch; `Loss(gather_logits=True)` gives a tp model full logits for a loss of one's own, `Loss(fused=True)`
     computes the default loss with the vocabulary head, chunk by chunk. Under a `cp` mesh dimension
-    `forward_backward` takes full rows, the model itself `seq_shard` of them."""
+    `forward_backward` takes full rows, the model itself `seq_shard` of them. `fp8=True` makes the blocks'
+    Linear layers multiply in fp8 (an FP8 GPU; "emulate" runs the same quantisation anywhere) and
+    `compile_backend` ("inductor", "aot_eager") torch.compiles each block, both after the parallel transforms,
+    as `train.fp8` and `train.compile` do."""
     parallel = ParallelOptions.of(options)
     loss = loss or Loss()
     device = torch.device(mesh.device_mesh.device_type)
+    if fp8 is True:
+        check_fp8_device(torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device)
     if device.type == "cuda" and not is_meta_model(model):
         model.to(torch.device("cuda", torch.cuda.current_device()))
     return ParallelModel(
@@ -111,6 +119,8 @@ def parallelize(
         loss.gather_logits,
         loss.ignore_index,
         loss.fused,
+        fp8,
+        compile_backend,
     )
 
 

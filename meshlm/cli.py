@@ -334,17 +334,7 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    version = sys.modules["meshlm"].__version__  # the package (above this module's layer), imported before it
-    parser = Parser(prog="meshlm", description="Train Llama-style models on a device mesh.")
-    parser.add_argument("--version", action="version", version=f"meshlm {version}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    with_fields = {"epilog": reference_help(), "formatter_class": argparse.RawDescriptionHelpFormatter}
-    p = sub.add_parser("train", help="train (or resume) a run; any config field: --section.field VALUE", **with_fields)
-    p.add_argument("--config", help="TOML config file (defaults apply to everything it omits)")
-    p.set_defaults(func=cmd_train)
-
+def add_check_parser(sub: argparse._SubParsersAction, with_fields: dict) -> None:
     p = sub.add_parser(
         "check",
         help="prove a run exact before it starts: a shrunken CPU replica of its model, plan, data and layout "
@@ -359,18 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="where the replica's runs go (default: a fresh temporary directory)")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser(
-        "launch",
-        help="torchrun with torchrun's own arguments, e.g. `meshlm launch --nproc-per-node 4 -m meshlm.cli train "
-        "--config run.toml`; exits 0 after a clean preemption and says a failure in one line",
-    )
-    p.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="exactly what torchrun takes")
 
-    p = sub.add_parser("eval", help="validation loss of a run's newest checkpoint")
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--batches", type=int, help="validation batches (default: the run's train.eval_batches)")
-    p.set_defaults(func=cmd_eval)
-
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="sample text from a run's newest checkpoint")
     p.add_argument("run_dir", type=Path, help="a meshlm run directory (log.run_dir of the run)")
     p.add_argument("--prompt", type=_prompt, default="def ", help="text to continue (default: %(default)r)")
@@ -384,6 +364,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_integer(1), default=50, help="sample among the k likeliest tokens (default: 50)")
     p.add_argument("--seed", type=_integer(0), default=0, help="random seed of the sampling (default: 0)")
     p.set_defaults(func=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    version = sys.modules["meshlm"].__version__  # the package (above this module's layer), imported before it
+    parser = Parser(prog="meshlm", description="Train Llama-style models on a device mesh.")
+    parser.add_argument("--version", action="version", version=f"meshlm {version}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    with_fields = {"epilog": reference_help(), "formatter_class": argparse.RawDescriptionHelpFormatter}
+    p = sub.add_parser("train", help="train (or resume) a run; any config field: --section.field VALUE", **with_fields)
+    p.add_argument("--config", help="TOML config file (defaults apply to everything it omits)")
+    p.set_defaults(func=cmd_train)
+
+    add_check_parser(sub, with_fields)
+
+    p = sub.add_parser(
+        "launch",
+        help="torchrun with torchrun's own arguments, e.g. `meshlm launch --nproc-per-node 4 -m meshlm.cli train "
+        "--config run.toml`; exits 0 after a clean preemption and says a failure in one line",
+    )
+    p.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="exactly what torchrun takes")
+
+    p = sub.add_parser("eval", help="validation loss of a run's newest checkpoint")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--batches", type=int, help="validation batches (default: the run's train.eval_batches)")
+    p.set_defaults(func=cmd_eval)
+
+    add_generate_parser(sub)
 
     from meshlm.data.shards import SHARD_TOKENS
 

@@ -18,13 +18,14 @@ from distributed import run_shared
 from equivalence import LOSS_RTOL
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+import meshlm
 from meshlm.config import ParallelSection, load_config, parse_overrides
 from meshlm.model import Transformer, preset
 from meshlm.model.llama import Attention
+from meshlm.parallel.compile import compile_blocks
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.train import trainer as trainer_module
-from meshlm.train.compile import compile_blocks
 from meshlm.train.optim import train_step
 from meshlm.train.parts import Callback
 
@@ -32,9 +33,11 @@ from meshlm.train.parts import Callback
 def _losses(layout: str, compiled: bool, backend: str = "aot_eager") -> list[float]:
     torch.manual_seed(0)
     mesh = build_mesh(parse_layout(layout, torch.distributed.get_world_size()), "cpu")
-    pm = ParallelModel(Transformer(preset("test")), mesh, ParallelSection(), n_micro=1)
-    if compiled:
-        assert compile_blocks(pm, backend) == preset("test").n_layers
+    pm = meshlm.parallelize(Transformer(preset("test")), mesh, compile_backend=backend if compiled else None)
+    blocks = pm.chunks[0].model.layers.values()
+    assert sum(block._compiled_call_impl is not None for block in blocks) == (
+        preset("test").n_layers if compiled else 0
+    )
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1)
     losses = []
@@ -74,7 +77,8 @@ def _inductor_cache_folder(capability: str | None, folder_before: str | None) ->
         given = {"ATEN_CPU_CAPABILITY": capability, "TORCHINDUCTOR_CACHE_DIR": folder_before}
         os.environ.update({key: value for key, value in given.items() if value is not None})
         mesh = build_mesh(parse_layout("dp=1", 1), "cpu")
-        compile_blocks(ParallelModel(Transformer(preset("test")), mesh, ParallelSection(), n_micro=1), "inductor")
+        pm = ParallelModel(Transformer(preset("test")), mesh, ParallelSection(), n_micro=1)
+        compile_blocks(pm.chunks, pm.plan, "inductor")
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 

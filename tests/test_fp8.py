@@ -10,12 +10,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_shared
 
+import meshlm
 from meshlm.config import ConfigError, ParallelSection, load_config, parse_overrides
 from meshlm.errors import InputError
 from meshlm.model import ModelConfig, Transformer, cross_entropy_loss
 from meshlm.parallel import fp8
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.fp8 import E4M3, E5M2, FP8Unsupported, apply_fp8, dequantize, fp8_linear, quantize, swap_to_fp8
+from meshlm.parallel.fp8 import (
+    E4M3,
+    E5M2,
+    Float8Linear,
+    FP8Unsupported,
+    apply_fp8,
+    dequantize,
+    fp8_linear,
+    quantize,
+    swap_to_fp8,
+)
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from meshlm.train import trainer as trainer_module
@@ -144,7 +155,7 @@ def _tp_job() -> dict:
     mesh = build_mesh(parse_layout("tp=2", 2), "cpu")
     torch.manual_seed(0)
     pm = ParallelModel(Transformer(MODEL), mesh, ParallelSection(layout="tp=2"), n_micro=1)
-    swapped = apply_fp8(pm, emulate=True)
+    swapped = apply_fp8(pm.chunks, pm.plan, emulate=True)
     kinds = sorted(
         {type(m).__name__ for m in pm.chunks[0].modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
     )
@@ -154,8 +165,10 @@ def _tp_job() -> dict:
     # ZeRO-3 over the same two ranks: the swapped layers compute on the gathered weights, which are views of
     # flat buffers freed between uses; one step trains every shard.
     torch.manual_seed(0)
-    zero3 = ParallelModel(Transformer(MODEL), build_mesh(parse_layout("dp=2", 2), "cpu"), ParallelSection(zero=3), 1)
-    zero3_swapped = apply_fp8(zero3, emulate=True)
+    zero3 = meshlm.parallelize(
+        Transformer(MODEL), build_mesh(parse_layout("dp=2", 2), "cpu"), {"zero": 3}, fp8="emulate"
+    )
+    zero3_swapped = [name for name, m in zero3.chunks[0].named_modules() if isinstance(m, Float8Linear)]
     rows = slice(rank * 2, rank * 2 + 2)
     zero3_loss = zero3.forward_backward(data[rows, :-1], data[rows, 1:])
     zero3.clip_grad_norm_(1.0)

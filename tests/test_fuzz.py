@@ -383,6 +383,9 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["prepare-data", "--data.seq_len", "-1"], "data.seq_len"),
     (["prepare-data", "--config", "/nonexistent.toml"], "/nonexistent.toml"),
     # eval / generate
+    (["check", "--steps", "1"], "--steps"),
+    (["check", "--world", "9"], "dp=9"),
+    (["check", "--parallel.layout", "dp=2,tp=3"], "tp"),
     (["eval", "/nonexistent-run"], "/nonexistent-run"),
     (["eval", "/nonexistent-run", "--batches", "x"], "--batches"),
     (["eval"], "run_dir"),

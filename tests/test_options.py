@@ -32,9 +32,14 @@ def test_the_config_section_is_the_options_plus_layout_and_timeout() -> None:
 
 
 def test_parallelize_takes_the_options_whole() -> None:
-    """No option is a keyword argument of its own (they drifted: zero_reduce_dtype was missing)."""
+    """No parallel option is a keyword argument of its own (they drifted: zero_reduce_dtype was missing); the
+    keywords are the model's plan and loss, the step's accumulation and dtype, and the transforms after the
+    parallel ones (fp8, compile_backend: train.fp8 and train.compile's backend in a run config)."""
     params = inspect.signature(meshlm.parallelize).parameters
-    assert set(params) == {"model", "mesh", "options", "plan", "loss", "micro_batches", "autocast_dtype"}
+    assert set(params) == {
+        "model", "mesh", "options", "plan", "loss", "micro_batches", "autocast_dtype", "fp8", "compile_backend"
+    }  # fmt: skip
+    assert not OPTIONS & set(params)
     assert "ParallelOptions" in str(params["options"].annotation)
 
 

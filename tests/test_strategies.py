@@ -28,12 +28,14 @@ MODEL = preset("test")
 
 def test_strategies_compose_in_order() -> None:
     """tp swaps modules before the fused head sees them; pipeline splits before data parallel lays parameters
-    out (and materialises a meta model); data parallel always runs, every other one only on its own dimension."""
-    assert [s.dim for s in STRATEGIES] == ["tp", "", "cp", "ep", "pp", "dp"]
+    out (and materialises a meta model); FP8 swaps the Linear layers of what runs and compilation comes last;
+    data parallel and the transforms always run (each transform acts when its build asks), every other
+    strategy only on its own dimension."""
+    assert [s.dim for s in STRATEGIES] == ["tp", "", "cp", "ep", "pp", "dp", "", ""]
     world1 = [type(s).__name__ for s in STRATEGIES if s.enabled(Layout(), ParallelOptions())]
-    assert world1 == ["FusedLoss", "DataParallelism"]
+    assert world1 == ["FusedLoss", "DataParallelism", "FP8", "Compile"]
     every = [s.dim for s in STRATEGIES if s.enabled(Layout(pp=2, tp=2, cp=2, ep=2), ParallelOptions(zero=3))]
-    assert every == ["tp", "", "cp", "ep", "pp", "dp"]
+    assert every == ["tp", "", "cp", "ep", "pp", "dp", "", ""]
 
 
 class NoOddData:

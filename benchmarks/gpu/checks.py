@@ -176,7 +176,7 @@ def check_cuda_defaults(device: torch.device) -> dict:
     import tempfile
 
     from meshlm.config import Config
-    from meshlm.train import startup
+    from meshlm.parallel import compile as compile_module
     from meshlm.train import trainer as trainer_module
 
     seen = {}
@@ -189,8 +189,8 @@ def check_cuda_defaults(device: torch.device) -> dict:
     original = trainer_module.Trainer.run
     trainer_module.Trainer.run = capture
     compiled = []
-    original_compile = startup.compile_blocks
-    startup.compile_blocks = lambda model, backend: compiled.append(backend) or 0
+    original_compile = compile_module.compile_blocks
+    compile_module.compile_blocks = lambda chunks, plan, backend: compiled.append(backend) or 0
     try:
         with tempfile.TemporaryDirectory() as run_dir:
             cfg = Config.model_validate(
@@ -205,7 +205,7 @@ def check_cuda_defaults(device: torch.device) -> dict:
             trainer_module.fit(cfg, data=data)
     finally:
         trainer_module.Trainer.run = original
-        startup.compile_blocks = original_compile
+        compile_module.compile_blocks = original_compile
     seen["compiled"] = bool(compiled)
     cuda = device.type == "cuda"
     want = {"sync_every": 0 if cuda else 1, "device_guard": cuda, "fused": cuda, "compiled": cuda}

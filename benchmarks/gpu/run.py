@@ -81,9 +81,7 @@ def meshlm_system(cfg, row: Row, device: torch.device, backend: str, emulate_fp8
     from meshlm.config import ParallelSection, TrainSection
     from meshlm.model import Transformer
     from meshlm.parallel.engine import ParallelModel
-    from meshlm.parallel.fp8 import apply_fp8
     from meshlm.parallel.mesh import build_mesh, parse_layout
-    from meshlm.train.compile import compile_blocks
     from meshlm.train.optim import build_optimizer, device_train_step
 
     train = TrainSection(global_batch=row.batch, warmup_steps=0)
@@ -91,11 +89,11 @@ def meshlm_system(cfg, row: Row, device: torch.device, backend: str, emulate_fp8
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=0)
     autocast = torch.bfloat16 if device.type == "cuda" else None
-    pm = ParallelModel(model, mesh, ParallelSection(), n_micro=1, autocast_dtype=autocast)
-    if row.fp8:
-        apply_fp8(pm, emulate=emulate_fp8)
-    if row.compiled:
-        compile_blocks(pm, backend)
+    fp8 = ("emulate" if emulate_fp8 else True) if row.fp8 else False
+    pm = ParallelModel(
+        model, mesh, ParallelSection(), n_micro=1, autocast_dtype=autocast, fp8=fp8,
+        compile_backend=backend if row.compiled else None,
+    )  # fmt: skip
     opt = build_optimizer(pm, train, fused=device.type == "cuda")
     return lambda x, y: device_train_step(pm, opt, x, y, train.lr, train.grad_clip)[0]
 

@@ -81,13 +81,20 @@ class Record(Callback):
         whole = {
             name: p.detach().float().clone()
             for name, p in model.named_parameters()
-            if model.placements[p].tp is None and model.placements[p].ep is None
+            if model.placements[p].tp is None and model.placements[p].ep is None and resident(p)
         }
         every: list[tuple] = [() for _ in range(dist.get_world_size())]
         dist.all_gather_object(every, (mine, whole))
         for found, copies in every:
             self.placements.update(found)
             self.copies.append(copies)
+
+
+def resident(param: torch.Tensor) -> bool:
+    """Whether this rank holds `param`'s values now: ZeRO-3 frees the gathered weights between uses (their
+    storage is empty; the values live only in the shards, which full_state_dict gathers), and reading such a
+    parameter reads freed memory."""
+    return param.untyped_storage().nbytes() >= (param.storage_offset() + param.numel()) * param.element_size()
 
 
 def resolve(value: object) -> object:

@@ -88,7 +88,9 @@ class ParallelModel:
     vocabulary head, chunk by chunk, never materialising the logits (meshlm.parallel.fused_loss; the head
     returns them again in eval). `model` may be built on the `meta` device: each rank then
     materialises only its shard (see the module docstring), on the mesh's device. `parallel` is a
-    ParallelOptions (the run config's ParallelSection is one) or a dict of its fields."""
+    ParallelOptions (the run config's ParallelSection is one) or a dict of its fields. `fp8` (True, or
+    "emulate" off FP8 GPUs) swaps the blocks' Linear layers to fp8 matmuls and `compile_backend` compiles each
+    block, both after the parallel transforms (meshlm.parallel.fp8, meshlm.parallel.compile)."""
 
     def __init__(
         self,
@@ -102,6 +104,8 @@ class ParallelModel:
         gather_logits: bool = False,
         ignore_index: int = IGNORE_INDEX,
         fused_loss: bool = False,
+        fp8: bool | str = False,
+        compile_backend: str | None = None,
     ) -> None:
         parallel = ParallelOptions.of(parallel)
         self.mesh = mesh
@@ -140,6 +144,8 @@ class ParallelModel:
             gather_logits=gather_logits,
             fused_loss=fused_loss,
             ignore_index=ignore_index,
+            fp8=fp8,
+            compile_backend=compile_backend,
             placements=self.placements,
         )
         self.applied: list[Applied] = apply_strategies(build)  # their run-time hooks, in composition order

@@ -26,7 +26,7 @@ from torch import nn
 from meshlm.errors import InputError
 
 if TYPE_CHECKING:
-    from meshlm.parallel.engine import ParallelModel
+    from meshlm.parallel.plan import ParallelPlan
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -145,16 +145,16 @@ def swap_to_fp8(blocks: list[nn.Module], emulate: bool = False) -> list[str]:
     return swapped
 
 
-def apply_fp8(model: ParallelModel, emulate: bool = False) -> list[str]:
-    """Swap the Linear layers of every block this rank holds (the plan's pipeline layers) to fp8, after
-    parallelization and before compilation; returns the swapped names. Refused in one line for a plan that
-    names no layers and under sequence parallelism (its column-parallel matmul saves only a sequence shard,
-    in the working dtype)."""
-    layers = model.plan.pipeline.layers if model.plan.pipeline is not None else None
+def apply_fp8(chunks: list[nn.Module], plan: ParallelPlan, emulate: bool = False) -> list[str]:
+    """Swap the Linear layers of every block of this rank's model chunks (the plan's pipeline layers) to fp8,
+    after parallelization and before compilation; returns the swapped names. Refused in one line for a plan
+    that names no layers and under sequence parallelism (its column-parallel matmul saves only a sequence
+    shard, in the working dtype)."""
+    layers = plan.pipeline.layers if plan.pipeline is not None else None
     if not layers:
-        raise FP8Unsupported(f"train.fp8: the parallel plan {model.plan.name!r} names no transformer blocks")
+        raise FP8Unsupported(f"train.fp8: the parallel plan {plan.name!r} names no transformer blocks")
     blocks = []
-    for chunk in model.chunks:
+    for chunk in chunks:
         container = chunk.get_submodule(layers)
         blocks += list(container.values() if isinstance(container, nn.ModuleDict) else container)
     if any(getattr(getattr(m, "tp", None), "sequence_parallel", False) for b in blocks for m in b.modules()):

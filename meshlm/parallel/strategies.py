@@ -26,7 +26,8 @@ the fused loss (not a mesh dimension, but a transform of the head that must see 
 cross-entropy; context parallel swaps the attention cores; expert parallel keeps this rank's experts; pipeline
 parallel keeps this rank's stages; data parallel / ZeRO lays out what is left (materialising a meta-built
 model's shard on the device) and owns gradient reduction: it sets `build.grads`, the one owner of the gradients
-and optimizer tensors (meshlm.parallel.gradients). A new strategy is one class here and one module.
+and optimizer tensors (meshlm.parallel.gradients); FP8 swaps the blocks' Linear layers and Compile compiles the
+blocks (transforms of what runs, no mesh dimension). A new strategy is one class here and one module.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class Build:
     gather_logits: bool = False
     fused_loss: bool = False
     ignore_index: int = -100
+    fp8: bool | str = False  # True, or "emulate" (the same quantisation through an fp32 matmul: CPU tests)
+    compile_backend: str | None = None  # torch.compile each block with this backend; None: eager
     placements: Placements = field(default_factory=_placements)  # where each parameter lives (readers' table)
     chunks: list[nn.Module] = field(default_factory=list)
     pipeline: PipelineSchedule | None = None
@@ -351,6 +354,56 @@ class DataParallelism:
         return DataParallelHooks(build.grads, mesh)
 
 
+class FP8:
+    """meshlm.parallel.fp8: the blocks' Linear layers multiply in fp8 (tensorwise dynamic scales); a module swap
+    on what the strategies above left (tp's sharded linears keep their collectives), same parameters, so data
+    parallel's buffers and hooks stay. Not exact against one process by design (each rank scales its own
+    operands): tests/test_fp8.py bounds it."""
+
+    dim = ""
+
+    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
+        return True
+
+    def check_layout(self, spec: LayoutSpec) -> None:
+        pass
+
+    def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
+        pass
+
+    def apply(self, build: Build) -> Applied:
+        from meshlm.parallel.fp8 import apply_fp8
+        from meshlm.parallel.runtime import Applied
+
+        if build.fp8:
+            apply_fp8(build.chunks, build.plan, emulate=build.fp8 == "emulate")
+        return Applied()
+
+
+class Compile:
+    """meshlm.parallel.compile: torch.compile each block this rank holds, last, so the graphs are of the modules
+    that run (tp's collectives inside, pipeline sends and ZeRO-3 gathers between blocks, eager)."""
+
+    dim = ""
+
+    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
+        return True
+
+    def check_layout(self, spec: LayoutSpec) -> None:
+        pass
+
+    def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
+        pass
+
+    def apply(self, build: Build) -> Applied:
+        from meshlm.parallel.compile import compile_blocks
+        from meshlm.parallel.runtime import Applied
+
+        if build.compile_backend:
+            compile_blocks(build.chunks, build.plan, build.compile_backend)
+        return Applied()
+
+
 STRATEGIES: tuple[Strategy, ...] = (
     TensorParallel(),
     FusedLoss(),
@@ -358,6 +411,8 @@ STRATEGIES: tuple[Strategy, ...] = (
     ExpertParallel(),
     PipelineParallel(),
     DataParallelism(),
+    FP8(),
+    Compile(),
 )
 
 

@@ -227,6 +227,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     out.add_argument("--top", type=positive, default=10, help="layouts to show")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
     out.add_argument("--emit", choices=list(EMIT_SUFFIX), help="write a launch file for the best plan")
+    out.add_argument("--check", action="store_true", help="the launch file runs `meshlm check` with the run's "
+                     "config on one node before training, which a failure stops (docs/check.md)")  # fmt: skip
     out.add_argument("--emit-to", type=Path, help="where to write it (default: meshlm-NAME.sbatch / .pytorchjob.json"
                      " / .sky.yaml)")  # fmt: skip
     out.add_argument("--image", help="container image with meshlm installed (--emit kubernetes)")
@@ -286,6 +288,8 @@ def _request(args: argparse.Namespace) -> Request:
     train_tokens = args.train_tokens or source.train_tokens or TOKENS_PER_PARAM * param_counts(model)["total"]
     precision = args.precision or source.precision or ("fp32" if hw.shared_node else "bf16")
     w = Workload(model, seq_len, global_batch, train_tokens, precision, source.name, args.lora_rank or 0)
+    if args.check and not args.emit:
+        raise PlanError("--check goes into a launch file: it needs --emit slurm, kubernetes or skypilot")
     if args.emit == "kubernetes" and not args.image:
         raise PlanError("--emit kubernetes needs --image (the container image with meshlm installed)")
     if args.emit == "skypilot" and not args.bucket:
@@ -418,7 +422,7 @@ def _emit(args: argparse.Namespace, r: Request, plan: Plan, pick: Estimate | Non
     launch = dataclasses.replace(launch, summary=summary)
     site = Site(args.data_source or r.source.data_source or "", args.install or "", args.run_dir or "",
                 args.time_limit, partition=args.partition, account=args.account, pvc=args.pvc, bucket=args.bucket or "",
-                spot_selector=args.spot_selector)  # fmt: skip
+                spot_selector=args.spot_selector, check=args.check)  # fmt: skip
     if args.emit == "slurm":
         text = slurm(launch, site)
     elif args.emit == "kubernetes":

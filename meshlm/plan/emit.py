@@ -66,6 +66,7 @@ class Site:
     pvc: str = PVC
     spot_selector: str = "karpenter.sh/capacity-type=spot"
     bucket: str = ""
+    check: bool = False  # --check: `meshlm check` on one node before training (`check_block`)
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,40 @@ def comment(text: str) -> str:
     return " ".join(text.split())
 
 
+def check_args(launch: Launch, data: list[str], workdir: str) -> str:
+    """`meshlm check`'s arguments as shell words: the target world (the plan's GPUs; an elastic layout names no
+    dp), where the replica's runs go, and then exactly the run's own `meshlm train` arguments and data
+    (`data`: words written as they are, e.g. '"$MESHLM_CACHE_DIR"')."""
+    own = shlex.join(["--world", str(launch.nodes * launch.nproc_per_node)])
+    return " ".join([own, "--workdir", workdir, shlex.join(launch.train_args), *data])
+
+
+def check_block(identity: str, args: str, failed: str) -> list[str]:
+    """POSIX sh lines that run `meshlm check ARGS` before any training, unless the same arguments and install
+    (`identity`, a shell word) passed before in MESHLM_RUN_DIR (.check-passed), so a requeued or recovered job
+    does not check again. A check that fails (exit != 0: 1 a difference, 2 bad input) prints `failed`, one
+    line that may name CHECK_RC, and the script exits with its code."""
+    return [
+        "# --check: `meshlm check` trains a shrunken replica of this run on this node's CPUs at world 1 and at the",
+        "# layout mapped onto a few ranks and compares them (docs/check.md), before any training; once per",
+        "# arguments and install (.check-passed), so a resumed job does not check again",
+        "meshlm_check() {",
+        f'  printf \'%s\\0\' {identity} "$@" > "$MESHLM_RUN_DIR/.check-args"',
+        '  if cmp -s "$MESHLM_RUN_DIR/.check-args" "$MESHLM_RUN_DIR/.check-passed"; then',
+        '    echo "meshlm: meshlm check passed before with these arguments ($MESHLM_RUN_DIR/.check-passed)"',
+        "    return 0",
+        "  fi",
+        '  meshlm check "$@" || {',
+        "    CHECK_RC=$?",
+        f"    echo {failed} >&2",
+        '    return "$CHECK_RC"',
+        "  }",
+        '  mv -f "$MESHLM_RUN_DIR/.check-args" "$MESHLM_RUN_DIR/.check-passed"',
+        "}",
+        f"meshlm_check {args} || exit",
+    ]
+
+
 def slurm(launch: Launch, site: Site) -> str:
     """An sbatch script: one task per node runs a `meshlm launch` agent; the first node hosts the
     rendezvous. `--no-kill` keeps the allocation when a node dies (the agents re-form the group on the
@@ -255,6 +290,13 @@ def slurm(launch: Launch, site: Site) -> str:
     options += [f"--account={slurm_name('--account', site.account)}"] if site.account else []
     header = "".join(f"#SBATCH {option}\n" for option in options)
     run_dir = shlex.quote(site.run_dir) if site.run_dir else f'"$SLURM_SUBMIT_DIR"/runs/{name}'
+    data = ["--data.source", shlex.quote(site.data_source), "--data.cache_dir", '"$MESHLM_CACHE_DIR"']
+    check = ""
+    if site.check:  # in this batch shell: on the allocation's first node, before `srun` starts any training
+        failed = ('"meshlm: meshlm check failed (exit $CHECK_RC; its report is above): not training, not '
+                  'requeueing job $SLURM_JOB_ID"')  # fmt: skip
+        args = check_args(launch, [*data, '"$@"'], '"$MESHLM_RUN_DIR/check"')
+        check = "".join(line + "\n" for line in check_block('"$MESHLM_INSTALL"', args, failed))
     return f"""#!/bin/bash
 #SBATCH --job-name={name}
 #SBATCH --nodes={launch.nodes + launch.spares}
@@ -290,7 +332,7 @@ if [ "$(cat "$MESHLM_VENV/.meshlm-install" 2>/dev/null)" != "$MESHLM_INSTALL" ];
     || {{ echo "meshlm: could not install $MESHLM_INSTALL into $MESHLM_VENV" >&2; exit 1; }}
 fi
 export PATH="$MESHLM_VENV/bin:$PATH"
-# meshlm launch writes this file when a signal stopped it after its workers saved: Slurm delivers the
+{check}# meshlm launch writes this file when a signal stopped it after its workers saved: Slurm delivers the
 # time limit's --signal and a preemption's SIGTERM to the step's tasks, not to this shell
 export MESHLM_STOPPED_FILE="$MESHLM_RUN_DIR/.stopped-$SLURM_JOB_ID"
 rm -f "$MESHLM_STOPPED_FILE"
@@ -330,9 +372,10 @@ def kubernetes(launch: Launch, site: Site, image: str) -> str:
     JSON, which is valid YAML."""
     name = job_name(launch.name)
     run_dir = f"{RUN_MOUNT}/{name}"
-    command = ["meshlm", "launch", "-m", "meshlm.cli", "train", *launch.train_args, "--data.source",
-               site.data_source, "--data.cache_dir", f"{RUN_MOUNT}/.cache/meshlm",
-               "--log.run_dir", run_dir]  # fmt: skip
+    data = ["--data.source", site.data_source, "--data.cache_dir", f"{RUN_MOUNT}/.cache/meshlm"]
+    command = ["meshlm", "launch", "-m", "meshlm.cli", "train", *launch.train_args, *data, "--log.run_dir", run_dir]
+    if site.check:
+        command = ["sh", "-c", _kubernetes_check(launch, image, run_dir, shlex.join(data), command)]
     shm = f"{SHM_GB_PER_GPU * max(1, launch.nproc_per_node)}Gi"
     limits = {"nvidia.com/gpu": str(launch.nproc_per_node)} if launch.gpu else {}  # quantities are strings
     pod: dict[str, object] = {
@@ -382,6 +425,63 @@ def kubernetes(launch: Launch, site: Site, image: str) -> str:
     return json.dumps(job, indent=2, ensure_ascii=False) + "\n"
 
 
+CHECK_POLL_S = 2  # Kubernetes: how often the other workers look for the first worker's verdict
+
+
+def _kubernetes_check(launch: Launch, image: str, run_dir: str, data: str, command: list[str]) -> str:
+    """--check: the container's command as a POSIX sh script. The first worker (the rendezvous host the
+    operator names in PET_RDZV_ENDPOINT) runs `meshlm check` with the run's arguments, once per arguments and
+    image, and leaves its verdict in the run directory on the shared claim (.check-passed, .check-failed); the
+    other workers wait for it. Only after a pass does any worker exec `command` (`meshlm launch`, which gets
+    the kubelet's SIGTERM); after a failure every worker exits with one line, and a restarted pod does not
+    check again (remove .check-failed to)."""
+    args = check_args(launch, [data], shlex.quote(f"{run_dir}/check"))
+    failed = '"meshlm: meshlm check failed (exit $CHECK_RC; its report is above): not training"'
+    lines = [
+        "set -u",
+        f"MESHLM_RUN_DIR={shlex.quote(run_dir)}",
+        'mkdir -p "$MESHLM_RUN_DIR"',
+        'HOST="${PET_RDZV_ENDPOINT:?set by the training operator}"',
+        'HOST="${HOST%:*}"',
+        "# this pod's hostname, its name: from the container runtime, else the kernel's",
+        'ME="${HOSTNAME:-$(cat /proc/sys/kernel/hostname)}"',
+        "# --check: `meshlm check` trains a shrunken replica of this run on this node's CPUs at world 1 and at the",
+        "# layout mapped onto a few ranks and compares them (docs/check.md), on the first worker only, before",
+        "# any training; once per arguments and image (.check-passed, .check-failed in the run directory)",
+        "meshlm_check() {",
+        '  ARGS="${TMPDIR:-/tmp}/meshlm-check-args"',
+        f'  printf \'%s\\0\' {shlex.quote(image)} "$@" > "$ARGS"',
+        '  if cmp -s "$ARGS" "$MESHLM_RUN_DIR/.check-passed"; then',
+        '    echo "meshlm: meshlm check passed before with these arguments ($MESHLM_RUN_DIR/.check-passed)"',
+        '  elif cmp -s "$ARGS" "$MESHLM_RUN_DIR/.check-failed"; then',
+        '    echo "meshlm: meshlm check failed before with these arguments: not training (remove'
+        ' $MESHLM_RUN_DIR/.check-failed to check again)" >&2',
+        "    return 1",
+        '  elif [ "$HOST" = "$ME" ]; then',
+        '    meshlm check "$@" || {',
+        "      CHECK_RC=$?",
+        '      cp "$ARGS" "$MESHLM_RUN_DIR/.check-failed"',
+        f"      echo {failed} >&2",
+        '      return "$CHECK_RC"',
+        "    }",
+        '    cp "$ARGS" "$MESHLM_RUN_DIR/.check-passed"',
+        "  else",
+        '    echo "meshlm: waiting for meshlm check on $HOST"',
+        '    until cmp -s "$ARGS" "$MESHLM_RUN_DIR/.check-passed"; do',
+        '      if cmp -s "$ARGS" "$MESHLM_RUN_DIR/.check-failed"; then',
+        '        echo "meshlm: meshlm check failed on $HOST: not training" >&2',
+        "        return 1",
+        "      fi",
+        f"      sleep {CHECK_POLL_S}",
+        "    done",
+        "  fi",
+        "}",
+        f"meshlm_check {args} || exit",
+        f"exec {shlex.join(command)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 SKYPILOT_ACCELERATORS = {"A100-40GB": "A100", "A100-80GB": "A100-80GB", "H100-SXM": "H100", "H200": "H200"}
 
 
@@ -416,6 +516,15 @@ def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
         setup = shlex.join(["pip", "install", f"/meshlm-dist/{wheel}"])
     else:
         setup = shlex.join(["pip", "install", site.install])
+    setup_lines = [setup]
+    if site.check:  # `run` starts on no node before every node's setup has ended
+        failed = '"meshlm: meshlm check failed (exit $CHECK_RC; its report is above): not training"'
+        data = ['--data.source "$MESHLM_DATA" --data.cache_dir "$MESHLM_CACHE_DIR" ${MESHLM_TRAIN_ARGS:-}']
+        args = check_args(launch, data, '"$MESHLM_RUN_DIR/check"')
+        block = check_block(shlex.quote(setup), args, failed)
+        setup_lines = [f"{setup} || exit", "# the check on the first node only",
+                       'if [ "${SKYPILOT_SETUP_NODE_RANK:-0}" = 0 ]; then', '  mkdir -p "$MESHLM_RUN_DIR"',
+                       *(f"  {line}" for line in block), "fi"]  # fmt: skip
     train = shlex.join(["-m", "meshlm.cli", "train", *launch.train_args])
     run = f"""set -uo pipefail
 # torchrun's shared rendezvous store keeps a previous attempt's addresses (pytorch/pytorch#135712)
@@ -447,7 +556,7 @@ meshlm launch --nnodes="$SKYPILOT_NUM_NODES:$SKYPILOT_NUM_NODES" --nproc-per-nod
         "file_mounts:",
         *mounts,
         "setup: |",
-        f"  {setup}",
+        *(f"  {line}" for line in setup_lines),
         "run: |",
         *(f"  {line}" for line in run.splitlines()),
     ]

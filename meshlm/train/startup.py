@@ -32,11 +32,9 @@ from meshlm.model.llama import set_recompute
 from meshlm.model.pretrained import HFWeights, init_tokenizer, is_hf_directory, keep_tokenizer
 from meshlm.parallel.distributed import autocast_dtype
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.fp8 import apply_fp8
 from meshlm.parallel.mesh import Layout, Mesh, parse_layout
 from meshlm.parallel.plan import ParallelPlan, plan_for
 from meshlm.parallel.strategies import LayoutSpec, check_layout
-from meshlm.train.compile import compile_blocks
 from meshlm.train.guards import DeviceStepGuard, Watchdog
 from meshlm.train.optim import build_optimizer, skips_on_device
 from meshlm.train.parts import BatchSource, TrainParts
@@ -239,20 +237,15 @@ def build_model(
 def parallelize(
     cfg: Config, parts: TrainParts, device: torch.device, model: nn.Module, mesh: Mesh, n_micro: int, compiled: bool
 ) -> ParallelModel:
-    """This rank's part of `model` under the mesh's layout (meshlm.parallel.engine), then FP8 and compiled
-    blocks if asked."""
+    """This rank's part of `model` under the mesh's layout (meshlm.parallel.engine), FP8 and compiled blocks
+    included when asked (the last transforms of meshlm.parallel.strategies)."""
     if not any(p.is_meta for p in model.parameters()):  # a meta model is materialised on the mesh's device
         model.to(device)
     autocast = autocast_dtype(cfg.train.dtype, device)
-    pm = ParallelModel(
+    return ParallelModel(
         model, mesh, cfg.parallel.options(), n_micro, autocast, parts.plan, parts.loss_fn, parts.gather_logits,
-        cfg.train.ignore_index, cfg.train.fused_loss,
+        cfg.train.ignore_index, cfg.train.fused_loss, cfg.train.fp8, cfg.train.compile_backend if compiled else None,
     )  # fmt: skip
-    if cfg.train.fp8:
-        apply_fp8(pm)
-    if compiled:
-        compile_blocks(pm, cfg.train.compile_backend)
-    return pm
 
 
 def build_run_optimizer(

@@ -1,4 +1,5 @@
-"""`train.compile`: torch.compile each transformer block, after parallelization.
+"""torch.compile each transformer block, after parallelization (`train.compile`; the last transform of
+meshlm.parallel.strategies, so `meshlm.parallelize(..., compile_backend=...)` applies it too).
 
 Per block rather than the whole model: the blocks are identical, so one compiled graph serves them all
 (torch.compile treats a module's parameters as inputs), compile time does not grow with depth, and what
@@ -12,17 +13,17 @@ import os
 
 from torch import nn
 
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.plan import ParallelPlan
 
 
-def compile_blocks(model: ParallelModel, backend: str = "inductor") -> int:
-    """Compile (in place) every block this rank holds, found through the plan's pipeline layers; returns how
-    many. A model whose plan names no layers is compiled whole, chunk by chunk."""
+def compile_blocks(chunks: list[nn.Module], plan: ParallelPlan, backend: str = "inductor") -> int:
+    """Compile (in place) every block of this rank's model chunks, found through the plan's pipeline layers;
+    returns how many. A model whose plan names no layers is compiled whole, chunk by chunk."""
     if backend == "inductor":
         use_cache_of_cpu_capability()
-    layers = model.plan.pipeline.layers if model.plan.pipeline is not None else None
+    layers = plan.pipeline.layers if plan.pipeline is not None else None
     count = 0
-    for chunk in model.chunks:
+    for chunk in chunks:
         container = chunk.get_submodule(layers) if layers else nn.ModuleList([chunk])
         blocks = container.values() if isinstance(container, nn.ModuleDict) else container
         for block in blocks:
