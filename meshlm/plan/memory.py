@@ -8,6 +8,7 @@ micro-batches that actually run. Every formula and its source is in docs/planner
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -430,9 +431,9 @@ def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAU
     elif s.recompute == "mlp":
         buffers += max(unrecomputed - stored for unrecomputed, stored in kinds)
     if s.zero == 3:  # current and prefetched layer
-        buffers += 2 * max(layer_params(model, s.tp), sum(moe_layer_params(model, s.tp, s.ep))) * BYTES[w.precision][0]
+        buffers += zero3_buffer(w, s)
     fixed = hw.framework_bytes if a.overhead_gb is None else a.overhead_gb * GB
-    worst = None
+    worst, worst_total = None, 0.0
     for i, layers, moe, chunks, (params, grads, optimizer) in stage_states(
         model, w.precision, w.lora_rank, s.mesh, s.zero, s.virtual_stages, a.runtime
     ):
@@ -445,10 +446,43 @@ def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAU
             activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks) * mean_layer
         logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
         rest = params + grads + optimizer + activations + logits + buffers
-        mem = Memory(params, grads, optimizer, activations, logits, buffers, fixed + a.overhead_fraction * rest, i)
-        if worst is None or mem.total > worst.total:
-            worst = mem
-    return worst
+        overhead = fixed + a.overhead_fraction * rest
+        total = params + grads + optimizer + activations + logits + buffers + overhead  # Memory.total, unbuilt
+        if worst is None or total > worst_total:
+            worst, worst_total = (params, grads, optimizer, activations, logits, buffers, overhead, i), total
+    return Memory(*worst)
+
+
+def memory_key(s: Strategy) -> Strategy:
+    """`s` as far as `memory` can tell: strategies with the same key have the same memory. Its only field that
+    no memory term reads is cp_attention (ring and Ulysses attention store the same bytes per token,
+    `layer_activation_bytes`)."""
+    return s if s.cp_attention == "ring" else dataclasses.replace(s, cp_attention="ring")
+
+
+def zero3_buffer(w: Workload, s: Strategy) -> float:
+    """ZeRO-3's gathered weights: the current and the prefetched layer (the larger of a dense and an MoE one)."""
+    model = w.model
+    return 2 * max(layer_params(model, s.tp), sum(moe_layer_params(model, s.tp, s.ep))) * BYTES[w.precision][0]
+
+
+def memory_floor(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS) -> float:
+    """A lower bound of `memory(...).total` for `strategy` with any `recompute_layers`: the fullest stage without
+    its activations and without the buffer of a recomputed layer. Every term left out is ≥ 0 and a rounded
+    sum never falls when a term grows, so no `recompute_layers` brings a strategy below its floor."""
+    s = strategy
+    buffers = 0.0
+    if s.zero == 3:
+        buffers += zero3_buffer(w, s)
+    fixed = hw.framework_bytes if a.overhead_gb is None else a.overhead_gb * GB
+    floor = 0.0
+    for i, _, _, _, (params, grads, optimizer) in stage_states(
+        w.model, w.precision, w.lora_rank, s.mesh, s.zero, s.virtual_stages, a.runtime
+    ):
+        logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
+        rest = params + grads + optimizer + logits + buffers
+        floor = max(floor, params + grads + optimizer + logits + buffers + (fixed + a.overhead_fraction * rest))
+    return floor
 
 
 @lru_cache(maxsize=4096)
