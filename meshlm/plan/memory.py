@@ -334,7 +334,7 @@ def chunk_full_layers(chunks: tuple[int, ...], recompute_layers: int) -> tuple[i
 @lru_cache(maxsize=4096)
 def _held_steps(schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int) -> tuple:
     """Per pipeline rank, the runtime's order of what stores or frees activations, as indices into a rank's
-    chunks followed by their negatives (`_peak_held`): chunk c for its forward, n_chunks + c for its free (its
+    chunks followed by their negatives (`held_layers`): chunk c for its forward, n_chunks + c for its free (its
     B, or its W under zero-bubble). Actions that neither store nor free change nothing held, and are left out."""
     frees = "W" if schedule == "zb1" else "B"
     orders = compute_order(schedule, pp, micro_batches, virtual_stages)
@@ -344,11 +344,18 @@ def _held_steps(schedule: Schedule, pp: int, micro_batches: int, virtual_stages:
     )
 
 
-def _peak_held(
+@lru_cache(maxsize=8192)
+def held_layers(
     schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int, stage: int, chunks: tuple
 ) -> float:
-    """`held_layers` without its cache, for `chunks` that are rarely repeated (bytes per chunk): the largest
-    running sum of the chunks stored (+) and freed (−) in the runtime's order, from 0."""
+    """Peak layer-activations (one micro-batch through one layer = 1) that pipeline rank `stage` holds, with
+    `chunks` the layers of each of its chunks (or each chunk's bytes per micro-batch: then bytes, `held_bytes`),
+    replaying the runtime's own order of forwards and backwards
+    (1F1B keeps pp − stage, interleaved Megatron's 2(pp − stage − 1) + (v − 1)·pp + 1 chunks, ZB-H1 pp on
+    every stage until each W). GPipe keeps
+    all m. A 1F1B or interleaved order does not depend on m up to its drain, and after the warm-up (under
+    2·pp micro-batches) what is held repeats every pp micro-batches, so replaying 4·pp of them finds the peak:
+    the largest running sum of the chunks stored (+) and freed (−) in that order, from 0."""
     if pp == 1:
         return sum(chunks)  # gradient accumulation: one micro-batch at a time
     if schedule == "gpipe":
@@ -358,18 +365,9 @@ def _peak_held(
     return max(itertools.accumulate(map(signed.__getitem__, steps), initial=0))
 
 
-@lru_cache(maxsize=8192)
-def held_layers(
-    schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int, stage: int, chunks: tuple
-) -> float:
-    """Peak layer-activations (one micro-batch through one layer = 1) that pipeline rank `stage` holds, with
-    `chunks` the layers of each of its chunks (or each chunk's bytes per micro-batch: then bytes), replaying
-    the runtime's own order of forwards and backwards
-    (1F1B keeps pp − stage, interleaved Megatron's 2(pp − stage − 1) + (v − 1)·pp + 1 chunks, ZB-H1 pp on
-    every stage until each W). GPipe keeps
-    all m. A 1F1B or interleaved order does not depend on m up to its drain, and after the warm-up (under
-    2·pp micro-batches) what is held repeats every pp micro-batches, so replaying 4·pp of them finds the peak."""
-    return _peak_held(schedule, pp, micro_batches, virtual_stages, stage, chunks)
+# `held_layers` of bytes per chunk, cached apart from the layer counts (a tuple of floats equals a tuple of ints of
+# the same values, and would share their cached, integer, result)
+held_bytes = lru_cache(maxsize=32768)(held_layers.__wrapped__)
 
 
 def logits_bytes(w: Workload, strategy: Strategy) -> float:
@@ -441,7 +439,7 @@ def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAU
         if s.recompute_layers:  # each chunk: its first N layers at full_layer bytes, the rest at mean_layer
             full = chunk_full_layers(chunks, s.recompute_layers)
             weighted = tuple(f * full_layer + (n - f) * mean_layer for n, f in zip(chunks, full, strict=True))
-            activations = _peak_held(s.schedule, s.pp, m, s.virtual_stages, i, weighted)
+            activations = held_bytes(s.schedule, s.pp, m, s.virtual_stages, i, weighted)
         else:
             activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks) * mean_layer
         logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0

@@ -199,7 +199,8 @@ def mixed_work(work: LayerWork, full: LayerWork, share: float) -> LayerWork:
     follow the policy (`work`): `train.recompute_layers`."""
     if not share:
         return work
-    parts = zip(dataclasses.astuple(work), dataclasses.astuple(full), strict=True)
+    names = [f.name for f in dataclasses.fields(LayerWork)]
+    parts = zip((getattr(work, n) for n in names), (getattr(full, n) for n in names), strict=True)
     return LayerWork(*((1 - share) * x + share * y for x, y in parts))
 
 
@@ -295,44 +296,71 @@ def _dp_exposed(
     and reduces layer by layer, in forward and backward (a recomputed forward runs inside the backward that
     has its unit gathered), every micro-batch (under pp too), prefetched except the first unit of each
     micro-batch's forward and backward and its last reduce-scatter. Every bucket or layer is its own
-    collective and pays the latency term again. Of the `psi` weights only `trainable` (default all; LoRA:
-    the adapters) are reduced and, under ZeRO-1/2, gathered after the step; ZeRO-3 gathers all of them.
-    `group` is the reducing group: "replicas" (dp × ep × cp, the dense weights) or "dp_cp" (the expert
-    shards). `share`: the stage's fraction of fully recomputed layers (`train.recompute_layers`)."""
+    collective and pays the latency term again (`dp_collectives`). Of the `psi` weights only `trainable`
+    (default all; LoRA: the adapters) are reduced and, under ZeRO-1/2, gathered after the step; ZeRO-3
+    gathers all of them. `group` is the reducing group: "replicas" (dp × ep × cp, the dense weights) or
+    "dp_cp" (the expert shards). `share`: the stage's fraction of fully recomputed layers
+    (`train.recompute_layers`)."""
     n = s.expert_replicas if group == "dp_cp" else s.replicas
     if n == 1 or psi == 0:
         return 0.0
+    m = s.micro_batches(w.global_batch)
+    after, overlapped, tail = dp_collectives(w, s.mesh, s.zero, m, psi, trainable, layers, group, hw, a)
+    full = 1.0 if s.recompute == "full" else share  # fraction of layers whose whole forward is rerun
+    backward = compute_mb * (2 + full) / (3 + full)
+    if s.zero == 0:
+        window = backward
+    elif s.zero in (1, 2):
+        window = (m if s.zero == 2 else 1) * backward
+    else:
+        window = m * compute_mb
+    overlap = a.dp_overlap if a.dp_overlap is not None else (0.0 if hw.shared_node else DP_OVERLAP)
+    return after + min(overlapped, max(tail, overlapped - overlap * window))
+
+
+@lru_cache(maxsize=16384)
+def dp_collectives(
+    w: Workload,
+    mesh: Layout,
+    zero: int,
+    micro_batches: int,
+    psi: float,
+    trainable: float | None,
+    layers: int,
+    group: str,
+    hw: Hardware,
+    a: Assumptions,
+) -> tuple[float, float, float]:
+    """Seconds of a stage's data-parallel collectives per step (`_dp_exposed`), whatever the compute they hide
+    behind: (after the optimizer step, never hidden; those that backward can hide; the tail that it cannot)."""
+    n = mesh.dp * mesh.cp if group == "dp_cp" else mesh.dp * mesh.ep * mesh.cp
     w_bytes, g_bytes, _, _ = BYTES[w.precision]
-    cross = crosses_nodes(s.mesh, group, hw.gpus_per_node)
-    nics = rails(s.mesh, group, hw.gpus_per_node) if cross else 1
+    cross = crosses_nodes(mesh, group, hw.gpus_per_node)
+    nics = rails(mesh, group, hw.gpus_per_node) if cross else 1
     bucket = a.bucket_mb * 1e6
 
     def t(op: str, nbytes: float, calls: int | None = None) -> float:
         calls = calls or max(1, math.ceil(nbytes / bucket))  # default: one call per bucket
         return calls * collective_time(op, nbytes / calls, n, hw.link("dp", cross, op, nics))
 
-    m = s.micro_batches(w.global_batch)
+    m = micro_batches
     trainable = psi if trainable is None else trainable
     grads, weights, updated = trainable * g_bytes, psi * w_bytes, trainable * w_bytes
-    full = 1.0 if s.recompute == "full" else share  # fraction of layers whose whole forward is rerun
-    backward = compute_mb * (2 + full) / (3 + full)
     after = 0.0  # collectives after the optimizer step, never hidden
-    if s.zero == 0:
-        overlapped, window, tail = t("all_reduce", grads), backward, t("all_reduce", min(bucket, grads), 1)
-    elif s.zero in (1, 2):
-        times = m if s.zero == 2 else 1
-        overlapped, window = times * t("reduce_scatter", grads), times * backward
+    if zero == 0:
+        overlapped, tail = t("all_reduce", grads), t("all_reduce", min(bucket, grads), 1)
+    elif zero in (1, 2):
+        times = m if zero == 2 else 1
+        overlapped = times * t("reduce_scatter", grads)
         tail, after = t("reduce_scatter", min(bucket, grads), 1), t("all_gather", updated)
     else:
         units = max(layers, 1)
         gathers = 2.0  # the recompute forward runs inside the unit's backward, which has it gathered
         overlapped = m * (gathers * t("all_gather", weights, units) + t("reduce_scatter", grads, units))
-        window = m * compute_mb
         # every micro-batch starts its forward and its backward with a blocking gather of the first unit (the
         # last one was freed after use, meshlm.parallel.zero.Zero3Hooks) and ends with one reduce-scatter
         tail = m * (2 * t("all_gather", weights / units, 1) + t("reduce_scatter", grads / units, 1))
-    overlap = a.dp_overlap if a.dp_overlap is not None else (0.0 if hw.shared_node else DP_OVERLAP)
-    return after + min(overlapped, max(tail, overlapped - overlap * window))
+    return after, overlapped, tail
 
 
 def cp_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int) -> float:
