@@ -231,9 +231,13 @@ def enumerate_strategies(
             [c.sequence_parallel] if c.sequence_parallel is not None else ([False, True] if mesh.tp > 1 else [False]),
             [c.cp_attention] if c.cp_attention else (["ring", "ulysses"] if mesh.cp > 1 else ["ring"]),
         )
+        checked: dict[tuple, tuple[str, str] | None] = {}  # the runtime's checks do not read the recompute policy
         for b, (schedule, v), zero, recompute, sp, attention in choices:
             lay = Strategy(mesh, zero, b, schedule, v, recompute, sp, attention, c.recompute_layers or 0)
-            problem = layout_problem(w, lay, chunks, c.uneven_layers, a.runtime)
+            options = (b, schedule, v, zero, sp, attention)
+            if options not in checked:
+                checked[options] = layout_problem(w, lay, chunks, c.uneven_layers, a.runtime)
+            problem = checked[options]
             yield Rejection(str(lay), *problem) if problem else lay
 
 
