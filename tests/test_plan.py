@@ -534,7 +534,8 @@ def clear_planner_caches() -> None:
 
 
 # Strategies that differ from another in one field: the planner shares sub-results between such strategies
-# (memoised per shape: stage_states, activation_kinds, stage_slots, stage_tail, dp_collectives, held_bytes).
+# (memoised per shape: stage_states, activation_kinds, recomputed_activations, stage_slots, stage_tail,
+# dp_collectives).
 VARIED = {
     "zero": [0, 1, 2, 3],
     "micro_batch": [1, 2],

@@ -349,7 +349,7 @@ def held_layers(
     schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int, stage: int, chunks: tuple
 ) -> float:
     """Peak layer-activations (one micro-batch through one layer = 1) that pipeline rank `stage` holds, with
-    `chunks` the layers of each of its chunks (or each chunk's bytes per micro-batch: then bytes, `held_bytes`),
+    `chunks` the layers of each of its chunks (or each chunk's bytes per micro-batch: then bytes),
     replaying the runtime's own order of forwards and backwards
     (1F1B keeps pp − stage, interleaved Megatron's 2(pp − stage − 1) + (v − 1)·pp + 1 chunks, ZB-H1 pp on
     every stage until each W). GPipe keeps
@@ -365,9 +365,25 @@ def held_layers(
     return max(itertools.accumulate(map(signed.__getitem__, steps), initial=0))
 
 
-# `held_layers` of bytes per chunk, cached apart from the layer counts (a tuple of floats equals a tuple of ints of
-# the same values, and would share their cached, integer, result)
-held_bytes = lru_cache(maxsize=32768)(held_layers.__wrapped__)
+@lru_cache(maxsize=32768)
+def recomputed_activations(
+    schedule: Schedule,
+    pp: int,
+    micro_batches: int,
+    virtual_stages: int,
+    stage: int,
+    chunks: tuple[int, ...],
+    recompute_layers: int,
+    full_layer: float,
+    mean_layer: float,
+) -> float:
+    """Peak activation bytes of pipeline rank `stage` (`held_layers`) when the first `recompute_layers` layers of
+    each of its chunks (`chunks`: their layers) are fully recomputed, at `full_layer` bytes each, and the rest
+    keep `mean_layer` bytes."""
+    full = chunk_full_layers(chunks, recompute_layers)
+    weighted = tuple(f * full_layer + (n - f) * mean_layer for n, f in zip(chunks, full, strict=True))
+    # uncached: a tuple of floats equals a tuple of ints of the same values, whose cached result is an int
+    return held_layers.__wrapped__(schedule, pp, micro_batches, virtual_stages, stage, weighted)
 
 
 def logits_bytes(w: Workload, strategy: Strategy) -> float:
@@ -436,10 +452,9 @@ def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAU
         model, w.precision, w.lora_rank, s.mesh, s.zero, s.virtual_stages, a.runtime
     ):
         mean_layer = (per_layer * (layers - moe) + per_moe_layer * moe) / layers if layers else per_layer
-        if s.recompute_layers:  # each chunk: its first N layers at full_layer bytes, the rest at mean_layer
-            full = chunk_full_layers(chunks, s.recompute_layers)
-            weighted = tuple(f * full_layer + (n - f) * mean_layer for n, f in zip(chunks, full, strict=True))
-            activations = held_bytes(s.schedule, s.pp, m, s.virtual_stages, i, weighted)
+        if s.recompute_layers:
+            args = (s.schedule, s.pp, m, s.virtual_stages, i, chunks, s.recompute_layers, full_layer, mean_layer)
+            activations = recomputed_activations(*args)
         else:
             activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks) * mean_layer
         logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
