@@ -541,7 +541,7 @@ def _strategy(
     zero: int = 0,
 ) -> Strategy:
     """The strategy of these fields; its schedule (and, unless given, ZeRO stage) is a placeholder that the
-    callers do not read."""  # fmt: skip
+    callers do not read."""
     return Strategy(mesh, zero, micro_batch, "1f1b", virtual_stages, recompute, sp, cp_attention, recompute_layers)
 
 
@@ -560,7 +560,7 @@ def stage_slots(
 ) -> Slots:
     """Per representative pipeline stage, one micro-batch's compute (device work at the rates of `work_time`
     plus host time), tensor-, context- and expert-parallel communication; the slowest stage's; the pipeline
-    send/recv; and the recomputed FLOPs per token."""  # fmt: skip
+    send/recv; and the recomputed FLOPs per token."""
     s = _strategy(mesh, micro_batch, virtual_stages, recompute, sp, cp_attention, recompute_layers)
     model, act = w.model, BYTES[w.precision][3]
     tokens = w.seq_len * s.micro_batch / s.cp  # this rank's tokens of a micro-batch (all of them without cp)
