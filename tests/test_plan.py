@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import itertools
 import json
 import math
@@ -43,11 +44,14 @@ from meshlm.plan.memory import (
     chunk_layers,
     held_layers,
     layer_activation_bytes,
+    memory_floor,
+    memory_key,
     model_state_bytes,
     rank_chunks,
     rank_layers,
     stage_params,
 )
+from meshlm.plan.search import layout_problem
 from meshlm.plan.spot import expected_wall_time
 from meshlm.plan.step_time import crosses_nodes
 
@@ -510,9 +514,72 @@ def test_representative_stages_hold_the_maximum(layout, n_layers):
     assume(runnable(layout, n_layers))
     w = Workload(TEST.replace(n_layers=n_layers), 64, 16, 1e6)
     hw = hardware("H100-SXM")
+    clear_planner_caches()  # the per-shape caches would otherwise answer for the patched functions, or with them
     with mock.patch("meshlm.plan.memory.representative_stages", every_stage):
         brute = memory(w, layout, hw).total
     with mock.patch("meshlm.plan.step_time.representative_stages", every_stage):
         brute_step = step_time(w, layout, hw).total
+    clear_planner_caches()
     assert memory(w, layout, hw).total == pytest.approx(brute)
     assert step_time(w, layout, hw).total == pytest.approx(brute_step)
+
+
+def clear_planner_caches() -> None:
+    """Empty every memoised function of the planner's memory and step-time models."""
+    for name in ("meshlm.plan.memory", "meshlm.plan.step_time"):  # modules: the package exports functions so named
+        module = importlib.import_module(name)
+        for value in vars(module).values():
+            if hasattr(value, "cache_clear"):
+                value.cache_clear()
+
+
+# Strategies that differ from another in one field: the planner shares sub-results between such strategies
+# (memoised per shape: stage_states, activation_kinds, recomputed_activations, stage_slots, stage_tail,
+# dp_collectives).
+VARIED = {
+    "zero": [0, 1, 2, 3],
+    "micro_batch": [1, 2],
+    "schedule": ["gpipe", "1f1b", "zb1"],
+    "recompute": ["none", "selective", "mlp", "full"],
+    "sequence_parallel": [False, True],
+    "cp_attention": ["ring", "ulysses"],
+    "recompute_layers": [0, 1, 2],
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([(1, 2, 1, 1, 1), (2, 1, 2, 1, 1), (2, 1, 1, 2, 1), (1, 1, 2, 2, 1), (2, 1, 1, 1, 2)]),
+    st.fixed_dictionaries({name: st.sampled_from(values) for name, values in VARIED.items()}),
+    st.sampled_from(list(VARIED)),
+    st.data(),
+    st.sampled_from(["H100-SXM", "cpu"]),
+)
+def test_memoised_sub_results_equal_a_fresh_computation(mesh, fields, changed, data, gpu):
+    """A strategy priced after a neighbour (cache warm) gets exactly what it gets alone (caches empty), and
+    the memory search shares between ring and Ulysses variants (memory_key) and its floor (fill_memory's
+    shortcut) hold: the search's results are those of the unmemoised model."""
+    pp, dp, tp, cp, ep = mesh
+    model = TEST.replace(hf_model_type="mixtral", n_experts=4, top_k=2, moe_intermediate_size=64) if ep > 1 else TEST
+    w = Workload(model, 64, 16, 1e6, "fp32" if gpu == "cpu" else "bf16")
+    hw = hardware(gpu)
+    first = Strategy(Layout(pp, dp, tp, cp, ep), **fields)
+    second = dataclasses.replace(first, **{changed: data.draw(st.sampled_from(VARIED[changed]))})
+    assume(all(layout_problem(w, s, model.n_layers) is None for s in (first, second)))
+    memory(w, first, hw), step_time(w, first, hw)
+    warm = memory(w, second, hw), step_time(w, second, hw)
+    clear_planner_caches()
+    assert (memory(w, second, hw), step_time(w, second, hw)) == warm
+    assert memory(w, memory_key(second), hw) == warm[0]  # what the search shares between such strategies
+    assert memory_floor(w, second, hw) <= min(
+        memory(w, dataclasses.replace(second, recompute_layers=k), hw).total for k in range(3)
+    )
+
+
+def test_devices_that_differ_only_in_measured_links_are_priced_apart():
+    """The memoised step-time parts are keyed by the device: a calibration's links are part of it."""
+    w = Workload(TEST, 64, 16, 1e6)
+    hw = hardware("H100-SXM")
+    slow = dataclasses.replace(hw, links={("tp", "all_reduce"): Link(alpha=1e-3, beta=1e9)})
+    s = strategy(tp=2)
+    assert step_time(w, s, slow).tp_comm > step_time(w, s, hw).tp_comm

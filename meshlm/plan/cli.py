@@ -168,6 +168,18 @@ def resolve_model(text: str) -> ModelSource:
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `plan` on a subparsers object."""
     p = subparsers.add_parser("plan", help="rank parallel layouts by predicted memory, speed and cost")
+    _add_workload_args(p)
+    _add_layout_args(p)
+    _add_model_args(p)
+    _add_money_args(p)
+    _add_trace_args(p)
+    _add_output_args(p)
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """What to train and on what: the model, the batch, the training length, the devices."""
     p.add_argument(
         "--model", required=True, help="a preset (e.g. llama3-70b), a meshlm .toml config, or an HF config.json"
     )
@@ -180,6 +192,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--gpus", type=gpu_counts, required=True, help="device count, or a list to compare: 8,16,32")
     p.add_argument("--calibration", type=Path, help="JSON from `meshlm doctor` (docs/planner.md)")
     p.add_argument("--precision", choices=["bf16", "fp32"], help="default: fp32 on cpu, bf16 on GPUs")
+
+
+def _add_layout_args(p: argparse.ArgumentParser) -> None:
+    """Choices to fix (the rest is searched), and LoRA."""
     fixed = p.add_argument_group("fix part of the layout (the rest is searched)")
     fixed.add_argument("--layout", default="", help="e.g. tp=8,pp=16,dp=8 (cp=N, ep=N too)")
     fixed.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
@@ -197,6 +213,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument(
         "--lora-rank", type=positive, help="LoRA fine-tune: adapters of this rank, the base frozen (docs/lora.md)"
     )
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """Assumptions of the step-time and memory model."""
     model = p.add_argument_group("model assumptions (docs/planner.md)")
     model.add_argument(
         "--runtime", choices=["meshlm", "megatron"], default="meshlm", help="whose kernels and split run the step"
@@ -207,6 +227,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     model.add_argument("--overhead-gb", type=float, help="fixed framework memory per device (GPU 2, cpu 0.5)")
     model.add_argument("--memory-gb", type=float, help="usable memory per device (default: the device's)")
     model.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
+
+
+def _add_money_args(p: argparse.ArgumentParser) -> None:
+    """Prices, failures and spot preemptions."""
     money = p.add_argument_group("cost, failures and spot (docs/planner.md)")
     money.add_argument("--price-on-demand", type=float, help="$ per GPU-hour (default: hardware table)")
     money.add_argument("--price-spot", type=float, help="$ per GPU-hour on spot (default: hardware table)")
@@ -217,11 +241,19 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     money.add_argument("--restart-s", type=float, default=600.0, help="restart overhead besides reading the checkpoint")
     money.add_argument("--storage-gbps", type=float, default=20.0, help="checkpoint storage bandwidth, GB/s")
     money.add_argument("--deadline", type=duration, help="wall-time limit, e.g. 30d: pools that miss it are not used")
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    """Replaying the best plan against a spot trace."""
     trace = p.add_argument_group("spot trace replay (docs/planner.md)")
     trace.add_argument("--spot-trace", type=Path, help="replay #1's pools against this trace (spot-traces .json, .csv)")
     trace.add_argument("--trace-format", choices=FORMATS, default="auto", help="default: by the file's suffix")
     trace.add_argument("--replay-runs", type=positive, default=RUNS, help="Monte-Carlo runs (random start offsets)")
     trace.add_argument("--replay-seed", type=int, default=0, help="seed of the start offsets and draws")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """Ranking, output and the launch file."""
     out = p.add_argument_group("output")
     out.add_argument("--objective", choices=["throughput", "cost"], default="throughput")
     out.add_argument("--top", type=positive, default=10, help="layouts to show")
@@ -246,8 +278,6 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     out.add_argument("--account", default="", help="Slurm account (--emit slurm)")
     out.add_argument("--spot-selector", default=Site.spot_selector, help="node label KEY=VALUE of spot nodes "
                      "(--emit kubernetes; GKE: cloud.google.com/gke-spot=true)")  # fmt: skip
-    p.set_defaults(func=run_plan)
-    return p
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ class Hardware:
     micro_batch_overhead_s: float = MICRO_BATCH_OVERHEAD_S  # fixed host time per micro-batch besides layers
     gemm_efficiency: float = 0.5  # fraction of peak that a training step's GEMMs sustain (no calibration)
     attention_efficiency: float = 1.0  # flash-attention FLOP rate as a fraction of the GEMM rate
-    links: dict[tuple[str, str], Link] = field(default_factory=dict, compare=False)  # (dim|kind, op) -> Link
+    # (dim|kind, op) -> Link; compared (two devices that differ only here price differently) but not hashed
+    links: dict[tuple[str, str], Link] = field(default_factory=dict, hash=False)
 
     def link(self, dim: str, crosses_nodes: bool, op: str, rails: int = 1) -> Link:
         """The link a collective on mesh dim `dim` uses: measured per dim, else per link kind, else table.

@@ -8,6 +8,7 @@ micro-batches that actually run. Every formula and its source is in docs/planner
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -330,9 +331,17 @@ def chunk_full_layers(chunks: tuple[int, ...], recompute_layers: int) -> tuple[i
     return tuple(min(n, recompute_layers) for n in chunks)
 
 
-@lru_cache(maxsize=64)
-def _order(schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int) -> list:
-    return compute_order(schedule, pp, micro_batches, virtual_stages)
+@lru_cache(maxsize=4096)
+def _held_steps(schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int) -> tuple:
+    """Per pipeline rank, the runtime's order of what stores or frees activations, as indices into a rank's
+    chunks followed by their negatives (`held_layers`): chunk c for its forward, n_chunks + c for its free (its
+    B, or its W under zero-bubble). Actions that neither store nor free change nothing held, and are left out."""
+    frees = "W" if schedule == "zb1" else "B"
+    orders = compute_order(schedule, pp, micro_batches, virtual_stages)
+    return tuple(
+        tuple(a.chunk if a.kind == "F" else virtual_stages + a.chunk for a in order if a.kind in ("F", frees))
+        for order in orders
+    )
 
 
 @lru_cache(maxsize=8192)
@@ -340,22 +349,41 @@ def held_layers(
     schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int, stage: int, chunks: tuple
 ) -> float:
     """Peak layer-activations (one micro-batch through one layer = 1) that pipeline rank `stage` holds, with
-    `chunks` the layers of each of its chunks (or each chunk's bytes per micro-batch: then bytes), replaying
-    the runtime's own order of forwards and backwards
+    `chunks` the layers of each of its chunks (or each chunk's bytes per micro-batch: then bytes),
+    replaying the runtime's own order of forwards and backwards
     (1F1B keeps pp − stage, interleaved Megatron's 2(pp − stage − 1) + (v − 1)·pp + 1 chunks, ZB-H1 pp on
     every stage until each W). GPipe keeps
     all m. A 1F1B or interleaved order does not depend on m up to its drain, and after the warm-up (under
-    2·pp micro-batches) what is held repeats every pp micro-batches, so replaying 4·pp of them finds the peak."""
+    2·pp micro-batches) what is held repeats every pp micro-batches, so replaying 4·pp of them finds the peak:
+    the largest running sum of the chunks stored (+) and freed (−) in that order, from 0."""
     if pp == 1:
         return sum(chunks)  # gradient accumulation: one micro-batch at a time
     if schedule == "gpipe":
         return micro_batches * sum(chunks)
-    frees = "W" if schedule == "zb1" else "B"  # zero-bubble: activations stay until the weight-gradient pass
-    held = peak = 0
-    for action in _order(schedule, pp, min(micro_batches, 4 * pp), virtual_stages)[stage]:
-        held += chunks[action.chunk] if action.kind == "F" else -chunks[action.chunk] if action.kind == frees else 0
-        peak = max(peak, held)
-    return peak
+    signed = (*chunks, *(-c for c in chunks))
+    steps = _held_steps(schedule, pp, min(micro_batches, 4 * pp), virtual_stages)[stage]
+    return max(itertools.accumulate(map(signed.__getitem__, steps), initial=0))
+
+
+@lru_cache(maxsize=32768)
+def recomputed_activations(
+    schedule: Schedule,
+    pp: int,
+    micro_batches: int,
+    virtual_stages: int,
+    stage: int,
+    chunks: tuple[int, ...],
+    recompute_layers: int,
+    full_layer: float,
+    mean_layer: float,
+) -> float:
+    """Peak activation bytes of pipeline rank `stage` (`held_layers`) when the first `recompute_layers` layers of
+    each of its chunks (`chunks`: their layers) are fully recomputed, at `full_layer` bytes each, and the rest
+    keep `mean_layer` bytes."""
+    full = chunk_full_layers(chunks, recompute_layers)
+    weighted = tuple(f * full_layer + (n - f) * mean_layer for n, f in zip(chunks, full, strict=True))
+    # uncached: a tuple of floats equals a tuple of ints of the same values, whose cached result is an int
+    return held_layers.__wrapped__(schedule, pp, micro_batches, virtual_stages, stage, weighted)
 
 
 def logits_bytes(w: Workload, strategy: Strategy) -> float:
@@ -392,52 +420,139 @@ class Memory:
 def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS) -> Memory:
     """Peak memory per device: the maximum over pipeline stages. An MoE model's stages hold their dense and
     expert parameters apart (`moe_stage_params`, `moe_state_bytes`) and a mixture of dense and MoE
-    layer-activations (`moe_layer_activation_bytes`)."""
+    layer-activations (`moe_layer_activation_bytes`). The parts that many strategies share are computed once
+    each (`stage_states`, `activation_kinds`)."""
     model, s = w.model, strategy
-    chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
-    moe = rank_moe_layers(model, s.pp, s.virtual_stages, a.runtime)
     m = s.micro_batches(w.global_batch)
-    act_args = (model, w.seq_len, s.micro_batch, s.tp, s.sequence_parallel)
-    per_layer = layer_activation_bytes(*act_args, s.recompute, w.precision, a.flash_attention, a.runtime, s.cp)
-    per_moe_layer = moe_layer_activation_bytes(*act_args, s.recompute, w.precision, a.flash_attention, a.runtime, s.cp)
-    full_layer = layer_activation_bytes(*act_args, "full", w.precision, a.flash_attention, a.runtime, s.cp)
+    kinds, full_layer = activation_kinds(
+        model,
+        w.seq_len,
+        s.micro_batch,
+        s.tp,
+        s.sequence_parallel,
+        s.recompute,
+        w.precision,
+        a.flash_attention,
+        a.runtime,
+        s.cp,
+    )
+    per_layer = kinds[0][1]
+    per_moe_layer = kinds[1][1] if model.n_experts else 0.0
     # backward re-runs one layer (or its recomputed part) at a time: those activations are live meanwhile
-    kinds = [(layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention, a.runtime, s.cp), per_layer)]
-    if model.n_experts:
-        none = moe_layer_activation_bytes(*act_args, "none", w.precision, a.flash_attention, a.runtime, s.cp)
-        kinds.append((none, per_moe_layer))
     buffers = 0.0
     if s.recompute == "full" or s.recompute_layers:
         buffers += max(unrecomputed for unrecomputed, _ in kinds)
     elif s.recompute == "mlp":
         buffers += max(unrecomputed - stored for unrecomputed, stored in kinds)
     if s.zero == 3:  # current and prefetched layer
-        buffers += 2 * max(layer_params(model, s.tp), sum(moe_layer_params(model, s.tp, s.ep))) * BYTES[w.precision][0]
+        buffers += zero3_buffer(w, s)
     fixed = hw.framework_bytes if a.overhead_gb is None else a.overhead_gb * GB
-    worst = None
+    worst, worst_total = None, 0.0
+    for i, layers, moe, chunks, (params, grads, optimizer) in stage_states(
+        model, w.precision, w.lora_rank, s.mesh, s.zero, s.virtual_stages, a.runtime
+    ):
+        mean_layer = (per_layer * (layers - moe) + per_moe_layer * moe) / layers if layers else per_layer
+        if s.recompute_layers:
+            args = (s.schedule, s.pp, m, s.virtual_stages, i, chunks, s.recompute_layers, full_layer, mean_layer)
+            activations = recomputed_activations(*args)
+        else:
+            activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks) * mean_layer
+        logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
+        rest = params + grads + optimizer + activations + logits + buffers
+        overhead = fixed + a.overhead_fraction * rest
+        total = params + grads + optimizer + activations + logits + buffers + overhead  # Memory.total, unbuilt
+        if worst is None or total > worst_total:
+            worst, worst_total = (params, grads, optimizer, activations, logits, buffers, overhead, i), total
+    return Memory(*worst)
+
+
+def memory_key(s: Strategy) -> Strategy:
+    """`s` as far as `memory` can tell: strategies with the same key have the same memory. Its only field that
+    no memory term reads is cp_attention (ring and Ulysses attention store the same bytes per token,
+    `layer_activation_bytes`)."""
+    return s if s.cp_attention == "ring" else dataclasses.replace(s, cp_attention="ring")
+
+
+def zero3_buffer(w: Workload, s: Strategy) -> float:
+    """ZeRO-3's gathered weights: the current and the prefetched layer (the larger of a dense and an MoE one)."""
+    model = w.model
+    return 2 * max(layer_params(model, s.tp), sum(moe_layer_params(model, s.tp, s.ep))) * BYTES[w.precision][0]
+
+
+def memory_floor(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS) -> float:
+    """A lower bound of `memory(...).total` for `strategy` with any `recompute_layers`: the fullest stage without
+    its activations and without the buffer of a recomputed layer. Every term left out is ≥ 0 and a rounded
+    sum never falls when a term grows, so no `recompute_layers` brings a strategy below its floor."""
+    s = strategy
+    buffers = 0.0
+    if s.zero == 3:
+        buffers += zero3_buffer(w, s)
+    fixed = hw.framework_bytes if a.overhead_gb is None else a.overhead_gb * GB
+    floor = 0.0
+    for i, _, _, _, (params, grads, optimizer) in stage_states(
+        w.model, w.precision, w.lora_rank, s.mesh, s.zero, s.virtual_stages, a.runtime
+    ):
+        logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
+        rest = params + grads + optimizer + logits + buffers
+        floor = max(floor, params + grads + optimizer + logits + buffers + (fixed + a.overhead_fraction * rest))
+    return floor
+
+
+@lru_cache(maxsize=4096)
+def stage_states(
+    model: ModelConfig,
+    precision: Precision,
+    lora_rank: int,
+    mesh: Layout,
+    zero: int,
+    virtual_stages: int,
+    runtime: Runtime,
+) -> tuple[tuple[int, int, int, tuple[int, ...], tuple[float, float, float]], ...]:
+    """Per representative pipeline stage (`representative_stages`): (stage, its layers, of them MoE, its chunks'
+    layers, (weights, gradients, optimizer) bytes). What `memory` needs that no per-micro-batch choice
+    changes."""
+    s = Strategy(mesh, zero, virtual_stages=virtual_stages)
+    chunks = rank_chunks(model, s.pp, virtual_stages, runtime)
+    moe = rank_moe_layers(model, s.pp, virtual_stages, runtime)
+    out = []
     for i in representative_stages(chunks):
         layers = sum(chunks[i])
         psi = stage_params(model, s.tp, layers, i == 0, i == s.pp - 1)
-        if w.lora_rank:
-            psi_lora = layers * layer_lora_params(model, s.tp, w.lora_rank)
-            params, grads, optimizer = lora_state_bytes(psi, psi_lora, s.replicas, s.zero, w.precision)
+        if lora_rank:
+            psi_lora = layers * layer_lora_params(model, s.tp, lora_rank)
+            states = lora_state_bytes(psi, psi_lora, s.replicas, s.zero, precision)
         elif model.n_experts:
             dense, experts = moe_stage_params(model, s.tp, s.ep, layers, moe[i], i == 0, i == s.pp - 1)
-            params, grads, optimizer = moe_state_bytes(dense, experts, s, w.precision, a.runtime)
+            states = moe_state_bytes(dense, experts, s, precision, runtime)
         else:
-            params, grads, optimizer = model_state_bytes(psi, s.replicas, s.zero, w.precision, a.runtime)
-        mean_layer = (per_layer * (layers - moe[i]) + per_moe_layer * moe[i]) / layers if layers else per_layer
-        activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks[i]) * mean_layer
-        if s.recompute_layers:  # each chunk: its first N layers at full_layer bytes, the rest at mean_layer
-            full = chunk_full_layers(chunks[i], s.recompute_layers)
-            weighted = tuple(f * full_layer + (n - f) * mean_layer for n, f in zip(chunks[i], full, strict=True))
-            activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, weighted)
-        logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
-        rest = params + grads + optimizer + activations + logits + buffers
-        mem = Memory(params, grads, optimizer, activations, logits, buffers, fixed + a.overhead_fraction * rest, i)
-        if worst is None or mem.total > worst.total:
-            worst = mem
-    return worst
+            states = model_state_bytes(psi, s.replicas, s.zero, precision, runtime)
+        out.append((i, layers, moe[i], chunks[i], states))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def activation_kinds(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    recompute: Recompute,
+    precision: Precision,
+    flash: bool,
+    runtime: Runtime,
+    cp: int,
+) -> tuple[tuple[tuple[float, float], ...], float]:
+    """What one layer stores for backward for one micro-batch: ((bytes without recompute, bytes under
+    `recompute`) of a dense layer, then of an MoE layer for MoE models), and a dense layer's bytes under full
+    recompute."""
+    args = (model, seq_len, micro_batch, tp, sp)
+    none = layer_activation_bytes(*args, "none", precision, flash, runtime, cp)
+    kinds = [(none, layer_activation_bytes(*args, recompute, precision, flash, runtime, cp))]
+    if model.n_experts:
+        moe_none = moe_layer_activation_bytes(*args, "none", precision, flash, runtime, cp)
+        kinds.append((moe_none, moe_layer_activation_bytes(*args, recompute, precision, flash, runtime, cp)))
+    return tuple(kinds), layer_activation_bytes(*args, "full", precision, flash, runtime, cp)
 
 
 # ---- mixture of experts (meshlm.model.moe, meshlm.parallel.expert_parallel; docs/planner.md) -----------------

@@ -30,9 +30,11 @@ from meshlm.plan.memory import (
     Schedule,
     Strategy,
     Workload,
+    chunk_layers,
     max_chunks,
     memory,
-    rank_chunks,
+    memory_floor,
+    memory_key,
 )
 from meshlm.plan.spot import Estimate, Offerings, Pool, estimate
 from meshlm.plan.step_time import StepTime, bubble_fraction, step_time
@@ -229,9 +231,13 @@ def enumerate_strategies(
             [c.sequence_parallel] if c.sequence_parallel is not None else ([False, True] if mesh.tp > 1 else [False]),
             [c.cp_attention] if c.cp_attention else (["ring", "ulysses"] if mesh.cp > 1 else ["ring"]),
         )
+        checked: dict[tuple, tuple[str, str] | None] = {}  # the runtime's checks do not read the recompute policy
         for b, (schedule, v), zero, recompute, sp, attention in choices:
             lay = Strategy(mesh, zero, b, schedule, v, recompute, sp, attention, c.recompute_layers or 0)
-            problem = layout_problem(w, lay, chunks, c.uneven_layers, a.runtime)
+            options = (b, schedule, v, zero, sp, attention)
+            if options not in checked:
+                checked[options] = layout_problem(w, lay, chunks, c.uneven_layers, a.runtime)
+            problem = checked[options]
             yield Rejection(str(lay), *problem) if problem else lay
 
 
@@ -240,8 +246,8 @@ def fill_memory(w: Workload, s: Strategy, hw: Hardware, a: Assumptions, limit: f
     `--recompute-num-layers`) that bring it within `limit` bytes, and its memory; None if even all but one
     layer of each chunk do not (all of them is `recompute = full`, searched on its own). Memory falls and
     step time rises with each recomputed layer, so the fewest that fit is the fastest of them."""
-    most = max(max(c, default=0) for c in rank_chunks(w.model, s.pp, s.virtual_stages, a.runtime)) - 1
-    if s.recompute == "full" or most < 1:
+    most = max(chunk_layers(w.model, s.pp * s.virtual_stages, a.runtime)) - 1  # the largest chunk's, less one
+    if s.recompute == "full" or most < 1 or memory_floor(w, s, hw, a) > limit:
         return None
     top = dataclasses.replace(s, recompute_layers=most)
     mem = memory(w, top, hw, a)
@@ -259,6 +265,19 @@ def fill_memory(w: Workload, s: Strategy, hw: Hardware, a: Assumptions, limit: f
     return found
 
 
+def _sized(
+    w: Workload, s: Strategy, hw: Hardware, a: Assumptions, limit: float, c: Constraints
+) -> tuple[Memory, Memory, int]:
+    """(memory of `s`, memory of what the search keeps, its recompute_layers): `s` itself, or where it does not
+    fit and the constraints leave recompute_layers free, `s` with the fewest that fit (`fill_memory`)."""
+    mem = memory(w, s, hw, a)
+    if mem.total > limit and c.recompute_layers is None:
+        filled = fill_memory(w, s, hw, a, limit)
+        if filled is not None:
+            return mem, filled[1], filled[0].recompute_layers
+    return mem, mem, s.recompute_layers
+
+
 def _schedules(pp: int, c: Constraints, runtime: Runtime = "meshlm") -> list[tuple[Schedule, int]]:
     """(schedule, virtual stages) pairs to try; without a pipeline the schedule is moot. The Megatron-style
     runtime (the published runs it models) has no zero-bubble schedule."""
@@ -273,6 +292,7 @@ def _schedules(pp: int, c: Constraints, runtime: Runtime = "meshlm") -> list[tup
     return out
 
 
+@cache
 def checkpoint_bytes(w: Workload) -> float:
     """Bytes of one checkpoint: every parameter's weight and optimizer state."""
     w_bytes, _, o_bytes, _ = BYTES[w.precision]
@@ -396,18 +416,20 @@ def search(
     fits: dict[Strategy, bool] = {}  # whether each strategy as enumerated fits
     for n in [gpus] if isinstance(gpus, int) else gpus:
         limit = capacity(hw, n, constraints)
+        sized: dict[Strategy, tuple[Memory, Memory, int]] = {}  # `_sized` by `memory_key`
         for item in enumerate_strategies(w, n, hw.gpus_per_node, constraints, a):
             if isinstance(item, Rejection):
                 result.rejected.append(item)
                 continue
             if item.recompute == "mlp" and fits.get(dataclasses.replace(item, recompute="none")):
                 continue  # slower than keeping every activation, which fits (enumerated before it)
-            mem = memory(w, item, hw, a)
-            fits[item] = mem.total <= limit
-            if mem.total > limit and constraints.recompute_layers is None:
-                filled = fill_memory(w, item, hw, a, limit)
-                if filled is not None:
-                    item, mem = filled
+            shape = memory_key(item)
+            if shape not in sized:
+                sized[shape] = _sized(w, item, hw, a, limit, constraints)
+            enumerated, mem, recompute_layers = sized[shape]
+            fits[item] = enumerated.total <= limit
+            if recompute_layers != item.recompute_layers:
+                item = dataclasses.replace(item, recompute_layers=recompute_layers)
             if mem.total > limit:
                 detail = f"needs {mem.total / GB:.1f} GB > {limit / GB:.1f} GB"
                 result.rejected.append(Rejection(str(item), "out of memory", detail, mem))

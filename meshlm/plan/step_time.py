@@ -12,6 +12,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from meshlm.model.config import ModelConfig
 from meshlm.model.flops import flops_per_token, matmul_params
@@ -198,7 +199,8 @@ def mixed_work(work: LayerWork, full: LayerWork, share: float) -> LayerWork:
     follow the policy (`work`): `train.recompute_layers`."""
     if not share:
         return work
-    parts = zip(dataclasses.astuple(work), dataclasses.astuple(full), strict=True)
+    names = [f.name for f in dataclasses.fields(LayerWork)]
+    parts = zip((getattr(work, n) for n in names), (getattr(full, n) for n in names), strict=True)
     return LayerWork(*((1 - share) * x + share * y for x, y in parts))
 
 
@@ -294,44 +296,71 @@ def _dp_exposed(
     and reduces layer by layer, in forward and backward (a recomputed forward runs inside the backward that
     has its unit gathered), every micro-batch (under pp too), prefetched except the first unit of each
     micro-batch's forward and backward and its last reduce-scatter. Every bucket or layer is its own
-    collective and pays the latency term again. Of the `psi` weights only `trainable` (default all; LoRA:
-    the adapters) are reduced and, under ZeRO-1/2, gathered after the step; ZeRO-3 gathers all of them.
-    `group` is the reducing group: "replicas" (dp × ep × cp, the dense weights) or "dp_cp" (the expert
-    shards). `share`: the stage's fraction of fully recomputed layers (`train.recompute_layers`)."""
+    collective and pays the latency term again (`dp_collectives`). Of the `psi` weights only `trainable`
+    (default all; LoRA: the adapters) are reduced and, under ZeRO-1/2, gathered after the step; ZeRO-3
+    gathers all of them. `group` is the reducing group: "replicas" (dp × ep × cp, the dense weights) or
+    "dp_cp" (the expert shards). `share`: the stage's fraction of fully recomputed layers
+    (`train.recompute_layers`)."""
     n = s.expert_replicas if group == "dp_cp" else s.replicas
     if n == 1 or psi == 0:
         return 0.0
+    m = s.micro_batches(w.global_batch)
+    after, overlapped, tail = dp_collectives(w, s.mesh, s.zero, m, psi, trainable, layers, group, hw, a)
+    full = 1.0 if s.recompute == "full" else share  # fraction of layers whose whole forward is rerun
+    backward = compute_mb * (2 + full) / (3 + full)
+    if s.zero == 0:
+        window = backward
+    elif s.zero in (1, 2):
+        window = (m if s.zero == 2 else 1) * backward
+    else:
+        window = m * compute_mb
+    overlap = a.dp_overlap if a.dp_overlap is not None else (0.0 if hw.shared_node else DP_OVERLAP)
+    return after + min(overlapped, max(tail, overlapped - overlap * window))
+
+
+@lru_cache(maxsize=16384)
+def dp_collectives(
+    w: Workload,
+    mesh: Layout,
+    zero: int,
+    micro_batches: int,
+    psi: float,
+    trainable: float | None,
+    layers: int,
+    group: str,
+    hw: Hardware,
+    a: Assumptions,
+) -> tuple[float, float, float]:
+    """Seconds of a stage's data-parallel collectives per step (`_dp_exposed`), whatever the compute they hide
+    behind: (after the optimizer step, never hidden; those that backward can hide; the tail that it cannot)."""
+    n = mesh.dp * mesh.cp if group == "dp_cp" else mesh.dp * mesh.ep * mesh.cp
     w_bytes, g_bytes, _, _ = BYTES[w.precision]
-    cross = crosses_nodes(s.mesh, group, hw.gpus_per_node)
-    nics = rails(s.mesh, group, hw.gpus_per_node) if cross else 1
+    cross = crosses_nodes(mesh, group, hw.gpus_per_node)
+    nics = rails(mesh, group, hw.gpus_per_node) if cross else 1
     bucket = a.bucket_mb * 1e6
 
     def t(op: str, nbytes: float, calls: int | None = None) -> float:
         calls = calls or max(1, math.ceil(nbytes / bucket))  # default: one call per bucket
         return calls * collective_time(op, nbytes / calls, n, hw.link("dp", cross, op, nics))
 
-    m = s.micro_batches(w.global_batch)
+    m = micro_batches
     trainable = psi if trainable is None else trainable
     grads, weights, updated = trainable * g_bytes, psi * w_bytes, trainable * w_bytes
-    full = 1.0 if s.recompute == "full" else share  # fraction of layers whose whole forward is rerun
-    backward = compute_mb * (2 + full) / (3 + full)
     after = 0.0  # collectives after the optimizer step, never hidden
-    if s.zero == 0:
-        overlapped, window, tail = t("all_reduce", grads), backward, t("all_reduce", min(bucket, grads), 1)
-    elif s.zero in (1, 2):
-        times = m if s.zero == 2 else 1
-        overlapped, window = times * t("reduce_scatter", grads), times * backward
+    if zero == 0:
+        overlapped, tail = t("all_reduce", grads), t("all_reduce", min(bucket, grads), 1)
+    elif zero in (1, 2):
+        times = m if zero == 2 else 1
+        overlapped = times * t("reduce_scatter", grads)
         tail, after = t("reduce_scatter", min(bucket, grads), 1), t("all_gather", updated)
     else:
         units = max(layers, 1)
         gathers = 2.0  # the recompute forward runs inside the unit's backward, which has it gathered
         overlapped = m * (gathers * t("all_gather", weights, units) + t("reduce_scatter", grads, units))
-        window = m * compute_mb
         # every micro-batch starts its forward and its backward with a blocking gather of the first unit (the
         # last one was freed after use, meshlm.parallel.zero.Zero3Hooks) and ends with one reduce-scatter
         tail = m * (2 * t("all_gather", weights / units, 1) + t("reduce_scatter", grads / units, 1))
-    overlap = a.dp_overlap if a.dp_overlap is not None else (0.0 if hw.shared_node else DP_OVERLAP)
-    return after + min(overlapped, max(tail, overlapped - overlap * window))
+    return after, overlapped, tail
 
 
 def cp_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int) -> float:
@@ -379,6 +408,7 @@ def cp_attention_factor(s: Strategy) -> float:
     return (s.cp + 1) / s.cp if s.cp > 1 and s.cp_attention == "ring" else 1.0
 
 
+@lru_cache(maxsize=1024)
 def lora_flops_per_token(model: ModelConfig, seq_len: int, lora_rank: int = 0) -> float:
     """Training FLOPs per token (`flops_per_token`); with LoRA (rank > 0) less the frozen matrices' weight
     gradients (2 FLOPs per matrix weight) plus the adapters' forward and backward (6 per adapter weight)."""
@@ -392,17 +422,75 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
     """Predicted step time. The pipeline runs at its slowest stage: m slots of (compute + TP + p2p) plus
     the bubble; data-parallel tails and the optimizer step follow (the worst stage's). On a shared node every
     rank computes during the m slots and on average half of them during fill and drain; the step is then the
-    longer of the critical path and the work, as the cores that idle ranks leave go to the others."""
+    longer of the critical path and the work, as the cores that idle ranks leave go to the others.
+
+    The slots (`stage_slots`) do not depend on the schedule or the ZeRO stage, nor the data-parallel tail
+    (`stage_tail`) on the schedule, so strategies that differ only there share them."""
     model, s = w.model, strategy
+    shape = (s.mesh, s.micro_batch, s.virtual_stages, s.recompute, s.sequence_parallel, s.cp_attention)
+    slots = stage_slots(w, *shape, s.recompute_layers, hw, a)
+    dp_comm, optimizer = stage_tail(w, *shape, s.recompute_layers, s.zero, hw, a)
+    slot_compute, slot_tp, slot_cp, slot_ep = slots.critical
+    p2p = slots.p2p
     busy_bubble = s.gpus / 2 if s.pp > 1 else s.gpus
     bubble_speedup = time_share(hw, s.gpus) / time_share(hw, busy_bubble)
-    act = BYTES[w.precision][3]
     m = s.micro_batches(w.global_batch)
-    tokens = w.seq_len * s.micro_batch / s.cp  # this rank's tokens of a micro-batch (all of them without cp)
-    rank = hw.per_rank(s.gpus)
-    flash = a.flash_attention
+
+    slot = slot_compute + slot_tp + slot_cp + slot_ep + p2p
+    # Critical path: m slots plus the fill and drain (fill_slots), each at the speed of a rank while the ranks
+    # of half the stages compute; work: m slots at the speed while all compute. Both are lower bounds, and
+    # where every rank owns its device the first is the larger: bubble = bubble_fraction × (m·slot + bubble).
+    fill = fill_slots(s.schedule, s.pp, s.virtual_stages)
+    critical = (m + fill) * (slot_compute / bubble_speedup + slot_tp + slot_cp + slot_ep + p2p)
+    bubble = max(0.0, critical - m * slot)
+    total = m * slot + bubble + dp_comm + optimizer
+    tokens_per_s = w.global_batch * w.seq_len / total
+    model_flops = lora_flops_per_token(model, w.seq_len, w.lora_rank)
+    tflops = model_flops * tokens_per_s / s.gpus / 1e12
+    return StepTime(
+        compute=m * slot_compute,
+        tp_comm=m * slot_tp,
+        pp_comm=m * p2p,
+        cp_comm=m * slot_cp,
+        ep_comm=m * slot_ep,
+        dp_comm=dp_comm,
+        bubble=bubble,
+        optimizer=optimizer,
+        tokens_per_s=tokens_per_s,
+        tflops_per_gpu=tflops,
+        hardware_tflops_per_gpu=tflops * (model_flops + slots.recomputed) / model_flops,
+        mfu=tflops * 1e12 / hw.per_rank(s.gpus).peak_flops,
+        train_days=w.train_tokens / tokens_per_s / 86400,
+    )
+
+
+class Stage(NamedTuple):
+    """One representative pipeline stage's share of a slot: one micro-batch's forward + backward."""
+
+    index: int
+    layers: int
+    moe_layers: int
+    share: float  # of its layers, the fraction fully recomputed (`full_share`)
+    compute: float  # seconds of compute (`micro_batch_time`)
+
+
+class Slots(NamedTuple):
+    """What a strategy's micro-batch costs, stage by stage, without the schedule and the ZeRO stage."""
+
+    stages: tuple[Stage, ...]
+    critical: tuple[float, float, float, float]  # the slowest stage's (compute, tp, cp, ep) seconds
+    p2p: float  # pipeline send/recv per micro-batch
+    recomputed: float  # FLOPs per token spent recomputing, over the model (hardware, not model, FLOPs)
+
+
+def _layer_works(w: Workload, s: Strategy, a: Assumptions) -> tuple[list[LayerWork], float]:
+    """Per-token work of a layer under the strategy's recompute policy and, with recompute_layers, of a fully
+    recomputed one (else the policy's again, last), and the head's FLOPs on one tensor-parallel rank."""
+    model, act = w.model, BYTES[w.precision][3]
     policies = (s.recompute, "full") if s.recompute_layers else (s.recompute,)
-    works = [layer_work(model, w.seq_len, s.tp, s.sequence_parallel, r, flash, a.runtime, act) for r in policies]
+    works = [
+        layer_work(model, w.seq_len, s.tp, s.sequence_parallel, r, a.flash_attention, a.runtime, act) for r in policies
+    ]
     head_f = _flops_split(model, w.seq_len)[1] / s.tp
     if w.lora_rank:  # a frozen base: no weight-gradient GEMMs (a third of its matmuls), plus the adapters' own
         layer_f, _, attention_f = _flops_split(model, w.seq_len)
@@ -410,28 +498,76 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         less = -(layer_f - 3 * attention_f) / s.tp / 3 + adapters
         works = [dataclasses.replace(work, gemm_flops=work.gemm_flops + less) for work in works]
         head_f *= 2 / 3
-    full_work = works[-1]  # the policy's own when no block is fully recomputed
-    loss_bytes = 3 * (act + 8) * model.vocab_size / s.tp  # logits, their fp32 copy and log-softmax, fwd + bwd
+    return works, head_f
 
-    activation = tokens * model.dim * act  # one micro-batch's hidden states, s·b·h
+
+def _tp_times(w: Workload, s: Strategy, hw: Hardware, a: Assumptions) -> tuple[float, float, float, float]:
+    """Exposed tensor-parallel seconds per micro-batch: of a layer under the policy, of a fully recomputed
+    layer, of the stage edge (the vocab-parallel embedding's output on the first stage, the head input's
+    gradient on the last), and of the vocab-parallel loss's all-reduces (fp32 row max, then sum-exp stacked
+    with the target logit; last stage)."""
+    tokens = w.seq_len * s.micro_batch / s.cp
+    activation = tokens * w.model.dim * BYTES[w.precision][3]  # one micro-batch's hidden states, s·b·h
     tp_cross = crosses_nodes(s.mesh, "tp", hw.gpus_per_node)
     tp_ops = ("all_gather", "reduce_scatter") if s.sequence_parallel else ("all_reduce",)
     per_collective = sum(collective_time(op, activation, s.tp, hw.link("tp", tp_cross, op)) for op in tp_ops)
     n_collectives = TP_COLLECTIVES.get(s.recompute, 4)
     tp_layer = n_collectives * per_collective * (1 - a.tp_overlap)
     tp_full_layer = TP_COLLECTIVES["full"] * per_collective * (1 - a.tp_overlap)
-    # outside the layers, one call each: the vocab-parallel embedding's output (first stage) and the head
-    # input's gradient (last stage); and the vocab-parallel loss's all-reduces of fp32 row max, then sum-exp
-    # stacked with the target logit (last stage)
     tp_link = hw.link("tp", tp_cross, "all_reduce")
     tp_edge = per_collective / len(tp_ops) * (1 - a.tp_overlap)
     tp_loss = sum(collective_time("all_reduce", k * tokens * 4, s.tp, tp_link) for k in (1, 2)) * (1 - a.tp_overlap)
-    p2p = 0.0
-    if s.pp > 1:
-        pp_link = hw.link("pp", crosses_nodes(s.mesh, "pp", hw.gpus_per_node), "send_recv")
-        # activations forward and gradients back, split over tp (scatter/gather), once per virtual stage
-        p2p = 2 * s.virtual_stages * collective_time("send_recv", activation / s.tp, 2, pp_link)
+    return tp_layer, tp_full_layer, tp_edge, tp_loss
 
+
+def _p2p_time(w: Workload, s: Strategy, hw: Hardware) -> float:
+    """Pipeline send/recv per micro-batch: activations forward and gradients back, split over tp
+    (scatter/gather), once per virtual stage."""
+    if s.pp == 1:
+        return 0.0
+    activation = w.seq_len * s.micro_batch / s.cp * w.model.dim * BYTES[w.precision][3]
+    pp_link = hw.link("pp", crosses_nodes(s.mesh, "pp", hw.gpus_per_node), "send_recv")
+    return 2 * s.virtual_stages * collective_time("send_recv", activation / s.tp, 2, pp_link)
+
+
+def _strategy(
+    mesh: Layout,
+    micro_batch: int,
+    virtual_stages: int,
+    recompute: str,
+    sp: bool,
+    cp_attention: str,
+    recompute_layers: int,
+    zero: int = 0,
+) -> Strategy:
+    """The strategy of these fields; its schedule (and, unless given, ZeRO stage) is a placeholder that the
+    callers do not read."""
+    return Strategy(mesh, zero, micro_batch, "1f1b", virtual_stages, recompute, sp, cp_attention, recompute_layers)
+
+
+@lru_cache(maxsize=16384)
+def stage_slots(
+    w: Workload,
+    mesh: Layout,
+    micro_batch: int,
+    virtual_stages: int,
+    recompute: str,
+    sp: bool,
+    cp_attention: str,
+    recompute_layers: int,
+    hw: Hardware,
+    a: Assumptions,
+) -> Slots:
+    """Per representative pipeline stage, one micro-batch's compute (device work at the rates of `work_time`
+    plus host time), tensor-, context- and expert-parallel communication; the slowest stage's; the pipeline
+    send/recv; and the recomputed FLOPs per token."""
+    s = _strategy(mesh, micro_batch, virtual_stages, recompute, sp, cp_attention, recompute_layers)
+    model, act = w.model, BYTES[w.precision][3]
+    tokens = w.seq_len * s.micro_batch / s.cp  # this rank's tokens of a micro-batch (all of them without cp)
+    works, head_f = _layer_works(w, s, a)
+    full_work = works[-1]  # the policy's own when no block is fully recomputed
+    loss_bytes = 3 * (act + 8) * model.vocab_size / s.tp  # logits, their fp32 copy and log-softmax, fwd + bwd
+    tp_layer, tp_full_layer, tp_edge, tp_loss = _tp_times(w, s, hw, a)
     chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
     moe = rank_moe_layers(model, s.pp, s.virtual_stages, a.runtime)
     cp_layer = cp_layer_time(model, tokens, s, hw, act)
@@ -441,7 +577,8 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         full_s = dataclasses.replace(s, recompute="full")
         cp_full_layer = cp_layer_time(model, tokens, full_s, hw, act)
         ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act)
-    slot_compute = slot_tp = slot_cp = slot_ep = dp_comm = optimizer = 0.0
+    stages = []
+    slot_compute = slot_tp = slot_cp = slot_ep = 0.0
     for i in representative_stages(chunks):
         layers, last = sum(chunks[i]), i == s.pp - 1
         share = full_share(chunks[i], s.recompute_layers)
@@ -449,7 +586,7 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         gemm = tokens * (layers * work.gemm_flops + (head_f if last else 0.0))
         nbytes = tokens * (layers * work.memory_bytes + (loss_bytes if last else 0.0))
         attention = tokens * layers * work.attention_flops * cp_attention_factor(s)
-        device = work_time(gemm, attention, nbytes, hw, a, flash)
+        device = work_time(gemm, attention, nbytes, hw, a, a.flash_attention)
         compute_mb = micro_batch_time(device, layers, hw, s.gpus)
         tp_mb = layers * ((1 - share) * tp_layer + share * tp_full_layer)
         tp_mb += (tp_edge if i == 0 else 0.0) + (tp_edge + tp_loss if last else 0.0)
@@ -457,9 +594,39 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         ep_mb = moe[i] * ((1 - share) * ep_layer + share * ep_full_layer)
         if compute_mb + tp_mb + cp_mb + ep_mb > slot_compute + slot_tp + slot_cp + slot_ep:
             slot_compute, slot_tp, slot_cp, slot_ep = compute_mb, tp_mb, cp_mb, ep_mb
+        stages.append(Stage(i, layers, moe[i], share, compute_mb))
+    fully = sum(chunk_full_layers(chunk_layers(model, s.pp * s.virtual_stages, a.runtime), s.recompute_layers))
+    recomputed = ((model.n_layers - fully) * works[0].recompute_flops + fully * full_work.recompute_flops) * s.tp
+    critical = (slot_compute, slot_tp, slot_cp, slot_ep)
+    return Slots(tuple(stages), critical, _p2p_time(w, s, hw), recomputed)
+
+
+@lru_cache(maxsize=16384)
+def stage_tail(
+    w: Workload,
+    mesh: Layout,
+    micro_batch: int,
+    virtual_stages: int,
+    recompute: str,
+    sp: bool,
+    cp_attention: str,
+    recompute_layers: int,
+    zero: int,
+    hw: Hardware,
+    a: Assumptions,
+) -> tuple[float, float]:
+    """(exposed data-parallel communication, optimizer step) in seconds of the stage where they take longest
+    together: the data-parallel / ZeRO collectives left on the critical path (`_dp_exposed`, dense weights
+    over the data replicas and expert shards over dp × cp) and the optimizer reading and writing its states."""
+    s = _strategy(mesh, micro_batch, virtual_stages, recompute, sp, cp_attention, recompute_layers, zero)
+    slots = stage_slots(w, mesh, micro_batch, virtual_stages, recompute, sp, cp_attention, recompute_layers, hw, a)
+    model, rank = w.model, hw.per_rank(s.gpus)
+    dp_comm = optimizer = 0.0
+    for i, layers, moe, share, compute_mb in slots.stages:
+        last = i == s.pp - 1
         psi = stage_params(model, s.tp, layers, i == 0, last)
         if model.n_experts:  # dense weights reduced over dp × ep × cp, expert shards over dp × cp
-            dense, experts = moe_stage_params(model, s.tp, s.ep, layers, moe[i], i == 0, last)
+            dense, experts = moe_stage_params(model, s.tp, s.ep, layers, moe, i == 0, last)
             stage_dp = _dp_exposed(w, s, hw, a, dense, layers, compute_mb, share=share)
             stage_dp += _dp_exposed(w, s, hw, a, experts, layers, compute_mb, group="dp_cp", share=share)
             states = moe_state_bytes(dense, experts, s, w.precision, a.runtime)
@@ -473,32 +640,4 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         stage_optimizer = 2 * sum(states) / rank.memory_bw
         if stage_dp + stage_optimizer > dp_comm + optimizer:
             dp_comm, optimizer = stage_dp, stage_optimizer
-
-    slot = slot_compute + slot_tp + slot_cp + slot_ep + p2p
-    # Critical path: m slots plus the fill and drain (fill_slots), each at the speed of a rank while the ranks
-    # of half the stages compute; work: m slots at the speed while all compute. Both are lower bounds, and
-    # where every rank owns its device the first is the larger: bubble = bubble_fraction × (m·slot + bubble).
-    fill = fill_slots(s.schedule, s.pp, s.virtual_stages)
-    critical = (m + fill) * (slot_compute / bubble_speedup + slot_tp + slot_cp + slot_ep + p2p)
-    bubble = max(0.0, critical - m * slot)
-    total = m * slot + bubble + dp_comm + optimizer
-    tokens_per_s = w.global_batch * w.seq_len / total
-    model_flops = lora_flops_per_token(model, w.seq_len, w.lora_rank)
-    tflops = model_flops * tokens_per_s / s.gpus / 1e12
-    fully = sum(chunk_full_layers(chunk_layers(model, s.pp * s.virtual_stages, a.runtime), s.recompute_layers))
-    recomputed = ((model.n_layers - fully) * works[0].recompute_flops + fully * full_work.recompute_flops) * s.tp
-    return StepTime(
-        compute=m * slot_compute,
-        tp_comm=m * slot_tp,
-        pp_comm=m * p2p,
-        cp_comm=m * slot_cp,
-        ep_comm=m * slot_ep,
-        dp_comm=dp_comm,
-        bubble=bubble,
-        optimizer=optimizer,
-        tokens_per_s=tokens_per_s,
-        tflops_per_gpu=tflops,
-        hardware_tflops_per_gpu=tflops * (model_flops + recomputed) / model_flops,
-        mfu=tflops * 1e12 / rank.peak_flops,
-        train_days=w.train_tokens / tokens_per_s / 86400,
-    )
+    return dp_comm, optimizer
