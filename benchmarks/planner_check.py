@@ -44,7 +44,8 @@ from meshlm.parallel.mesh import Layout, build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.plan import Strategy, Workload, evaluate, hardware
-from meshlm.plan.memory import model_state_bytes, rank_layers, stage_params
+from meshlm.plan.memory import model_state_bytes, stage_params
+from meshlm.plan.pipeline_split import rank_layers
 from meshlm.testing import global_batch, run_distributed
 from meshlm.train.optim import build_optimizer, train_step
 

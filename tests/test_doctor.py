@@ -18,7 +18,7 @@ from meshlm.observe.bandwidth import bus_factor, busbw, fit_link, ring_steps
 from meshlm.observe.calibration import calibration
 from meshlm.observe.doctor import default_sizes, run_doctor
 from meshlm.plan.hardware import Calibration, Link, hardware
-from meshlm.plan.step_time import collective_time
+from meshlm.plan.network import collective_time
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -41,19 +41,16 @@ from meshlm.plan.cost import CostModel, run_cost
 from meshlm.plan.hardware import GB
 from meshlm.plan.memory import (
     Strategy,
-    chunk_layers,
-    held_layers,
     layer_activation_bytes,
     memory_floor,
     memory_key,
     model_state_bytes,
-    rank_chunks,
-    rank_layers,
     stage_params,
 )
+from meshlm.plan.network import crosses_nodes
+from meshlm.plan.pipeline_split import chunk_layers, held_layers, rank_chunks, rank_layers
 from meshlm.plan.search import layout_problem
 from meshlm.plan.spot import expected_wall_time
-from meshlm.plan.step_time import crosses_nodes
 
 # d=64, 4 heads of 16, 2 KV heads, I=128, V=256, 4 layers: Ψ = 180,800. Own copy: presets may change.
 TEST = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=128, max_seq_len=64)

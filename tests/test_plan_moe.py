@@ -28,8 +28,9 @@ from meshlm.plan.memory import (
     moe_stage_params,
     rank_moe_layers,
 )
+from meshlm.plan.network import GROUPS, collective_time, crosses_nodes
 from meshlm.plan.search import plan_for_config
-from meshlm.plan.step_time import GROUPS, collective_time, crosses_nodes, ep_layer_time, step_time
+from meshlm.plan.step_time import ep_layer_time, step_time
 
 PRESETS = ("tiny-moe", "mixtral-8x7b", "qwen3-30b-a3b")
 

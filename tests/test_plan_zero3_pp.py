@@ -12,8 +12,9 @@ from meshlm.model import preset
 from meshlm.parallel.mesh import Layout
 from meshlm.plan.hardware import hardware
 from meshlm.plan.memory import Assumptions, Strategy, Workload, layer_params
+from meshlm.plan.network import collective_time
 from meshlm.plan.search import Constraints, search
-from meshlm.plan.step_time import collective_time, step_time
+from meshlm.plan.step_time import step_time
 
 H100 = hardware("H100-SXM")
 MODEL = preset("llama3-8b")

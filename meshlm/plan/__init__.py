@@ -9,6 +9,7 @@ Formulas, sources, the calibration schema and a comparison with published runs: 
 from meshlm.plan.cost import CostModel, run_cost
 from meshlm.plan.hardware import GPUS, Calibration, Hardware, Link, hardware
 from meshlm.plan.memory import Assumptions, Memory, Strategy, Workload, memory
+from meshlm.plan.network import collective_time
 from meshlm.plan.search import (
     Constraints,
     Plan,
@@ -20,7 +21,7 @@ from meshlm.plan.search import (
     search,
 )
 from meshlm.plan.spot import Estimate, Offerings, Pool, Rates, compare, estimate, young_interval
-from meshlm.plan.step_time import StepTime, bubble_fraction, collective_time, step_time
+from meshlm.plan.step_time import StepTime, bubble_fraction, step_time
 
 __all__ = [
     "GPUS",

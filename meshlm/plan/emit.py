@@ -253,6 +253,40 @@ def check_block(identity: str, args: str, failed: str) -> list[str]:
     ]
 
 
+def slurm_run(command: str, cpus: int, data_source: str) -> str:
+    """The sbatch script's step: `srun` of one `meshlm launch` agent per node, this shell's SIGTERM passed on
+    through Slurm, and the requeue after a signal stopped the run once its workers saved (see `slurm`)."""
+    return f"""# meshlm launch writes this file when a signal stopped it after its workers saved: Slurm delivers the
+# time limit's --signal and a preemption's SIGTERM to the step's tasks, not to this shell
+export MESHLM_STOPPED_FILE="$MESHLM_RUN_DIR/.stopped-$SLURM_JOB_ID"
+rm -f "$MESHLM_STOPPED_FILE"
+STOPPED=0
+# SIGTERM to this shell alone: on to the step's tasks through Slurm (srun would turn a SIGTERM into SIGKILL)
+on_term() {{
+  [ "$STOPPED" = 1 ] && return
+  STOPPED=1
+  echo "meshlm: SIGTERM: saving, then requeueing job $SLURM_JOB_ID"
+  scancel --signal=TERM "$SLURM_JOB_ID"
+}}
+trap on_term TERM
+srun --kill-on-bad-exit=0 --ntasks-per-node=1 --cpus-per-task={cpus} \\
+  {command} \\
+  --data.source {shlex.quote(data_source)} --data.cache_dir "$MESHLM_CACHE_DIR" \\
+  --log.run_dir "$MESHLM_RUN_DIR" "$@" &
+STEP=$!
+wait "$STEP"
+while kill -0 "$STEP" 2>/dev/null; do wait "$STEP"; done
+wait "$STEP"
+RC=$?
+if [ "$RC" = 0 ] && {{ [ "$STOPPED" = 1 ] || [ -e "$MESHLM_STOPPED_FILE" ]; }}; then
+  rm -f "$MESHLM_STOPPED_FILE"
+  echo "meshlm: stopped by a signal after saving; requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID" || echo "meshlm: requeue refused; resubmit this script to resume"
+fi
+exit "$RC"
+"""
+
+
 def slurm(launch: Launch, site: Site) -> str:
     """An sbatch script: one task per node runs a `meshlm launch` agent; the first node hosts the
     rendezvous. `--no-kill` keeps the allocation when a node dies (the agents re-form the group on the
@@ -332,35 +366,7 @@ if [ "$(cat "$MESHLM_VENV/.meshlm-install" 2>/dev/null)" != "$MESHLM_INSTALL" ];
     || {{ echo "meshlm: could not install $MESHLM_INSTALL into $MESHLM_VENV" >&2; exit 1; }}
 fi
 export PATH="$MESHLM_VENV/bin:$PATH"
-{check}# meshlm launch writes this file when a signal stopped it after its workers saved: Slurm delivers the
-# time limit's --signal and a preemption's SIGTERM to the step's tasks, not to this shell
-export MESHLM_STOPPED_FILE="$MESHLM_RUN_DIR/.stopped-$SLURM_JOB_ID"
-rm -f "$MESHLM_STOPPED_FILE"
-STOPPED=0
-# SIGTERM to this shell alone: on to the step's tasks through Slurm (srun would turn a SIGTERM into SIGKILL)
-on_term() {{
-  [ "$STOPPED" = 1 ] && return
-  STOPPED=1
-  echo "meshlm: SIGTERM: saving, then requeueing job $SLURM_JOB_ID"
-  scancel --signal=TERM "$SLURM_JOB_ID"
-}}
-trap on_term TERM
-srun --kill-on-bad-exit=0 --ntasks-per-node=1 --cpus-per-task={cpus} \\
-  {command} \\
-  --data.source {shlex.quote(site.data_source)} --data.cache_dir "$MESHLM_CACHE_DIR" \\
-  --log.run_dir "$MESHLM_RUN_DIR" "$@" &
-STEP=$!
-wait "$STEP"
-while kill -0 "$STEP" 2>/dev/null; do wait "$STEP"; done
-wait "$STEP"
-RC=$?
-if [ "$RC" = 0 ] && {{ [ "$STOPPED" = 1 ] || [ -e "$MESHLM_STOPPED_FILE" ]; }}; then
-  rm -f "$MESHLM_STOPPED_FILE"
-  echo "meshlm: stopped by a signal after saving; requeueing job $SLURM_JOB_ID"
-  scontrol requeue "$SLURM_JOB_ID" || echo "meshlm: requeue refused; resubmit this script to resume"
-fi
-exit "$RC"
-"""
+{check}{slurm_run(command, cpus, site.data_source)}"""
 
 
 def kubernetes(launch: Launch, site: Site, image: str) -> str:

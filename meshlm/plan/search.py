@@ -26,16 +26,13 @@ from meshlm.plan.memory import (
     Assumptions,
     Memory,
     Recompute,
-    Runtime,
-    Schedule,
     Strategy,
     Workload,
-    chunk_layers,
-    max_chunks,
     memory,
     memory_floor,
     memory_key,
 )
+from meshlm.plan.pipeline_split import Runtime, Schedule, chunk_layers, max_chunks
 from meshlm.plan.spot import Estimate, Offerings, Pool, estimate
 from meshlm.plan.step_time import StepTime, bubble_fraction, step_time
 

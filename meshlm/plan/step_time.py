@@ -8,7 +8,6 @@ Formulas and sources: docs/planner.md.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -16,26 +15,23 @@ from typing import NamedTuple
 
 from meshlm.model.config import ModelConfig
 from meshlm.model.flops import flops_per_token, matmul_params
-from meshlm.parallel.mesh import DIMS, Layout
-from meshlm.plan.hardware import Hardware, Link
+from meshlm.parallel.mesh import Layout
+from meshlm.plan.hardware import Hardware
 from meshlm.plan.memory import (
     BYTES,
     DEFAULTS,
     Assumptions,
-    Runtime,
     Strategy,
     Workload,
-    chunk_full_layers,
-    chunk_layers,
     layer_lora_params,
     model_state_bytes,
     moe_stage_params,
     moe_state_bytes,
-    rank_chunks,
     rank_moe_layers,
-    representative_stages,
     stage_params,
 )
+from meshlm.plan.network import collective_time, crosses_nodes, rails
+from meshlm.plan.pipeline_split import Runtime, chunk_full_layers, chunk_layers, rank_chunks, representative_stages
 
 MEASURED_EFFICIENCY = 0.8  # achievable fraction of a measured large-matmul rate
 MEMORY_EFFICIENCY = 0.8  # achievable fraction of memory bandwidth for streaming elementwise kernels
@@ -48,68 +44,6 @@ DP_OVERLAP = 0.8  # NCCL runs on a few SMs beside compute; gloo on cpu competes 
 # residual adds, fused rotary (2 per element), fused SwiGLU (3I).
 TRAFFIC: dict[str, tuple[float, float, float]] = {"meshlm": (38, 12, 5), "megatron": (10, 2, 3)}
 UNFUSED_ATTENTION = 4  # without flash: scores written, softmax read + written, probabilities read (a·s each)
-
-
-def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
-    """Ring collectives over n ranks in the α–β model; nbytes is the full buffer (nccl-tests convention)."""
-    if n == 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2 * (n - 1) / n * nbytes / link.beta + 2 * (n - 1) * link.alpha
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n * nbytes / link.beta + (n - 1) * link.alpha
-    if op == "send_recv":
-        return nbytes / link.beta + link.alpha
-    raise ValueError(f"unknown collective {op!r}")
-
-
-# Flattened groups of several mesh dims (meshlm.parallel.mesh.Mesh): the expert-data-parallel group that
-# reduces expert gradients, and the data replicas that reduce dense ones.
-GROUPS = {"dp_cp": ("dp", "cp"), "replicas": ("dp", "ep", "cp")}
-
-
-@lru_cache(maxsize=65536)
-def crosses_nodes(mesh: Layout, dim: str, gpus_per_node: int) -> bool:
-    """Whether some group of mesh dim `dim` (or flattened group, `GROUPS`) spans two nodes. Ranks are numbered
-    pp outermost, then dp, ep, cp, tp innermost (rank = (((i_pp·dp + i_dp)·ep + i_ep)·cp + i_cp)·tp + i_tp)
-    and fill nodes in order. A group's members are its first rank plus offsets up to `span`; it crosses when
-    the first rank's offset within its node plus the span reaches the next node, which depends only on that
-    offset, so each offset is checked once."""
-    dims = GROUPS.get(dim, (dim,))
-    strides, stride = {}, 1
-    for d in reversed(DIMS):
-        strides[d] = stride
-        stride *= getattr(mesh, d)
-    span = sum((getattr(mesh, d) - 1) * strides[d] for d in dims)
-    others = [d for d in DIMS if d not in dims and getattr(mesh, d) > 1]
-    seen: set[int] = set()
-    for coords in itertools.product(*(range(getattr(mesh, d)) for d in others)):
-        offset = sum(c * strides[d] for c, d in zip(coords, others, strict=True)) % gpus_per_node
-        if offset + span >= gpus_per_node:
-            return True
-        seen.add(offset)
-        if len(seen) == gpus_per_node:
-            break
-    return False
-
-
-@lru_cache(maxsize=4096)
-def rails(mesh: Layout, dim: str, gpus_per_node: int) -> int:
-    """The fewest members that a group of mesh dim `dim` (or flattened group, `GROUPS`) has in one of the
-    nodes it spans, for the group of rank 0 (every group of a dim has the same stride pattern): how many
-    NICs per node its ring collectives drive (`Hardware.link`)."""
-    dims = GROUPS.get(dim, (dim,))
-    strides, stride = {}, 1
-    for d in reversed(DIMS):
-        strides[d] = stride
-        stride *= getattr(mesh, d)
-    members = [0]
-    for d in dims:
-        members = [r + i * strides[d] for r in members for i in range(getattr(mesh, d))]
-    per_node: dict[int, int] = {}
-    for r in members:
-        per_node[r // gpus_per_node] = per_node.get(r // gpus_per_node, 0) + 1
-    return min(per_node.values())
 
 
 def fill_slots(schedule: str, pp: int, virtual_stages: int = 1) -> float:
