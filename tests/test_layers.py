@@ -171,3 +171,30 @@ def test_imports_are_parsed_function_local_and_relative() -> None:
     assert [m for _, m in imported_modules("from . import timers", "meshlm.parallel", is_package=True)] == [
         "meshlm.parallel.timers"
     ]
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 80  # readable in one sitting; split by meaning past these
+
+
+def oversized(root: Path) -> list[str]:
+    """Modules over MAX_MODULE_LINES lines and functions (docstring included) over MAX_FUNCTION_LINES."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            found.append(f"{path.relative_to(root.parent)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}: {lines} lines")
+    return found
+
+
+def test_no_module_or_function_is_oversized(tmp_path: Path) -> None:
+    assert oversized(PACKAGE) == []
+    big = tmp_path / "meshlm"
+    big.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (big / "m.py").write_text(f"def f():\n{body}")
+    assert oversized(big) == [f"meshlm/m.py:1 f: {MAX_FUNCTION_LINES + 1} lines"]
