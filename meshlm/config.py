@@ -475,6 +475,9 @@ def check_init_from(init_from: str) -> None:
     markers = ("config.json", "trainer.json", "checkpoints")
     if not path.is_dir() or not any((path / name).exists() for name in markers):
         raise ValueError(f"{init_from} is not a checkpoint (no {', '.join(markers)} in it); valid: {INIT_FROM_VALID}")
+    run, saved = not (path / "config.json").exists() and not (path / "trainer.json").exists(), path / "checkpoints"
+    if run and not (saved.is_dir() and any(p.is_dir() and p.name.startswith("step_") for p in saved.iterdir())):
+        raise ValueError(f"{init_from} is a meshlm run with no committed checkpoint yet (checkpoints/ has no step_*)")
 
 
 def model_config_from_dict(values: object, where: str) -> ModelConfig:

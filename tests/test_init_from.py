@@ -372,6 +372,9 @@ def test_config_json_problems_are_one_line(checkpoints: dict[str, Path], tmp_pat
     assert f"model.init_from: {tmp_path / 'absent'} not found; valid: a Hugging Face checkpoint" in message
     message = one_line_config_error({"model.init_from": str(checkpoints["untied"] / "config.json")})
     assert f"model.init_from: {checkpoints['untied'] / 'config.json'} is not a checkpoint (no config.json" in message
+    (tmp_path / "run" / "checkpoints" / ".staging-step_00000002").mkdir(parents=True)  # a run that never saved
+    message = one_line_config_error({"model.init_from": str(tmp_path / "run")})
+    assert f"{tmp_path / 'run'} is a meshlm run with no committed checkpoint yet" in message, message
     message = one_line_config_error({"model.init_from": str(checkpoints["untied"]), "model.dim": 128})
     assert f"model.dim: 128 conflicts with the model of model.init_from {checkpoints['untied']} (64)" in message
     agreeing = {"model.init_from": str(checkpoints["untied"]), "model.dim": 64, "model.preset": "small"}
