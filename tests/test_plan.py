@@ -287,8 +287,10 @@ def test_llama3_70b_on_64_h100_keeps_tp_in_the_node():
     assert plan.strategy.tp * plan.strategy.cp <= 8 and plan.strategy.gpus == 64
     assert plan.memory.total <= 80 * GB
     assert 0.2 < plan.step.mfu < 0.5
+    # Without cp tp still stays in the node. Since a ZeRO-3 group over whole nodes is priced on all 8 NICs
+    # (rails), tp=4 × dp=16 ZeRO-3 (43% MFU) edges out tp=8 × dp=8 ZeRO-2 (40%) and tp=1 × dp=64 (39%, recomputing).
     no_cp = best(w, 64, hw, constraints=Constraints(cp=1))
-    assert no_cp.strategy.tp == 8 and no_cp.memory.total <= 80 * GB and 0.2 < no_cp.step.mfu < 0.5
+    assert 1 < no_cp.strategy.tp <= 8 and no_cp.memory.total <= 80 * GB and 0.2 < no_cp.step.mfu < 0.5
 
 
 def test_search_proposes_context_parallel_for_long_sequences():
