@@ -173,9 +173,8 @@ def run_config(cfg: Config, run_dir: Path, layout: str, steps: int, **parallel: 
     return Config.model_validate(data)
 
 
-def single_process(cfg: Config) -> dict[str, object]:
-    """The [parallel] of one process: no layout, no ZeRO, no schedule options."""
-    return {"zero": 0, "zero_shard_size": None, "sequence_parallel": False, "virtual_stages": 1}
+# The [parallel] of one process: no layout, no ZeRO, no schedule options.
+SINGLE_PROCESS = {"zero": 0, "zero_shard_size": None, "sequence_parallel": False, "virtual_stages": 1}
 
 
 def without(cfg: Config, dim: str) -> tuple[str, dict]:
@@ -219,7 +218,7 @@ def check(
 
     lay_cfg = run_config(cfg, workdir / "layout", layout, steps)  # first: what the layout refuses, it refuses at once
     got, t_lay = timed(f"layout {layout} ({world} ranks)", lay_cfg, world, batches, workdir, "layout", parts=parts)
-    ref_cfg = run_config(cfg, workdir / "reference", "", steps, **single_process(cfg))
+    ref_cfg = run_config(cfg, workdir / "reference", "", steps, **SINGLE_PROCESS)
     ref, t_ref = timed("reference (world 1)", ref_cfg, 1, batches, workdir, "reference", parts=parts)
     d_loss, d_norm = max_rel(got["losses"], ref["losses"]), max_rel(got["grad_norms"], ref["grad_norms"])
     d_w, first = weights_rel(got["weights"], ref["weights"])
@@ -245,7 +244,7 @@ def check(
         for path in list_checkpoints(resume_dir):
             if int(path.name.removeprefix("step_")) > middle:
                 shutil.rmtree(path)
-        res_cfg = run_config(cfg, resume_dir, "", steps, **single_process(cfg))
+        res_cfg = run_config(cfg, resume_dir, "", steps, **SINGLE_PROCESS)
         res, t_res = timed(f"resume step {middle} at world 1", res_cfg, 1, batches, workdir, "resumed", "resume", parts)
         ref_tail = dict(zip(ref["steps"], ref["losses"], strict=True))
         ref_norms = dict(zip(ref["steps"], ref["grad_norms"], strict=True))
@@ -318,7 +317,7 @@ def localise(cfg: Config, batches: list, workdir: Path, report: CheckReport, par
     data = cfg.model_dump()
     data["train"]["grad_clip"] = 0.0
     plain = Config.model_validate(data)
-    r_cfg = run_config(plain, workdir / "grads-reference", "", 1, **single_process(plain))
+    r_cfg = run_config(plain, workdir / "grads-reference", "", 1, **SINGLE_PROCESS)
     ref, _ = timed("step-1 gradients at world 1", r_cfg, 1, batches, workdir, "grads-reference", "grads", parts)
     g_cfg = run_config(plain, workdir / "grads", layout, 1)
     got, t = timed("step-1 gradients at the layout", g_cfg, world_of(layout), batches, workdir, "grads", "grads", parts)

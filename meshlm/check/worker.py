@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from meshlm.observe.metrics import load_metrics
+from meshlm.parallel.mesh import Layout
+from meshlm.parallel.placement import Placement
 from meshlm.train.parts import Callback, IterableBatches
 from meshlm.train.trainer import Trainer, fit
 
@@ -43,13 +45,9 @@ class CopyGradient(torch.optim.Optimizer):
                 p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
 
 
-def placement_line(trainer: Trainer, name: str) -> str | None:
-    """How this rank holds parameter `name` ('sharded tp dim 0 per-head; reduced over dp'), None if not here."""
-    model = trainer.model
-    param = dict(model.named_parameters()).get(name)
-    if param is None:
-        return None
-    place, layout, parts = model.placements[param], trainer.layout, []
+def placement_line(place: Placement, layout: Layout) -> str:
+    """How this rank holds a parameter of placement `place` ('sharded tp dim 0 per-head; reduced over dp')."""
+    parts = []
     if place.ep is not None:
         parts.append("experts sharded over ep")
     if place.tp is not None:
@@ -74,13 +72,14 @@ class Record(Callback):
     def on_step_end(self, trainer: Trainer, step: int, loss: float, metrics: dict[str, float]) -> None:
         if step != self.steps:
             return
-        self.weights = trainer.model.full_state_dict()
-        names = list(self.weights)
-        mine = {name: line for name in names if (line := placement_line(trainer, name)) is not None}
         model = trainer.model
+        self.weights = model.full_state_dict()
+        params = dict(model.named_parameters())  # this rank's
+        mine = {name: placement_line(model.placements[p], trainer.layout) for name, p in params.items()}
+        mine = {name: line for name, line in mine.items() if name in self.weights}
         whole = {
             name: p.detach().float().clone()
-            for name, p in model.named_parameters()
+            for name, p in params.items()
             if model.placements[p].tp is None and model.placements[p].ep is None and resident(p)
         }
         every: list[tuple] = [() for _ in range(dist.get_world_size())]

@@ -172,10 +172,9 @@ class TensorParallel:
         return TensorParallelHooks()
 
 
-class FusedLoss:
-    """meshlm.parallel.fused_loss: the vocabulary head and meshlm's cross-entropy computed together, chunk by
-    chunk (vocabulary-parallel after tensor parallel). Only for meshlm's own loss on logits it never returns.
-    Under ZeRO-3 the head's unit stays gathered until the fused loss has run (docs/zero.md)."""
+class Transform:
+    """A strategy with no mesh dimension, no size or model rules and no run-time hook: it changes the modules
+    that run when its build asks for it (`transform`). FusedLoss, FP8 and Compile."""
 
     dim = ""
 
@@ -189,12 +188,26 @@ class FusedLoss:
         pass
 
     def apply(self, build: Build) -> Applied:
-        from meshlm.parallel.fused_loss import apply_fused_loss
         from meshlm.parallel.runtime import Applied
+
+        self.transform(build)
+        return Applied()
+
+    def transform(self, build: Build) -> None:
+        """Change `build`'s modules in place, if its build asks for this transform (each subclass's own)."""
+        raise NotImplementedError(type(self).__name__)
+
+
+class FusedLoss(Transform):
+    """meshlm.parallel.fused_loss: the vocabulary head and meshlm's cross-entropy computed together, chunk by
+    chunk (vocabulary-parallel after tensor parallel). Only for meshlm's own loss on logits it never returns.
+    Under ZeRO-3 the head's unit stays gathered until the fused loss has run (docs/zero.md)."""
+
+    def transform(self, build: Build) -> None:
+        from meshlm.parallel.fused_loss import apply_fused_loss
 
         if build.fused_loss and build.loss_fn is None and not build.gather_logits:
             apply_fused_loss(build.model, build.plan)
-        return Applied()
 
 
 class ContextParallel:
@@ -354,54 +367,28 @@ class DataParallelism:
         return DataParallelHooks(build.grads, mesh)
 
 
-class FP8:
+class FP8(Transform):
     """meshlm.parallel.fp8: the blocks' Linear layers multiply in fp8 (tensorwise dynamic scales); a module swap
     on what the strategies above left (tp's sharded linears keep their collectives), same parameters, so data
     parallel's buffers and hooks stay. Not exact against one process by design (each rank scales its own
     operands): tests/test_fp8.py bounds it."""
 
-    dim = ""
-
-    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
-        return True
-
-    def check_layout(self, spec: LayoutSpec) -> None:
-        pass
-
-    def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
-        pass
-
-    def apply(self, build: Build) -> Applied:
+    def transform(self, build: Build) -> None:
         from meshlm.parallel.fp8 import apply_fp8
-        from meshlm.parallel.runtime import Applied
 
         if build.fp8:
             apply_fp8(build.chunks, build.plan, emulate=build.fp8 == "emulate")
-        return Applied()
 
 
-class Compile:
+class Compile(Transform):
     """meshlm.parallel.compile: torch.compile each block this rank holds, last, so the graphs are of the modules
     that run (tp's collectives inside, pipeline sends and ZeRO-3 gathers between blocks, eager)."""
 
-    dim = ""
-
-    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
-        return True
-
-    def check_layout(self, spec: LayoutSpec) -> None:
-        pass
-
-    def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
-        pass
-
-    def apply(self, build: Build) -> Applied:
+    def transform(self, build: Build) -> None:
         from meshlm.parallel.compile import compile_blocks
-        from meshlm.parallel.runtime import Applied
 
         if build.compile_backend:
             compile_blocks(build.chunks, build.plan, build.compile_backend)
-        return Applied()
 
 
 STRATEGIES: tuple[Strategy, ...] = (
