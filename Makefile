@@ -4,8 +4,10 @@
 # check, slow ones included (`pytest --run-slow`); CI (.ci/run) runs `make test`, then
 # `make test-slow` (the slow tier alone, `pytest -m slow`, so nothing runs twice).
 # All create the virtual environment on first use.
-# `make test-portability` reruns the layout-equivalence tests under other CPU kernels (another machine's
-# rounding, tests/equivalence.py): CAPABILITY=default|avx2|avx512 (not above what this CPU has), THREADS=1|2.
+# `make test-portability` reruns the fast tier of the layout-equivalence tests (one run per pair of strategies, and
+# every mutation check on them) under other CPU kernels (another machine's rounding, tests/equivalence.py):
+# CAPABILITY=default|avx2|avx512 (not above what this CPU has), THREADS=1|2. PORTABILITY_ARGS=--run-slow adds their
+# slow matrices.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,6 +16,7 @@ PY := $(VENV)/bin/python
 
 CAPABILITY ?= default
 THREADS ?= 1
+PORTABILITY_ARGS ?=
 PARALLEL_TESTS := tests/test_tensor_parallel.py tests/test_data_parallel.py tests/test_pipeline.py \
 	tests/test_checkpoint_reshard.py tests/test_trainer_distributed.py tests/test_api.py tests/test_context_parallel.py \
 	tests/test_loss_contract.py tests/test_tied.py tests/test_expert_parallel.py tests/test_compositions.py
@@ -41,7 +44,7 @@ test-slow: $(VENV)/.installed
 	$(PY) -m pytest -m slow
 
 test-portability: $(VENV)/.installed
-	ATEN_CPU_CAPABILITY=$(CAPABILITY) MESHLM_TEST_THREADS=$(THREADS) $(PY) -m pytest --run-slow $(PARALLEL_TESTS)
+	ATEN_CPU_CAPABILITY=$(CAPABILITY) MESHLM_TEST_THREADS=$(THREADS) $(PY) -m pytest $(PORTABILITY_ARGS) $(PARALLEL_TESTS)
 
 clean:
 	rm -rf $(VENV) .cache runs
