@@ -29,6 +29,7 @@ from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
 from meshlm.model.moe import set_aux_loss_scale
 from meshlm.parallel.fused_loss import HeadOutput, fused_cross_entropy_sum
 from meshlm.parallel.gradients import ShardedTensor
+from meshlm.parallel.lora import Adaptation
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.options import ParallelOptions
@@ -106,6 +107,7 @@ class ParallelModel:
         fused_loss: bool = False,
         fp8: bool | str = False,
         compile_backend: str | None = None,
+        adaptation: Adaptation | None = None,
     ) -> None:
         parallel = ParallelOptions.of(parallel)
         self.mesh = mesh
@@ -114,6 +116,30 @@ class ParallelModel:
         self._tokens_scale: torch.Tensor | None = None  # replicas / global kept tokens, set per step
         self.autocast_dtype = autocast_dtype
         self.plan = plan = plan or plan_for(model)
+        self.placements = Placements()  # filled by the strategies (meshlm.parallel.placement)
+        meta = is_meta_model(model)
+        self.device_type = mesh_device(mesh).type if meta else next(model.parameters()).device.type
+        build = Build(
+            model,
+            mesh,
+            parallel,
+            plan,
+            n_micro,
+            engine=self,
+            meta_init=None,
+            device_type=self.device_type,
+            autocast_dtype=autocast_dtype,
+            token_loss=loss_fn or self._cross_entropy,
+            loss_fn=loss_fn,
+            gather_logits=gather_logits,
+            fused_loss=fused_loss,
+            ignore_index=ignore_index,
+            fp8=fp8,
+            compile_backend=compile_backend,
+            adaptation=adaptation or Adaptation(),
+            placements=self.placements,
+        )
+        self.applied: list[Applied] = apply_strategies(build, model_transforms=True)  # freezing and LoRA first
         layout = mesh.layout
         check_layout(LayoutSpec(None, layout, n_micro * layout.data_parallel, 1, options=parallel), model, plan)
         if layout.tp > 1 and loss_fn is not None and not gather_logits:
@@ -125,30 +151,10 @@ class ParallelModel:
         if loss_fn is not None and not fused_loss:
             check_loss_shape(model, loss_fn)
         self.global_shapes = {name: p.shape for name, p in model.named_parameters()}
+        self.trainable = {name for name, p in model.named_parameters() if p.requires_grad}  # global names
         self.tied_aliases = tied_aliases(model)  # a tied weight is named by its canonical name (meshlm.ties)
-        self.placements = Placements()  # filled by the strategies (meshlm.parallel.placement)
-        meta_init = MetaInit(model, mesh_device(mesh), self.placements) if is_meta_model(model) else None
-        self.device_type = meta_init.device.type if meta_init else next(model.parameters()).device.type
-        build = Build(
-            model,
-            mesh,
-            parallel,
-            plan,
-            n_micro,
-            engine=self,
-            meta_init=meta_init,
-            device_type=self.device_type,
-            autocast_dtype=autocast_dtype,
-            token_loss=loss_fn or self._cross_entropy,
-            loss_fn=loss_fn,
-            gather_logits=gather_logits,
-            fused_loss=fused_loss,
-            ignore_index=ignore_index,
-            fp8=fp8,
-            compile_backend=compile_backend,
-            placements=self.placements,
-        )
-        self.applied: list[Applied] = apply_strategies(build)  # their run-time hooks, in composition order
+        build.meta_init = MetaInit(model, mesh_device(mesh), self.placements) if meta else None
+        self.applied += apply_strategies(build)  # their run-time hooks, in composition order
         self.chunks, self.token_loss, self.grads = build.chunks, build.token_loss, build.grads
         self.replicas = mesh.size("data") * mesh.size("cp")  # ranks whose gradients are averaged: dp × ep × cp
         self.pipeline, self.dp = build.pipeline, build.dp  # for inspection (tests, benchmarks): None when unused

@@ -21,13 +21,16 @@ run config's validation (meshlm.train.trainer.check_config) and the planner's se
 they accept the same layouts (tests/test_layout_agreement.py); with the model, once per build, by ParallelModel
 (meshlm's model and a user's alike, whether from `meshlm train` or `meshlm.parallelize`).
 
-STRATEGIES lists them in composition order: tensor parallel swaps the modules its plan names for sharded ones;
-the fused loss (not a mesh dimension, but a transform of the head that must see tp's) fuses the head with the
-cross-entropy; context parallel swaps the attention cores; expert parallel keeps this rank's experts; pipeline
-parallel keeps this rank's stages; data parallel / ZeRO lays out what is left (materialising a meta-built
-model's shard on the device) and owns gradient reduction: it sets `build.grads`, the one owner of the gradients
-and optimizer tensors (meshlm.parallel.gradients); FP8 swaps the blocks' Linear layers and Compile compiles the
-blocks (transforms of what runs, no mesh dimension). A new strategy is one class here and one module.
+STRATEGIES lists them in composition order: Adapt (a transform of the plain model, no mesh dimension) freezes
+train.freeze's parameters and wraps the LoRA targets, before anything checks or records the model, so tensor
+parallel shards each adapter with its base and data parallel packs only what trains; tensor parallel swaps the
+modules its plan names for sharded ones; the fused loss (not a mesh dimension, but a transform of the head that must
+see tp's) fuses the head with the cross-entropy; context parallel swaps the attention cores; expert parallel keeps
+this rank's experts; pipeline parallel keeps this rank's stages; data parallel / ZeRO lays out what is left
+(materialising a meta-built model's shard on the device) and owns gradient reduction: it sets `build.grads`, the one
+owner of the gradients and optimizer tensors (meshlm.parallel.gradients); FP8 swaps the blocks' Linear layers and
+Compile compiles the blocks (transforms of what runs, no mesh dimension).
+A new strategy is one class here and one module.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ if TYPE_CHECKING:
     from meshlm.parallel.data_parallel import DataParallel
     from meshlm.parallel.engine import ParallelModel
     from meshlm.parallel.gradients import LocalGradients
+    from meshlm.parallel.lora import Adaptation
     from meshlm.parallel.materialize import MetaInit
     from meshlm.parallel.mesh import Mesh
     from meshlm.parallel.pipeline import PipelineSchedule, TiedStages
@@ -87,6 +91,13 @@ class LayoutSpec:
         return check_batch_split(self.layout, self.global_batch, self.micro_batch)
 
 
+def _adaptation() -> Adaptation:
+    """No freezing, no LoRA (imported here: meshlm.parallel.lora needs torch)."""
+    from meshlm.parallel.lora import Adaptation
+
+    return Adaptation()
+
+
 def _placements() -> Placements:
     """An empty placement table (imported here: the layout checks above run without torch, e.g. `meshlm plan`)."""
     from meshlm.parallel.placement import Placements
@@ -104,7 +115,7 @@ class Build:
     plan: ParallelPlan
     n_micro: int
     engine: ParallelModel  # the pipeline schedule's callbacks: the scaled loss, autocast, the grad-sync switch
-    meta_init: MetaInit | None
+    meta_init: MetaInit | None  # set by the engine after the model transforms (Adapt), before the rest
     device_type: str
     autocast_dtype: torch.dtype | None
     token_loss: LossFn  # per-token losses; tensor parallel makes it vocabulary-parallel
@@ -114,6 +125,7 @@ class Build:
     ignore_index: int = -100
     fp8: bool | str = False  # True, or "emulate" (the same quantisation through an fp32 matmul: CPU tests)
     compile_backend: str | None = None  # torch.compile each block with this backend; None: eager
+    adaptation: Adaptation = field(default_factory=_adaptation)  # train.freeze and LoRA (meshlm.parallel.lora)
     placements: Placements = field(default_factory=_placements)  # where each parameter lives (readers' table)
     chunks: list[nn.Module] = field(default_factory=list)
     pipeline: PipelineSchedule | None = None
@@ -174,7 +186,7 @@ class TensorParallel:
 
 class Transform:
     """A strategy with no mesh dimension, no size or model rules and no run-time hook: it changes the modules
-    that run when its build asks for it (`transform`). FusedLoss, FP8 and Compile."""
+    that run when its build asks for it (`transform`). Adapt, FusedLoss, FP8 and Compile."""
 
     dim = ""
 
@@ -196,6 +208,28 @@ class Transform:
     def transform(self, build: Build) -> None:
         """Change `build`'s modules in place, if its build asks for this transform (each subclass's own)."""
         raise NotImplementedError(type(self).__name__)
+
+
+class ModelTransform(Transform):
+    """A transform of the plain model, the one the layout is of (its parameters, their names and full shapes):
+    the engine applies it first, before it checks the model against the layout, records its names and shapes,
+    and materialises a meta-built model."""
+
+
+class Adapt(ModelTransform):
+    """meshlm.parallel.lora: train.freeze's parameters frozen and LoRA adapters wrapped around the targets
+    (`build.adaptation`), first, so tensor parallel shards each adapter with its base and data parallel packs,
+    reduces and shards only what trains. Under bf16 autocast the frozen Linear weights are kept in bf16
+    (autocast casts them at each use anyway: the same numbers, half the bytes)."""
+
+    def transform(self, build: Build) -> None:
+        import torch
+
+        from meshlm.parallel.lora import cast_frozen_linears
+
+        build.adaptation.apply(build.model, build.plan)
+        if build.autocast_dtype == torch.bfloat16:
+            cast_frozen_linears(build.model, torch.bfloat16)
 
 
 class FusedLoss(Transform):
@@ -392,6 +426,7 @@ class Compile(Transform):
 
 
 STRATEGIES: tuple[Strategy, ...] = (
+    Adapt(),
     TensorParallel(),
     FusedLoss(),
     ContextParallel(),
@@ -422,16 +457,24 @@ def check_layout(spec: LayoutSpec, model: nn.Module | None = None, plan: Paralle
     return spec.n_micro
 
 
-def apply_strategies(build: Build) -> list[Applied]:
-    """Every enabled strategy's transform, in composition order; their run-time hooks, in the same order."""
+def apply_strategies(build: Build, model_transforms: bool = False) -> list[Applied]:
+    """Every enabled strategy's transform, in composition order; their run-time hooks, in the same order. With
+    `model_transforms`, only the transforms of the plain model (ModelTransform: Adapt), which the engine
+    applies before its checks; without, all the others."""
     build.chunks = [build.model]
-    return [s.apply(build) for s in STRATEGIES if s.enabled(build.mesh.layout, build.options)]
+    return [
+        s.apply(build)
+        for s in STRATEGIES
+        if isinstance(s, ModelTransform) == model_transforms and s.enabled(build.mesh.layout, build.options)
+    ]
 
 
 __all__ = [
     "STRATEGIES",
+    "Adapt",
     "Build",
     "LayoutSpec",
+    "ModelTransform",
     "Strategy",
     "apply_strategies",
     "check_layout",
