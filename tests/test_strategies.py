@@ -62,8 +62,13 @@ class NoOddData:
 
 
 def test_a_new_strategy_is_checked_by_the_runtime_and_the_planner_alike(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A strategy's check is written once: adding one to STRATEGIES makes the config validation, the model check
-    and the planner's search refuse the same layouts."""
+    """A strategy's check is written once: adding one to STRATEGIES makes the trainer's config validation, the
+    model check and the planner's search refuse the same layouts."""
+    from meshlm.config import load_config
+    from meshlm.train.startup import check_config
+
+    overrides = [("model.preset", "test"), ("data.seq_len", 32), ("parallel.layout", "dp=3"), ("train.global_batch", 6)]
+    cfg = load_config(None, overrides)
 
     def offered(dp: int) -> bool:
         c = Constraints(pp=1, dp=dp, tp=1, cp=1, zero=0, micro_batch=1, schedule="1f1b", recompute="none")
@@ -72,9 +77,12 @@ def test_a_new_strategy_is_checked_by_the_runtime_and_the_planner_alike(monkeypa
 
     assert offered(3) and offered(2)
     check_layout(LayoutSpec(MODEL, Layout(dp=3), 6))
+    check_config(cfg, 3)
     monkeypatch.setattr(strategies, "STRATEGIES", (*STRATEGIES, NoOddData()))
     with pytest.raises(LayoutError, match="dp=3 is odd"):
         check_layout(LayoutSpec(MODEL, Layout(dp=3), 6))
+    with pytest.raises(LayoutError, match="dp=3 is odd"):
+        check_config(cfg, 3)
     assert not offered(3) and offered(2)
     with torch.device("meta"):
         model = Transformer(MODEL)
