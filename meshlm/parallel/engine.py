@@ -1,15 +1,15 @@
 """ParallelModel: a plain model as one rank holds it under a layout — what a training loop sees of parallelism.
 
-Composition: each parallelism is a strategy (meshlm.parallel.strategies) with one contract — check the layout,
-check the model against its plan, apply — and `ParallelModel` runs every strategy's check, then applies them in
-order (tensor parallel, the fused loss, context parallel, expert parallel, pipeline, data parallel / ZeRO), each
-driven by the model's ParallelPlan (meshlm.parallel.plan), never by its attribute names. None touches the model
-code. Each applied strategy returns its run-time hooks (meshlm.parallel.runtime: the batch split, the
-micro-batches, the gradient synchronisation, gathering the state), and the run-time methods below keep the loss
-contract and run those hooks in order, naming no parallelism. The gradients and optimizer tensors have one owner
-(`grads`, meshlm.parallel.gradients). Every gradient is correct after `forward_backward` (or `backward`)
-returns, so clipping and the optimizer are layout-agnostic, and any torch.optim optimizer steps what
-`parameters()` returns.
+Composition: each parallelism is a strategy (meshlm.parallel.strategies) with one contract — check the layout, check
+the model against its plan, apply — and `ParallelModel` applies the transforms of the plain model (freezing and
+LoRA), runs every strategy's check, then applies the others in order (tensor parallel, the fused loss, context
+parallel, expert parallel, pipeline, data parallel / ZeRO, FP8, compile), each driven by the model's ParallelPlan
+(meshlm.parallel.plan), never by its attribute names. None touches the model code. Each applied strategy returns its
+run-time hooks (meshlm.parallel.runtime: the batch split, the micro-batches, the gradient synchronisation, gathering
+the state), and the run-time methods below keep the loss contract and run those hooks in order, naming no
+parallelism. The gradients and optimizer tensors have one owner (`grads`, meshlm.parallel.gradients). Every gradient
+is correct after `forward_backward` (or `backward`) returns, so clipping and the optimizer are layout-agnostic, and
+any torch.optim optimizer steps what `parameters()` returns.
 
 A model built on the `meta` device goes through the module swaps and the pipeline split as meta tensors; then
 each rank allocates only what it keeps (its tp slice of its stage, under ZeRO-3 only its flat shard), directly
@@ -91,7 +91,8 @@ class ParallelModel:
     materialises only its shard (see the module docstring), on the mesh's device. `parallel` is a
     ParallelOptions (the run config's ParallelSection is one) or a dict of its fields. `fp8` (True, or
     "emulate" off FP8 GPUs) swaps the blocks' Linear layers to fp8 matmuls and `compile_backend` compiles each
-    block, both after the parallel transforms (meshlm.parallel.fp8, meshlm.parallel.compile)."""
+    block, both after the parallel transforms (meshlm.parallel.fp8, meshlm.parallel.compile); `adaptation`
+    (train.freeze and LoRA, meshlm.parallel.lora) is applied to the plain model before anything else."""
 
     def __init__(
         self,

@@ -5,12 +5,14 @@ and bias (same parameter names) plus `lora_A` (rank × in) and `lora_B` (out × 
 
     y = x Wᵀ + b + (dropout(x) Aᵀ) Bᵀ · alpha / rank
 
-and freezes every other parameter (`requires_grad = False`). Call it before `meshlm.parallelize`: the
-strategies then see only what trains. Data parallel / ZeRO packs, reduces and shards only trainable
-parameters (the frozen base gets no gradient buffer, no reduction and no optimizer state); tensor parallel
-shards each adapter with its base (meshlm.parallel.tensor_parallel): a column-parallel base gets a
-replicated A and a row-sharded B, a row-parallel base a column-sharded A and a replicated B whose partial
-output joins the base's partial sum in its one all-reduce; pipeline and context parallel need nothing.
+and freezes every other parameter (`requires_grad = False`). `Adaptation` is what the strategy list's first
+transform (Adapt, meshlm.parallel.strategies) applies for `meshlm train` and `meshlm.parallelize(lora=...)`;
+`apply_lora` by hand goes before `meshlm.parallelize`. Either way the strategies then see only what trains. Data
+parallel / ZeRO packs, reduces and shards only trainable parameters (the frozen base gets no gradient buffer, no
+reduction and no optimizer state); tensor parallel shards each adapter with its base
+(meshlm.parallel.tensor_parallel): a column-parallel base gets a replicated A and a row-sharded B, a row-parallel
+base a column-sharded A and a replicated B whose partial output joins the base's partial sum in its one all-reduce;
+pipeline and context parallel need nothing.
 
 A is drawn like PEFT's (Kaiming-uniform, bound 1/√in) from a generator seeded by `seed`, on the CPU, so
 every rank and the single-process model start from the same adapters even when the base is built on the
