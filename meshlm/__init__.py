@@ -3,7 +3,7 @@
 The public API (docs/api.md), importable from `meshlm` directly:
 
     init_mesh, parallelize, ParallelModel, Checkpoints, shutdown your model and your loop
-    ParallelOptions, Loss                                        parallelize's options and loss
+    ParallelOptions, Loss, LoRAOptions                           parallelize's options, loss and adapters
     ParallelPlan, PipelineSplit, register_plan, plan_for,        per-family plan tables
     COLWISE, COLWISE_HEADS, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, SEQUENCE_PARALLEL
     FusedColwise, InterleavedColwise                             styles for fused projections
@@ -12,7 +12,7 @@ The public API (docs/api.md), importable from `meshlm` directly:
     check                                                        a layout proven against one process (docs/check.md)
     StepObserver, StepGuard, Preemption, Watchdog                metrics and guards as calls
     Transformer, ModelConfig, preset                             the built-in Llama
-    apply_lora, merge_lora                                       LoRA adapters, before parallelize (docs/lora.md)
+    apply_lora, merge_lora                                       LoRA adapters by hand (docs/lora.md)
     InputError                                                   the base of every one-line bad-input error
 
 Names load on first use, so `import meshlm` (and the CLI) stays fast.
@@ -32,6 +32,7 @@ _EXPORTS = {
     "ParallelModel": "meshlm.parallel.engine",
     "ParallelOptions": "meshlm.parallel.options",
     "Loss": "meshlm.parallel.options",
+    "LoRAOptions": "meshlm.parallel.options",
     "ParallelPlan": "meshlm.parallel.plan",
     "PipelineSplit": "meshlm.parallel.plan",
     "register_plan": "meshlm.parallel.plan",
@@ -59,8 +60,8 @@ _EXPORTS = {
     "Transformer": "meshlm.model",
     "ModelConfig": "meshlm.model",
     "preset": "meshlm.model",
-    "apply_lora": "meshlm.lora",
-    "merge_lora": "meshlm.lora",
+    "apply_lora": "meshlm.parallel.lora",
+    "merge_lora": "meshlm.parallel.lora",
 }
 __all__ = sorted(_EXPORTS)
 

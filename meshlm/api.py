@@ -18,6 +18,7 @@ other layout. meshlm's own trainer is built on exactly these calls (meshlm.train
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,9 +37,10 @@ from meshlm.checkpoint import (
 from meshlm.parallel.distributed import init_distributed, resolve_device
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.fp8 import check_fp8_device
+from meshlm.parallel.lora import Adaptation
 from meshlm.parallel.materialize import is_meta_model
 from meshlm.parallel.mesh import Mesh, build_mesh, parse_layout
-from meshlm.parallel.options import Loss, ParallelOptions
+from meshlm.parallel.options import LoRAOptions, Loss, ParallelOptions
 from meshlm.parallel.plan import ParallelPlan
 
 __all__ = ["Checkpoints", "init_mesh", "parallelize", "shutdown"]
@@ -80,6 +82,9 @@ def parallelize(
     autocast_dtype: torch.dtype | None = None,
     fp8: bool | Literal["emulate"] = False,
     compile_backend: str | None = None,
+    lora: LoRAOptions | dict[str, Any] | None = None,
+    freeze: Sequence[str] = (),
+    lora_seed: int = 0,
 ) -> ParallelModel:
     """Apply the mesh's layout to `model` in place, as `plan` (default: the plan registered for the model's
     class, else DP/ZeRO only) says: tensor parallel, then pipeline stages, then data parallel / ZeRO.
@@ -100,8 +105,13 @@ def parallelize(
     `forward_backward` takes full rows, the model itself `seq_shard` of them. `fp8=True` makes the blocks'
     Linear layers multiply in fp8 (an FP8 GPU; "emulate" runs the same quantisation anywhere) and
     `compile_backend` ("inductor", "aot_eager") torch.compiles each block, both after the parallel transforms,
-    as `train.fp8` and `train.compile` do."""
+    as `train.fp8` and `train.compile` do. `freeze` (parameter-name patterns) and `lora` (a LoRAOptions, or a
+    dict of its fields: `{"rank": 8}`, the adapters' A drawn from `lora_seed`) freeze and adapt the model first,
+    as `train.freeze` and `[lora]` do (docs/lora.md)."""
     parallel = ParallelOptions.of(options)
+    if isinstance(lora, dict):
+        lora = LoRAOptions(**lora)
+    adaptation = Adaptation(tuple(freeze), lora or LoRAOptions(), lora_seed)
     loss = loss or Loss()
     device = torch.device(mesh.device_mesh.device_type)
     if fp8 is True:
@@ -121,6 +131,7 @@ def parallelize(
         loss.fused,
         fp8,
         compile_backend,
+        adaptation,
     )
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import FAMILY_FIELDS, PRESETS, ModelConfig
-from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.options import LoRAOptions, ParallelOptions
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -168,15 +168,11 @@ class TrainSection(Section):
     )
 
 
-class LoraSection(Section):
-    rank: int = Field(0, ge=0, description="LoRA adapter rank; 0 = off (every weight trains unless train.freeze)")
-    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the update is B·A·alpha/rank")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (0 for exact layouts)")
-    targets: list[str] = Field(
-        [],
-        description="module-name patterns of the Linears to adapt; empty = the plan's attention and MLP projections",
-    )
-    init_from: str | None = Field(None, description="start the adapters from a PEFT adapter directory")
+class LoraSection(LoRAOptions, Section):
+    """LoRA's options (meshlm.parallel.options, declared there once)."""
+
+    model_config = ConfigDict(frozen=False)
+    __init__ = BaseModel.__init__  # pydantic's own, as ParallelSection's
 
 
 class ParallelSection(ParallelOptions, Section):

@@ -27,7 +27,6 @@ from meshlm.checkpoint import (
 )
 from meshlm.config import load_config, model_config_from_dict
 from meshlm.data.generation import write_generation_ids
-from meshlm.lora import LoRAError, LoRASpec, apply_lora, export_peft, freeze_patterns_match, merge_lora
 from meshlm.model import Transformer
 from meshlm.model.hf import (
     MESHLM_CONFIG_KEY,
@@ -40,6 +39,7 @@ from meshlm.model.hf import (
 )
 from meshlm.model.hf_export import _save_meshlm_file, export_hf
 from meshlm.model.pretrained import check_run_tokenizer, copy_run_tokenizer, is_hf_directory
+from meshlm.parallel.lora import LoRAError, LoRASpec, apply_lora, export_peft, freeze_patterns_match, merge_lora
 from meshlm.ties import canonical_state, load_state, unique_state_names
 
 

@@ -55,7 +55,9 @@ from meshlm.checkpoint import (
 from meshlm.config import ParallelSection, TrainSection, load_config, parse_overrides
 from meshlm.model import ModelConfig, Transformer, preset
 from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.lora import Adaptation
 from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.parallel.options import LoRAOptions
 from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.testing import global_batch, mask_prompts, rank_threads
 from meshlm.train.optim import build_optimizer, lr_at, train_step
@@ -89,6 +91,7 @@ def train_layout(
     optimizer: str = "adamw",
     masked: float = 0.0,
     fused_loss: bool = False,
+    lora_rank: int = 0,
 ) -> dict:
     """Run optimizer steps `start`..`stop - 1` of a `steps`-step schedule (all of them by default) with
     AdamW (meshlm's; ADAMW_STEPS by default) or plain SGD (SGD_STEPS by default); return {'losses',
@@ -97,8 +100,10 @@ def train_layout(
 
     `resume_from` loads the newest checkpoint of that run directory first (written under any layout) and
     adds 'resumed_state', the full weights right after loading; `save_to` saves a sharded checkpoint of
-    step `stop` there at the end. `masked` > 0 labels about that fraction of the targets -100, unevenly per
-    row (meshlm.testing.mask_prompts), as fine-tuning data does; `fused_loss` computes the loss with the head."""
+    step `stop` there at the end. `masked` > 0 labels about that fraction of the targets -100, unevenly per row
+    (meshlm.testing.mask_prompts), as fine-tuning data does; `fused_loss` computes the loss with the head;
+    `lora_rank` > 0 trains LoRA adapters of that rank on the frozen base (the Adapt transform, the adapters drawn
+    from `seed` + 1)."""
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
     if steps is None:
@@ -124,7 +129,8 @@ def train_layout(
     torch.manual_seed(seed)
     model = Transformer(model_cfg)
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    pm = ParallelModel(model, mesh, par, n_micro, fused_loss=fused_loss)
+    adaptation = Adaptation(lora=LoRAOptions(rank=lora_rank, alpha=8.0), seed=seed + 1)
+    pm = ParallelModel(model, mesh, par, n_micro, fused_loss=fused_loss, adaptation=adaptation)
     tagged = [(name, key) for name, p in pm.named_parameters() for key in vars(p) if "meshlm" in key]
     assert not tagged, tagged  # placement lives in pm.placements (meshlm.parallel.placement), not on tensors
     if optimizer == "sgd":

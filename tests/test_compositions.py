@@ -40,8 +40,9 @@ class Composition:
 
 
 FUSED = ("FusedLoss",)
+LORA = ("Adapt",)
 # A strategy with no mesh dimension ("" in STRATEGIES) is engaged by a train_layout option.
-TRANSFORM_OPTIONS = {"FusedLoss": {"fused_loss": True}}
+TRANSFORM_OPTIONS = {"FusedLoss": {"fused_loss": True}, "Adapt": {"lora_rank": 4}}
 # Transforms that no equivalence run can hold to one process's result, each with the tests that cover it.
 OWN_TESTS = {
     "FP8": "each rank quantises its own operands with their own scales, so no layout is exact against one "
@@ -57,6 +58,7 @@ COMPOSITIONS = {
     "ep2 zero1 fused": Composition("ep=2", {"zero": 1}, {"model_cfg": MOE_MODEL}, FUSED),
     "pp2 fused": Composition("pp=2", {}, {"micro_batch": 2}, FUSED),
     "dp2 zero3 accumulation fused": Composition("dp=2", {"zero": 3}, {"micro_batch": 2}, FUSED),
+    "tp2 lora fused": Composition("tp=2", {}, {}, LORA + FUSED),
     # four ranks: every pair of mesh dimensions
     "tp2 cp2 sp": Composition("cp=2,tp=2", {"sequence_parallel": True}),
     "ep2 tp2 zero1": Composition("ep=2,tp=2", {"zero": 1}, {"model_cfg": MOE_MODEL}),
@@ -68,6 +70,9 @@ COMPOSITIONS = {
     "pp2 ep2 zero3": Composition("pp=2,ep=2", {"zero": 3}, {"model_cfg": MOE_MODEL, "micro_batch": 2}),
     "dp2 ep2 zero1 sgd": Composition("dp=2,ep=2", {"zero": 1}, {"model_cfg": MOE_MODEL, "optimizer": "sgd"}),
     "pp2 dp2 zero1": Composition("pp=2,dp=2", {"zero": 1}, {"micro_batch": 2}),
+    # four ranks: LoRA with the other mesh dimensions (ZeRO-3 refuses frozen experts under ep)
+    "pp2 cp2 lora": Composition("pp=2,cp=2", {}, {"micro_batch": 2}, LORA),
+    "dp2 ep2 zero1 lora": Composition("dp=2,ep=2", {"zero": 1}, {"model_cfg": MOE_MODEL}, LORA),
 }
 
 
@@ -106,8 +111,10 @@ def _train(cases: dict[str, Composition]) -> dict[str, dict]:
 
 
 def _reference(case: Composition) -> dict:
-    """The single-process run of the same batches: accumulation and the fused loss change no result."""
-    return reference(**{k: v for k, v in case.kwargs.items() if k != "micro_batch"})
+    """The single-process run of the same batches, with the same adapters: accumulation and the fused loss change
+    no result."""
+    adapters = TRANSFORM_OPTIONS["Adapt"] if "Adapt" in case.transforms else {}
+    return reference(**{k: v for k, v in case.kwargs.items() if k != "micro_batch"}, **adapters)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -116,8 +123,10 @@ def test_every_composition_trains_like_one_process(world: int) -> None:
     per_rank = run_shared(_train, world, cases, timeout=900)
     for name, case in cases.items():
         got = per_rank[-1][name]  # the last rank holds the pipeline's loss
-        if case.transforms:
+        if "FusedLoss" in case.transforms:
             assert sum(rank[name]["fused calls"] for rank in per_rank) > 0, f"{name}: the fused loss never ran"
+        if "Adapt" in case.transforms:
+            assert any(key.endswith(".lora_A") for key in got["state"]), f"{name}: no adapters were trained"
         try:
             assert_close_runs(_reference(case), got)
         except AssertionError as e:

@@ -7,9 +7,8 @@ Bottom to top (a unit is a subpackage of meshlm or a top-level module):
                      at all; fault injection points for the recovery tests (MESHLM_INJECT_FAULT)
     ties             tied weights of any nn.Module
     model            the single-device model, its shapes and FLOPs, the HF format of its weights
-    parallel         the mesh and the strategies (tp, cp, pp, dp/ZeRO), their options (parallel/options.py,
-                     not the run config), step timers and process-group set-up
-    lora             adapters and frozen parameters (their layer lives in model/lora.py, which tp shards)
+    parallel         the mesh and the strategies (LoRA and freezing, tp, cp, pp, dp/ZeRO), their options
+                     (parallel/options.py, not the run config), step timers and process-group set-up
     checkpoint       a ParallelModel's state in DCP folders
     config           the run config; `model.init_from` reads an HF directory (model) or a checkpoint's record
     data             sources, tokenizer, token shards, the sampler
@@ -39,7 +38,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("ties",),
     ("model",),
     ("parallel",),
-    ("lora",),
     ("checkpoint",),
     ("config",),
     ("data",),

@@ -24,9 +24,9 @@ from equivalence import TEST_MODEL, assert_close_runs, criterion_failures, globa
 from torch import nn
 
 import meshlm
-from meshlm.lora import LoRAError, LoRALinear, apply_lora, freeze
 from meshlm.model import Transformer
 from meshlm.model.lora import lora_delta
+from meshlm.parallel.lora import LoRAError, LoRALinear, apply_lora, freeze
 from meshlm.parallel.mesh import build_mesh, parse_layout
 
 RANK, ALPHA = 4, 8.0
@@ -57,6 +57,7 @@ def llama_on_meta() -> nn.Module:
 
 FAMILIES = {
     "llama": (llama, TEST_MODEL.vocab_size),
+    "llama-transform": (llama, TEST_MODEL.vocab_size),  # adapted by meshlm.parallelize(lora=...), not by hand
     "llama-meta": (llama_on_meta, TEST_MODEL.vocab_size),
     "hf": (hf_llama, HF_VOCAB),
 }
@@ -82,16 +83,19 @@ def lora_run(
     mesh = build_mesh(parse_layout(layout, world), "cpu")
     torch.manual_seed(0)
     model = build()
-    apply_lora(model, RANK, ALPHA, seed=1)
-    base = {n for n, p in model.named_parameters() if not p.requires_grad}
+    by_transform = family == "llama-transform"
+    if not by_transform:
+        apply_lora(model, RANK, ALPHA, seed=1)
     whole = model
-    if family == "llama-meta":  # the weights it must start from: those of the model built whole
+    if family in ("llama-meta", "llama-transform"):  # the weights it must start from: the model built whole
         torch.manual_seed(0)
         whole = llama()
         apply_lora(whole, RANK, ALPHA, seed=1)
+    base = {n for n, p in whole.named_parameters() if not p.requires_grad}
     initial = {n: t.detach().clone() for n, t in whole.state_dict().items()}
     micro = 2 if "pp" in layout else 1
-    pm = meshlm.parallelize(model, mesh, parallel, micro_batches=micro)
+    lora = {"rank": RANK, "alpha": ALPHA} if by_transform else None
+    pm = meshlm.parallelize(model, mesh, parallel, micro_batches=micro, lora=lora, lora_seed=1)
     steps = 4 if optimizer == "sgd" else 10
     if optimizer == "sgd":
         opt = torch.optim.SGD(pm.parameters(), lr=0.2)
@@ -159,8 +163,32 @@ def _mutated_tp_run() -> dict:
     return {**run, "fired": len(fired)}
 
 
+@contextlib.contextmanager
+def adapt_dropped() -> Iterator[None]:
+    """The Adapt transform left out of the strategy list: `meshlm.parallelize(lora=...)` trains the whole model."""
+    from meshlm.parallel import strategies
+
+    original = strategies.STRATEGIES
+    strategies.STRATEGIES = tuple(s for s in original if not isinstance(s, strategies.Adapt))
+    try:
+        yield
+    finally:
+        strategies.STRATEGIES = original
+
+
+def _adapt_dropped_run() -> dict:
+    with adapt_dropped():
+        return lora_run("tp=2", "llama-transform", "sgd")
+
+
 # ---- world 2 -------------------------------------------------------------------------------------------
-WORLD2_FAST = [("dp=2", "llama", "adamw", {"zero": 3}), ("tp=2", "llama", "adamw", {})]
+WORLD2_FAST = [
+    ("dp=2", "llama", "adamw", {"zero": 3}),
+    ("tp=2", "llama", "adamw", {}),
+    # meshlm.parallelize(lora=...): the Adapt transform, checked against LoRA applied by hand in one process
+    ("tp=2", "llama-transform", "adamw", {}),
+    ("tp=2", "llama-transform", "sgd", {}),
+]
 WORLD2_META = [("dp=2", "llama-meta", "adamw", {"zero": 3}), ("tp=2", "llama-meta", "adamw", {"zero": 3})]
 WORLD2 = [
     ("dp=2", "llama", "sgd", {"zero": 3}),
@@ -183,8 +211,13 @@ def _world2(cases: list[tuple]) -> list[dict]:
     return [lora_run(layout, family, optimizer, **par) for layout, family, optimizer, par in cases]
 
 
+def _reference_family(family: str) -> str:
+    """The one-process run a family is checked against: the transform's is LoRA applied by hand."""
+    return "llama" if family == "llama-transform" else family
+
+
 def _check(cases: list[tuple], results: list[list[dict]]) -> None:
-    refs = {(family, opt): lora_run("", family, opt) for _, family, opt, _ in cases}
+    refs = {(family, opt): lora_run("", _reference_family(family), opt) for _, family, opt, _ in cases}
     for ref in refs.values():
         assert ref["base_unchanged"] and ref["frozen_state_free"]
     for rank, runs in enumerate(results):
@@ -221,6 +254,15 @@ def test_row_parallel_adapter_reduced_twice_is_caught() -> None:
     mutated = run_shared(_mutated_tp_run, 2)
     assert sum(r["fired"] for r in mutated) > 0, "the mutation never fired (code moved?)"
     assert "losses" in criterion_failures(ref, mutated[0]), "the loss criterion passed a doubled adapter sum"
+
+
+def test_parallelize_without_the_adapt_transform_is_caught() -> None:
+    """The mutation check of the transform's cases above: with Adapt dropped from the strategy list,
+    `meshlm.parallelize(lora=...)` at tp=2 trains the base too, and the loss and weight criteria fail."""
+    ref = lora_run("", "llama", "sgd")
+    mutated = run_shared(_adapt_dropped_run, 2)[0]
+    assert not mutated["base_unchanged"], "the base stayed frozen without the transform (did it run elsewhere?)"
+    assert set(criterion_failures(ref, mutated)) == {"losses", "weights"}
 
 
 @pytest.mark.slow  # four two-rank runs of a transformers model: ~30 s on a 2-vCPU VM
@@ -319,7 +361,7 @@ def test_zero3_lora_rank_holds_a_base_shard_and_adapter_state_as_the_planner_pre
 
 # ---- a bf16 frozen base under bf16 autocast --------------------------------------------------------------
 def _autocast_losses(bf16_base: bool, zero: int) -> tuple[list[float], object]:
-    from meshlm.lora import cast_frozen_linears
+    from meshlm.parallel.lora import cast_frozen_linears
 
     mesh = build_mesh(parse_layout("", 1), "cpu")
     torch.manual_seed(0)

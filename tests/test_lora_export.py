@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from meshlm.config import load_config
-from meshlm.lora import (
+from meshlm.model import Transformer, preset
+from meshlm.model.hf_export import export_hf
+from meshlm.parallel.lora import (
     LoRAError,
     apply_lora,
     export_peft,
@@ -21,8 +23,6 @@ from meshlm.lora import (
     merge_lora,
     merged_state_dict,
 )
-from meshlm.model import Transformer, preset
-from meshlm.model.hf_export import export_hf
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -11,10 +11,10 @@ from typing import get_args, get_type_hints
 import pytest
 
 import meshlm
-from meshlm.config import ModelSection, ParallelSection, reference_help
+from meshlm.config import LoraSection, ModelSection, ParallelSection, reference_help
 from meshlm.errors import InputError
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.options import LoRAOptions, ParallelOptions
 from meshlm.parallel.strategies import LayoutSpec
 from meshlm.plan.memory import Strategy
 
@@ -33,14 +33,29 @@ def test_the_config_section_is_the_options_plus_layout_and_timeout() -> None:
 
 def test_parallelize_takes_the_options_whole() -> None:
     """No parallel option is a keyword argument of its own (they drifted: zero_reduce_dtype was missing); the
-    keywords are the model's plan and loss, the step's accumulation and dtype, and the transforms after the
-    parallel ones (fp8, compile_backend: train.fp8 and train.compile's backend in a run config)."""
+    keywords are the model's plan and loss, the step's accumulation and dtype, the transforms after the
+    parallel ones (fp8, compile_backend: train.fp8 and train.compile's backend in a run config) and the one
+    before them (lora, whole, and freeze: the [lora] section and train.freeze; lora_seed: train.seed)."""
     params = inspect.signature(meshlm.parallelize).parameters
     assert set(params) == {
-        "model", "mesh", "options", "plan", "loss", "micro_batches", "autocast_dtype", "fp8", "compile_backend"
+        "model", "mesh", "options", "plan", "loss", "micro_batches", "autocast_dtype", "fp8", "compile_backend",
+        "lora", "freeze", "lora_seed",
     }  # fmt: skip
+    assert not set(LoRAOptions.model_fields) & set(params)
+    assert "LoRAOptions" in str(params["lora"].annotation)
     assert not OPTIONS & set(params)
     assert "ParallelOptions" in str(params["options"].annotation)
+
+
+def test_the_lora_section_is_the_lora_options() -> None:
+    assert set(LoraSection.__annotations__) <= {"model_config"}  # declares no field of its own
+    assert set(LoraSection.model_fields) == set(LoRAOptions.model_fields)
+    for name, declared in LoRAOptions.model_fields.items():
+        assert repr(LoraSection.model_fields[name]) == repr(declared), name
+        assert f"--lora.{name} (default " in reference_help()
+    with pytest.raises(InputError) as e:
+        LoRAOptions(rank=-1)
+    assert str(e.value).startswith("lora.rank: ") and "\n" not in str(e.value)
 
 
 def test_the_layout_spec_and_the_planner_carry_the_options() -> None:

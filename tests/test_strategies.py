@@ -18,7 +18,7 @@ from meshlm.parallel.mesh import Layout, LayoutError
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import PlanError
 from meshlm.parallel.runtime import Applied
-from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, check_layout
+from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, ModelTransform, check_layout
 from meshlm.plan import Workload
 from meshlm.plan.memory import Strategy as PlannedStrategy
 from meshlm.plan.search import Constraints, enumerate_strategies
@@ -27,15 +27,18 @@ MODEL = preset("test")
 
 
 def test_strategies_compose_in_order() -> None:
-    """tp swaps modules before the fused head sees them; pipeline splits before data parallel lays parameters
-    out (and materialises a meta model); FP8 swaps the Linear layers of what runs and compilation comes last;
-    data parallel and the transforms always run (each transform acts when its build asks), every other
-    strategy only on its own dimension."""
-    assert [s.dim for s in STRATEGIES] == ["tp", "", "cp", "ep", "pp", "dp", "", ""]
+    """Freezing and LoRA adapt the plain model first (the only transform of it: tp then shards each adapter
+    with its base); tp swaps modules before the fused head sees them; pipeline splits before data parallel lays
+    parameters out (and materialises a meta model); FP8 swaps the Linear layers of what runs and compilation
+    comes last; data parallel and the transforms always run (each transform acts when its build asks), every
+    other strategy only on its own dimension."""
+    assert [s.dim for s in STRATEGIES] == ["", "tp", "", "cp", "ep", "pp", "dp", "", ""]
+    model_transforms = [isinstance(s, ModelTransform) for s in STRATEGIES]
+    assert model_transforms == [True] + [False] * (len(STRATEGIES) - 1)
     world1 = [type(s).__name__ for s in STRATEGIES if s.enabled(Layout(), ParallelOptions())]
-    assert world1 == ["FusedLoss", "DataParallelism", "FP8", "Compile"]
+    assert world1 == ["Adapt", "FusedLoss", "DataParallelism", "FP8", "Compile"]
     every = [s.dim for s in STRATEGIES if s.enabled(Layout(pp=2, tp=2, cp=2, ep=2), ParallelOptions(zero=3))]
-    assert every == ["tp", "", "cp", "ep", "pp", "dp", "", ""]
+    assert every == ["", "tp", "", "cp", "ep", "pp", "dp", "", ""]
 
 
 class NoOddData:
@@ -59,8 +62,13 @@ class NoOddData:
 
 
 def test_a_new_strategy_is_checked_by_the_runtime_and_the_planner_alike(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A strategy's check is written once: adding one to STRATEGIES makes the config validation, the model check
-    and the planner's search refuse the same layouts."""
+    """A strategy's check is written once: adding one to STRATEGIES makes the trainer's config validation, the
+    model check and the planner's search refuse the same layouts."""
+    from meshlm.config import load_config
+    from meshlm.train.startup import check_config
+
+    overrides = [("model.preset", "test"), ("data.seq_len", 32), ("parallel.layout", "dp=3"), ("train.global_batch", 6)]
+    cfg = load_config(None, overrides)
 
     def offered(dp: int) -> bool:
         c = Constraints(pp=1, dp=dp, tp=1, cp=1, zero=0, micro_batch=1, schedule="1f1b", recompute="none")
@@ -69,9 +77,12 @@ def test_a_new_strategy_is_checked_by_the_runtime_and_the_planner_alike(monkeypa
 
     assert offered(3) and offered(2)
     check_layout(LayoutSpec(MODEL, Layout(dp=3), 6))
+    check_config(cfg, 3)
     monkeypatch.setattr(strategies, "STRATEGIES", (*STRATEGIES, NoOddData()))
     with pytest.raises(LayoutError, match="dp=3 is odd"):
         check_layout(LayoutSpec(MODEL, Layout(dp=3), 6))
+    with pytest.raises(LayoutError, match="dp=3 is odd"):
+        check_config(cfg, 3)
     assert not offered(3) and offered(2)
     with torch.device("meta"):
         model = Transformer(MODEL)

@@ -28,9 +28,9 @@ from torch import nn
 from meshlm.model import ModelConfig, Transformer, cross_entropy_loss, generate
 from meshlm.parallel.mesh import LayoutError
 from meshlm.parallel.placement import Placements
+from meshlm.parallel.strategies import check_tensor_parallel
 from meshlm.parallel.tensor_parallel import (
     apply_tensor_parallel,
-    check_tensor_parallel,
     gathered_logits,
     unshard_state_dict,
     vocab_parallel_cross_entropy,

@@ -13,8 +13,8 @@ from equivalence import trainer_runs
 
 from meshlm.config import load_config, parse_overrides
 from meshlm.data import prepare_data
-from meshlm.lora import apply_lora
 from meshlm.model import Transformer
+from meshlm.parallel.lora import apply_lora
 from meshlm.train.trainer import train
 
 STEPS = 4

@@ -1,15 +1,15 @@
 """ParallelModel: a plain model as one rank holds it under a layout — what a training loop sees of parallelism.
 
-Composition: each parallelism is a strategy (meshlm.parallel.strategies) with one contract — check the layout,
-check the model against its plan, apply — and `ParallelModel` runs every strategy's check, then applies them in
-order (tensor parallel, the fused loss, context parallel, expert parallel, pipeline, data parallel / ZeRO), each
-driven by the model's ParallelPlan (meshlm.parallel.plan), never by its attribute names. None touches the model
-code. Each applied strategy returns its run-time hooks (meshlm.parallel.runtime: the batch split, the
-micro-batches, the gradient synchronisation, gathering the state), and the run-time methods below keep the loss
-contract and run those hooks in order, naming no parallelism. The gradients and optimizer tensors have one owner
-(`grads`, meshlm.parallel.gradients). Every gradient is correct after `forward_backward` (or `backward`)
-returns, so clipping and the optimizer are layout-agnostic, and any torch.optim optimizer steps what
-`parameters()` returns.
+Composition: each parallelism is a strategy (meshlm.parallel.strategies) with one contract — check the layout, check
+the model against its plan, apply — and `ParallelModel` applies the transforms of the plain model (freezing and
+LoRA), runs every strategy's check, then applies the others in order (tensor parallel, the fused loss, context
+parallel, expert parallel, pipeline, data parallel / ZeRO, FP8, compile), each driven by the model's ParallelPlan
+(meshlm.parallel.plan), never by its attribute names. None touches the model code. Each applied strategy returns its
+run-time hooks (meshlm.parallel.runtime: the batch split, the micro-batches, the gradient synchronisation, gathering
+the state), and the run-time methods below keep the loss contract and run those hooks in order, naming no
+parallelism. The gradients and optimizer tensors have one owner (`grads`, meshlm.parallel.gradients). Every gradient
+is correct after `forward_backward` (or `backward`) returns, so clipping and the optimizer are layout-agnostic, and
+any torch.optim optimizer steps what `parameters()` returns.
 
 A model built on the `meta` device goes through the module swaps and the pipeline split as meta tensors; then
 each rank allocates only what it keeps (its tp slice of its stage, under ZeRO-3 only its flat shard), directly
@@ -29,6 +29,7 @@ from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
 from meshlm.model.moe import set_aux_loss_scale
 from meshlm.parallel.fused_loss import HeadOutput, fused_cross_entropy_sum
 from meshlm.parallel.gradients import ShardedTensor
+from meshlm.parallel.lora import Adaptation
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.options import ParallelOptions
@@ -90,7 +91,8 @@ class ParallelModel:
     materialises only its shard (see the module docstring), on the mesh's device. `parallel` is a
     ParallelOptions (the run config's ParallelSection is one) or a dict of its fields. `fp8` (True, or
     "emulate" off FP8 GPUs) swaps the blocks' Linear layers to fp8 matmuls and `compile_backend` compiles each
-    block, both after the parallel transforms (meshlm.parallel.fp8, meshlm.parallel.compile)."""
+    block, both after the parallel transforms (meshlm.parallel.fp8, meshlm.parallel.compile); `adaptation`
+    (train.freeze and LoRA, meshlm.parallel.lora) is applied to the plain model before anything else."""
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class ParallelModel:
         fused_loss: bool = False,
         fp8: bool | str = False,
         compile_backend: str | None = None,
+        adaptation: Adaptation | None = None,
     ) -> None:
         parallel = ParallelOptions.of(parallel)
         self.mesh = mesh
@@ -114,6 +117,30 @@ class ParallelModel:
         self._tokens_scale: torch.Tensor | None = None  # replicas / global kept tokens, set per step
         self.autocast_dtype = autocast_dtype
         self.plan = plan = plan or plan_for(model)
+        self.placements = Placements()  # filled by the strategies (meshlm.parallel.placement)
+        meta = is_meta_model(model)
+        self.device_type = mesh_device(mesh).type if meta else next(model.parameters()).device.type
+        build = Build(
+            model,
+            mesh,
+            parallel,
+            plan,
+            n_micro,
+            engine=self,
+            meta_init=None,
+            device_type=self.device_type,
+            autocast_dtype=autocast_dtype,
+            token_loss=loss_fn or self._cross_entropy,
+            loss_fn=loss_fn,
+            gather_logits=gather_logits,
+            fused_loss=fused_loss,
+            ignore_index=ignore_index,
+            fp8=fp8,
+            compile_backend=compile_backend,
+            adaptation=adaptation or Adaptation(),
+            placements=self.placements,
+        )
+        self.applied: list[Applied] = apply_strategies(build, model_transforms=True)  # freezing and LoRA first
         layout = mesh.layout
         check_layout(LayoutSpec(None, layout, n_micro * layout.data_parallel, 1, options=parallel), model, plan)
         if layout.tp > 1 and loss_fn is not None and not gather_logits:
@@ -125,30 +152,10 @@ class ParallelModel:
         if loss_fn is not None and not fused_loss:
             check_loss_shape(model, loss_fn)
         self.global_shapes = {name: p.shape for name, p in model.named_parameters()}
+        self.trainable = {name for name, p in model.named_parameters() if p.requires_grad}  # global names
         self.tied_aliases = tied_aliases(model)  # a tied weight is named by its canonical name (meshlm.ties)
-        self.placements = Placements()  # filled by the strategies (meshlm.parallel.placement)
-        meta_init = MetaInit(model, mesh_device(mesh), self.placements) if is_meta_model(model) else None
-        self.device_type = meta_init.device.type if meta_init else next(model.parameters()).device.type
-        build = Build(
-            model,
-            mesh,
-            parallel,
-            plan,
-            n_micro,
-            engine=self,
-            meta_init=meta_init,
-            device_type=self.device_type,
-            autocast_dtype=autocast_dtype,
-            token_loss=loss_fn or self._cross_entropy,
-            loss_fn=loss_fn,
-            gather_logits=gather_logits,
-            fused_loss=fused_loss,
-            ignore_index=ignore_index,
-            fp8=fp8,
-            compile_backend=compile_backend,
-            placements=self.placements,
-        )
-        self.applied: list[Applied] = apply_strategies(build)  # their run-time hooks, in composition order
+        build.meta_init = MetaInit(model, mesh_device(mesh), self.placements) if meta else None
+        self.applied += apply_strategies(build)  # their run-time hooks, in composition order
         self.chunks, self.token_loss, self.grads = build.chunks, build.token_loss, build.grads
         self.replicas = mesh.size("data") * mesh.size("cp")  # ranks whose gradients are averaged: dp × ep × cp
         self.pipeline, self.dp = build.pipeline, build.dp  # for inspection (tests, benchmarks): None when unused

@@ -71,6 +71,31 @@ class ParallelOptions(BaseModel):
         return cls(**source)
 
 
+class LoRAOptions(BaseModel):
+    """LoRA adapters on a frozen base (meshlm.parallel.lora; the run config's `[lora]` section is one). Bad values
+    raise a one-line InputError naming the field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    rank: int = Field(0, ge=0, description="LoRA adapter rank; 0 = off (every weight trains unless train.freeze)")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the update is B·A·alpha/rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (0 for exact layouts)")
+    targets: list[str] = Field(
+        [],
+        description="module-name patterns of the Linears to adapt; empty = the plan's attention and MLP projections",
+    )
+    init_from: str | None = Field(None, description="start the adapters from a PEFT adapter directory")
+
+    def __init__(self, **values: Any) -> None:
+        """Validated like the config's `[lora]` section; a bad value is one line, not a traceback."""
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            error = e.errors()[0]
+            field = ".".join(str(part) for part in error["loc"])
+            raise InputError(f"lora.{field}: {error['msg']}") from None
+
+
 @dataclass(frozen=True)
 class Loss:
     """The loss `forward_backward` averages over a global batch's kept tokens (meshlm.parallel.engine).
@@ -86,4 +111,4 @@ class Loss:
     fused: bool = False
 
 
-__all__ = ["Loss", "ParallelOptions"]
+__all__ = ["LoRAOptions", "Loss", "ParallelOptions"]

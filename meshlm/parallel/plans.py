@@ -13,7 +13,7 @@ from torch import nn
 
 from meshlm.model.config import ModelConfig
 from meshlm.model.llama import Transformer
-from meshlm.parallel.mesh import LayoutError, check_tensor_parallel
+from meshlm.parallel.mesh import LayoutError
 from meshlm.parallel.plan import (
     COLWISE,
     COLWISE_HEADS,
@@ -27,6 +27,7 @@ from meshlm.parallel.plan import (
     SplitMoE,
     register_plan,
 )
+from meshlm.parallel.strategies import check_tensor_parallel
 
 DECODER_TP = {
     "model.embed_tokens": VOCAB_EMBEDDING,

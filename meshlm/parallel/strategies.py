@@ -16,18 +16,26 @@ A strategy owns one mesh dimension and three steps, each a call into its own mod
                                        gradient-norm term or writes a replicated tensor is recorded by `apply`
                                        in the placement table.
 
+Each strategy's size rules are written here, next to its class (check_tensor_parallel before TensorParallel, and
+so on), not in its module: tensor_parallel.py and the others build torch modules, and the rules must run without
+torch (the run config's checks, the planner, `meshlm plan` start in about a second). The model rules (`check`)
+live in each strategy's module, which `check` imports when it runs.
+
 `check_layout(spec, model, plan)` below is the one entry point to both: sizes only (no model, no torch) for the
 run config's validation (meshlm.train.trainer.check_config) and the planner's search (meshlm.plan.search), so
 they accept the same layouts (tests/test_layout_agreement.py); with the model, once per build, by ParallelModel
 (meshlm's model and a user's alike, whether from `meshlm train` or `meshlm.parallelize`).
 
-STRATEGIES lists them in composition order: tensor parallel swaps the modules its plan names for sharded ones;
-the fused loss (not a mesh dimension, but a transform of the head that must see tp's) fuses the head with the
-cross-entropy; context parallel swaps the attention cores; expert parallel keeps this rank's experts; pipeline
-parallel keeps this rank's stages; data parallel / ZeRO lays out what is left (materialising a meta-built
-model's shard on the device) and owns gradient reduction: it sets `build.grads`, the one owner of the gradients
-and optimizer tensors (meshlm.parallel.gradients); FP8 swaps the blocks' Linear layers and Compile compiles the
-blocks (transforms of what runs, no mesh dimension). A new strategy is one class here and one module.
+STRATEGIES lists them in composition order: Adapt (a transform of the plain model, no mesh dimension) freezes
+train.freeze's parameters and wraps the LoRA targets, before anything checks or records the model, so tensor
+parallel shards each adapter with its base and data parallel packs only what trains; tensor parallel swaps the
+modules its plan names for sharded ones; the fused loss (not a mesh dimension, but a transform of the head that must
+see tp's) fuses the head with the cross-entropy; context parallel swaps the attention cores; expert parallel keeps
+this rank's experts; pipeline parallel keeps this rank's stages; data parallel / ZeRO lays out what is left
+(materialising a meta-built model's shard on the device) and owns gradient reduction: it sets `build.grads`, the one
+owner of the gradients and optimizer tensors (meshlm.parallel.gradients); FP8 swaps the blocks' Linear layers and
+Compile compiles the blocks (transforms of what runs, no mesh dimension).
+A new strategy is one class here and one module.
 """
 
 from __future__ import annotations
@@ -38,15 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.mesh import (
-    Layout,
-    check_batch_split,
-    check_context_parallel,
-    check_expert_parallel,
-    check_pipeline_chunks,
-    check_pipeline_schedule,
-    check_tensor_parallel,
-)
+from meshlm.parallel.mesh import Layout, LayoutError
 from meshlm.parallel.options import ParallelOptions
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from meshlm.parallel.data_parallel import DataParallel
     from meshlm.parallel.engine import ParallelModel
     from meshlm.parallel.gradients import LocalGradients
+    from meshlm.parallel.lora import Adaptation
     from meshlm.parallel.materialize import MetaInit
     from meshlm.parallel.mesh import Mesh
     from meshlm.parallel.pipeline import PipelineSchedule, TiedStages
@@ -87,6 +88,13 @@ class LayoutSpec:
         return check_batch_split(self.layout, self.global_batch, self.micro_batch)
 
 
+def _adaptation() -> Adaptation:
+    """No freezing, no LoRA (imported here: meshlm.parallel.lora needs torch)."""
+    from meshlm.parallel.lora import Adaptation
+
+    return Adaptation()
+
+
 def _placements() -> Placements:
     """An empty placement table (imported here: the layout checks above run without torch, e.g. `meshlm plan`)."""
     from meshlm.parallel.placement import Placements
@@ -104,7 +112,7 @@ class Build:
     plan: ParallelPlan
     n_micro: int
     engine: ParallelModel  # the pipeline schedule's callbacks: the scaled loss, autocast, the grad-sync switch
-    meta_init: MetaInit | None
+    meta_init: MetaInit | None  # set by the engine after the model transforms (Adapt), before the rest
     device_type: str
     autocast_dtype: torch.dtype | None
     token_loss: LossFn  # per-token losses; tensor parallel makes it vocabulary-parallel
@@ -114,6 +122,7 @@ class Build:
     ignore_index: int = -100
     fp8: bool | str = False  # True, or "emulate" (the same quantisation through an fp32 matmul: CPU tests)
     compile_backend: str | None = None  # torch.compile each block with this backend; None: eager
+    adaptation: Adaptation = field(default_factory=_adaptation)  # train.freeze and LoRA (meshlm.parallel.lora)
     placements: Placements = field(default_factory=_placements)  # where each parameter lives (readers' table)
     chunks: list[nn.Module] = field(default_factory=list)
     pipeline: PipelineSchedule | None = None
@@ -132,6 +141,23 @@ class Strategy(Protocol):
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None: ...
 
     def apply(self, build: Build) -> Applied: ...
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool) -> None:
+    """Raise a one-line LayoutError if the model (or, under SP, the sequence) does not split over tp.
+    Needs no process group: call it while validating the config."""
+    if tp == 1:
+        return
+    moe = ("moe_intermediate_size", "shared_expert_intermediate_size") if cfg.n_experts else ()
+    for name in ("n_heads", "intermediate_size", "vocab_size", *moe):
+        if getattr(cfg, name) % tp:
+            raise LayoutError(f"model.{name} ({getattr(cfg, name)}) is not divisible by tp={tp}")
+    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+        raise LayoutError(
+            f"model.n_kv_heads ({cfg.n_kv_heads}) must divide or be divisible by tp={tp} (KV heads split or replicated)"
+        )
+    if sequence_parallel and seq_len % tp:
+        raise LayoutError(f"data.seq_len ({seq_len}) is not divisible by tp={tp}, needed by parallel.sequence_parallel")
 
 
 class TensorParallel:
@@ -174,7 +200,7 @@ class TensorParallel:
 
 class Transform:
     """A strategy with no mesh dimension, no size or model rules and no run-time hook: it changes the modules
-    that run when its build asks for it (`transform`). FusedLoss, FP8 and Compile."""
+    that run when its build asks for it (`transform`). Adapt, FusedLoss, FP8 and Compile."""
 
     dim = ""
 
@@ -198,6 +224,28 @@ class Transform:
         raise NotImplementedError(type(self).__name__)
 
 
+class ModelTransform(Transform):
+    """A transform of the plain model, the one the layout is of (its parameters, their names and full shapes):
+    the engine applies it first, before it checks the model against the layout, records its names and shapes,
+    and materialises a meta-built model."""
+
+
+class Adapt(ModelTransform):
+    """meshlm.parallel.lora: train.freeze's parameters frozen and LoRA adapters wrapped around the targets
+    (`build.adaptation`), first, so tensor parallel shards each adapter with its base and data parallel packs,
+    reduces and shards only what trains. Under bf16 autocast the frozen Linear weights are kept in bf16
+    (autocast casts them at each use anyway: the same numbers, half the bytes)."""
+
+    def transform(self, build: Build) -> None:
+        import torch
+
+        from meshlm.parallel.lora import cast_frozen_linears
+
+        build.adaptation.apply(build.model, build.plan)
+        if build.autocast_dtype == torch.bfloat16:
+            cast_frozen_linears(build.model, torch.bfloat16)
+
+
 class FusedLoss(Transform):
     """meshlm.parallel.fused_loss: the vocabulary head and meshlm's cross-entropy computed together, chunk by
     chunk (vocabulary-parallel after tensor parallel). Only for meshlm's own loss on logits it never returns.
@@ -208,6 +256,31 @@ class FusedLoss(Transform):
 
         if build.fused_loss and build.loss_fn is None and not build.gather_logits:
             apply_fused_loss(build.model, build.plan)
+
+
+def check_context_parallel(
+    cfg: ModelConfig, cp: int, tp: int, seq_len: int, attention: str, sequence_parallel: bool = False
+) -> None:
+    """Raise a one-line LayoutError if the sequence (ring) or the heads (Ulysses) do not split over cp.
+    The ring's causal load balancing cuts each sequence into 2·cp chunks; Ulysses trades the sequence
+    shard for cp-th of each rank's (tp-local) heads, query and key/value alike."""
+    if cp == 1:
+        return
+    if attention not in ("ring", "ulysses"):
+        raise LayoutError(f"parallel.cp_attention = {attention!r}; valid: 'ring', 'ulysses'")
+    if cfg.sliding_window:
+        raise LayoutError(f"context parallel (cp={cp}) needs full causal attention, not model.sliding_window")
+    if seq_len and seq_len % (2 * cp):
+        raise LayoutError(f"data.seq_len ({seq_len}) is not divisible by 2·cp = {2 * cp} (load-balanced chunks)")
+    if sequence_parallel and seq_len and seq_len % (cp * tp):
+        raise LayoutError(f"data.seq_len ({seq_len}) is not divisible by cp×tp = {cp * tp} under sequence_parallel")
+    if attention == "ulysses":
+        for name in ("n_heads", "n_kv_heads"):
+            if getattr(cfg, name) % (cp * tp):
+                raise LayoutError(
+                    f"model.{name} ({getattr(cfg, name)}) is not divisible by cp×tp = {cp * tp}, "
+                    f"needed by parallel.cp_attention = 'ulysses' (use 'ring')"
+                )
 
 
 class ContextParallel:
@@ -238,6 +311,19 @@ class ContextParallel:
         return ContextParallelHooks(build.mesh)
 
 
+def check_expert_parallel(cfg: ModelConfig, layout: Layout) -> None:
+    """Raise a one-line LayoutError if the model has no experts to split over ep or they do not split evenly
+    (meshlm.parallel.expert_parallel; ep composes with dp, pp, cp and tp: check_tensor_parallel splits the
+    experts' hidden units). Needs no process group."""
+    ep = layout.ep
+    if ep == 1:
+        return
+    if not cfg.n_experts:
+        raise LayoutError(f"parallel.layout ep={ep} needs a mixture-of-experts model (model.n_experts > 0)")
+    if cfg.n_experts % ep:
+        raise LayoutError(f"model.n_experts ({cfg.n_experts}) is not divisible by ep={ep}")
+
+
 class ExpertParallel:
     """meshlm.parallel.expert_parallel: each rank keeps E/ep of every MoE layer's experts, reached by all-to-all."""
 
@@ -261,6 +347,27 @@ class ExpertParallel:
 
         apply_expert_parallel(build.model, build.mesh.group("ep"), build.placements)
         return ExpertParallelHooks()
+
+
+def check_pipeline_chunks(layout: Layout, n_layers: int, virtual_stages: int = 1, schedule: str = "1f1b") -> None:
+    """Each pipeline chunk gets a layer; virtual stages need the interleaved schedule."""
+    chunks = layout.pp * virtual_stages
+    if chunks > n_layers:
+        raise LayoutError(f"pp×virtual_stages = {chunks} exceeds model.n_layers ({n_layers}); each chunk needs a layer")
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise LayoutError(f"parallel.virtual_stages={virtual_stages} needs parallel.schedule = 'interleaved'")
+
+
+def check_pipeline_schedule(layout: Layout, n_micro: int, schedule: str = "1f1b") -> None:
+    """Enough micro-batches per replica for the schedule."""
+    pp = layout.pp
+    if pp > 1 and schedule in ("1f1b", "interleaved", "zb1") and n_micro < pp:
+        raise LayoutError(
+            f"schedule {schedule} needs at least pp={pp} micro-batches per replica, got {n_micro} "
+            f"(set train.micro_batch so that the per-replica batch splits into at least {pp})"
+        )
+    if schedule == "interleaved" and pp > 1 and n_micro % pp:
+        raise LayoutError(f"interleaved schedule needs micro-batches per replica ({n_micro}) divisible by pp={pp}")
 
 
 class PipelineParallel:
@@ -314,6 +421,22 @@ class PipelineParallel:
             for p in build.tied.params:
                 build.placements.record(p, counted=False)
         return PipelineHooks(build.pipeline, build.tied, build)
+
+
+def check_batch_split(layout: Layout, global_batch: int, micro_batch: int = 0) -> int:
+    """The batch splits over the data replicas (dp × ep) and each replica's rows into micro-batches of
+    `micro_batch` (0: one); return the micro-batches per replica."""
+    dp = layout.data_parallel
+    name = "dp×ep" if layout.ep > 1 else "dp"
+    if global_batch % dp:
+        raise LayoutError(f"train.global_batch ({global_batch}) is not divisible by {name}={dp}")
+    local = global_batch // dp
+    micro = micro_batch or local
+    if local % micro:
+        raise LayoutError(
+            f"train.micro_batch ({micro}) must divide the per-replica batch global_batch/{name} = {local}"
+        )
+    return local // micro
 
 
 class DataParallelism:
@@ -392,6 +515,7 @@ class Compile(Transform):
 
 
 STRATEGIES: tuple[Strategy, ...] = (
+    Adapt(),
     TensorParallel(),
     FusedLoss(),
     ContextParallel(),
@@ -422,16 +546,24 @@ def check_layout(spec: LayoutSpec, model: nn.Module | None = None, plan: Paralle
     return spec.n_micro
 
 
-def apply_strategies(build: Build) -> list[Applied]:
-    """Every enabled strategy's transform, in composition order; their run-time hooks, in the same order."""
+def apply_strategies(build: Build, model_transforms: bool = False) -> list[Applied]:
+    """Every enabled strategy's transform, in composition order; their run-time hooks, in the same order. With
+    `model_transforms`, only the transforms of the plain model (ModelTransform: Adapt), which the engine
+    applies before its checks; without, all the others."""
     build.chunks = [build.model]
-    return [s.apply(build) for s in STRATEGIES if s.enabled(build.mesh.layout, build.options)]
+    return [
+        s.apply(build)
+        for s in STRATEGIES
+        if isinstance(s, ModelTransform) == model_transforms and s.enabled(build.mesh.layout, build.options)
+    ]
 
 
 __all__ = [
     "STRATEGIES",
+    "Adapt",
     "Build",
     "LayoutSpec",
+    "ModelTransform",
     "Strategy",
     "apply_strategies",
     "check_layout",

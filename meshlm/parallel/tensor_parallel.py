@@ -37,7 +37,6 @@ from torch import nn
 
 from meshlm.model.lora import LoRAError, LoRALinear, lora_delta
 from meshlm.parallel.fused_loss import HeadOutput
-from meshlm.parallel.mesh import check_tensor_parallel
 from meshlm.parallel.placement import Placements, TPShard
 from meshlm.parallel.plan import (
     COLWISE,
@@ -75,7 +74,6 @@ __all__ = [
     "TPState",
     "VocabParallelEmbedding",
     "apply_tensor_parallel",
-    "check_tensor_parallel",
     "gathered_logits",
     "unshard_state_dict",
     "vocab_parallel_cross_entropy",

@@ -47,7 +47,7 @@ class Workload:
     train_tokens: float
     precision: Precision = "bf16"
     name: str = "model"
-    lora_rank: int = 0  # > 0: LoRA on the attention and MLP projections; the base is frozen (meshlm.lora)
+    lora_rank: int = 0  # > 0: LoRA on the attention and MLP projections; the base is frozen (meshlm.parallel.lora)
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ def model_state_bytes(
 
 
 def layer_lora_params(model: ModelConfig, tp: int, rank: int) -> int:
-    """LoRA adapter parameters of one layer on one tensor-parallel rank (meshlm.lora on the 7 projections):
+    """LoRA adapter parameters of one layer on one tensor-parallel rank (meshlm.parallel.lora on the 7 projections):
     a column-parallel projection (q, k, v, gate, up) holds its replicated A (rank × in) and its rows of B, a
     row-parallel one (o, down) its columns of A and the replicated B (rank × out)."""
     d, hd, r = model.dim, model.head_dim, rank

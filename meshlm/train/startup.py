@@ -1,6 +1,6 @@
 """What a run checks and builds before its first step: the fail-fast checks of the config and the model
-(no process group needed), the auto layout, `model.init_from` opened and checked, freezing and LoRA applied to the
-plain model, the run directory's lock, and how often the step loop syncs with the host.
+(no process group needed), the auto layout, `model.init_from` opened and checked, freezing and LoRA as the
+strategies' Adapt transform takes them, the run directory's lock, and how often the step loop syncs with the host.
 
 Trainer.__init__ (meshlm.train.trainer) runs these as its build steps.
 """
@@ -18,22 +18,14 @@ from meshlm.checkpoint.store import RunDirInUse, RunLock, StorageError, atomic_w
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import SFTData, TokenData, prepare_data_shared
 from meshlm.data.dataset import check_tokenizer, document_separator
-from meshlm.lora import (
-    apply_lora,
-    cast_frozen_linears,
-    freeze,
-    freeze_patterns_match,
-    load_adapter,
-    lora_targets,
-    read_peft_config,
-)
 from meshlm.model import Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
 from meshlm.model.pretrained import HFWeights, init_tokenizer, is_hf_directory, keep_tokenizer
 from meshlm.parallel.distributed import autocast_dtype
 from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.lora import Adaptation
 from meshlm.parallel.mesh import Layout, Mesh, parse_layout
-from meshlm.parallel.plan import ParallelPlan, plan_for
+from meshlm.parallel.plan import plan_for
 from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.train.guards import DeviceStepGuard, Watchdog
 from meshlm.train.optim import build_optimizer, skips_on_device
@@ -51,19 +43,13 @@ def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
     n_micro = check_layout(spec)  # sizes only: ParallelModel checks the model against its plan
     if cfg.train.freeze or cfg.lora.rank:
         with torch.device("meta"):
-            check_adaptation(Transformer(cfg.model.build()), cfg)
+            adaptation(cfg).check(Transformer(cfg.model.build()))
     return layout, n_micro
 
 
-def check_adaptation(model: nn.Module, cfg: Config, plan: ParallelPlan | None = None) -> None:
-    """train.freeze patterns, lora.targets and lora.init_from checked against the model (meta is enough)."""
-    if cfg.train.freeze:
-        freeze_patterns_match(model, cfg.train.freeze)
-    if cfg.lora.rank:
-        lora = cfg.lora
-        lora_targets(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, plan)
-        if lora.init_from:
-            read_peft_config(lora.init_from)
+def adaptation(cfg: Config) -> Adaptation:
+    """train.freeze and the [lora] section, as the Adapt transform applies them (meshlm.parallel.strategies)."""
+    return Adaptation(tuple(cfg.train.freeze), cfg.lora, cfg.train.seed)
 
 
 def check_user_layout(cfg: Config, world_size: int, model: nn.Module, parts: TrainParts) -> tuple[Layout, int]:
@@ -73,7 +59,7 @@ def check_user_layout(cfg: Config, world_size: int, model: nn.Module, parts: Tra
         raise ConfigError("parallel.layout = 'auto' plans meshlm's own model shapes; give a layout for your model")
     layout = parse_layout(cfg.parallel.layout, world_size)
     plan = parts.plan or plan_for(model)
-    check_adaptation(model, cfg, plan)
+    adaptation(cfg).check(model, plan)
     n_layers = len(model.get_submodule(plan.pipeline.layers)) if plan.pipeline is not None else 1
     spec = LayoutSpec(None, layout, cfg.train.global_batch, cfg.train.micro_batch, 0, cfg.parallel.options(), n_layers)
     return layout, check_layout(spec)
@@ -112,17 +98,6 @@ def open_init_from(init_from: str, vocab_size: int) -> HFWeights | None:
 
 
 LORA_KEYS = (".lora_A", ".lora_B")
-
-
-def adapt_model(model: nn.Module, cfg: Config, plan: ParallelPlan | None = None) -> None:
-    """train.freeze and the [lora] section, applied to the plain model before it is parallelized."""
-    if cfg.train.freeze:
-        freeze(model, cfg.train.freeze)
-    if cfg.lora.rank:
-        lora = cfg.lora
-        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, plan, seed=cfg.train.seed)
-        if lora.init_from:
-            load_adapter(model, lora.init_from)
 
 
 def take_run_lock(lock: RunLock) -> None:
@@ -209,7 +184,7 @@ def build_model(
     cfg: Config, parts: TrainParts, device: torch.device, model: nn.Module | None, init_source: HFWeights | None
 ) -> tuple[nn.Module, dict, float]:
     """The plain model to train (the caller's, or meshlm's built on the meta device, reading `model.init_from`'s
-    weights as it materialises), frozen and LoRA-adapted; its identity (what a checkpoint must match) and its
+    weights as it materialises); its identity (what a checkpoint must match) and its
     training FLOPs per token."""
     if model is None:
         model_cfg = cfg.model.build()
@@ -228,23 +203,21 @@ def build_model(
         n_params = sum(p.numel() for p in model.parameters())
         identity = {"class": type(model).__qualname__, "parameters": n_params}
         flops_per_tok = 6.0 * n_params  # forward + backward matmuls; attention scores not counted
-    adapt_model(model, cfg, parts.plan)
-    if autocast_dtype(cfg.train.dtype, device) == torch.bfloat16:  # frozen Linear weights are cast at every use
-        cast_frozen_linears(model, torch.bfloat16)  # anyway: keep them in bf16
     return model, identity, flops_per_tok
 
 
 def parallelize(
     cfg: Config, parts: TrainParts, device: torch.device, model: nn.Module, mesh: Mesh, n_micro: int, compiled: bool
 ) -> ParallelModel:
-    """This rank's part of `model` under the mesh's layout (meshlm.parallel.engine), FP8 and compiled blocks
-    included when asked (the last transforms of meshlm.parallel.strategies)."""
+    """This rank's part of `model` under the mesh's layout (meshlm.parallel.engine), frozen and LoRA-adapted
+    first, FP8 and compiled blocks last, when asked (the transforms of meshlm.parallel.strategies)."""
     if not any(p.is_meta for p in model.parameters()):  # a meta model is materialised on the mesh's device
         model.to(device)
     autocast = autocast_dtype(cfg.train.dtype, device)
     return ParallelModel(
         model, mesh, cfg.parallel.options(), n_micro, autocast, parts.plan, parts.loss_fn, parts.gather_logits,
         cfg.train.ignore_index, cfg.train.fused_loss, cfg.train.fp8, cfg.train.compile_backend if compiled else None,
+        adaptation(cfg),
     )  # fmt: skip
 
 

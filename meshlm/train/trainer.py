@@ -186,12 +186,12 @@ class Trainer:
         given_tokenizer = init_tokenizer(cfg.model.init_from)  # None: trained from the corpus
         self.data, self.sampler = open_batches(cfg, parts, device, watchdog, given_tokenizer, self.say)
         model, self.model_identity, flops_per_tok = build_model(cfg, parts, device, model, init_source)
-        # the whole model's counts, before ParallelModel keeps this rank's shard (pp stage, tp slice, ZeRO-3)
-        self.param_counts = (sum(p.numel() for p in model.parameters()),
-                             sum(p.numel() for p in model.parameters() if p.requires_grad))  # fmt: skip
         self.compiled = cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda")
         self.mesh = build_mesh(layout, device.type)
         self.model = parallelize(cfg, parts, device, model, self.mesh, n_micro, self.compiled)
+        shapes = self.model.global_shapes  # the whole model's counts, LoRA adapters included, trainable or not
+        self.param_counts = (sum(s.numel() for s in shapes.values()),
+                             sum(shapes[name].numel() for name in self.model.trainable))  # fmt: skip
         self.dp_rank, self.dp = self.mesh.rank("data"), layout.data_parallel  # ep ranks get rows of their own
         self.optimizer = build_run_optimizer(cfg, parts, device, self.model)
         self.sync_every, self.device_guard = resolve_sync(cfg, self.optimizer, device)

@@ -5,12 +5,14 @@ and bias (same parameter names) plus `lora_A` (rank × in) and `lora_B` (out × 
 
     y = x Wᵀ + b + (dropout(x) Aᵀ) Bᵀ · alpha / rank
 
-and freezes every other parameter (`requires_grad = False`). Call it before `meshlm.parallelize`: the
-strategies then see only what trains. Data parallel / ZeRO packs, reduces and shards only trainable
-parameters (the frozen base gets no gradient buffer, no reduction and no optimizer state); tensor parallel
-shards each adapter with its base (meshlm.parallel.tensor_parallel): a column-parallel base gets a
-replicated A and a row-sharded B, a row-parallel base a column-sharded A and a replicated B whose partial
-output joins the base's partial sum in its one all-reduce; pipeline and context parallel need nothing.
+and freezes every other parameter (`requires_grad = False`). `Adaptation` is what the strategy list's first
+transform (Adapt, meshlm.parallel.strategies) applies for `meshlm train` and `meshlm.parallelize(lora=...)`;
+`apply_lora` by hand goes before `meshlm.parallelize`. Either way the strategies then see only what trains. Data
+parallel / ZeRO packs, reduces and shards only trainable parameters (the frozen base gets no gradient buffer, no
+reduction and no optimizer state); tensor parallel shards each adapter with its base
+(meshlm.parallel.tensor_parallel): a column-parallel base gets a replicated A and a row-sharded B, a row-parallel
+base a column-sharded A and a replicated B whose partial output joins the base's partial sum in its one all-reduce;
+pipeline and context parallel need nothing.
 
 A is drawn like PEFT's (Kaiming-uniform, bound 1/√in) from a generator seeded by `seed`, on the CPU, so
 every rank and the single-process model start from the same adapters even when the base is built on the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import fnmatch
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +35,7 @@ from torch import nn
 
 from meshlm.files import atomic_write
 from meshlm.model.lora import LoRAError, LoRALinear, LoRASpec
+from meshlm.parallel.options import LoRAOptions
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -129,6 +133,40 @@ def lora_targets(
         if rank > min(linears[name].in_features, linears[name].out_features):
             raise LoRAError(f"lora.rank {rank} exceeds {name}'s smaller dimension; use a smaller rank")
     return sorted(chosen, key=list(linears).index)  # registration order: the draws do not depend on targets
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    """What the Adapt transform (meshlm.parallel.strategies) does to the plain model before the strategies see
+    it: freeze the parameters matching `freeze` (a run's train.freeze), then, if `lora.rank`, adapt the
+    `lora.targets` (default: the plan's attention and MLP projections) with A drawn from `seed` (a run's
+    train.seed) and load `lora.init_from`'s adapter."""
+
+    freeze: tuple[str, ...] = ()
+    lora: LoRAOptions = field(default_factory=LoRAOptions)
+    seed: int = 0
+
+    def check(self, model: nn.Module, plan: object | None = None) -> None:
+        """The patterns, the targets and the adapter directory's config checked against `model` (meta is
+        enough): a one-line LoRAError, nothing changed."""
+        if self.freeze:
+            freeze_patterns_match(model, self.freeze)
+        lora = self.lora
+        if lora.rank:
+            lora_targets(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, plan)
+            if lora.init_from:
+                read_peft_config(lora.init_from)
+
+    def apply(self, model: nn.Module, plan: object | None = None) -> None:
+        """Freeze and adapt `model` in place, after checking everything (`check`)."""
+        self.check(model, plan)
+        if self.freeze:
+            freeze(model, self.freeze)
+        lora = self.lora
+        if lora.rank:
+            apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, plan, seed=self.seed)
+            if lora.init_from:
+                load_adapter(model, lora.init_from)
 
 
 @torch.no_grad()
