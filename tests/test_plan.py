@@ -637,3 +637,13 @@ def test_devices_that_differ_only_in_measured_links_are_priced_apart():
     slow = dataclasses.replace(hw, links={("tp", "all_reduce"): Link(alpha=1e-3, beta=1e9)})
     s = strategy(tp=2)
     assert step_time(w, s, slow).tp_comm > step_time(w, s, hw).tp_comm
+
+
+def test_a_plan_priced_without_the_fused_loss_launches_without_it():
+    """--no-fused-loss prices the unfused loss, so the launch file turns the trainer's default off."""
+    from meshlm.plan.emit import launch_for
+
+    plan = best(Workload(TEST, 64, 8, 1e6, "fp32"), 2, hardware("cpu"))
+    unfused = launch_for(plan, [], 64, 8, 1e6, "test", gpu=False, fused_loss=False).train_args
+    assert ("--train.fused_loss", "false") in itertools.pairwise(unfused)
+    assert "--train.fused_loss" not in launch_for(plan, [], 64, 8, 1e6, "test", gpu=False).train_args
