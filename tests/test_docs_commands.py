@@ -1,7 +1,7 @@
 """Every `meshlm ...`, `python -m meshlm.cli ...` and `torchrun ... -m meshlm.cli ...` command shown in README.md
 and docs/*.md (code blocks) parses against the CLI's own parser, and every `--section.field` it passes to the
 trainer is a config field with a valid value, so a removed or renamed field fails here. The cheap ones (`plan`,
-`config show`) run for real."""
+`config show`) run for real, and a launch file docs/clusters.md shows is the one its command writes today."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from meshlm.check.shrink import map_layout
 from meshlm.cli import build_parser, cmd_check, cmd_config_show, cmd_prepare_data, cmd_train
 from meshlm.cli import main as cli_main
 from meshlm.config import ConfigError, load_config, parse_overrides
+from meshlm.parallel.mesh import Layout
 from meshlm.plan.cli import run_plan
+from meshlm.plan.emit import GRACE_MARGIN, grace_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -97,6 +100,45 @@ def test_every_command_in_the_docs_parses(where: str, argv: list[str], tmp_path:
     if args.model and (ROOT / args.model).exists():
         args.model = str(ROOT / args.model)
     assert run_plan(args) == 0, f"{where}: {capsys.readouterr().err}"
+    if args.emit and where.startswith("docs/clusters.md:"):
+        check_shown_launch_file(CLUSTERS.read_text(), args, args.emit_to.read_text())
+
+
+CLUSTERS = ROOT / "docs" / "clusters.md"
+
+
+def check_shown_launch_file(doc: str, args: object, written: str) -> None:
+    """docs/clusters.md shows what its commands write: the sbatch script and the SkyPilot task byte for byte,
+    the `--check` line (abridged at `...`) and the check's layout mapping, and the grace it explains."""
+    blocks = {b[2].split("\n")[0]: b[2] for b in FENCE.finditer(doc)}
+    if args.emit == "slurm" and args.check:
+        shown = next(b for b in blocks.values() if b.startswith("meshlm_check --world")).strip()
+        line = next(x for x in written.splitlines() if x.startswith("meshlm_check --world"))
+        pieces = shown.split(" ... ")
+        assert len(pieces) == 2 and line.startswith(pieces[0]) and line.endswith(pieces[1]), (shown, line)
+        layout = re.search(r"--parallel\.layout (\S+)", line)[1]
+        sizes = {dim: int(n) for dim, n in re.findall(r"(\w+)=(\d+)", layout)}
+        mapping = f"`layout {layout} -> {map_layout(Layout(**sizes))}`"
+        assert mapping in doc, f"docs/clusters.md should say the check maps {mapping}"
+        return
+    if args.emit == "kubernetes":
+        return  # the PyTorchJob is described, not shown
+    first = written.splitlines()[0]  # "#!/bin/bash"; the task's "# MODEL on N× GPU: LAYOUT, POOL"
+    shown = blocks.get(first)
+    assert shown == written, f"docs/clusters.md shows another {args.emit} file than its command writes ({first})"
+    if args.emit == "slurm":
+        check_grace_prose(doc, written)
+
+
+def check_grace_prose(doc: str, written: str) -> None:
+    """The prose's grace is the script's, and its step and checkpoint seconds give it (`grace_for`), up to their
+    rounding to whole seconds: GRACE_MARGIN x half a second per step and for the checkpoint, and the ceiling."""
+    grace = int(re.search(r"--fault\.grace_s (\d+)", written)[1])
+    every = int(re.search(r"--log\.every (\d+)", written)[1])
+    said = re.search(r"above gets (\d+) s \(`log\.every (\d+)`: one step is (\d+) s; .*? takes (\d+) s", doc)
+    assert said is not None and (int(said[1]), int(said[2])) == (grace, every), said and said.groups()
+    step_s, checkpoint_s = int(said[3]), int(said[4])
+    assert abs(grace_for(every * step_s, checkpoint_s) - grace) <= GRACE_MARGIN * 0.5 * (every + 1) + 1, said.groups()
 
 
 def check_overrides(where: str, args: object, extra: list[str]) -> None:

@@ -23,7 +23,7 @@ from meshlm.model.llama import set_recompute
 from meshlm.observe.memory import ActivationMeter
 from meshlm.parallel.mesh import Layout
 from meshlm.plan.hardware import GB, hardware
-from meshlm.plan.memory import DEFAULTS, Strategy, Workload, layer_activation_bytes, memory
+from meshlm.plan.memory import Assumptions, Strategy, Workload, layer_activation_bytes, memory
 from meshlm.plan.search import Constraints, PlanError, capacity, fill_memory, search
 from meshlm.plan.step_time import step_time
 from meshlm.train.trainer import train
@@ -161,6 +161,7 @@ def test_mlp_recompute_keeps_a_quarter_of_a_llama_layer() -> None:
 # The planner's side: the policies as search options (issue #33: full recompute picked with memory idle).
 A100_40 = hardware("A100-40GB")
 FSDP_8B = Workload(preset("llama3-8b"), 8192, 256, 1e12)  # 8B, tp=1 (FSDP-style) on 16 A100-40GB
+UNFUSED = Assumptions(fused_loss=False)  # the figures below: an FSDP-style stack's unfused loss (docs/planner.md)
 ONLY_DP = {"tp": 1, "cp": 1, "pp": 1}
 
 
@@ -177,8 +178,9 @@ def test_recompute_layers_memory_is_the_mix_of_full_and_policy_layers() -> None:
 
 
 def test_the_search_fills_memory_with_partial_recompute_instead_of_full() -> None:
-    old = search(FSDP_8B, 16, A100_40, constraints=Constraints(**ONLY_DP, recompute="full"), priced=0).plans[0]
-    new = search(FSDP_8B, 16, A100_40, constraints=Constraints(**ONLY_DP), priced=0).plans[0]
+    old = search(FSDP_8B, 16, A100_40, constraints=Constraints(**ONLY_DP, recompute="full"), a=UNFUSED, priced=0)
+    new = search(FSDP_8B, 16, A100_40, constraints=Constraints(**ONLY_DP), a=UNFUSED, priced=0)
+    old, new = old.plans[0], new.plans[0]
     limit = capacity(A100_40, 16, Constraints())
     assert old.memory.total < 0.7 * limit  # full recompute leaves over 30 % of the device idle
     assert new.strategy.recompute != "full" and 0.9 * limit < new.memory.total <= limit
@@ -189,10 +191,11 @@ def test_fill_memory_finds_the_fewest_fully_recomputed_layers_that_fit() -> None
     s = Strategy(Layout(1, 16, 1, 1), zero=3)  # 68 GB without recompute, 26 GB with 31 of 32 layers full
     for limit_gb in (27, 36, 60):
         limit = limit_gb * GB
-        filled, mem = fill_memory(FSDP_8B, s, A100_40, DEFAULTS, limit)
+        filled, mem = fill_memory(FSDP_8B, s, A100_40, UNFUSED, limit)
         k = filled.recompute_layers
-        assert mem.total <= limit < memory(FSDP_8B, dataclasses.replace(s, recompute_layers=k - 1), A100_40).total
-    assert fill_memory(FSDP_8B, s, A100_40, DEFAULTS, 25 * GB) is None
+        fewer = dataclasses.replace(s, recompute_layers=k - 1)
+        assert mem.total <= limit < memory(FSDP_8B, fewer, A100_40, UNFUSED).total
+    assert fill_memory(FSDP_8B, s, A100_40, UNFUSED, 25 * GB) is None
 
 
 # ---- the policies under parallel layouts (`meshlm train` on two gloo ranks) -----------------------------------

@@ -227,6 +227,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--overhead-gb", type=float, help="fixed framework memory per device (GPU 2, cpu 0.5)")
     model.add_argument("--memory-gb", type=float, help="usable memory per device (default: the device's)")
     model.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
+    model.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=True,
+                       help="meshlm's train.fused_loss (the megatron runtime's loss is unfused)")  # fmt: skip
 
 
 def _add_money_args(p: argparse.ArgumentParser) -> None:
@@ -347,14 +349,9 @@ def _request(args: argparse.Namespace) -> Request:
         uneven_layers=not args.even_layers,
         memory_gb=args.memory_gb,
     )
-    a = Assumptions(
-        runtime=args.runtime,
-        flash_attention=args.flash_attention,
-        overhead_gb=args.overhead_gb,
-        compute_efficiency=args.compute_efficiency,
-        dp_overlap=args.dp_overlap,
-        tp_overlap=args.tp_overlap,
-    )
+    a = Assumptions(runtime=args.runtime, flash_attention=args.flash_attention, fused_loss=args.fused_loss,
+                    overhead_gb=args.overhead_gb, compute_efficiency=args.compute_efficiency,
+                    dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap)  # fmt: skip
     costs = CostModel(
         price_on_demand=args.price_on_demand,
         price_spot=args.price_spot,
@@ -447,7 +444,7 @@ def _emit(args: argparse.Namespace, r: Request, plan: Plan, pick: Estimate | Non
     pick = pick or plan.cost
     launch = launch_for(plan, list(r.source.train_args), w.seq_len, w.global_batch, w.train_tokens, w.name, pick,
                         w.precision, gpu=r.hw.name != "cpu", window_s=args.time_limit,
-                        storage_gbps=r.costs.storage_gbps)  # fmt: skip
+                        storage_gbps=r.costs.storage_gbps, fused_loss=r.assumptions.fused_loss)  # fmt: skip
     summary = f"{w.name} on {plan.strategy.gpus}× {r.hw.name}: {plan.strategy}, {pick.pool.describe()}"
     launch = dataclasses.replace(launch, summary=summary)
     site = Site(args.data_source or r.source.data_source or "", args.install or "", args.run_dir or "",

@@ -125,6 +125,7 @@ def launch_for(
     gpu: bool = True,
     window_s: float = TIME_LIMIT_S,
     storage_gbps: float = DEFAULT_COSTS.storage_gbps,
+    fused_loss: bool = True,
 ) -> Launch:
     """The launch of a priced plan on `pick` (default: its recommended pool); `model_args` select the model
     (`--config FILE` or `--model.*` overrides). Checkpoints every Young interval in steps; on GPUs the fast
@@ -146,6 +147,8 @@ def launch_for(
     fields["fault.grace_s"] = grace
     fields["log.every"] = log_every
     fields["log.progress"] = False  # a batch job: plain lines, no progress bar
+    if not fused_loss:  # as planned (--no-fused-loss); on by default in the trainer
+        fields["train.fused_loss"] = False
     if gpu:
         fields["train.dtype"] = "bf16" if precision == "bf16" else "fp32"
         fields["train.compile"] = True

@@ -35,6 +35,7 @@ Recompute = Literal["none", "selective", "mlp", "full"]
 # bf16: mixed-precision Adam as in the ZeRO paper (2Ψ + 2Ψ + 12Ψ: fp32 master, m, v).
 # fp32: what meshlm runs on CPU (4Ψ + 4Ψ + 8Ψ: fp32 m, v; the weights are the master copy).
 BYTES: dict[str, tuple[int, int, int, int]] = {"bf16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4)}
+FUSED_LOSS_CHUNK = 1 << 25  # logits per chunk of the fused loss: meshlm.parallel.fused_loss.CHUNK_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,11 @@ class Assumptions:
     dp_overlap: float | None = None  # fraction of backward that hides DP communication; None: 0.8, cpu 0
     tp_overlap: float = 0.0  # fraction of tensor-parallel communication hidden behind compute
     bucket_mb: float = 25.0  # last gradient bucket, never hidden
+    fused_loss: bool = True  # meshlm's train.fused_loss (the megatron runtime's loss is unfused)
+
+    @property
+    def fused(self) -> bool:
+        return self.fused_loss and self.runtime == "meshlm"
 
 
 DEFAULTS = Assumptions()
@@ -293,13 +299,26 @@ def layer_activation_bytes(
     return tokens * per_token * act
 
 
-def logits_bytes(w: Workload, strategy: Strategy) -> float:
-    """The last stage's loss buffers for one micro-batch: logits in the activation dtype, their fp32 copy
-    (bf16 only) and the fp32 log-softmax kept for backward, the latter for all m under GPipe."""
+def logits_bytes(w: Workload, strategy: Strategy, fused: bool = False) -> float:
+    """The last stage's loss buffers: what one micro-batch keeps for backward (all m under GPipe) and what its
+    loss holds while it runs. Unfused: logits in the activation dtype and their fp32 copy (bf16 only), the
+    fp32 log-softmax kept. Fused (train.fused_loss, meshlm.parallel.fused_loss): no logits kept, but the
+    gradients it computes in forward, the hidden states' (activation dtype) and the vocabulary slice's weight
+    gradient (fp32, vocab/tp × h), and while it runs one chunk of fp32 logits and their gradient."""
     act = BYTES[w.precision][3]
     saved = strategy.micro_batches(w.global_batch) if strategy.schedule == "gpipe" and strategy.pp > 1 else 1
-    per_element = act + (4 if act < 4 else 0) + 4 * saved
-    return w.seq_len / strategy.cp * strategy.micro_batch * w.model.vocab_size / strategy.tp * per_element
+    tokens = w.seq_len / strategy.cp * strategy.micro_batch
+    vocab = w.model.vocab_size / strategy.tp
+    if fused:
+        return saved * (tokens * act + vocab * 4) * w.model.dim + loss_chunk_bytes(w, strategy)
+    return tokens * vocab * (act + (4 if act < 4 else 0) + 4 * saved)
+
+
+def loss_chunk_bytes(w: Workload, strategy: Strategy) -> float:
+    """What the fused loss holds only while it runs (not kept for backward): one chunk's fp32 logits and their
+    gradient in the activation dtype."""
+    tokens = w.seq_len / strategy.cp * strategy.micro_batch
+    return min(FUSED_LOSS_CHUNK, tokens * w.model.vocab_size / strategy.tp) * (4 + BYTES[w.precision][3])
 
 
 @dataclass(frozen=True)
@@ -364,7 +383,7 @@ def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAU
             activations = recomputed_activations(*args)
         else:
             activations = held_layers(s.schedule, s.pp, m, s.virtual_stages, i, chunks) * mean_layer
-        logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
+        logits = logits_bytes(w, s, a.fused) if i == s.pp - 1 else 0.0
         rest = params + grads + optimizer + activations + logits + buffers
         overhead = fixed + a.overhead_fraction * rest
         total = params + grads + optimizer + activations + logits + buffers + overhead  # Memory.total, unbuilt
@@ -399,7 +418,7 @@ def memory_floor(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions =
     for i, _, _, _, (params, grads, optimizer) in stage_states(
         w.model, w.precision, w.lora_rank, s.mesh, s.zero, s.virtual_stages, a.runtime
     ):
-        logits = logits_bytes(w, s) if i == s.pp - 1 else 0.0
+        logits = logits_bytes(w, s, a.fused) if i == s.pp - 1 else 0.0
         rest = params + grads + optimizer + logits + buffers
         floor = max(floor, params + grads + optimizer + logits + buffers + (fixed + a.overhead_fraction * rest))
     return floor

@@ -38,6 +38,7 @@ from meshlm.plan.step_time import StepTime, bubble_fraction, step_time
 
 Objective = Literal["throughput", "cost"]
 MAX_GPUS = 2**17  # how far `does not fit` looks for a device count that would
+CP_MIN_SEQ_LEN = 8192  # shorter sequences: no context parallelism unless asked for or nothing fits without it
 
 
 class PlanError(InputError):
@@ -222,7 +223,7 @@ def enumerate_strategies(
         per_replica = w.global_batch // mesh.data_parallel
         choices = itertools.product(
             [c.micro_batch] if c.micro_batch else [b for b in _divisors(per_replica) if b <= c.max_micro_batch],
-            _schedules(mesh.pp, c, a.runtime),
+            _schedules(mesh.pp, c),
             [c.zero] if c.zero is not None else ([0] if mesh.dp * mesh.ep * mesh.cp == 1 else [0, 1, 2, 3]),
             recomputes,
             [c.sequence_parallel] if c.sequence_parallel is not None else ([False, True] if mesh.tp > 1 else [False]),
@@ -275,12 +276,12 @@ def _sized(
     return mem, mem, s.recompute_layers
 
 
-def _schedules(pp: int, c: Constraints, runtime: Runtime = "meshlm") -> list[tuple[Schedule, int]]:
-    """(schedule, virtual stages) pairs to try; without a pipeline the schedule is moot. The Megatron-style
-    runtime (the published runs it models) has no zero-bubble schedule."""
+def _schedules(pp: int, c: Constraints) -> list[tuple[Schedule, int]]:
+    """(schedule, virtual stages) pairs to try; without a pipeline the schedule is moot. zb1 only when asked
+    for: meshlm's executor has no split-backward kernels (its W pass re-walks the graph, `ZB1_REWALK`, which
+    is measured on CPU only), and the Megatron-style runtime of the published runs has no such schedule."""
     out: list[tuple[Schedule, int]] = []
-    pipelined = ["gpipe", "1f1b", "interleaved"] + (["zb1"] if runtime == "meshlm" else [])
-    names = [c.schedule] if c.schedule else (["1f1b"] if pp == 1 else pipelined)
+    names = [c.schedule] if c.schedule else (["1f1b"] if pp == 1 else ["gpipe", "1f1b", "interleaved"])
     for name in names:
         if name == "interleaved":
             out += [(name, v) for v in ([c.virtual_stages] if c.virtual_stages else range(2, 9))]
@@ -385,6 +386,27 @@ def _rank_key(objective: Objective, deadline_s: float | None) -> Callable[[Plan]
 
 
 def search(
+    w: Workload,
+    gpus: int | list[int],
+    hw: Hardware,
+    objective: Objective = "throughput",
+    constraints: Constraints = Constraints(),
+    a: Assumptions = DEFAULTS,
+    costs: CostModel = DEFAULT_COSTS,
+    memory_only: bool = False,
+    priced: int = 10,
+) -> SearchResult:
+    """`_search`; below CP_MIN_SEQ_LEN tokens a sequence, without context parallelism unless the constraints
+    name a cp or no layout without it fits: its terms are checked against no published run, and published
+    practice uses it for long sequences only (docs/planner.md, "Context parallelism at short sequences")."""
+    if constraints.cp is None and w.seq_len < CP_MIN_SEQ_LEN:
+        result = _search(w, gpus, hw, objective, dataclasses.replace(constraints, cp=1), a, costs, memory_only, priced)
+        if result.plans:
+            return result
+    return _search(w, gpus, hw, objective, constraints, a, costs, memory_only, priced)
+
+
+def _search(
     w: Workload,
     gpus: int | list[int],
     hw: Hardware,
@@ -517,7 +539,7 @@ def plan_for_config(cfg: Config, world_size: int, calibration: dict | None = Non
         cfg.lora.rank,
     )
     c = Constraints(micro_batch=cfg.train.micro_batch or None, recompute_options=("none", "selective", "mlp", "full"))
-    return best(w, world_size, hw, constraints=c).strategy
+    return best(w, world_size, hw, constraints=c, a=Assumptions(fused_loss=cfg.train.fused_loss)).strategy
 
 
 def _local_device(cfg: Config) -> str:

@@ -43,6 +43,11 @@ DP_OVERLAP = 0.8  # NCCL runs on a few SMs beside compute; gloo on cpu competes 
 # element) and the attention output's transpose, silu and product (5I). megatron: fused norms (2h each),
 # residual adds, fused rotary (2 per element), fused SwiGLU (3I).
 TRAFFIC: dict[str, tuple[float, float, float]] = {"meshlm": (38, 12, 5), "megatron": (10, 2, 3)}
+# meshlm's zero-bubble executor splits the backward with autograd (docs/pipeline.md): B asks for the stage
+# input's gradient only, W for the weights', walking the stage's graph again and so recomputing the chain of
+# activation gradients that B computed (about the forward's work again). A slot of F + B + W is then four
+# forwards' work instead of three: a third more compute (measured +36 % per step, docs/benchmarks.md).
+ZB1_REWALK = 1 / 3
 UNFUSED_ATTENTION = 4  # without flash: scores written, softmax read + written, probabilities read (a·s each)
 
 
@@ -377,7 +382,10 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
     fill = fill_slots(s.schedule, s.pp, s.virtual_stages)
     critical = (m + fill) * (slot_compute / bubble_speedup + slot_tp + slot_cp + slot_ep + p2p)
     bubble = max(0.0, critical - m * slot)
-    total = m * slot + bubble + dp_comm + optimizer
+    # zb1's W pass re-walks the activation gradients: more work in every slot, none of it taken off the bubble
+    rewalk = ZB1_REWALK * slot_compute if s.schedule == "zb1" else 0.0
+    slot_compute += rewalk
+    total = m * (slot + rewalk) + bubble + dp_comm + optimizer
     tokens_per_s = w.global_batch * w.seq_len / total
     model_flops = lora_flops_per_token(model, w.seq_len, w.lora_rank)
     tflops = model_flops * tokens_per_s / s.gpus / 1e12
@@ -392,7 +400,7 @@ def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DE
         optimizer=optimizer,
         tokens_per_s=tokens_per_s,
         tflops_per_gpu=tflops,
-        hardware_tflops_per_gpu=tflops * (model_flops + slots.recomputed) / model_flops,
+        hardware_tflops_per_gpu=tflops * (model_flops + slots.recomputed) / model_flops * (1 + rewalk / slot),
         mfu=tflops * 1e12 / hw.per_rank(s.gpus).peak_flops,
         train_days=w.train_tokens / tokens_per_s / 86400,
     )
