@@ -109,6 +109,8 @@ def run_job(
     parts = {key: by_name(value) for key, value in (parts or {}).items()}
     if mode != "resume":  # a run directory left by an earlier check would be resumed
         shutil.rmtree(cfg.log.run_dir, ignore_errors=True)
+    for stale in workdir.glob(f"{out.name}*"):  # a result or refusal left by an earlier check
+        stale.unlink()
     job.write_bytes(pickle.dumps({"config": cfg, "batches": batches, "parts": parts, "mode": mode, "out": str(out)}))
     path = os.pathsep.join(p for p in sys.path if p and Path(p).is_dir())  # the ranks import what the caller does
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
@@ -125,6 +127,9 @@ def run_job(
     log = workdir / f"{name}.log"
     with open(log, "w") as f:
         done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    refused = sorted(workdir.glob(f"{out.name}.error-*"), key=lambda path: int(path.name.rsplit("-", 1)[1]))
+    if refused:  # bad input, in one line: the lowest rank's (every rank meets the same one)
+        raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}): {refused[0].read_text()}")
     if done.returncode or not out.exists():
         lines = log.read_text().splitlines()
         tail = [line for line in lines if "Error:" in line and "ChildFailedError" not in line][-1:] or ["no output"]

@@ -6,7 +6,9 @@ or 'grads'). The run is `meshlm.fit` itself, with the batches as its data and
 a callback that records what the trainer does not already write to metrics.jsonl: the full weights after the
 last step. Mode 'grads' steps once with an optimizer that copies each gradient into its weight, so the full
 weights it gathers (through the placement table, `ParallelModel.full_state_dict`) are the step's full
-gradients, under any layout. Rank 0 writes the result pickle named in the job.
+gradients, under any layout. Rank 0 writes the result pickle named in the job. Bad input (an InputError: a
+plan the layout refuses, a data problem) ends the rank with exit code 2 and its one line in `OUT.error-RANK`,
+which meshlm.check.run reports as it is (never a traceback's line with its rank prefix).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshlm.errors import InputError
 from meshlm.observe.metrics import load_metrics
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.placement import Placement
@@ -116,7 +119,11 @@ def main(job_path: str) -> None:
     pieces = {key: resolve(value) for key, value in (job.get("parts") or {}).items()}
     if job["mode"] == "grads":
         pieces["optimizer"] = CopyGradient
-    result = fit(cfg, data=IterableBatches(job["batches"]), callbacks=[record], **pieces)
+    try:
+        result = fit(cfg, data=IterableBatches(job["batches"]), callbacks=[record], **pieces)
+    except InputError as e:
+        Path(f"{job['out']}.error-{os.environ.get('RANK', '0')}").write_text(str(e))
+        sys.exit(2)
     if os.environ.get("RANK", "0") != "0" or not job.get("out"):  # fit has left the process group
         return
     records, _ = load_metrics(Path(cfg.log.run_dir))
