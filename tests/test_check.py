@@ -149,14 +149,24 @@ def test_too_few_steps_is_one_line(capsys) -> None:
     assert err.count("\n") == 0 and "--steps 1" in err, err
 
 
-# `meshlm check --json` on a run's config: (overrides, a suite mutation injected into every Python process the
-# check starts or None, exit code, how the culprit starts)
+# `meshlm check --json` on a run's config: (overrides, the test module and suite mutation injected into every
+# Python process the check starts or None, exit code, how the culprit starts, its placement)
 CLI = {
     # Megatron's f without its backward all-reduce: named at lm_head, as through meshlm.check
-    "missing gradient sum over tp": (["--parallel.layout", "tp=2"], "tp_input_gradient_not_all_reduced", 1, "lm_head"),
+    "missing gradient sum over tp": (
+        ["--parallel.layout", "tp=2"], ("equivalence", "tp_input_gradient_not_all_reduced"), 1,
+        "lm_head: its input gradient differs", "sharded tp dim 0",
+    ),
+    # A reduction applied twice: the row-parallel adapter's partial output summed over tp on its own, then again
+    # with the base's. B starts at zero, so step 1 is exact and step 2's forward differs: every gradient differs
+    # there, and the first module whose output differs is named
+    "lora adapter reduced twice": (
+        ["--parallel.layout", "tp=2", "--lora.rank", "4"], ("test_lora", "row_adapter_reduced_twice"), 1,
+        "model.layers.0.self_attn.o_proj: its output differs first in forward order at step 2", "sharded tp dim 1",
+    ),
     # LoRA adapters over a frozen base at tp=2 with ZeRO-1: passes
-    "lora tp=2": (["--parallel.layout", "dp=2,tp=2", "--parallel.zero", "1", "--lora.rank", "4"], None, 0, ""),
-}
+    "lora tp=2": (["--parallel.layout", "dp=2,tp=2", "--parallel.zero", "1", "--lora.rank", "4"], None, 0, "", ""),
+}  # fmt: skip
 
 
 @pytest.mark.slow  # corpus tokenized (shared with other tests), then 3-5 torchrun starts: 26-70 s on 2 shared cores
@@ -164,13 +174,13 @@ CLI = {
 def test_the_cli_json_and_exit_code(case: str, data_cache, tmp_path, monkeypatch, capsys) -> None:
     """The mutation is injected by a sitecustomize on the ranks' path (the check passes them the caller's): the
     run's own config, the user's command, with a bug in meshlm's code."""
-    overrides, mutation, code, culprit = CLI[case]
+    overrides, mutation, code, culprit, placement = CLI[case]
     if mutation:
         site = tmp_path / "site"
         site.mkdir()
         (site / "sitecustomize.py").write_text(
-            f"from equivalence import {mutation}\n\n"
-            f"BUG = {mutation}()  # held: a collected one would undo the patch\n"
+            f"from {mutation[0]} import {mutation[1]}\n\n"
+            f"BUG = {mutation[1]}()  # held: a collected one would undo the patch\n"
             "BUG.__enter__()\n"
         )
         monkeypatch.syspath_prepend(str(site))
@@ -181,8 +191,8 @@ def test_the_cli_json_and_exit_code(case: str, data_cache, tmp_path, monkeypatch
     assert out["passed"] == (code == 0) and out["checks"][0]["passed"] == (code == 0), out
     assert list(out["phases_s"])[:2] == ["shrink", "data"], out["phases_s"]
     if code:
-        assert out["culprit"].startswith(f"{culprit}: its input gradient differs"), out["culprit"]
-        assert "sharded tp dim 0" in out["culprit"] and "exact with tp=1" in out["culprit"], out["culprit"]
+        assert out["culprit"].startswith(culprit), out["culprit"]
+        assert placement in out["culprit"] and "exact with tp=1" in out["culprit"], out["culprit"]
     else:
         assert [c["passed"] for c in out["checks"]] == [True, True] and not out["culprit"], out
         assert any("LoRA" in line or "lora" in line for line in out["kept"]), out["kept"]
