@@ -1,6 +1,8 @@
-"""`meshlm.check`: correct layouts (tp=2 SP, pp=2 interleaved, LoRA at dp=2,tp=2 ZeRO-1) pass against one
-process; the suite's mutations (a wrong plan entry, a missing gradient sum over tp, a tied weight counted twice
-in the norm) fail and are localised to the module responsible; a half-tied plan is refused naming both modules.
+"""`meshlm.check`: correct layouts (tp=2 SP, pp=2 interleaved, dp=2 ZeRO-3, LoRA at dp=2,tp=2 ZeRO-1, HF Llama,
+Qwen2 and Mixtral init_from, the last at ep=2) pass against one process; the suite's mutations (a wrong plan
+entry, a missing gradient sum over tp, a tied weight counted twice in the norm, a LoRA adapter's output reduced
+twice) fail and are localised to the module responsible; a half-tied plan is refused in one line naming both
+modules.
 
 Each check starts torchrun several times (world 1, the layout, the resume; on a failure the step-1 gradient
 runs), ~10-20 s each on a loaded 2-core machine, so these tests are slow.
