@@ -3,7 +3,8 @@ every save is collective, so that rank cannot write a new checkpoint; it must no
 but stop at once with one line saying why and which committed checkpoint a restart resumes from, and that
 checkpoint must be intact. Two plain `meshlm train` processes (rank/world/master in the environment, no
 torchrun agent to tear the group down), rank 1 SIGKILLs itself after step 5 (MESHLM_INJECT_FAULT), rank 0
-gets SIGTERM as soon as rank 1 is gone."""
+gets SIGTERM as soon as rank 1 is gone. The waits are timed by events (rank 1's exit, rank 0's); their
+deadline only guards against a hang, so a busy machine makes the test slow, never wrong."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from conftest import small_run_args
@@ -20,6 +20,9 @@ from distributed import free_port
 from meshlm.checkpoint import list_checkpoints, verify_checkpoint
 from meshlm.checkpoint.store import read_trainer_state
 from meshlm.parallel.distributed import lost_peer
+
+DEADLINE_S = 400  # as tests/test_preemption_signals.py: each rank bounds its own waits (watchdog, collective timeout)
+CLOSED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # the dead peer's sockets
 
 
 def test_lost_peer_names_gloo_and_nccl_peer_failures_only() -> None:
@@ -36,8 +39,8 @@ def test_sigterm_with_a_dead_peer_stops_in_one_line_and_leaves_the_last_checkpoi
 ) -> None:
     run_dir = tmp_path / "run"
     args = [*small_run_args(data_cache, run_dir), "--train.steps", "8", "--checkpoint.every", "2",
-            "--checkpoint.async_save", "false", "--train.eval_every", "0", "--fault.watchdog_s", "30",
-            "--parallel.timeout_s", "30"]  # fmt: skip
+            "--checkpoint.async_save", "false", "--train.eval_every", "0", "--fault.watchdog_s", "120",
+            "--parallel.timeout_s", "120"]  # fmt: skip
     port = str(free_port())
     ranks = []
     for rank in range(2):
@@ -47,11 +50,9 @@ def test_sigterm_with_a_dead_peer_stops_in_one_line_and_leaves_the_last_checkpoi
         ranks.append(subprocess.Popen([sys.executable, "-m", "meshlm.cli", "train", *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
     try:
-        assert ranks[1].wait(timeout=90) == -signal.SIGKILL
+        assert ranks[1].wait(timeout=DEADLINE_S) == -signal.SIGKILL
         ranks[0].send_signal(signal.SIGTERM)  # the notice arrives with the peer already gone
-        start = time.monotonic()
-        _, err = ranks[0].communicate(timeout=60)
-        waited = time.monotonic() - start
+        _, err = ranks[0].communicate(timeout=DEADLINE_S)
     finally:
         for p in ranks:
             if p.poll() is None:
@@ -64,6 +65,7 @@ def test_sigterm_with_a_dead_peer_stops_in_one_line_and_leaves_the_last_checkpoi
     last = err.strip().splitlines()[-1]
     assert last.startswith("meshlm: rank 0 lost a peer (") and "stopping without a new checkpoint" in last, last
     assert last.endswith(f"the next start resumes from {newest}"), last
-    assert waited < 30  # not the watchdog or the collective timeout: the dead peer's sockets closed at once
+    # not the watchdog (no such line) or the collective timeout ('Timed out waiting'): the sockets closed at once
+    assert any(reason in last for reason in CLOSED), last
     assert newest.name == "step_00000004" and read_trainer_state(newest)["step"] == 4
     verify_checkpoint(newest)  # intact: every file matches its manifest

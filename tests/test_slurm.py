@@ -6,6 +6,9 @@
 - `scancel --signal=TERM JOB` (a site's preemption notice): the same save, exit 0 and requeue;
 - a killed worker (MESHLM_INJECT_FAULT kill): the agent restarts the group in place, the job completes with no
   requeue, and the steps it redoes have the same losses;
+- a SIGTERM to the batch shell alone (`scancel --batch --signal=TERM`) after that job trained to its last step
+  and committed it, while its agent is still in teardown: the script passes it on, the agent has nothing to
+  save, and the finished job is not requeued (the script once requeued it for one more allocation);
 and the three jobs' loss curves, interrupted at different steps, are identical at every step.
 
 So that a 24-step run is still training when the warning comes (Slurm checks time limits every 30 s), the test
@@ -106,15 +109,17 @@ def losses(tmp_path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(tmp_path) if r["kind"] == "train"}
 
 
-def workers(run_dir: Path) -> list[int]:
-    """The pids of `meshlm train` processes of this run (not their `meshlm launch` agents)."""
+def workers(run_dir: Path, agents: bool = False) -> list[int]:
+    """The pids of `meshlm train` processes of this run, or (`agents`) of their `meshlm launch` agents (not
+    `srun`, whose command line holds the agent's)."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             words = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"train" in words and b"launch" not in words and str(run_dir).encode() in words:
+        agent = words[1:4] == [b"-m", b"meshlm.cli", b"launch"]
+        if b"train" in words and str(run_dir).encode() in words and (agent if agents else b"launch" not in words):
             found.append(int(cmdline.parent.name))
     return found
 
@@ -181,7 +186,7 @@ def check_requeued_and_resumed(slurm: Slurm, job: str, tmp_path: Path) -> int:
     assert 0 < saved < STEPS and out.count("SIGTERM: saved step") == 1, out[-3000:]
     assert "every worker stopped cleanly; exiting 0" in out
     assert f"meshlm: stopped by a signal after saving; requeueing job {job}" in out
-    assert "saving, then requeueing" not in out  # Slurm signalled the step's tasks, not the batch shell
+    assert "SIGTERM to the batch shell" not in out  # Slurm signalled the step's tasks, not the batch shell
     resume = next(r for r in records(tmp_path) if r["kind"] == "resume")
     assert resume["step"] == saved
     final = list_checkpoints(tmp_path / "run")[-1]
@@ -189,12 +194,51 @@ def check_requeued_and_resumed(slurm: Slurm, job: str, tmp_path: Path) -> int:
     return saved
 
 
+def ended_or_requeued(state: dict[str, str]) -> bool:
+    return state["JobState"] in ENDED or state["Restarts"] != "0"
+
+
+def sigterm_in_teardown(slurm: Slurm, job: str, run_dir: Path, first: list[int]) -> None:
+    """Once the agent has restarted the workers (`first`: the first attempt's), pause it, so that the job is
+    still in its step when the run has trained to its last step, committed it and its workers have exited;
+    then SIGTERM the batch shell alone and let the agent go on once the SIGTERM the script passes on through
+    Slurm is pending on it. `scancel --batch` signals "only the batch step, but not any other steps nor any
+    children of the shell script" (scancel(1), Slurm 22.05)."""
+
+    def restarted() -> list[int] | None:
+        found = workers(run_dir)
+        return found if len(found) == 2 and not set(found) & set(first) else None
+
+    def trained_to_the_end() -> bool:
+        found = list_checkpoints(run_dir)
+        return bool(found) and read_trainer_state(found[-1])["step"] == STEPS
+
+    wait_for("the restarted workers", restarted, timeout=300, every=0.2)
+    (agent,) = wait_for("the agent", lambda: workers(run_dir, agents=True), timeout=60)
+    os.kill(agent, signal.SIGSTOP)
+    try:
+        wait_for("the last step's checkpoint", trained_to_the_end, timeout=400)
+        wait_for("the workers to exit", lambda: not workers(run_dir), timeout=120)
+        slurm.run("scancel", "--batch", "--signal=TERM", job)
+        wait_for("the SIGTERM passed on to the agent", lambda: sigterm_pending(agent), timeout=60)
+    finally:
+        os.kill(agent, signal.SIGCONT)
+
+
 @pytest.fixture(scope="module")
 def killed_job(slurm: Slurm, data_cache: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A job whose rank 1 SIGKILLs itself after step 5 (first attempt only): its directory and id."""
+    """A job whose rank 1 SIGKILLs itself after step 5 (first attempt only), and whose batch shell alone gets
+    a SIGTERM after the run finished (`sigterm_in_teardown`): its directory and id, once it ended or was
+    requeued."""
     tmp_path = tmp_path_factory.mktemp("killed")
     job = submit(slurm, tmp_path, data_cache, MESHLM_INJECT_FAULT="1:5:kill")
-    finished(slurm, job)
+    first = wait_for("two workers", lambda: p if len(p := workers(tmp_path / "run")) == 2 else None, timeout=300)
+    sigterm_in_teardown(slurm, job, tmp_path / "run", first)
+    try:
+        wait_for(f"job {job} to end or requeue", lambda: ended_or_requeued(slurm.job(job)), timeout=400)
+    finally:
+        if slurm.job(job)["JobState"] not in ENDED:
+            slurm.run("scancel", job, check=False)
     return tmp_path, job
 
 
@@ -213,6 +257,20 @@ def test_a_killed_worker_restarts_in_place_and_the_job_completes(slurm: Slurm, k
     assert sorted(after) == list(range(step + 1, STEPS + 1))
     assert all(after[s] == before[s] for s in range(step + 1, 6)), (before, after)  # redone steps: same losses
     assert read_trainer_state(list_checkpoints(tmp_path / "run")[-1])["step"] == STEPS
+
+
+@pytest.mark.slow  # shares the killed worker's job: ~1 min
+def test_a_sigterm_to_the_batch_shell_after_the_run_finished_does_not_requeue_it(
+    slurm: Slurm, killed_job: tuple[Path, str]
+) -> None:
+    """The script passes the shell's SIGTERM on to the agent, which says the run had finished, and the job
+    completes: it once requeued itself on the shell's SIGTERM alone and trained nothing more for an allocation."""
+    tmp_path, job = killed_job
+    state, out = slurm.job(job), output(tmp_path, job)
+    assert f"meshlm: SIGTERM to the batch shell: passed on to the step's tasks of job {job}" in out, out[-3000:]
+    assert "meshlm launch: SIGTERM after the run finished: nothing to save; exiting 0" in out, out[-3000:]
+    assert state["Restarts"] == "0" and state["JobState"] == "COMPLETED", (state, out[-3000:], slurm.logs())
+    assert not list((tmp_path / "run").glob(".stopped-*"))
 
 
 @pytest.mark.slow  # a real Slurm job stopped by its time limit's warning, requeued and resumed: ~1-2 min

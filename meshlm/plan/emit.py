@@ -258,9 +258,13 @@ def check_block(identity: str, args: str, failed: str) -> list[str]:
 
 def slurm_run(command: str, cpus: int, data_source: str) -> str:
     """The sbatch script's step: `srun` of one `meshlm launch` agent per node, this shell's SIGTERM passed on
-    through Slurm, and the requeue after a signal stopped the run once its workers saved (see `slurm`)."""
-    return f"""# meshlm launch writes this file when a signal stopped it after its workers saved: Slurm delivers the
-# time limit's --signal and a preemption's SIGTERM to the step's tasks, not to this shell
+    through Slurm, and the requeue after a signal stopped the run once its workers saved (see `slurm`). The
+    requeue follows only `meshlm launch`'s stopped file, never this shell's own SIGTERM: a SIGTERM that reaches
+    the shell after the run trained to its last step (`scancel --batch`, a `B:` warning in teardown) would
+    otherwise requeue a finished job."""
+    return f"""# meshlm launch writes this file when a signal stopped it after its workers saved, and never once they
+# trained to the last step: Slurm delivers the time limit's --signal and a preemption's SIGTERM to the step's
+# tasks, not to this shell, and only this file says the run has work left
 export MESHLM_STOPPED_FILE="$MESHLM_RUN_DIR/.stopped-$SLURM_JOB_ID"
 rm -f "$MESHLM_STOPPED_FILE"
 STOPPED=0
@@ -268,7 +272,7 @@ STOPPED=0
 on_term() {{
   [ "$STOPPED" = 1 ] && return
   STOPPED=1
-  echo "meshlm: SIGTERM: saving, then requeueing job $SLURM_JOB_ID"
+  echo "meshlm: SIGTERM to the batch shell: passed on to the step's tasks of job $SLURM_JOB_ID"
   scancel --signal=TERM "$SLURM_JOB_ID"
 }}
 trap on_term TERM
@@ -281,7 +285,7 @@ wait "$STEP"
 while kill -0 "$STEP" 2>/dev/null; do wait "$STEP"; done
 wait "$STEP"
 RC=$?
-if [ "$RC" = 0 ] && {{ [ "$STOPPED" = 1 ] || [ -e "$MESHLM_STOPPED_FILE" ]; }}; then
+if [ "$RC" = 0 ] && [ -e "$MESHLM_STOPPED_FILE" ]; then
   rm -f "$MESHLM_STOPPED_FILE"
   echo "meshlm: stopped by a signal after saving; requeueing job $SLURM_JOB_ID"
   scontrol requeue "$SLURM_JOB_ID" || echo "meshlm: requeue refused; resubmit this script to resume"
@@ -298,7 +302,8 @@ def slurm(launch: Launch, site: Site) -> str:
     `scancel --signal=TERM JOB` do; they save once and exit 0, and `meshlm launch` leaves MESHLM_STOPPED_FILE
     so this shell requeues the job. A SIGTERM to this shell alone (`scancel --batch`) is passed on the same
     way, through Slurm (`scancel --signal=TERM`): never to `srun` itself, which turns SIGTERM into SIGKILL
-    for every task (Slurm's src/srun/srun_job.c, srun(1) "SIGNALS"). meshlm is pip-installed from
+    for every task (Slurm's src/srun/srun_job.c, srun(1) "SIGNALS"); it requeues the job only when the agents
+    then leave MESHLM_STOPPED_FILE, so a finished run is never run again. meshlm is pip-installed from
     `site.install` into MESHLM_VENV on shared storage, once per requirement. HEAD_NODE, RDZV_PORT, RDZV_ID,
     RDZV_JOIN_TIMEOUT, MESHLM_RUN_DIR, MESHLM_CACHE_DIR, MESHLM_VENV and MESHLM_INSTALL can be set from
     outside; extra arguments to the script go to `meshlm train`. Every user value is a quoted shell word or
