@@ -301,13 +301,11 @@ def slurm(launch: Launch, site: Site) -> str:
     agents and their workers, G seconds before the time limit, as a preemption's grace and
     `scancel --signal=TERM JOB` do; they save once and exit 0, and `meshlm launch` leaves MESHLM_STOPPED_FILE
     so this shell requeues the job. A SIGTERM to this shell alone (`scancel --batch`) is passed on the same
-    way, through Slurm (`scancel --signal=TERM`): never to `srun` itself, which turns SIGTERM into SIGKILL
-    for every task (Slurm's src/srun/srun_job.c, srun(1) "SIGNALS"); it requeues the job only when the agents
-    then leave MESHLM_STOPPED_FILE, so a finished run is never run again. meshlm is pip-installed from
-    `site.install` into MESHLM_VENV on shared storage, once per requirement. HEAD_NODE, RDZV_PORT, RDZV_ID,
-    RDZV_JOIN_TIMEOUT, MESHLM_RUN_DIR, MESHLM_CACHE_DIR, MESHLM_VENV and MESHLM_INSTALL can be set from
-    outside; extra arguments to the script go to `meshlm train`. Every user value is a quoted shell word or
-    validated (`slurm_name`)."""
+    way, through Slurm (`scancel --signal=TERM`), never to `srun`, which turns SIGTERM into SIGKILL for every
+    task (Slurm's src/srun/srun_job.c, srun(1) "SIGNALS"); only MESHLM_STOPPED_FILE requeues, so a finished
+    run never runs again. meshlm is pip-installed from `site.install` into MESHLM_VENV, once. HEAD_NODE,
+    RDZV_PORT, RDZV_ID, RDZV_JOIN_TIMEOUT, MESHLM_RUN_DIR, MESHLM_CACHE_DIR, MESHLM_VENV and MESHLM_INSTALL can
+    be set from outside; extra arguments go to `meshlm train`. Every user value is quoted or validated."""
     if not site.install:
         raise PlanError("--emit slurm needs --install (a pip requirement such as 'meshlm==0.1.0', or a meshlm "
                         "wheel on the cluster), which every job installs into MESHLM_VENV")  # fmt: skip
