@@ -1,8 +1,6 @@
-"""`meshlm.check`: correct layouts (tp=2 SP, pp=2 interleaved, dp=2 ZeRO-3, LoRA at dp=2,tp=2 ZeRO-1, HF Llama,
-Qwen2 and Mixtral init_from, the last at ep=2) pass against one process; the suite's mutations (a wrong plan
-entry, a missing gradient sum over tp, a tied weight counted twice in the norm, a LoRA adapter's output reduced
-twice) fail and are localised to the module responsible; a half-tied plan is refused in one line naming both
-modules.
+"""`meshlm.check`: correct layouts (tp=2 SP, pp=2 interleaved, LoRA at dp=2,tp=2 ZeRO-1) pass against one
+process; the suite's mutations (a wrong plan entry, a missing gradient sum over tp, a tied weight counted twice
+in the norm) fail and are localised to the module responsible; a half-tied plan is refused naming both modules.
 
 Each check starts torchrun several times (world 1, the layout, the resume; on a failure the step-1 gradient
 runs), ~10-20 s each on a loaded 2-core machine, so these tests are slow.
@@ -13,10 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
-import torch
 from conftest import small_run_args
 from equivalence import tp_input_gradient_not_all_reduced
 from test_tied import TIED, tied_weight_counted_twice_in_the_norm
@@ -127,10 +123,8 @@ def test_mutations_fail_and_are_localised(mutation: str, tmp_path) -> None:
 def test_a_half_tied_plan_is_refused_naming_both_modules_before_the_reference(tmp_path) -> None:
     with pytest.raises(CheckError) as e:
         meshlm.check(make_tied, batches(), "tp=2", plan=HALF_TIED, workdir=tmp_path)
-    line = str(e.value)  # the plan's own one line, as a rank met it (no traceback's '[rank1]:' prefix)
-    assert line.startswith("check run layout (tp=2): plan 'llama': model.embed_tokens (not in tensor_parallel) and "
-                           "lm_head (vocab_head) share one tied weight"), line  # fmt: skip
-    assert "\n" not in line and "[rank" not in line and "Error" not in line, line
+    line = str(e.value)
+    assert "\n" not in line and "model.embed_tokens (not in tensor_parallel) and lm_head (vocab_head)" in line, line
     assert not (tmp_path / "reference").exists()  # the layout runs first: refused before any other work
 
 
@@ -151,24 +145,14 @@ def test_too_few_steps_is_one_line(capsys) -> None:
     assert err.count("\n") == 0 and "--steps 1" in err, err
 
 
-# `meshlm check --json` on a run's config: (overrides, the test module and suite mutation injected into every
-# Python process the check starts or None, exit code, how the culprit starts, its placement)
+# `meshlm check --json` on a run's config: (overrides, a suite mutation injected into every Python process the
+# check starts or None, exit code, how the culprit starts)
 CLI = {
     # Megatron's f without its backward all-reduce: named at lm_head, as through meshlm.check
-    "missing gradient sum over tp": (
-        ["--parallel.layout", "tp=2"], ("equivalence", "tp_input_gradient_not_all_reduced"), 1,
-        "lm_head: its input gradient differs", "sharded tp dim 0",
-    ),
-    # A reduction applied twice: the row-parallel adapter's partial output summed over tp on its own, then again
-    # with the base's. B starts at zero, so step 1 is exact and step 2's forward differs: every gradient differs
-    # there, and the first module whose output differs is named
-    "lora adapter reduced twice": (
-        ["--parallel.layout", "tp=2", "--lora.rank", "4"], ("test_lora", "row_adapter_reduced_twice"), 1,
-        "model.layers.0.self_attn.o_proj: its output differs first in forward order at step 2", "sharded tp dim 1",
-    ),
+    "missing gradient sum over tp": (["--parallel.layout", "tp=2"], "tp_input_gradient_not_all_reduced", 1, "lm_head"),
     # LoRA adapters over a frozen base at tp=2 with ZeRO-1: passes
-    "lora tp=2": (["--parallel.layout", "dp=2,tp=2", "--parallel.zero", "1", "--lora.rank", "4"], None, 0, "", ""),
-}  # fmt: skip
+    "lora tp=2": (["--parallel.layout", "dp=2,tp=2", "--parallel.zero", "1", "--lora.rank", "4"], None, 0, ""),
+}
 
 
 @pytest.mark.slow  # corpus tokenized (shared with other tests), then 3-5 torchrun starts: 26-70 s on 2 shared cores
@@ -176,13 +160,13 @@ CLI = {
 def test_the_cli_json_and_exit_code(case: str, data_cache, tmp_path, monkeypatch, capsys) -> None:
     """The mutation is injected by a sitecustomize on the ranks' path (the check passes them the caller's): the
     run's own config, the user's command, with a bug in meshlm's code."""
-    overrides, mutation, code, culprit, placement = CLI[case]
+    overrides, mutation, code, culprit = CLI[case]
     if mutation:
         site = tmp_path / "site"
         site.mkdir()
         (site / "sitecustomize.py").write_text(
-            f"from {mutation[0]} import {mutation[1]}\n\n"
-            f"BUG = {mutation[1]}()  # held: a collected one would undo the patch\n"
+            f"from equivalence import {mutation}\n\n"
+            f"BUG = {mutation}()  # held: a collected one would undo the patch\n"
             "BUG.__enter__()\n"
         )
         monkeypatch.syspath_prepend(str(site))
@@ -193,48 +177,8 @@ def test_the_cli_json_and_exit_code(case: str, data_cache, tmp_path, monkeypatch
     assert out["passed"] == (code == 0) and out["checks"][0]["passed"] == (code == 0), out
     assert list(out["phases_s"])[:2] == ["shrink", "data"], out["phases_s"]
     if code:
-        assert out["culprit"].startswith(culprit), out["culprit"]
-        assert placement in out["culprit"] and "exact with tp=1" in out["culprit"], out["culprit"]
+        assert out["culprit"].startswith(f"{culprit}: its input gradient differs"), out["culprit"]
+        assert "sharded tp dim 0" in out["culprit"] and "exact with tp=1" in out["culprit"], out["culprit"]
     else:
         assert [c["passed"] for c in out["checks"]] == [True, True] and not out["culprit"], out
         assert any("LoRA" in line or "lora" in line for line in out["kept"]), out["kept"]
-
-
-# `meshlm check` of a fine-tune from a Hugging Face checkpoint (random weights from a small config, saved into
-# tmp): the replica starts from the checkpoint's sliced real weights and passes at the layout. One run covers
-# several properties: Mixtral's experts over ep, Qwen2's q/k/v biases and tied embeddings under tp with SP and
-# ZeRO-1, Llama's GQA under pp. Two steps, the fewest the check takes (one before the resume, one after).
-HF_SHAPE = {
-    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-}  # fmt: skip
-HF_INIT = {
-    "llama pp=2": ("LlamaConfig", {}, ["--parallel.layout", "pp=2", "--train.micro_batch", "2"]),
-    "qwen2 tied tp=2 sp zero1": (
-        "Qwen2Config", {"tie_word_embeddings": True},
-        ["--parallel.layout", "dp=2,tp=2", "--parallel.sequence_parallel", "true", "--parallel.zero", "1"],
-    ),
-    "mixtral ep=2": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2},
-                     ["--parallel.layout", "dp=2,ep=2"]),
-}  # fmt: skip
-
-
-def hf_checkpoint(family: str, extra: dict, directory: Path) -> Path:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, family)(**HF_SHAPE, **extra))
-    model.save_pretrained(directory)
-    return directory
-
-
-@pytest.mark.slow  # corpus tokenized (shared with other tests), then 3 torchrun starts of 2-4 ranks: 20-60 s each
-@pytest.mark.parametrize("case", HF_INIT)
-def test_an_hf_init_from_passes(case: str, data_cache, tmp_path, capsys) -> None:
-    family, extra, overrides = HF_INIT[case]
-    hf = hf_checkpoint(family, extra, tmp_path / "hf")
-    run = small_run_args(data_cache, tmp_path / "run")
-    argv = ["check", "--json", "--steps", "2", "--workdir", str(tmp_path / "check"), "--model.init_from", str(hf)]
-    code = main([*argv, *overrides, *run])
-    out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["passed"] and [c["passed"] for c in out["checks"]] == [True, True], out
-    assert any(line.startswith(f"init_from {hf} -> ") for line in out["shrunk"]), out["shrunk"]

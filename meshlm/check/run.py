@@ -109,8 +109,6 @@ def run_job(
     parts = {key: by_name(value) for key, value in (parts or {}).items()}
     if mode != "resume":  # a run directory left by an earlier check would be resumed
         shutil.rmtree(cfg.log.run_dir, ignore_errors=True)
-    for stale in workdir.glob(f"{out.name}*"):  # a result or refusal left by an earlier check
-        stale.unlink()
     job.write_bytes(pickle.dumps({"config": cfg, "batches": batches, "parts": parts, "mode": mode, "out": str(out)}))
     path = os.pathsep.join(p for p in sys.path if p and Path(p).is_dir())  # the ranks import what the caller does
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
@@ -127,9 +125,6 @@ def run_job(
     log = workdir / f"{name}.log"
     with open(log, "w") as f:
         done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False)
-    refused = sorted(workdir.glob(f"{out.name}.error-*"), key=lambda path: int(path.name.rsplit("-", 1)[1]))
-    if refused:  # bad input, in one line: the lowest rank's (every rank meets the same one)
-        raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}): {refused[0].read_text()}")
     if done.returncode or not out.exists():
         lines = log.read_text().splitlines()
         tail = [line for line in lines if "Error:" in line and "ChildFailedError" not in line][-1:] or ["no output"]
@@ -269,9 +264,7 @@ def check(
             )
         )
     if not report.passed:
-        pairs = zip(ref["steps"], got["losses"], ref["losses"], got["grad_norms"], ref["grad_norms"], strict=True)
-        later = [s for s, a, b, c, d in pairs if max(rel(a, b), rel(c, d)) > LOSS_RTOL]
-        localise(cfg, batches, workdir, report, parts, timed, later[0] if later else 1)
+        localise(cfg, batches, workdir, report, parts, timed)
     return report
 
 
@@ -313,84 +306,32 @@ def counted_wrongly(got_norm: float, ref_norm: float, grads: dict) -> tuple[str,
     return (name, how) if miss <= tol else None
 
 
-def outputs_differ(got: dict, ref: dict) -> tuple[str, float] | None:
-    """The first module (in the order its forward returned, at world 1) whose output at the step differs on a
-    rank that computes it whole: the same calls and shapes as one process (replicated over tp; a rank of a
-    layout that splits rows or the sequence holds parts, which are not compared)."""
-    for name, want in ref["outputs"][0].items():
-        for outputs in got["outputs"]:
-            held = outputs.get(name, [])
-            if [t.shape for t in held] != [t.shape for t in want]:
-                continue
-            d = max(((g - r).norm() / r.norm().clamp(min=1e-30)).item() for g, r in zip(held, want, strict=True))
-            if d > GRAD_RTOL:
-                return name, d
-    return None
-
-
-def exact_without(cfg: Config, step: int, at_step, exact) -> str:
-    """'; exact with dp=1 (...)' for the first layout dimension whose removal makes the step's gradients and
-    norm exact (each re-run by `at_step` at that smaller layout), or ''."""
-    layout = cfg.parallel.layout
-    for dim in DIMS:
-        if f"{dim}=" not in layout or f"{dim}=1" in layout.split(","):
-            continue
-        smaller, options = without(cfg, dim)
-        try:
-            res, _ = at_step(step, f"grads-{step}-no-{dim}", smaller, **options)
-        except CheckError:
-            continue
-        if exact(res):
-            return f"; exact with {dim}=1" + (f" ({smaller})" if world_of(smaller) > 1 else "")
-    return ""
-
-
-def localise(
-    cfg: Config, batches: list, workdir: Path, report: CheckReport, parts: dict | None, timed, first: int
-) -> None:
-    """One step's full gradients (unclipped) at the layout against world 1: the module responsible, where its
+def localise(cfg: Config, batches: list, workdir: Path, report: CheckReport, parts: dict | None, timed) -> None:
+    """Step 1's full gradients (unclipped) at the layout against world 1: the module responsible, where its
     tensor lives, and the layout dimension whose removal makes every gradient and their norm exact.
 
-    The step is step 1, or, when step 1 is exact, `first` (the first step whose loss or norm differs: a bug
-    that acts only on trained weights, e.g. an adapter's output reduced twice, zero at initialisation). The
-    module: at a later step (whose weights agree, as every step's before it do), the first module whose forward
-    output differs (outputs_differ); else where a wrong activation gradient entered backward (entry_point) if
-    the differing gradients show one, else the first tensor in forward order whose gradient differs; when every
-    gradient agrees and their global norm does not, the tensor whose norm term is counted twice or never
-    (counted_wrongly)."""
+    The module: where a wrong activation gradient entered backward (entry_point) if the differing gradients
+    show one, else the first tensor in forward order whose gradient differs; when every gradient agrees and
+    their global norm does not, the tensor whose norm term is counted twice or never (counted_wrongly)."""
     layout = cfg.parallel.layout
     data = cfg.model_dump()
     data["train"]["grad_clip"] = 0.0
     plain = Config.model_validate(data)
-
-    def at_step(step: int, name: str, smaller: str, **options: object) -> tuple[dict, float]:
-        s_cfg = run_config(plain, workdir / name, smaller, step, **options)
-        what = "at world 1" if not smaller else "at the layout" if smaller == layout else f"at {smaller}"
-        return timed(f"step-{step} gradients {what}", s_cfg, world_of(smaller), batches, workdir, name, "grads", parts)
-
-    def compare(step: int) -> tuple[dict, dict, list, float, float]:
-        ref, _ = at_step(step, f"grads-reference-{step}", "", **SINGLE_PROCESS)
-        got, t = at_step(step, f"grads-{step}", layout)
-        return ref, got, grads_differ(got, ref["weights"]), rel(got["grad_norms"][-1], ref["grad_norms"][-1]), t
-
-    step = 1
-    ref, got, differ, d_norm, t = compare(step)
-    if not differ and d_norm <= LOSS_RTOL and first > 1:
-        step = first
-        ref, got, differ, d_norm, t = compare(step)
-    names, norm = list(ref["weights"]), ref["grad_norms"][-1]
+    r_cfg = run_config(plain, workdir / "grads-reference", "", 1, **SINGLE_PROCESS)
+    ref, _ = timed("step-1 gradients at world 1", r_cfg, 1, batches, workdir, "grads-reference", "grads", parts)
+    g_cfg = run_config(plain, workdir / "grads", layout, 1)
+    got, t = timed("step-1 gradients at the layout", g_cfg, world_of(layout), batches, workdir, "grads", "grads", parts)
+    names = list(ref["weights"])
 
     def exact(run: dict) -> bool:
-        return not grads_differ(run, ref["weights"]) and rel(run["grad_norms"][-1], norm) <= LOSS_RTOL
+        return not grads_differ(run, ref["weights"]) and rel(run["grad_norms"][0], ref["grad_norms"][0]) <= LOSS_RTOL
 
-    out = outputs_differ(got, ref) if step > 1 else None  # the weights agree, so the forward is compared first
-    if out:
-        (module, d), name = out, next((n for n in names if n.startswith(f"{out[0]}.")), "")
-        what = f"its output differs first in forward order at step {step} ({d:.1e} rel; {len(differ)} grads differ)"
-    elif len(differ) == len(names):  # no one module: the forward (or the loss) already differs
-        (name, d), d_first = differ[0], rel(got["losses"][-1], ref["losses"][-1])
+    differ = grads_differ(got, ref["weights"])
+    d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
+    if len(differ) == len(names):  # no one module: the forward (or the loss) already differs
+        (name, d), d_first = differ[0], rel(got["losses"][0], ref["losses"][0])
         module = "every tensor"
-        what = f"grad differs (from {name} {d:.1e} rel; step-{step} loss {d_first:.1e} rel): the forward pass differs"
+        what = f"grad differs (from {name} {d:.1e} rel; step-1 loss {d_first:.1e} rel): the forward pass differs"
     elif differ:
         entry = entry_point(differ, names)
         name, d = (entry, differ[0][1]) if entry else differ[0]
@@ -401,21 +342,42 @@ def localise(
             if entry
             else f"grad differs {d:.1e} rel"
         )
-    elif d_norm > LOSS_RTOL and (wrong := counted_wrongly(got["grad_norms"][-1], norm, ref["weights"])):
+    elif d_norm > LOSS_RTOL and (wrong := counted_wrongly(got["grad_norms"][0], ref["grad_norms"][0], ref["weights"])):
         (name, how), d = wrong, d_norm
         module = name.rsplit(".", 1)[0]
         what = f"gradients agree, their global norm differs {d_norm:.1e} rel: {name} {how} in it (Placement.counted)"
     else:
         report.culprit = (
-            f"step-{step} gradients agree on every rank, their global norm differs {d_norm:.1e} rel (no one "
-            "tensor's term accounts for it)"
+            f"step-1 gradients agree on every rank, their global norm differs {d_norm:.1e} rel (no one tensor's "
+            "term accounts for it)"
             if d_norm > LOSS_RTOL
-            else f"step-{step} gradients and norm agree: the difference arises in a later step"
+            else "step-1 gradients and norm agree: the difference arises in a later step"
         )
         return
-    report.culprit = f"{module}: {what}; {got['placements'].get(name, '')}" + exact_without(plain, step, at_step, exact)
-    tolerance = f"<= {GRAD_RTOL:g} per tensor"
-    report.rows.append(Row(f"step-{step} gradients per tensor", None, d_norm, d, tolerance, t, False))
+    culprit = f"{module}: {what}; {got['placements'].get(name, '')}"
+    for dim in DIMS:
+        if f"{dim}=" not in layout or f"{dim}=1" in layout.split(","):
+            continue
+        smaller, options = without(plain, dim)
+        s_cfg = run_config(plain, workdir / f"grads-no-{dim}", smaller, 1, **options)
+        try:
+            res, _ = timed(
+                f"step-1 gradients at {smaller}",
+                s_cfg,
+                world_of(smaller),
+                batches,
+                workdir,
+                f"grads-no-{dim}",
+                "grads",
+                parts,
+            )
+        except CheckError:
+            continue
+        if exact(res):
+            culprit += f"; exact with {dim}=1" + (f" ({smaller})" if world_of(smaller) > 1 else "")
+            break
+    report.culprit = culprit
+    report.rows.append(Row("step-1 gradients per tensor", None, d_norm, d, f"<= {GRAD_RTOL:g} per tensor", t, False))
 
 
 def map_ids(batches: list, vocab_size: int, ignore_index: int) -> list:

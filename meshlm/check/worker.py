@@ -4,17 +4,13 @@ JOB is a pickle written by meshlm.check.run: the run's Config, the global batche
 factory, plan, loss) if any, and the mode ('train', 'resume': the same from the run directory's checkpoint,
 or 'grads'). The run is `meshlm.fit` itself, with the batches as its data and
 a callback that records what the trainer does not already write to metrics.jsonl: the full weights after the
-last step. Mode 'grads' trains with AdamW up to its last step, at which it copies each gradient into its weight
-(GradientsAt), so the full weights it gathers (through the placement table, `ParallelModel.full_state_dict`) are
-that step's full gradients, under any layout; with more than one step it also records every module's outputs
-in that last step's forward passes, on every rank. Rank 0 writes the result pickle named in the job. Bad input
-(an InputError: a plan the layout refuses, a data problem) ends the rank with exit code 2 and its one line in
-`OUT.error-RANK`, which meshlm.check.run reports as it is (never a traceback's line with its rank prefix).
+last step. Mode 'grads' steps once with an optimizer that copies each gradient into its weight, so the full
+weights it gathers (through the placement table, `ParallelModel.full_state_dict`) are the step's full
+gradients, under any layout. Rank 0 writes the result pickle named in the job.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import os
@@ -25,8 +21,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshlm.config import TrainSection
-from meshlm.errors import InputError
 from meshlm.observe.metrics import load_metrics
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.placement import Placement
@@ -34,25 +28,19 @@ from meshlm.train.parts import Callback, IterableBatches
 from meshlm.train.trainer import Trainer, fit
 
 
-class GradientsAt(torch.optim.AdamW):
-    """meshlm's AdamW for the steps before the last, then weight := gradient (0 where a parameter got none) at
-    the last: the weights after it are that step's gradients. A step at learning rate 0 is the trainer creating
-    optimizer state ahead of the first step (meshlm.checkpoint.state.init_optimizer_state) and counts for none."""
+class CopyGradient(torch.optim.Optimizer):
+    """weight := gradient (0 where a parameter got none): the weights after one step are the gradients. A step
+    at learning rate 0 leaves the weights as they are, as any optimizer's does (the trainer creates optimizer
+    state ahead of the first step with one: meshlm.checkpoint.state.init_optimizer_state)."""
 
-    def __init__(self, groups: list[dict], train: TrainSection) -> None:
-        super().__init__(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, foreach=True)
-        self.last, self.done = train.steps, 0
+    def __init__(self, groups: list[dict]) -> None:
+        super().__init__([{"params": g["params"]} for g in groups], {"lr": 1.0})
 
     @torch.no_grad()
     def step(self, closure: object = None) -> None:
-        if all(group["lr"] == 0.0 for group in self.param_groups):
-            super().step()
-            return
-        self.done += 1
-        if self.done < self.last:
-            super().step()
-            return
         for group in self.param_groups:
+            if group["lr"] == 0.0:
+                continue
             for p in group["params"]:
                 p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
 
@@ -78,19 +66,10 @@ class Record(Callback):
     parameters it holds whole (a copy that drifted from its replicas is invisible in the full weights, which
     take one of them)."""
 
-    def __init__(self, steps: int, outputs: bool = False) -> None:
+    def __init__(self, steps: int) -> None:
         self.steps, self.weights, self.placements, self.copies = steps, None, {}, []
-        self.watch, self.mine, self.outputs = outputs, {}, []
-
-    def keep(self, name: str, module: torch.nn.Module, args: object, output: object) -> None:
-        if isinstance(output, torch.Tensor):
-            self.mine.setdefault(name, []).append(output.detach().float().clone())
 
     def on_step_end(self, trainer: Trainer, step: int, loss: float, metrics: dict[str, float]) -> None:
-        if self.watch and step == self.steps - 1:  # the last step's forward passes: every module's outputs
-            for chunk in trainer.model.chunks:  # this rank's pipeline chunks, under the model's module names
-                for name, module in chunk.named_modules():
-                    module.register_forward_hook(functools.partial(self.keep, name))
         if step != self.steps:
             return
         model = trainer.model
@@ -104,11 +83,10 @@ class Record(Callback):
             if model.placements[p].tp is None and model.placements[p].ep is None and resident(p)
         }
         every: list[tuple] = [() for _ in range(dist.get_world_size())]
-        dist.all_gather_object(every, (mine, whole, self.mine))
-        for found, copies, outputs in every:
+        dist.all_gather_object(every, (mine, whole))
+        for found, copies in every:
             self.placements.update(found)
             self.copies.append(copies)
-            self.outputs.append(outputs)
 
 
 def resident(param: torch.Tensor) -> bool:
@@ -134,16 +112,11 @@ def resolve(value: object) -> object:
 def main(job_path: str) -> None:
     job = pickle.loads(Path(job_path).read_bytes())
     cfg = job["config"]
-    grads = job["mode"] == "grads"
-    record = Record(cfg.train.steps, outputs=grads and cfg.train.steps > 1)
+    record = Record(cfg.train.steps)
     pieces = {key: resolve(value) for key, value in (job.get("parts") or {}).items()}
-    if grads:
-        pieces["optimizer"] = functools.partial(GradientsAt, train=cfg.train)
-    try:
-        result = fit(cfg, data=IterableBatches(job["batches"]), callbacks=[record], **pieces)
-    except InputError as e:
-        Path(f"{job['out']}.error-{os.environ.get('RANK', '0')}").write_text(str(e))
-        sys.exit(2)
+    if job["mode"] == "grads":
+        pieces["optimizer"] = CopyGradient
+    result = fit(cfg, data=IterableBatches(job["batches"]), callbacks=[record], **pieces)
     if os.environ.get("RANK", "0") != "0" or not job.get("out"):  # fit has left the process group
         return
     records, _ = load_metrics(Path(cfg.log.run_dir))
@@ -156,7 +129,6 @@ def main(job_path: str) -> None:
         "weights": record.weights,
         "placements": record.placements,
         "copies": record.copies,
-        "outputs": record.outputs,
     }
     Path(job["out"]).write_bytes(pickle.dumps(out))
 
