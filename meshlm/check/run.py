@@ -355,13 +355,10 @@ def first_output_differs(got: dict, ref: dict) -> tuple[str, float] | None:
     return None
 
 
-def localise(
-    cfg: Config, batches: list, workdir: Path, report: CheckReport, parts: dict | None, timed, step: int = 1
-) -> None:
-    """The full gradients (unclipped) of `step`, the first step whose loss or gradient norm differs (else 1),
-    at the layout against world 1, both from the reference's weights and optimizer state before that step (its
-    checkpoint): the module responsible, where its tensor lives, and the layout dimension whose removal makes
-    every gradient and their norm exact.
+def blame(got: dict, ref: dict, step: int) -> tuple[str, str, str, float] | str:
+    """(module, the tensor whose placement goes with it, what differs, by how much) from one step's gradients,
+    norm and module outputs at the layout (`got`) and at world 1 (`ref`; its frozen weights left out), or the
+    line that says why no module can be named.
 
     The module: where a wrong activation gradient entered backward (entry_point) if the differing gradients
     show one, else the first tensor in forward order whose gradient differs; when every gradient agrees and
@@ -369,28 +366,7 @@ def localise(
     every gradient differs by one factor and the loss agrees, the reduction they share (common_scale); when
     they differ otherwise, the forward pass does: the first module whose output differs
     (first_output_differs)."""
-    layout = cfg.parallel.layout
-    data = cfg.model_dump()
-    data["train"]["grad_clip"] = 0.0
-    plain = Config.model_validate(data)
-    start = (workdir / "reference", step - 1)
-    label = f"step-{step} gradients"
-
-    def grads(phase: str, name: str, layout: str, **options: object) -> tuple[dict, float]:
-        g_cfg = run_config(plain, workdir / name, layout, step, **options)
-        return timed(
-            f"{label} at {phase}", g_cfg, world_of(layout), batches, workdir, name, "grads", parts, start=start
-        )
-
-    ref, _ = grads("world 1", "grads-reference", "", **SINGLE_PROCESS)
-    got, t = grads("the layout", "grads", layout)
-    ref["weights"] = {name: g for name, g in ref["weights"].items() if name not in ref["frozen"]}  # no gradient
-    names = list(ref["weights"])
-
-    def exact(run: dict) -> bool:
-        return not grads_differ(run, ref["weights"]) and rel(run["grad_norms"][0], ref["grad_norms"][0]) <= LOSS_RTOL
-
-    differ = grads_differ(got, ref["weights"])
+    names, differ = list(ref["weights"]), grads_differ(got, ref["weights"])
     d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
     d_first = rel(got["losses"][0], ref["losses"][0])
     if len(differ) == len(names) and d_first <= LOSS_RTOL and (scale := common_scale(got["weights"], ref["weights"])):
@@ -424,13 +400,49 @@ def localise(
         module = name.rsplit(".", 1)[0]
         what = f"gradients agree, their global norm differs {d_norm:.1e} rel: {name} {how} in it (Placement.counted)"
     else:
-        report.culprit = (
-            f"{label} agree on every rank, their global norm differs {d_norm:.1e} rel (no one tensor's term "
-            "accounts for it)"
+        return (
+            f"step-{step} gradients agree on every rank, their global norm differs {d_norm:.1e} rel (no one "
+            "tensor's term accounts for it)"
             if d_norm > LOSS_RTOL
-            else f"{label} and norm agree: the difference arises in a later step (an optimizer's state, the resume)"
+            else f"step-{step} gradients and norm agree: the difference arises in a later step (an optimizer's "
+            "state, the resume)"
         )
+    return module, name, what, d
+
+
+def localise(
+    cfg: Config, batches: list, workdir: Path, report: CheckReport, parts: dict | None, timed, step: int = 1
+) -> None:
+    """The full gradients (unclipped) of `step`, the first step whose loss or gradient norm differs (else 1),
+    at the layout against world 1, both from the reference's weights and optimizer state before that step (its
+    checkpoint): the module responsible, where its tensor lives, and the layout dimension whose removal makes
+    every gradient and their norm exact (the module: blame)."""
+    layout = cfg.parallel.layout
+    data = cfg.model_dump()
+    data["train"]["grad_clip"] = 0.0
+    plain = Config.model_validate(data)
+    start = (workdir / "reference", step - 1)
+    label = f"step-{step} gradients"
+
+    def grads(phase: str, name: str, layout: str, **options: object) -> tuple[dict, float]:
+        g_cfg = run_config(plain, workdir / name, layout, step, **options)
+        return timed(
+            f"{label} at {phase}", g_cfg, world_of(layout), batches, workdir, name, "grads", parts, start=start
+        )
+
+    ref, _ = grads("world 1", "grads-reference", "", **SINGLE_PROCESS)
+    got, t = grads("the layout", "grads", layout)
+    ref["weights"] = {name: g for name, g in ref["weights"].items() if name not in ref["frozen"]}  # no gradient
+
+    def exact(run: dict) -> bool:
+        return not grads_differ(run, ref["weights"]) and rel(run["grad_norms"][0], ref["grad_norms"][0]) <= LOSS_RTOL
+
+    found = blame(got, ref, step)
+    if isinstance(found, str):
+        report.culprit = found
         return
+    module, name, what, d = found
+    d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
     culprit = f"{module}: {what}; {got['placements'].get(name, '')}"
     if step > 1:
         culprit += f"; first at step {step}"
