@@ -336,6 +336,25 @@ def dp_bucket_not_all_reduced(max_numel: int = 1000) -> Iterator[list]:
 
 
 @contextlib.contextmanager
+def dp_gradients_all_reduced_twice() -> Iterator[list]:
+    """ZeRO-0 runs each bucket's gradient all-reduce twice (a reduction applied twice): every gradient is dp×
+    one process's, while the forward pass and the loss agree."""
+    from meshlm.parallel import data_parallel
+
+    fired: list = []
+    original = data_parallel.dist.all_reduce
+
+    def all_reduce(tensor, *args, async_op=False, **kwargs):
+        if async_op:
+            fired.append(1)
+            original(tensor, *args, **kwargs)
+        return original(tensor, *args, async_op=async_op, **kwargs)
+
+    with _patched(data_parallel.dist, "all_reduce", all_reduce):
+        yield fired
+
+
+@contextlib.contextmanager
 def zero_shard_offset_off_by_one() -> Iterator[list]:
     """ZeRO ≥ 1: each rank's reduced gradient shard is read one element past its offset (r·n/S + 1), so
     every element is updated with its neighbour's gradient."""

@@ -1,9 +1,11 @@
-"""`meshlm.check`: correct layouts (tp=2 SP, pp=2 interleaved, LoRA at dp=2,tp=2 ZeRO-1) pass against one
-process; the suite's mutations (a wrong plan entry, a missing gradient sum over tp, a tied weight counted twice
-in the norm) fail and are localised to the module responsible; a half-tied plan is refused naming both modules.
+"""`meshlm.check`: correct layouts pass against one process (meshlm's plan at tp=2 SP, pp=2 interleaved, dp=2
+ZeRO-3; through `meshlm check`, HF Llama, Qwen2 with LoRA and Mixtral at ep=2 from init_from); the suite's
+mutations (a wrong plan entry, a missing gradient sum over tp, a tied weight counted twice in the norm, a dp
+gradient reduction and a LoRA adapter's reduction applied twice) fail and are localised to the module
+responsible; a half-tied plan is refused in one line naming both modules.
 
-Each check starts torchrun several times (world 1, the layout, the resume; on a failure the step-1 gradient
-runs), ~10-20 s each on a loaded 2-core machine, so these tests are slow.
+Each check starts torchrun several times (world 1, the layout, the resume; on a failure the gradient runs),
+~10-20 s each on a loaded 2-core machine, so these tests are slow.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 
 import pytest
 from conftest import small_run_args
-from equivalence import tp_input_gradient_not_all_reduced
+from equivalence import dp_gradients_all_reduced_twice, tp_input_gradient_not_all_reduced
 from test_tied import TIED, tied_weight_counted_twice_in_the_norm
 
 import meshlm
@@ -54,6 +56,11 @@ _BUGS = contextlib.ExitStack()
 
 def tp_input_gradient_not_summed() -> Transformer:
     _BUGS.enter_context(tp_input_gradient_not_all_reduced())
+    return Transformer(MODEL)
+
+
+def dp_gradient_reduced_twice() -> Transformer:
+    _BUGS.enter_context(dp_gradients_all_reduced_twice())
     return Transformer(MODEL)
 
 
@@ -103,6 +110,12 @@ MUTATIONS = {
         tied_counted_twice_in_the_norm, LLAMA, "pp=2", {"micro_batch": 2},
         "model.embed_tokens: gradients agree, their global norm differs", "tied over the first and last", "pp=1",
     ),
+    # each gradient all-reduced twice over dp: every gradient 2x one process's, the step-1 loss equal (AdamW
+    # hardly moves: the losses stay within 1e-5, the norm does not); named as the reduction all tensors share
+    "dp gradient reduced twice": (
+        dp_gradient_reduced_twice, LLAMA, "dp=2", {},
+        "every tensor: grad is 2x one process's", "reduced over dp", "dp=1",
+    ),
 }  # fmt: skip
 
 
@@ -125,6 +138,7 @@ def test_a_half_tied_plan_is_refused_naming_both_modules_before_the_reference(tm
         meshlm.check(make_tied, batches(), "tp=2", plan=HALF_TIED, workdir=tmp_path)
     line = str(e.value)
     assert "\n" not in line and "model.embed_tokens (not in tensor_parallel) and lm_head (vocab_head)" in line, line
+    assert "refused: plan 'llama'" in line and "[rank" not in line, line  # the ranks' line, not their traceback's
     assert not (tmp_path / "reference").exists()  # the layout runs first: refused before any other work
 
 
@@ -145,40 +159,84 @@ def test_too_few_steps_is_one_line(capsys) -> None:
     assert err.count("\n") == 0 and "--steps 1" in err, err
 
 
-# `meshlm check --json` on a run's config: (overrides, a suite mutation injected into every Python process the
-# check starts or None, exit code, how the culprit starts)
+# `meshlm check --json` on a run's config: (overrides, the HF family init_from starts from or None, a suite
+# mutation "module:name" injected into every Python process the check starts or None; on a mutation how the
+# culprit starts, its placement and the dimension whose removal makes it exact). Two steps, the fewest the
+# check runs (one before the resume, one after): each case is three torchrun starts or more.
 CLI = {
-    # Megatron's f without its backward all-reduce: named at lm_head, as through meshlm.check
-    "missing gradient sum over tp": (["--parallel.layout", "tp=2"], "tp_input_gradient_not_all_reduced", 1, "lm_head"),
-    # LoRA adapters over a frozen base at tp=2 with ZeRO-1: passes
-    "lora tp=2": (["--parallel.layout", "dp=2,tp=2", "--parallel.zero", "1", "--lora.rank", "4"], None, 0, ""),
-}
+    # a reduction applied twice: the row-parallel LoRA adapter's partial output all-reduced on its own and again
+    # with the base's. Its B is zero at step 1, so step 1 is exact (gradients included); step 2's forward
+    # differs from o_proj on, and every gradient with it: the first module output that differs names it
+    "lora adapter reduced twice": (
+        ["--parallel.layout", "tp=2", "--lora.rank", "4"], None, "test_lora:row_adapter_reduced_twice",
+        ("model.layers.0.self_attn.o_proj: output differs", "sharded tp dim 1; first at step 2", "tp=1"),
+    ),
+    # an HF Llama (GQA) sliced into the replica, tp=2 with sequence parallel: passes
+    "llama init_from tp=2 sp": (["--parallel.layout", "tp=2", "--parallel.sequence_parallel", "true"], "llama",
+                                None, None),
+    # an HF Qwen2 (q/k/v biases, tied embeddings) with LoRA adapters over its frozen base, dp=2,tp=2 ZeRO-1: passes
+    "qwen2 init_from lora dp=2,tp=2": (["--parallel.layout", "dp=2,tp=2", "--parallel.zero", "1", "--lora.rank", "4"],
+                                       "qwen2", None, None),
+    # an HF Mixtral (4 experts, top-2) with its experts sharded over ep=2: passes
+    "mixtral init_from ep=2": (["--parallel.layout", "ep=2"], "mixtral", None, None),
+}  # fmt: skip
+HF_SHAPE = {
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+}  # fmt: skip
 
 
-@pytest.mark.slow  # corpus tokenized (shared with other tests), then 3-5 torchrun starts: 26-70 s on 2 shared cores
+def hf_checkpoint(family: str, directory) -> str:
+    """A random HF model of `family` from a small transformers config, saved as a checkpoint (no download)."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    config = {
+        "llama": lambda: transformers.LlamaConfig(**HF_SHAPE),
+        "qwen2": lambda: transformers.Qwen2Config(**HF_SHAPE, tie_word_embeddings=True),
+        "mixtral": lambda: transformers.MixtralConfig(**HF_SHAPE, num_local_experts=4, num_experts_per_tok=2),
+    }[family]()
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.slow  # corpus tokenized (shared with other tests), then 3-5 torchrun starts: 26-75 s on 2 shared cores
 @pytest.mark.parametrize("case", CLI)
 def test_the_cli_json_and_exit_code(case: str, data_cache, tmp_path, monkeypatch, capsys) -> None:
     """The mutation is injected by a sitecustomize on the ranks' path (the check passes them the caller's): the
     run's own config, the user's command, with a bug in meshlm's code."""
-    overrides, mutation, code, culprit = CLI[case]
+    overrides, family, mutation, culprit = CLI[case]
     if mutation:
+        module, name = mutation.split(":")
         site = tmp_path / "site"
         site.mkdir()
         (site / "sitecustomize.py").write_text(
-            f"from equivalence import {mutation}\n\n"
-            f"BUG = {mutation}()  # held: a collected one would undo the patch\n"
+            f"from {module} import {name}\n\n"
+            f"BUG = {name}()  # held: a collected one would undo the patch\n"
             "BUG.__enter__()\n"
         )
         monkeypatch.syspath_prepend(str(site))
+    if family:
+        overrides = [*overrides, "--model.init_from", hf_checkpoint(family, tmp_path / "hf")]
     run = small_run_args(data_cache, tmp_path / "run")
-    assert main(["check", "--json", "--workdir", str(tmp_path / "check"), *overrides, *run]) == code
+    args = ["check", "--json", "--steps", "2", "--workdir", str(tmp_path / "check"), *overrides, *run]
+    code = 1 if mutation else 0
+    assert main(args) == code
     out = json.loads(capsys.readouterr().out)  # stdout is the JSON alone (the tokenizer's lines go to stderr)
     assert set(out) == {"layout", "passed", "checks", "phases_s", "culprit", "kept", "shrunk"}, out
     assert out["passed"] == (code == 0) and out["checks"][0]["passed"] == (code == 0), out
     assert list(out["phases_s"])[:2] == ["shrink", "data"], out["phases_s"]
-    if code:
-        assert out["culprit"].startswith(f"{culprit}: its input gradient differs"), out["culprit"]
-        assert "sharded tp dim 0" in out["culprit"] and "exact with tp=1" in out["culprit"], out["culprit"]
+    if culprit:
+        start, placement, exact = culprit
+        assert out["culprit"].startswith(start), out["culprit"]
+        assert placement in out["culprit"] and f"exact with {exact}" in out["culprit"], out["culprit"]
     else:
         assert [c["passed"] for c in out["checks"]] == [True, True] and not out["culprit"], out
+    if family:  # the replica is the checkpoint's: its family, and its weights sliced from the checkpoint's
+        assert f"family {family}" in out["kept"], out["kept"]
+        assert any(line.startswith(f"init_from {tmp_path / 'hf'} -> ") for line in out["shrunk"]), out["shrunk"]
+    if "--lora.rank" in overrides:
         assert any("LoRA" in line or "lora" in line for line in out["kept"]), out["kept"]
+    if family == "mixtral":
+        assert any(line.startswith("MoE top-2") for line in out["kept"]), out["kept"]

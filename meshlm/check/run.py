@@ -8,7 +8,8 @@ compared norm-wise per tensor (‖Δw‖/‖w‖): AdamW can turn the rounding o
 into an lr-sized step of that element, which the norm over the tensor dilutes (measured 2e-7 after 5 steps,
 dp=2 ZeRO-3 on the test preset), within the same 1e-5; a bug moves whole tensors elsewhere.
 A checkpoint reshards bytes, so the resumed run must continue the reference's steps within the same 1e-5.
-The step-1 gradients of the localisation are compared per tensor within 1e-5 (same reason as the loss).
+The localisation's gradients (of the first step that differs) and module outputs are compared per tensor
+within 1e-5 (same reason as the loss).
 """
 
 from __future__ import annotations
@@ -103,12 +104,18 @@ def run_job(
     mode: str = "train",
     parts: dict | None = None,
     timeout: float = 900,
+    start: tuple[Path, int] | None = None,
 ) -> dict:
-    """`meshlm.fit(cfg)` on `world` gloo ranks under torchrun; rank 0's result (meshlm.check.worker)."""
+    """`meshlm.fit(cfg)` on `world` gloo ranks under torchrun; rank 0's result (meshlm.check.worker). `start`
+    (run directory, step): the run resumes that run's checkpoint of that step (0: none, a fresh start)."""
     job, out = workdir / f"{name}.job", workdir / f"{name}.out"
     parts = {key: by_name(value) for key, value in (parts or {}).items()}
     if mode != "resume":  # a run directory left by an earlier check would be resumed
         shutil.rmtree(cfg.log.run_dir, ignore_errors=True)
+    if start and start[1]:
+        copy_until(start[0], Path(cfg.log.run_dir), start[1])
+    for stale in [out, *workdir.glob(f"{out.name}.refused-*")]:  # an earlier check's result is not this one's
+        stale.unlink(missing_ok=True)
     job.write_bytes(pickle.dumps({"config": cfg, "batches": batches, "parts": parts, "mode": mode, "out": str(out)}))
     path = os.pathsep.join(p for p in sys.path if p and Path(p).is_dir())  # the ranks import what the caller does
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
@@ -125,11 +132,23 @@ def run_job(
     log = workdir / f"{name}.log"
     with open(log, "w") as f:
         done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    refused = sorted(workdir.glob(f"{out.name}.refused-*"), key=lambda path: int(path.name.rsplit("-", 1)[1]))
+    if refused:  # bad input the ranks met (a plan, a layout): the lowest rank's one line, without a rank prefix
+        raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}) refused: {refused[0].read_text()}")
     if done.returncode or not out.exists():
         lines = log.read_text().splitlines()
         tail = [line for line in lines if "Error:" in line and "ChildFailedError" not in line][-1:] or ["no output"]
         raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}) failed: {tail[0]} (log {log})")
     return pickle.loads(out.read_bytes())
+
+
+def copy_until(run_dir: Path, to: Path, step: int) -> None:
+    """A copy of `run_dir` whose newest checkpoint is the one of `step` (a run there resumes from it)."""
+    shutil.rmtree(to, ignore_errors=True)
+    shutil.copytree(run_dir, to)
+    for path in list_checkpoints(to):
+        if int(path.name.removeprefix("step_")) > step:
+            shutil.rmtree(path)
 
 
 def by_name(value: object) -> object:
@@ -154,8 +173,9 @@ def by_name(value: object) -> object:
     return value
 
 
-def run_config(cfg: Config, run_dir: Path, layout: str, steps: int, **parallel: object) -> Config:
-    """The replica's config for one check run: its own run directory, a metric line each step, nothing else."""
+def run_config(cfg: Config, run_dir: Path, layout: str, steps: int, every: int = 0, **parallel: object) -> Config:
+    """The replica's config for one check run: its own run directory, a metric line each step, a checkpoint
+    every `every` steps (0: halfway), nothing else."""
     data = cfg.model_dump()
     data["parallel"].update(layout=layout, **parallel)
     data["train"].update(steps=steps, eval_every=0, device="cpu")
@@ -168,7 +188,7 @@ def run_config(cfg: Config, run_dir: Path, layout: str, steps: int, **parallel: 
         wandb_project="",
         mlflow_experiment="",
     )
-    data["checkpoint"].update(every=max(1, steps // 2), keep=steps + 1, async_save=False, resume=True)
+    data["checkpoint"].update(every=every or max(1, steps // 2), keep=steps + 1, async_save=False, resume=True)
     data["fault"].update(desync_every=0)
     return Config.model_validate(data)
 
@@ -218,7 +238,7 @@ def check(
 
     lay_cfg = run_config(cfg, workdir / "layout", layout, steps)  # first: what the layout refuses, it refuses at once
     got, t_lay = timed(f"layout {layout} ({world} ranks)", lay_cfg, world, batches, workdir, "layout", parts=parts)
-    ref_cfg = run_config(cfg, workdir / "reference", "", steps, **SINGLE_PROCESS)
+    ref_cfg = run_config(cfg, workdir / "reference", "", steps, every=1, **SINGLE_PROCESS)  # each: localise's
     ref, t_ref = timed("reference (world 1)", ref_cfg, 1, batches, workdir, "reference", parts=parts)
     d_loss, d_norm = max_rel(got["losses"], ref["losses"]), max_rel(got["grad_norms"], ref["grad_norms"])
     d_w, first = weights_rel(got["weights"], ref["weights"])
@@ -239,11 +259,7 @@ def check(
     middle = max(1, steps // 2)
     if saved and report.passed:  # a checkpoint of a run that already differs proves nothing more
         resume_dir = workdir / "resumed"
-        shutil.rmtree(resume_dir, ignore_errors=True)
-        shutil.copytree(workdir / "layout", resume_dir)
-        for path in list_checkpoints(resume_dir):
-            if int(path.name.removeprefix("step_")) > middle:
-                shutil.rmtree(path)
+        copy_until(workdir / "layout", resume_dir, middle)
         res_cfg = run_config(cfg, resume_dir, "", steps, **SINGLE_PROCESS)
         res, t_res = timed(f"resume step {middle} at world 1", res_cfg, 1, batches, workdir, "resumed", "resume", parts)
         ref_tail = dict(zip(ref["steps"], ref["losses"], strict=True))
@@ -264,7 +280,11 @@ def check(
             )
         )
     if not report.passed:
-        localise(cfg, batches, workdir, report, parts, timed)
+        pairs = zip(got["losses"], ref["losses"], got["grad_norms"], ref["grad_norms"], strict=True)
+        differs = [
+            s for s, (a, b, n, m) in zip(ref["steps"], pairs, strict=True) if max(rel(a, b), rel(n, m)) > LOSS_RTOL
+        ]
+        localise(cfg, batches, workdir, report, parts, timed, differs[0] if differs else 1)
     return report
 
 
@@ -293,6 +313,19 @@ def entry_point(differ: list[tuple[str, float]], names: list[str]) -> str | None
     return names[n] if len(modules) > 1 else None
 
 
+def common_scale(got: dict, ref: dict) -> float | None:
+    """The one factor c with got = c·ref for every gradient (each within GRAD_RTOL of c·ref, norm-wise), if there
+    is one: a gradient reduction applied twice (c = the group's size) or a mean taken twice (c = 1/size) scales
+    every gradient alike, while the forward pass and the loss agree."""
+    num = sum((got[name] * r).sum().item() for name, r in ref.items())
+    den = sum(r.square().sum().item() for r in ref.values())
+    c = num / max(den, 1e-30)
+    fits = all(
+        ((got[name] - c * r).norm() / (c * r).norm().clamp(min=1e-30)).item() <= GRAD_RTOL for name, r in ref.items()
+    )
+    return c if fits and abs(c - 1) > GRAD_RTOL else None
+
+
 def counted_wrongly(got_norm: float, ref_norm: float, grads: dict) -> tuple[str, str] | None:
     """The tensor whose norm term the layout counts twice or never, when the gradients agree and their global
     norm does not: the squared norms differ by that tensor's ‖g‖² (within the 1e-5 rel of either norm)."""
@@ -306,32 +339,52 @@ def counted_wrongly(got_norm: float, ref_norm: float, grads: dict) -> tuple[str,
     return (name, how) if miss <= tol else None
 
 
-def localise(cfg: Config, batches: list, workdir: Path, report: CheckReport, parts: dict | None, timed) -> None:
-    """Step 1's full gradients (unclipped) at the layout against world 1: the module responsible, where its
-    tensor lives, and the layout dimension whose removal makes every gradient and their norm exact.
+def first_output_differs(got: dict, ref: dict) -> tuple[str, float] | None:
+    """The first module, in the order the reference's calls end (a module's children before it), whose output
+    of the first micro-batch differs on a rank that holds that output as one process does: the same rows (the
+    first data-parallel replica) and whole (a sequence or tp shard has another shape and is left out)."""
+    [mine] = ref["outputs"]
+    for name, r in mine["modules"].items():
+        if r.ndim < 3 or tuple(r.shape[:2]) != mine["tokens"]:  # not one row-and-position tensor (an expert's)
+            continue
+        held = [out["modules"][name] for out in got["outputs"] if name in out["modules"]]
+        held = [o for o in held if o.shape == r.shape]
+        d = max((((o - r).norm() / r.norm().clamp(min=1e-30)).item() for o in held), default=0.0)
+        if d > GRAD_RTOL:
+            return name, d
+    return None
+
+
+def blame(got: dict, ref: dict, step: int) -> tuple[str, str, str, float] | str:
+    """(module, the tensor whose placement goes with it, what differs, by how much) from one step's gradients,
+    norm and module outputs at the layout (`got`) and at world 1 (`ref`; its frozen weights left out), or the
+    line that says why no module can be named.
 
     The module: where a wrong activation gradient entered backward (entry_point) if the differing gradients
     show one, else the first tensor in forward order whose gradient differs; when every gradient agrees and
-    their global norm does not, the tensor whose norm term is counted twice or never (counted_wrongly)."""
-    layout = cfg.parallel.layout
-    data = cfg.model_dump()
-    data["train"]["grad_clip"] = 0.0
-    plain = Config.model_validate(data)
-    r_cfg = run_config(plain, workdir / "grads-reference", "", 1, **SINGLE_PROCESS)
-    ref, _ = timed("step-1 gradients at world 1", r_cfg, 1, batches, workdir, "grads-reference", "grads", parts)
-    g_cfg = run_config(plain, workdir / "grads", layout, 1)
-    got, t = timed("step-1 gradients at the layout", g_cfg, world_of(layout), batches, workdir, "grads", "grads", parts)
-    names = list(ref["weights"])
-
-    def exact(run: dict) -> bool:
-        return not grads_differ(run, ref["weights"]) and rel(run["grad_norms"][0], ref["grad_norms"][0]) <= LOSS_RTOL
-
-    differ = grads_differ(got, ref["weights"])
+    their global norm does not, the tensor whose norm term is counted twice or never (counted_wrongly); when
+    every gradient differs by one factor and the loss agrees, the reduction they share (common_scale); when
+    they differ otherwise, the forward pass does: the first module whose output differs
+    (first_output_differs)."""
+    names, differ = list(ref["weights"]), grads_differ(got, ref["weights"])
     d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
-    if len(differ) == len(names):  # no one module: the forward (or the loss) already differs
-        (name, d), d_first = differ[0], rel(got["losses"][0], ref["losses"][0])
+    d_first = rel(got["losses"][0], ref["losses"][0])
+    if len(differ) == len(names) and d_first <= LOSS_RTOL and (scale := common_scale(got["weights"], ref["weights"])):
+        (name, d), module = differ[0], "every tensor"
+        what = (
+            f"grad is {scale:.4g}x one process's (step-{step} loss agrees, {d_first:.1e} rel): the gradient "
+            "reduction shared by every tensor is applied twice or its mean taken twice or never"
+        )
+    elif len(differ) == len(names) and (output := first_output_differs(got, ref)):
+        (module, d), name = output, next((n for n in names if n.startswith(output[0] + ".")), differ[0][0])
+        what = (
+            f"output differs {d:.1e} rel, the first output in forward order that does (every gradient differs; "
+            f"step-{step} loss {d_first:.1e} rel): the forward pass differs from here"
+        )
+    elif len(differ) == len(names):  # no one module: the forward (or the loss) already differs
+        (name, d) = differ[0]
         module = "every tensor"
-        what = f"grad differs (from {name} {d:.1e} rel; step-1 loss {d_first:.1e} rel): the forward pass differs"
+        what = f"grad differs (from {name} {d:.1e} rel; step-{step} loss {d_first:.1e} rel): the forward pass differs"
     elif differ:
         entry = entry_point(differ, names)
         name, d = (entry, differ[0][1]) if entry else differ[0]
@@ -347,37 +400,65 @@ def localise(cfg: Config, batches: list, workdir: Path, report: CheckReport, par
         module = name.rsplit(".", 1)[0]
         what = f"gradients agree, their global norm differs {d_norm:.1e} rel: {name} {how} in it (Placement.counted)"
     else:
-        report.culprit = (
-            f"step-1 gradients agree on every rank, their global norm differs {d_norm:.1e} rel (no one tensor's "
-            "term accounts for it)"
+        return (
+            f"step-{step} gradients agree on every rank, their global norm differs {d_norm:.1e} rel (no one "
+            "tensor's term accounts for it)"
             if d_norm > LOSS_RTOL
-            else "step-1 gradients and norm agree: the difference arises in a later step"
+            else f"step-{step} gradients and norm agree: the difference arises in a later step (an optimizer's "
+            "state, the resume)"
         )
+    return module, name, what, d
+
+
+def localise(
+    cfg: Config, batches: list, workdir: Path, report: CheckReport, parts: dict | None, timed, step: int = 1
+) -> None:
+    """The full gradients (unclipped) of `step`, the first step whose loss or gradient norm differs (else 1),
+    at the layout against world 1, both from the reference's weights and optimizer state before that step (its
+    checkpoint): the module responsible, where its tensor lives, and the layout dimension whose removal makes
+    every gradient and their norm exact (the module: blame)."""
+    layout = cfg.parallel.layout
+    data = cfg.model_dump()
+    data["train"]["grad_clip"] = 0.0
+    plain = Config.model_validate(data)
+    start = (workdir / "reference", step - 1)
+    label = f"step-{step} gradients"
+
+    def grads(phase: str, name: str, layout: str, **options: object) -> tuple[dict, float]:
+        g_cfg = run_config(plain, workdir / name, layout, step, **options)
+        return timed(
+            f"{label} at {phase}", g_cfg, world_of(layout), batches, workdir, name, "grads", parts, start=start
+        )
+
+    ref, _ = grads("world 1", "grads-reference", "", **SINGLE_PROCESS)
+    got, t = grads("the layout", "grads", layout)
+    ref["weights"] = {name: g for name, g in ref["weights"].items() if name not in ref["frozen"]}  # no gradient
+
+    def exact(run: dict) -> bool:
+        return not grads_differ(run, ref["weights"]) and rel(run["grad_norms"][0], ref["grad_norms"][0]) <= LOSS_RTOL
+
+    found = blame(got, ref, step)
+    if isinstance(found, str):
+        report.culprit = found
         return
+    module, name, what, d = found
+    d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
     culprit = f"{module}: {what}; {got['placements'].get(name, '')}"
+    if step > 1:
+        culprit += f"; first at step {step}"
     for dim in DIMS:
         if f"{dim}=" not in layout or f"{dim}=1" in layout.split(","):
             continue
         smaller, options = without(plain, dim)
-        s_cfg = run_config(plain, workdir / f"grads-no-{dim}", smaller, 1, **options)
         try:
-            res, _ = timed(
-                f"step-1 gradients at {smaller}",
-                s_cfg,
-                world_of(smaller),
-                batches,
-                workdir,
-                f"grads-no-{dim}",
-                "grads",
-                parts,
-            )
+            res, _ = grads(smaller, f"grads-no-{dim}", smaller, **options)
         except CheckError:
             continue
         if exact(res):
             culprit += f"; exact with {dim}=1" + (f" ({smaller})" if world_of(smaller) > 1 else "")
             break
     report.culprit = culprit
-    report.rows.append(Row("step-1 gradients per tensor", None, d_norm, d, f"<= {GRAD_RTOL:g} per tensor", t, False))
+    report.rows.append(Row(f"{label} per tensor", None, d_norm, d, f"<= {GRAD_RTOL:g} per tensor", t, False))
 
 
 def map_ids(batches: list, vocab_size: int, ignore_index: int) -> list:

@@ -2,11 +2,13 @@
 
 JOB is a pickle written by meshlm.check.run: the run's Config, the global batches, the user's pieces (model
 factory, plan, loss) if any, and the mode ('train', 'resume': the same from the run directory's checkpoint,
-or 'grads'). The run is `meshlm.fit` itself, with the batches as its data and
-a callback that records what the trainer does not already write to metrics.jsonl: the full weights after the
-last step. Mode 'grads' steps once with an optimizer that copies each gradient into its weight, so the full
-weights it gathers (through the placement table, `ParallelModel.full_state_dict`) are the step's full
-gradients, under any layout. Rank 0 writes the result pickle named in the job.
+or 'grads'). The run is `meshlm.fit` itself, with the batches as its data and a callback that records what the
+trainer does not already write to metrics.jsonl: the full weights after the last step. Mode 'grads' steps
+(its last step) with an optimizer that copies each gradient into its weight, so the full weights it gathers
+(through the placement table, `ParallelModel.full_state_dict`) are the step's full gradients, under any
+layout; it records each module's output of that step's first micro-batch too. Rank 0 writes the result
+pickle named in the job; a rank that meets bad input (meshlm.errors.InputError) writes its one line beside
+it (OUT.refused-RANK) and exits 2.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
 
+from meshlm.errors import InputError
 from meshlm.observe.metrics import load_metrics
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.placement import Placement
@@ -61,13 +66,53 @@ def placement_line(place: Placement, layout: Layout) -> str:
     return "; ".join(parts) or "whole on one rank"
 
 
+class Outputs:
+    """The output of each module's first call in this process (its first micro-batch), in the order the calls
+    end (a module's children before it), and the shape of the first token-id input (rows, sequence)."""
+
+    def __init__(self) -> None:
+        self.first: dict[nn.Module, torch.Tensor] = {}
+        self.tokens: tuple[int, ...] | None = None
+        self.handle = register_module_forward_hook(self.hook)
+
+    def hook(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self.tokens is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+            self.tokens = tuple(args[0].shape)
+        out = output[0] if isinstance(output, tuple) and output else output
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and module not in self.first:
+            self.first[module] = out.detach().float().clone()
+
+    def clear(self) -> None:
+        self.first, self.tokens = {}, None
+
+    def named(self, chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
+        names = {module: name for chunk in chunks for name, module in chunk.named_modules() if name}
+        return {names[module]: out for module, out in self.first.items() if module in names}
+
+
+class StepBatches(IterableBatches):
+    """The batches, clearing `outputs` as each step takes its batch: what they hold is that step's (a forward
+    run before the steps, a probe of the model, is not)."""
+
+    def __init__(self, batches: list, outputs: Outputs | None) -> None:
+        super().__init__(batches)
+        self.outputs = outputs
+
+    def next_batch(self, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.outputs is not None:
+            self.outputs.clear()
+        return super().next_batch(dp_rank, dp)
+
+
 class Record(Callback):
     """After the last step: the full weights, each parameter's placement line and every rank's own copy of the
     parameters it holds whole (a copy that drifted from its replicas is invisible in the full weights, which
-    take one of them)."""
+    take one of them); with `outputs`, each module's first output on every rank that holds the global batch's
+    first rows (data-parallel rank 0)."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, outputs: Outputs | None = None) -> None:
         self.steps, self.weights, self.placements, self.copies = steps, None, {}, []
+        self.outputs, self.module_outputs, self.frozen = outputs, [], set()
 
     def on_step_end(self, trainer: Trainer, step: int, loss: float, metrics: dict[str, float]) -> None:
         if step != self.steps:
@@ -82,11 +127,18 @@ class Record(Callback):
             for name, p in params.items()
             if model.placements[p].tp is None and model.placements[p].ep is None and resident(p)
         }
+        outputs = {}
+        if self.outputs is not None and trainer.dp_rank == 0:
+            outputs = {"tokens": self.outputs.tokens, "modules": self.outputs.named(model.chunks)}
         every: list[tuple] = [() for _ in range(dist.get_world_size())]
-        dist.all_gather_object(every, (mine, whole))
-        for found, copies in every:
+        frozen = {name for name, p in params.items() if not p.requires_grad}
+        dist.all_gather_object(every, (mine, whole, outputs, frozen))
+        for found, copies, module_outputs, still in every:
             self.placements.update(found)
+            self.frozen |= still
             self.copies.append(copies)
+            if module_outputs:
+                self.module_outputs.append(module_outputs)
 
 
 def resident(param: torch.Tensor) -> bool:
@@ -112,11 +164,16 @@ def resolve(value: object) -> object:
 def main(job_path: str) -> None:
     job = pickle.loads(Path(job_path).read_bytes())
     cfg = job["config"]
-    record = Record(cfg.train.steps)
     pieces = {key: resolve(value) for key, value in (job.get("parts") or {}).items()}
+    outputs = None
     if job["mode"] == "grads":
-        pieces["optimizer"] = CopyGradient
-    result = fit(cfg, data=IterableBatches(job["batches"]), callbacks=[record], **pieces)
+        pieces["optimizer"], outputs = CopyGradient, Outputs()
+    record = Record(cfg.train.steps, outputs)
+    try:
+        result = fit(cfg, data=StepBatches(job["batches"], outputs), callbacks=[record], **pieces)
+    except InputError as e:  # the caller prints the lowest rank's line once (meshlm.check.run.run_job)
+        Path(f"{job['out']}.refused-{os.environ.get('RANK', '0')}").write_text(str(e))
+        sys.exit(2)
     if os.environ.get("RANK", "0") != "0" or not job.get("out"):  # fit has left the process group
         return
     records, _ = load_metrics(Path(cfg.log.run_dir))
@@ -129,6 +186,8 @@ def main(job_path: str) -> None:
         "weights": record.weights,
         "placements": record.placements,
         "copies": record.copies,
+        "outputs": record.module_outputs,
+        "frozen": record.frozen,
     }
     Path(job["out"]).write_bytes(pickle.dumps(out))
 
