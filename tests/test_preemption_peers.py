@@ -31,6 +31,10 @@ def test_lost_peer_names_gloo_and_nccl_peer_failures_only() -> None:
         "This is typically caused by a remote worker crashing. Check the logs of the remote worker."
     )
     assert lost_peer(gloo) == "Connection closed by peer [127.0.0.1]:29578."
+    # another operation of the context timed out first (a stalled peer, seen on a loaded machine): gloo closed
+    # this one's pair too
+    closed = RuntimeError("Application timeout caused pair closure")
+    assert lost_peer(closed) == "Application timeout caused pair closure"
     assert lost_peer(RuntimeError("CUDA out of memory")) is None and lost_peer(ValueError("Broken pipe")) is None
 
 

@@ -66,7 +66,10 @@ def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
-# What gloo and NCCL say when a peer process is gone or unreachable (its sockets closed, a timeout)
+# What gloo and NCCL say when a peer process is gone or unreachable (its sockets closed, a timeout). When one
+# of a rank's gloo operations times out ("Timed out waiting"), gloo closes every pair of that context, and the
+# rank's other operations in flight (an async gradient bucket, a busy machine's later wait) fail with
+# "Application timeout caused pair closure" instead (gloo/transport/tcp/unbound_buffer.cc, waitRecv/waitSend)
 PEER_LOST = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -74,6 +77,7 @@ PEER_LOST = (
     "Connection refused",
     "remote process exited",
     "Timed out waiting",
+    "Application timeout caused pair closure",
 )
 
 
