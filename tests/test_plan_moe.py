@@ -29,7 +29,7 @@ from meshlm.plan.memory import (
     rank_moe_layers,
 )
 from meshlm.plan.network import GROUPS, collective_time, crosses_nodes
-from meshlm.plan.search import plan_for_config
+from meshlm.plan.search import Constraints, plan_for_config
 from meshlm.plan.step_time import ep_layer_time, step_time
 
 PRESETS = ("tiny-moe", "mixtral-8x7b", "qwen3-30b-a3b")
@@ -189,14 +189,19 @@ def test_meshlm_plan_proposes_ep_for_mixtral_on_64_h100s(capsys: pytest.CaptureF
 
 @pytest.mark.slow  # a 64-GPU search and its 89,671 plans through the runtime's checks: ~100 s; tiny-moe below is fast
 def test_every_mixtral_plan_on_64_h100s_is_one_the_runtime_runs() -> None:
-    """All the layouts that fit Mixtral 8x7B on 64 H100s pass the trainer's checks, ep composed with pp, cp and
-    tp among them."""
+    """All the layouts that fit Mixtral 8x7B on 64 H100s pass the trainer's checks, ep composed with pp and tp
+    among them; at 4,096 tokens a sequence none has cp (below CP_MIN_SEQ_LEN the search leaves it out), and with
+    cp asked for, ep composes with it too."""
     w = Workload(preset("mixtral-8x7b"), 4096, 256, 1e12)
     strategies = [p.strategy for p in search(w, 64, hardware("H100-SXM"), priced=0).plans]
     assert {s.ep for s in strategies} == {1, 2, 4, 8}
     assert all(runtime_accepts(s, w.model, w.seq_len, w.global_batch) for s in strategies)
-    for dim in ("pp", "cp", "tp"):
+    for dim in ("pp", "tp"):
         assert any(s.ep > 1 and getattr(s, dim) > 1 for s in strategies), dim
+    assert all(s.cp == 1 for s in strategies)
+    with_cp = [p.strategy for p in search(w, 64, hardware("H100-SXM"), constraints=Constraints(cp=2), priced=0).plans]
+    assert with_cp and all(s.cp == 2 and runtime_accepts(s, w.model, w.seq_len, w.global_batch) for s in with_cp)
+    assert any(s.ep > 1 for s in with_cp)
 
 
 def test_the_search_offers_only_what_the_runtime_runs() -> None:
