@@ -13,17 +13,33 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from meshlm.errors import InputError
 
 
-class ParallelOptions(BaseModel):
+class OneLineOptions(BaseModel):
+    """Options validated like a config section (`section`): a bad value is one line naming the field, not a
+    traceback."""
+
+    section: ClassVar[str]
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            error = e.errors()[0]
+            field = ".".join(str(part) for part in error["loc"])
+            raise InputError(f"{self.section}.{field}: {error['msg']}") from None
+
+
+class ParallelOptions(OneLineOptions):
     """How each strategy runs on the mesh. Bad values raise a one-line InputError naming the field."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    section: ClassVar[str] = "parallel"
 
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + grads, 3 + params")
     zero_shard_size: int | None = Field(
@@ -47,15 +63,6 @@ class ParallelOptions(BaseModel):
         "ring", description="context parallel (layout cp > 1): KV ring with send/recv, or all-to-all heads"
     )
 
-    def __init__(self, **values: Any) -> None:
-        """Validated like the config's `[parallel]` section; a bad value is one line, not a traceback."""
-        try:
-            super().__init__(**values)
-        except ValidationError as e:
-            error = e.errors()[0]
-            field = ".".join(str(part) for part in error["loc"])
-            raise InputError(f"parallel.{field}: {error['msg']}") from None
-
     @classmethod
     def of(cls, source: ParallelOptions | dict[str, Any] | None) -> ParallelOptions:
         """`source` itself (a ParallelOptions, or the config's ParallelSection, which is one), the options a
@@ -71,11 +78,12 @@ class ParallelOptions(BaseModel):
         return cls(**source)
 
 
-class LoRAOptions(BaseModel):
+class LoRAOptions(OneLineOptions):
     """LoRA adapters on a frozen base (meshlm.parallel.lora; the run config's `[lora]` section is one). Bad values
     raise a one-line InputError naming the field."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    section: ClassVar[str] = "lora"
 
     rank: int = Field(0, ge=0, description="LoRA adapter rank; 0 = off (every weight trains unless train.freeze)")
     alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the update is B·A·alpha/rank")
@@ -85,15 +93,6 @@ class LoRAOptions(BaseModel):
         description="module-name patterns of the Linears to adapt; empty = the plan's attention and MLP projections",
     )
     init_from: str | None = Field(None, description="start the adapters from a PEFT adapter directory")
-
-    def __init__(self, **values: Any) -> None:
-        """Validated like the config's `[lora]` section; a bad value is one line, not a traceback."""
-        try:
-            super().__init__(**values)
-        except ValidationError as e:
-            error = e.errors()[0]
-            field = ".".join(str(part) for part in error["loc"])
-            raise InputError(f"lora.{field}: {error['msg']}") from None
 
 
 @dataclass(frozen=True)
