@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import math
 import os
 import sys
@@ -19,6 +20,9 @@ from meshlm.train import signals
 
 if sys.argv[1:2] == ["train"]:  # `meshlm train`: SIGTERM and SIGINT are caught from here on, before pydantic and torch
     signals.install(for_process=True, deferred=True)
+    # A rank killed by a fatal signal (a C++ abort, a segfault in an extension) prints every thread's Python stack
+    # to its stderr (torchrun's log) first: where it died, not only "Signal 6 (SIGABRT) received".
+    faulthandler.enable(all_threads=True)
 
 from meshlm.config import (
     Config,

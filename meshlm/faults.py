@@ -2,6 +2,7 @@
 
 MESHLM_INJECT_FAULT="RANK:STEP:KIND" makes global rank RANK, at step STEP:
   kill       SIGKILL itself right after finishing the step (a crashed node),
+  abort      SIGABRT itself right after finishing the step (a C++ std::terminate or abort in an extension),
   hang       stop making progress after the step (a stuck collective or deadlock),
   save-kill  SIGKILL itself halfway through writing that step's checkpoint (after its shard, before commit),
   sigterm@POINT        SIGTERM itself, once, at POINT: `step` (after the step), `save` (its shard of that step's
@@ -23,7 +24,7 @@ import signal
 import time
 from pathlib import Path
 
-KINDS = ("kill", "hang", "save-kill", "sigterm", "sigterm-all", "sigint", "sigint-all", "sigint2")
+KINDS = ("kill", "abort", "hang", "save-kill", "sigterm", "sigterm-all", "sigint", "sigint-all", "sigint2")
 POINTS = ("step", "save", "tokenize", "close")
 _fired: set[str] = set()
 
@@ -68,6 +69,8 @@ def fault_point(point: str, rank: int, step: int) -> None:
             os.kill(pid, signum)
     if (point, kind) in (("step", "kill"), ("save", "save-kill")):
         os.kill(os.getpid(), signal.SIGKILL)
+    if (point, kind) == ("step", "abort"):
+        os.abort()
     if point == "step" and kind == "hang":
         while True:
             time.sleep(1)

@@ -11,8 +11,10 @@ Each check starts torchrun several times (world 1, the layout, the resume; on a 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
+import os
 
 import pytest
 from conftest import small_run_args
@@ -140,6 +142,24 @@ def test_a_half_tied_plan_is_refused_naming_both_modules_before_the_reference(tm
     assert "\n" not in line and "model.embed_tokens (not in tensor_parallel) and lm_head (vocab_head)" in line, line
     assert "refused: plan 'llama'" in line and "[rank" not in line, line  # the ranks' line, not their traceback's
     assert not (tmp_path / "reference").exists()  # the layout runs first: refused before any other work
+
+
+def aborting_model() -> Transformer:
+    """A model factory whose rank 1 dies as a C++ abort kills a process (std::terminate: SIGABRT, no Python
+    exception); rank 0 and the caller's process (no RANK) build the model."""
+    if os.environ.get("RANK") == "1":
+        ctypes.CDLL(None).abort()
+    return Transformer(MODEL)
+
+
+@pytest.mark.slow  # one torchrun start of two ranks: 8-25 s on 2 shared cores
+def test_a_rank_killed_by_a_signal_is_named_with_its_python_stack(tmp_path) -> None:
+    with pytest.raises(CheckError) as e:
+        meshlm.check(aborting_model, batches(), "dp=2", plan=LLAMA, workdir=tmp_path)
+    line = str(e.value)
+    assert "\n" not in line and "failed: rank 1 died of SIGABRT (Fatal Python error: Aborted)" in line, line
+    log = (tmp_path / "layout.log").read_text()  # the rank's Python stack (faulthandler), down to the abort
+    assert log.count("Fatal Python error: Aborted") == 1 and "in aborting_model" in log, log
 
 
 def test_ids_fold_into_the_replica_vocabulary_keeping_ignored_labels() -> None:

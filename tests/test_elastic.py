@@ -85,11 +85,15 @@ def uninterrupted(data_cache: str, tmp_path_factory: pytest.TempPathFactory) -> 
     return _final_weights(run_dir)
 
 
-@pytest.mark.parametrize("fault", ["1:5:kill", "0:6:save-kill"], ids=["kill-mid-training", "kill-mid-save"])
+# A rank that aborts (SIGABRT, as a C++ std::terminate) mid-training, and one SIGKILLed mid-save. (SIGKILL
+# mid-training: tests/test_preemption_peers.py, tests/test_slurm.py.)
+@pytest.mark.parametrize("fault", ["1:5:abort", "0:6:save-kill"], ids=["abort-mid-training", "kill-mid-save"])
 def test_killed_rank_restarts_and_matches_uninterrupted_run(
     small_run: list[str], tmp_path: Path, uninterrupted: dict[str, torch.Tensor], fault: str
 ) -> None:
     out = _finish(_torchrun(STANDALONE, _args(small_run, tmp_path, *LAYOUT), fault=fault))
+    if fault.endswith("abort"):  # the rank printed its Python stack before it died (meshlm.cli's faulthandler)
+        assert "Fatal Python error: Aborted" in out and "in fault_point" in out, out[-4000:]
     resumed = out.split("resuming from ")[1].split()[0]  # the async save of step 4 may not have committed yet
     if fault.endswith("save-kill"):  # step 6's save died before its commit, after step 4's had finished
         assert resumed.endswith("step_00000004"), out[-4000:]

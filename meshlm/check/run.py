@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -136,10 +137,27 @@ def run_job(
     if refused:  # bad input the ranks met (a plan, a layout): the lowest rank's one line, without a rank prefix
         raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}) refused: {refused[0].read_text()}")
     if done.returncode or not out.exists():
-        lines = log.read_text().splitlines()
-        tail = [line for line in lines if "Error:" in line and "ChildFailedError" not in line][-1:] or ["no output"]
-        raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}) failed: {tail[0]} (log {log})")
+        reason = failure_reason(log.read_text()) if done.returncode else "exited 0 without its result"
+        raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}) failed: {reason} (log {log})")
     return pickle.loads(out.read_bytes())
+
+
+def failure_reason(log: str) -> str:
+    """Why a torchrun job failed, from its log: the last Python exception line a rank printed; else, for a rank
+    killed by a signal (a C++ abort, a segfault), torchrun's root cause ("rank 0 died of SIGABRT") with the
+    last fatal line before it ("terminate called ...", "Fatal Python error: ..."; each rank's Python stacks
+    follow it in the log: meshlm.check.worker enables faulthandler)."""
+    lines = log.splitlines()
+    errors = [line for line in lines if "Error:" in line and "ChildFailedError" not in line]
+    if errors:
+        return errors[-1]
+    cause = "\n".join(lines[next((i for i, line in enumerate(lines) if line.startswith("Root Cause")), len(lines)) :])
+    rank = re.search(r"rank\s*: (\d+)", cause)
+    signal = re.search(r"Signal \d+ \((SIG\w+)\)", cause)
+    if not (rank and signal):
+        return "no output"
+    fatal = [line.strip() for line in lines if line.startswith(("terminate called", "Fatal Python error"))]
+    return f"rank {rank[1]} died of {signal[1]}" + (f" ({fatal[0]})" if fatal else "")
 
 
 def copy_until(run_dir: Path, to: Path, step: int) -> None:

@@ -13,6 +13,7 @@ it (OUT.refused-RANK) and exits 2.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import importlib.util
 import os
@@ -162,6 +163,7 @@ def resolve(value: object) -> object:
 
 
 def main(job_path: str) -> None:
+    faulthandler.enable(all_threads=True)  # a rank killed by a fatal signal prints its Python stacks to the log
     job = pickle.loads(Path(job_path).read_bytes())
     cfg = job["config"]
     pieces = {key: resolve(value) for key, value in (job.get("parts") or {}).items()}
