@@ -39,10 +39,22 @@ _VALUE_VIEWS = frozenset({"data", "T", "mT", "H", "mH", "real", "imag", "_base"}
 # Methods that describe a parameter or hook into autograd without reading its elements.
 _DESCRIBES: frozenset[Callable] = frozenset(
     {
-        *(getattr(torch.Tensor, name) for name in ("size", "dim", "numel", "nelement", "stride", "storage_offset")),
-        *(getattr(torch.Tensor, name) for name in ("element_size", "is_contiguous", "get_device", "data_ptr")),
-        *(getattr(torch.Tensor, name) for name in ("is_floating_point", "is_complex", "untyped_storage")),
-        *(getattr(torch.Tensor, name) for name in ("requires_grad_", "register_hook", "__len__")),
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.__len__,
+        torch.Tensor.numel,
+        torch.Tensor.nelement,
+        torch.Tensor.stride,
+        torch.Tensor.storage_offset,
+        torch.Tensor.element_size,
+        torch.Tensor.is_contiguous,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+        torch.Tensor.get_device,
+        torch.Tensor.data_ptr,
+        torch.Tensor.untyped_storage,
+        torch.Tensor.requires_grad_,
+        torch.Tensor.register_hook,
         torch.Tensor.register_post_accumulate_grad_hook,
         torch.is_floating_point,
         torch.is_complex,
@@ -135,7 +147,7 @@ class FlatBuffer:
         shard_only: bool = False,
     ) -> None:
         self.params = params
-        self.kinds = [type(p) for p in params]  # what free_params's FreedParameter gives back on a gather
+        self.kinds = [type(p) for p in params]  # their classes, which a gather gives back after free_params
         self.decays = decays(params[0])
         self.offsets = [0]
         for p in params:
