@@ -334,7 +334,9 @@ def test_fit_with_users_model_data_optimizer_and_callbacks(tmp_path: Path) -> No
     """Also: a callback reading the parameters of a ZeRO-3 model after every step gets FreedParameterError for
     each read (the gathered weights are freed: reading them used to kill the rank with SIGSEGV), and
     full_state_dict still gives one process's final weights, within criterion 2 of tests/equivalence.py (SGD
-    with momentum is as linear in the gradients; measured within 3% of the bound)."""
+    with momentum is as linear in the gradients; measured within 3% of the bound). Mutation: without
+    FlatBuffer.free_params's FreedParameter both ranks die of SIGSEGV in the callback, and run_distributed fails
+    the test in seconds ("ranks [0, 1] died without a result (exit codes [-11, -11])")."""
     single = _fit(str(tmp_path / "single"), "", 10)
     assert single["recorder"]["steps"] == list(zip(range(1, 11), single["losses"], strict=True))
     assert single["recorder"]["evals"] == [0, 5, 10] and single["recorder"]["checkpoints"] == [5, 10]

@@ -273,7 +273,8 @@ def test_freed_zero3_weights_raise_when_read_and_return_on_gather() -> None:
     """In one process: while a ZeRO-3 buffer's gathered weights are freed its parameters are the same objects
     with the same shapes, dtypes and autograd edges, but reading their values raises FreedParameterError
     (reading the freed storage could crash the process: SIGSEGV); a gather makes them plain parameters holding
-    the gathered values again, and a backward whose forward ran before the free computes with them."""
+    the gathered values again, and a backward whose forward ran before the free computes with them. Mutation:
+    without free_params's FreedParameter the `resident` assert fails, before any read of freed memory."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5))
     twin = copy.deepcopy(model)
@@ -285,7 +286,7 @@ def test_freed_zero3_weights_raise_when_read_and_return_on_gather() -> None:
 
     buf.free_params()
     assert buf.data.untyped_storage().nbytes() == 0
-    # (no assert here may show a parameter: pytest would print it, reading freed memory if the guard failed)
+    # No assert may show a parameter: pytest would print it, reading freed memory if the guard failed.
     assert not any(resident(p) for p in params)
     assert all(p is q for p, q in zip(model.parameters(), params, strict=True))
     for p, q in zip(params, twin.parameters(), strict=True):
