@@ -9,6 +9,8 @@ offset must fail every criterion.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from meshlm.config import TrainSection
 from meshlm.model import ModelConfig, Transformer, cross_entropy_loss
 from meshlm.parallel.data_parallel import DataParallel
+from meshlm.parallel.zero import FlatBuffer, FreedParameterError, resident
 from meshlm.train.optim import lr_at
 
 STEPS, BATCH, SEQ = 10, 8, 32
@@ -264,3 +267,43 @@ def test_norm_of_a_long_flat_buffer_is_as_exact_as_per_tensor_norms(monkeypatch:
     error = abs(got.item() - exact.item()) / exact.item()
     # 1e-6: 25× the pieces' measured error (~4e-8), 6× below the unpieced one's (6e-6 to 1e-5)
     assert (error <= 1e-6) == (piece is None), error
+
+
+def test_freed_zero3_weights_raise_when_read_and_return_on_gather() -> None:
+    """In one process: while a ZeRO-3 buffer's gathered weights are freed its parameters are the same objects
+    with the same shapes, dtypes and autograd edges, but reading their values raises FreedParameterError
+    (reading the freed storage could crash the process: SIGSEGV); a gather makes them plain parameters holding
+    the gathered values again, and a backward whose forward ran before the free computes with them. Mutation:
+    without free_params's FreedParameter the `resident` assert fails, before any read of freed memory."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5))
+    twin = copy.deepcopy(model)
+    params = list(model.parameters())
+    buf = FlatBuffer(params, shard_size=1, shard_rank=0, dtype=torch.float32)
+    gathered = buf.data.clone()
+    x = torch.randn(3, 6)
+    out = model(x)
+
+    buf.free_params()
+    assert buf.data.untyped_storage().nbytes() == 0
+    # No assert may show a parameter: pytest would print it, reading freed memory if the guard failed.
+    assert not any(resident(p) for p in params)
+    assert all(p is q for p, q in zip(model.parameters(), params, strict=True))
+    for p, q in zip(params, twin.parameters(), strict=True):
+        assert isinstance(p, torch.nn.Parameter) and p.requires_grad
+        assert (p.shape, p.dtype, p.device, p.numel(), p.grad) == (q.shape, q.dtype, q.device, q.numel(), None)
+        for read in (torch.Tensor.sum, torch.Tensor.norm, torch.Tensor.clone, repr, lambda t: t.data):
+            with pytest.raises(FreedParameterError, match=r"was read .*model\.full_state_dict\(\)"):
+                read(p)
+    with pytest.raises(FreedParameterError):
+        model(x)
+    with pytest.raises(FreedParameterError):
+        model.state_dict()
+
+    buf.alloc_params()  # what a gather does before the all-gather fills the storage
+    buf.data.copy_(gathered)
+    assert all(type(p) is torch.nn.Parameter for p in params)
+    out.sum().backward()
+    twin(x).sum().backward()
+    for p, q in zip(params, twin.parameters(), strict=True):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)

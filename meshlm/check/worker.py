@@ -30,6 +30,7 @@ from meshlm.errors import InputError
 from meshlm.observe.metrics import load_metrics
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.placement import Placement
+from meshlm.parallel.zero import resident
 from meshlm.train.parts import Callback, IterableBatches
 from meshlm.train.trainer import Trainer, fit
 
@@ -140,13 +141,6 @@ class Record(Callback):
             self.copies.append(copies)
             if module_outputs:
                 self.module_outputs.append(module_outputs)
-
-
-def resident(param: torch.Tensor) -> bool:
-    """Whether this rank holds `param`'s values now: ZeRO-3 frees the gathered weights between uses (their
-    storage is empty; the values live only in the shards, which full_state_dict gathers), and reading such a
-    parameter reads freed memory."""
-    return param.untyped_storage().nbytes() >= (param.storage_offset() + param.numel()) * param.element_size()
 
 
 def resolve(value: object) -> object:

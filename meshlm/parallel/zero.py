@@ -4,7 +4,8 @@ A FlatBuffer lays parameters of one kind (matrices, which decay, or vectors, whi
 tensor padded to a multiple of the shard-group size S, so rank r of the shard group owns the contiguous shard
 [r·n/S, (r+1)·n/S): its optimizer state, its reduced gradient and, under ZeRO-3, its only copy of the weights.
 Model parameters become views into the flat tensor (`param.data = view`), so the model code never changes and
-a whole buffer moves in one collective.
+a whole buffer moves in one collective. While ZeRO-3 has freed a buffer's gathered weights, its parameters are
+FreedParameters: reading one raises FreedParameterError instead of reading freed memory.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from types import GetSetDescriptorType
 from typing import Protocol
 
 import torch
@@ -26,6 +28,79 @@ from meshlm.parallel.timers import timed_wait
 # torch 2.13 renamed the flat collectives; fall back to the older names (same semantics) on earlier versions.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class FreedParameterError(RuntimeError):
+    """A ZeRO-3 parameter's values were read while its unit's gathered weights are freed."""
+
+
+# Properties whose value is a view of the tensor's elements; every other property describes the tensor.
+_VALUE_VIEWS = frozenset({"data", "T", "mT", "H", "mH", "real", "imag", "_base"})
+# Methods that describe a parameter or hook into autograd without reading its elements.
+_DESCRIBES: frozenset[Callable] = frozenset(
+    {
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.__len__,
+        torch.Tensor.numel,
+        torch.Tensor.nelement,
+        torch.Tensor.stride,
+        torch.Tensor.storage_offset,
+        torch.Tensor.element_size,
+        torch.Tensor.is_contiguous,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+        torch.Tensor.get_device,
+        torch.Tensor.data_ptr,
+        torch.Tensor.untyped_storage,
+        torch.Tensor.requires_grad_,
+        torch.Tensor.register_hook,
+        torch.Tensor.register_post_accumulate_grad_hook,
+        torch.is_floating_point,
+        torch.is_complex,
+        torch.empty_like,
+        torch.zeros_like,
+        torch.ones_like,
+        torch.autograd.backward,  # the saved parameters' backward gathers them first (Zero3Hooks)
+        torch.autograd.grad,
+    }
+)
+
+
+def _describes(func: Callable) -> bool:
+    """Whether a torch function on a parameter leaves its elements unread: a property other than a view of
+    them (a property's getter and setter are bound to its descriptor), or one of _DESCRIBES."""
+    prop = getattr(func, "__self__", None)
+    if isinstance(prop, GetSetDescriptorType):
+        return prop.__name__ not in _VALUE_VIEWS
+    return func in _DESCRIBES
+
+
+class FreedParameter(nn.Parameter):
+    """What a ZeRO-3 parameter is while its unit's gathered weights are freed (FlatBuffer.free_params): the
+    same object, shape, dtype, requires_grad and hooks, but its storage holds no bytes, so any operation that
+    would read its values raises FreedParameterError (a read of freed memory could crash the process or return
+    garbage). What describes it (shape, dtype, device, grad, numel, ...) still works. The next gather makes it
+    a plain Parameter again (FlatBuffer.alloc_params)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
+        if _describes(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        prop = getattr(func, "__self__", None)
+        name = prop.__name__ if isinstance(prop, GetSetDescriptorType) else func.__name__
+        raise FreedParameterError(
+            f"a ZeRO-3 parameter was read ({name}) while its unit's gathered weights are freed (they exist from "
+            "the unit's gather to the end of its forward, and again for its backward); read the weights with "
+            "model.full_state_dict() (gathered from the shards) or model.named_optimizer_tensors() (this rank's "
+            "fp32 shards)"
+        )
+
+
+def resident(param: torch.Tensor) -> bool:
+    """Whether this rank holds `param`'s values now (not a ZeRO-3 parameter whose gathered weights are freed)."""
+    return not isinstance(param, FreedParameter)
 
 
 def decays(param: nn.Parameter) -> bool:
@@ -72,6 +147,7 @@ class FlatBuffer:
         shard_only: bool = False,
     ) -> None:
         self.params = params
+        self.kinds = [type(p) for p in params]  # their classes, which a gather gives back after free_params
         self.decays = decays(params[0])
         self.offsets = [0]
         for p in params:
@@ -126,7 +202,7 @@ class FlatBuffer:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's slice of a flat tensor laid out like this buffer, shaped like the parameter."""
-        return [flat[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params, strict=True)]
+        return [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params, strict=True)]
 
     def _shard_pieces(self) -> list[tuple[nn.Parameter, int, int, int]]:
         """(param, offset into the flattened param, start, end within this rank's shard) for each overlap."""
@@ -164,7 +240,7 @@ class FlatBuffer:
         p = self.params[index]
         offset = self.offsets[index]
         if p.grad.data_ptr() != self.full_grad.data_ptr() + offset * self.full_grad.element_size():
-            view = self.full_grad[offset : offset + p.numel()].view_as(p)
+            view = self.full_grad[offset : offset + p.numel()].view(p.shape)
             view.copy_(p.grad)
             p.grad = view
 
@@ -174,12 +250,21 @@ class FlatBuffer:
         self.full_grad = None
 
     def free_params(self) -> None:
-        """Release the gathered weights; params keep their shapes, and their storage returns on the next gather."""
+        """Release the gathered weights; params keep their shapes and become FreedParameters, whose values
+        cannot be read, until the next gather gives their storage back."""
         self.data.untyped_storage().resize_(0)
+        for p in self.params:
+            p.__class__ = FreedParameter
+
+    def alloc_params(self) -> None:
+        """Re-allocate the full weights (uninitialised) and make the params their plain classes again."""
+        self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
+        for p, kind in zip(self.params, self.kinds, strict=True):
+            p.__class__ = kind
 
     def start_gather(self, group: dist.ProcessGroup | None) -> tuple[dist.Work, torch.Tensor]:
         """Re-allocate the full weights and all-gather them from every rank's master shard (async)."""
-        self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
+        self.alloc_params()
         src = self.master.detach().to(self.data.dtype)
         return all_gather_flat(self.data, src, group=group, async_op=True), src
 
