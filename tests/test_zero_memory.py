@@ -14,6 +14,7 @@ from dp_helpers import build
 from equivalence import global_batch
 
 from meshlm.model import ModelConfig, Transformer
+from meshlm.observe.memory import ActivationMeter, MemoryProbe
 from meshlm.train.optim import train_step
 
 WORLD = 4
@@ -64,9 +65,13 @@ def job() -> dict:
     for name, (zero, options) in CASES.items():
         pm, opt, train = build(MODEL, zero, ONE_BUCKET_MB, **options)
         one_step(pm, opt, train)
+        with ActivationMeter(pm) as meter:  # the second step: every unit gathered once before, freed since
+            one_step(pm, opt, train)
         pieces = pm.dp.sharded_state_dict(opt)
         out[name] = {
             "memory": pm.dp.memory_report(opt),
+            "probe": MemoryProbe(pm, opt).measure(),  # what metrics.jsonl reports (mem_*_bytes)
+            "activations": meter.peak,  # log.activation_memory's figure
             "pieces": {
                 k: [(s.name, tuple(s.global_shape), s.offset, s.local.clone()) for s in v] for k, v in pieces.items()
             },
@@ -136,6 +141,24 @@ def test_memory_matches_formula_on_every_rank(ranks: list[dict], name: str) -> N
     param_bytes = torch.finfo(options.get("param_dtype", torch.float32)).bits // 8
     for rank, result in enumerate(ranks):
         assert result[name]["memory"] == expected_bytes(zero, shards, param_bytes, rank % shards), f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", ["zero3", "hybrid zero3", "zero3 bf16"])
+def test_zero3_metrics_count_the_shards_not_the_freed_weights(ranks: list[dict], name: str) -> None:
+    """Between steps a ZeRO-3 rank holds its fp32 shards (the optimizer steps their unpadded pieces, 4 Ψr bytes)
+    and no gathered weight: the freed ones (storage of 0 bytes, every one at address 0) count nothing."""
+    shards = CASES[name][1].get("shard_group_size", WORLD)
+    for rank, result in enumerate(ranks):
+        psi_r = expected_bytes(3, shards, 4, rank % shards)["optimizer"] // 2
+        assert result[name]["probe"]["mem_params_bytes"] == psi_r, f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name != "zero0" and "bf16" not in name])
+def test_activation_memory_does_not_depend_on_the_zero_stage(ranks: list[dict], name: str) -> None:
+    """ZeRO shards weights, gradients and optimizer state, never activations: the meter's peak (tensors saved
+    for backward, weights excluded, gathered ones too) is zero 0's on every rank (bf16 saves 2-byte ones)."""
+    for rank, result in enumerate(ranks):
+        assert result[name]["activations"] == result["zero0"]["activations"] > 0, f"rank {rank}"
 
 
 @pytest.mark.parametrize("name", ["zero3", "hybrid zero3", "zero3 bf16"])

@@ -19,15 +19,18 @@ import torch
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes the tensors occupy, each storage byte counted once however many tensors view it."""
+    """Bytes the tensors occupy, each storage byte counted once however many tensors view it. A view reaching
+    past its storage's bytes counts only what the storage holds: a ZeRO-3 parameter whose gathered weights are
+    freed (its storage resized to 0 bytes, at address 0 like every other freed one) counts nothing."""
     spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for t in tensors:
-        if t.numel() == 0:
-            continue
+        storage = t.untyped_storage()
         size = t.element_size()
         extent = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
         start = t.storage_offset() * size
-        spans[t.untyped_storage().data_ptr()].append((start, start + extent * size))
+        end = min(start + extent * size, storage.nbytes())
+        if t.numel() and end > start:
+            spans[storage.data_ptr()].append((start, end))
     total = 0
     for ranges in spans.values():
         covered = 0  # end of the union so far
@@ -94,13 +97,13 @@ class ActivationMeter:
         self.model = model
         self.peak = 0
         self.generation = 0  # one per opening: a graph that outlives its step cannot release the next one's bytes
-        self._live: dict[int, list[int]] = {}  # storage ptr -> [references, bytes]
+        self._live: dict[int, list[int]] = {}  # storage -> [references, bytes]
         self._current = 0
         self._excluded: set[int] = set()
         self._hooks: Any = None
 
     def __enter__(self) -> ActivationMeter:
-        self._excluded = {p.untyped_storage().data_ptr() for _, p in self.model.named_parameters()}
+        self._excluded = {p.untyped_storage()._cdata for _, p in self.model.named_parameters()}
         self.peak, self._current, self._live = 0, 0, {}
         self.generation += 1
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -113,7 +116,9 @@ class ActivationMeter:
         self._hooks.__exit__(exc_type, exc, tb)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        key = tensor.untyped_storage().data_ptr()
+        # A storage by its identity (the key torch.serialization shares storages by), not its address: ZeRO-3
+        # frees a parameter's storage between uses and re-allocates it elsewhere, the same storage.
+        key = tensor.untyped_storage()._cdata
         if key in self._excluded:
             return tensor
         entry = self._live.setdefault(key, [0, tensor.untyped_storage().nbytes()])
