@@ -316,13 +316,14 @@ def interleave_qk_rows(save_file):
 def test_the_export_logits_tolerance_is_sharp(tmp_path, monkeypatch) -> None:
     """The export row's comparison (meshlm.check.export) on meshlm's model with LoRA adapters of a few steps'
     size: the merged export and the PEFT adapters on the exported base reproduce its logits within
-    LOGITS_RTOL in transformers; q/k rows in another order, or a merge without alpha/rank, do not."""
+    LOGITS_RTOL in transformers; q/k rows in another order, a merge without alpha/rank, or PEFT adapters written
+    with lora_alpha = r, do not."""
     import torch
 
     import meshlm.model.hf_export as hf_export
     from meshlm.check.export import LOGITS_RTOL, hf_logits, logits_rel
     from meshlm.model.hf_export import export_hf
-    from meshlm.parallel.lora import LoRALinear, apply_lora, export_peft, merge_lora
+    from meshlm.parallel.lora import LoRALinear, LoRASpec, apply_lora, export_peft, merge_lora
 
     pytest.importorskip("peft")
     model = Transformer(MODEL, init_seed=0).eval()
@@ -350,3 +351,18 @@ def test_the_export_logits_tolerance_is_sharp(tmp_path, monkeypatch) -> None:
             module.lora_scaling = 1.0  # alpha/rank = 4 dropped
     export_hf(merge_lora(unscaled), tmp_path / "unscaled")
     assert logits_rel(hf_logits(tmp_path / "unscaled", tokens), ref) > 100 * LOGITS_RTOL
+    export_peft(model.state_dict(), LoRASpec(4, 4.0, 0.0), tmp_path / "peft-unscaled", str(tmp_path / "base"))
+    assert logits_rel(hf_logits(tmp_path / "base", tokens, tmp_path / "peft-unscaled"), ref) > 100 * LOGITS_RTOL
+
+
+def test_the_peft_row_needs_an_hf_base(tmp_path) -> None:
+    """PEFT adapters apply to an HF checkpoint: a LoRA run on one (model.init_from) gets the PEFT row, a LoRA run
+    on a preset's seeded weights the merged row alone, a run without LoRA no PEFT row."""
+    from meshlm.check.export import peft_base
+    from meshlm.config import load_config
+
+    hf = hf_checkpoint("llama", tmp_path / "hf")
+    seq = ("data.seq_len", 64)  # within both models' max_seq_len
+    assert peft_base(load_config(None, [seq, ("lora.rank", 4), ("model.init_from", hf)])) == hf
+    assert peft_base(load_config(None, [seq, ("lora.rank", 4), ("model.preset", "test")])) is None
+    assert peft_base(load_config(None, [seq, ("model.init_from", hf)])) is None
