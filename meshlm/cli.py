@@ -209,7 +209,7 @@ def cmd_check(args: argparse.Namespace, extra: list[str]) -> int:
     say = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():  # stdout: the JSON only
         report, replica = check_config(cfg, steps=args.steps, world=args.world, max_ranks=args.max_ranks,
-                                       workdir=workdir, say=say)  # fmt: skip
+                                       workdir=workdir, export=args.export, say=say)  # fmt: skip
     if args.json:
         print(json.dumps({**report.to_json(), "kept": replica.kept, "shrunk": replica.shrunk}, indent=1))
     else:
@@ -351,6 +351,12 @@ def add_check_parser(sub: argparse._SubParsersAction, with_fields: dict) -> None
     p.add_argument("--max-ranks", type=int, default=8, help="CPU ranks the replica may use (default 8)")
     p.add_argument("--json", action="store_true", help="the verdict as JSON (for CI)")
     p.add_argument("--workdir", help="where the replica's runs go (default: a fresh temporary directory)")
+    p.add_argument(
+        "--export",
+        action="store_true",
+        help="also export the layout run as `meshlm convert meshlm-to-hf` does (merged; a LoRA run on an HF base "
+        "also as PEFT adapters), load it with transformers and compare its logits (needs transformers, peft)",
+    )
     p.set_defaults(func=cmd_check)
 
 

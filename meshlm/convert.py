@@ -106,21 +106,32 @@ def _run_adapters(src: Path) -> tuple[dict[str, torch.Tensor], Any, str]:
     return model.state_dict(), spec, base
 
 
+def export_run(
+    src: Path, out: Path, lora: str = "merged", dtype: torch.dtype = torch.float32, max_shard_bytes: int | None = None
+) -> None:
+    """`meshlm convert meshlm-to-hf SRC OUT`: a meshlm file, checkpoint folder or run directory as an HF directory
+    (a LoRA run's adapters merged, with the run's tokenizer), or with `lora="peft"` a LoRA run's adapters as a
+    PEFT adapter directory naming its base. Bad input is a one-line ValueError or OSError."""
+    if lora == "peft":
+        state, spec, base = _run_adapters(src)
+        export_peft(state, spec, out, base)
+        return
+    if src.is_dir():
+        check_run_tokenizer(src)  # before anything is written
+    export_hf(_load_meshlm_file(src), out, dtype, max_shard_bytes)
+    if src.is_dir():
+        copy_run_tokenizer(src, out)
+        write_generation_ids(out)
+
+
 def run_convert(args: argparse.Namespace) -> int:
     """Run a parsed `meshlm convert` command; bad input gives a one-line error and exit code 1."""
     try:
         if args.convert_mode == "hf-to-meshlm":
             _save_meshlm_file(load_hf_into_model(args.src), args.out)
-        elif getattr(args, "lora", "merged") == "peft":
-            state, spec, base = _run_adapters(args.src)
-            export_peft(state, spec, args.out, base)
         else:
-            if args.src.is_dir():
-                check_run_tokenizer(args.src)  # before anything is written
-            export_hf(_load_meshlm_file(args.src), args.out, getattr(torch, args.dtype), args.max_shard_bytes)
-            if args.src.is_dir():
-                copy_run_tokenizer(args.src, args.out)
-                write_generation_ids(args.out)
+            lora = getattr(args, "lora", "merged")
+            export_run(args.src, args.out, lora, getattr(torch, args.dtype), args.max_shard_bytes)
     except (ValueError, OSError) as e:
         print(f"meshlm convert: error: {e}", file=sys.stderr)
         return 1

@@ -11,10 +11,12 @@ Each check starts torchrun several times (world 1, the layout, the resume; on a 
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import dataclasses
 import json
 import os
+import sys
 
 import pytest
 from conftest import small_run_args
@@ -191,12 +193,13 @@ CLI = {
         ["--parallel.layout", "tp=2", "--lora.rank", "4"], None, "test_lora:row_adapter_reduced_twice",
         ("model.layers.0.self_attn.o_proj: output differs", "sharded tp dim 1; first at step 2", "tp=1"),
     ),
-    # an HF Llama (GQA) sliced into the replica, tp=2 with sequence parallel: passes
-    "llama init_from tp=2 sp": (["--parallel.layout", "tp=2", "--parallel.sequence_parallel", "true"], "llama",
-                                None, None),
-    # an HF Qwen2 (q/k/v biases, tied embeddings) with LoRA adapters over its frozen base, dp=2,tp=2 ZeRO-1: passes
-    "qwen2 init_from lora dp=2,tp=2": (["--parallel.layout", "dp=2,tp=2", "--parallel.zero", "1", "--lora.rank", "4"],
-                                       "qwen2", None, None),
+    # an HF Llama (GQA) sliced into the replica, tp=2 with sequence parallel, exported to HF and back: passes
+    "llama init_from tp=2 sp export": (["--parallel.layout", "tp=2", "--parallel.sequence_parallel", "true",
+                                        "--export"], "llama", None, None),
+    # an HF Qwen2 (q/k/v biases, tied embeddings) with LoRA adapters over its frozen base, dp=2,tp=2 ZeRO-1,
+    # exported merged and as PEFT adapters on the sliced HF base: passes
+    "qwen2 init_from lora dp=2,tp=2 export": (["--parallel.layout", "dp=2,tp=2", "--parallel.zero", "1",
+                                               "--lora.rank", "4", "--export"], "qwen2", None, None),
     # an HF Mixtral (4 experts, top-2) with its experts sharded over ep=2: passes
     "mixtral init_from ep=2": (["--parallel.layout", "ep=2"], "mixtral", None, None),
 }  # fmt: skip
@@ -252,7 +255,14 @@ def test_the_cli_json_and_exit_code(case: str, data_cache, tmp_path, monkeypatch
         assert out["culprit"].startswith(start), out["culprit"]
         assert placement in out["culprit"] and f"exact with {exact}" in out["culprit"], out["culprit"]
     else:
-        assert [c["passed"] for c in out["checks"]] == [True, True] and not out["culprit"], out
+        assert all(c["passed"] for c in out["checks"]) and not out["culprit"], out
+    exports = [c for c in out["checks"] if c["d_logits"] is not None]
+    if "--export" in overrides:  # the round trip's rows, after the two training ones
+        want = ["export to HF (merged) and back"] + ["PEFT adapters on the HF base"] * ("--lora.rank" in overrides)
+        assert len(out["checks"]) == 2 + len(want) and [c["check"] for c in exports] == want, out
+        assert all(c["d_logits"] <= 1e-5 for c in exports) and "export to HF and back" in out["phases_s"], out
+    else:
+        assert not exports and len(out["checks"]) == 2, out
     if family:  # the replica is the checkpoint's: its family, and its weights sliced from the checkpoint's
         assert f"family {family}" in out["kept"], out["kept"]
         assert any(line.startswith(f"init_from {tmp_path / 'hf'} -> ") for line in out["shrunk"]), out["shrunk"]
@@ -260,3 +270,99 @@ def test_the_cli_json_and_exit_code(case: str, data_cache, tmp_path, monkeypatch
         assert any("LoRA" in line or "lora" in line for line in out["kept"]), out["kept"]
     if family == "mixtral":
         assert any(line.startswith("MoE top-2") for line in out["kept"]), out["kept"]
+
+
+# `meshlm check --export` refuses in one line before any work (exit 2): (overrides, the module made missing, an HF
+# base for init_from or None, what the line says)
+EXPORT_REFUSED = {
+    "no transformers": (["--model.preset", "test"], "transformers", None, "--export needs transformers"),
+    "no peft for a LoRA run on an HF base": (["--lora.rank", "4"], "peft", "qwen2", "--export needs peft"),
+    "an MoE the exporter refuses": (
+        ["--model.preset", "tiny-moe", "--model.moe_score", "sigmoid"], None, None,
+        "--export: model.moe_score='sigmoid' cannot be exported as Qwen2MoeForCausalLM (it needs 'softmax')",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", EXPORT_REFUSED)
+def test_export_bad_input_is_one_line_before_work(case: str, tmp_path, monkeypatch, capsys) -> None:
+    overrides, missing, family, line = EXPORT_REFUSED[case]
+    if missing:
+        monkeypatch.setitem(sys.modules, missing, None)  # as not installed: find_spec gives None, import fails
+    if family:
+        overrides = [*overrides, "--model.init_from", hf_checkpoint(family, tmp_path / "hf")]
+        capsys.readouterr()  # transformers' progress bar while saving it
+    workdir = tmp_path / "check"
+    assert main(["check", "--export", "--workdir", str(workdir), "--data.seq_len", "32", *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"meshlm: {line}"), err
+    assert not workdir.exists()  # refused before the replica
+
+
+def interleave_qk_rows(save_file):
+    """A wrong export: q/k rows written in Meta's interleaved RoPE order (the permutation HF's own Llama
+    conversion applies), not the rotate-half order transformers computes with."""
+
+    def save(tensors: dict, path, metadata=None) -> None:
+        for name, t in tensors.items():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                half = MODEL.head_dim // 2
+                tensors[name] = t.view(-1, 2, half, t.shape[1]).transpose(1, 2).reshape(t.shape).contiguous()
+        save_file(tensors, path, metadata=metadata)
+
+    return save
+
+
+def test_the_export_logits_tolerance_is_sharp(tmp_path, monkeypatch) -> None:
+    """The export row's comparison (meshlm.check.export) on meshlm's model with LoRA adapters of a few steps'
+    size: the merged export and the PEFT adapters on the exported base reproduce its logits within
+    LOGITS_RTOL in transformers; q/k rows in another order, a merge without alpha/rank, or PEFT adapters written
+    with lora_alpha = r, do not."""
+    import torch
+
+    import meshlm.model.hf_export as hf_export
+    from meshlm.check.export import LOGITS_RTOL, hf_logits, logits_rel
+    from meshlm.model.hf_export import export_hf
+    from meshlm.parallel.lora import LoRALinear, LoRASpec, apply_lora, export_peft, merge_lora
+
+    pytest.importorskip("peft")
+    model = Transformer(MODEL, init_seed=0).eval()
+    export_hf(model, tmp_path / "base")
+    apply_lora(model, 4, 16.0, seed=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".lora_B"):  # B starts at zero; after a few AdamW steps its elements are ~lr-sized
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 1e-3)
+        tokens = batches()[0][0]
+        ref = model(tokens)
+    export_peft(model.state_dict(), model.lora_spec, tmp_path / "peft", str(tmp_path / "base"))
+    merged = merge_lora(copy.deepcopy(model))
+    export_hf(merged, tmp_path / "merged")
+    assert logits_rel(hf_logits(tmp_path / "merged", tokens), ref) <= LOGITS_RTOL
+    assert logits_rel(hf_logits(tmp_path / "base", tokens, tmp_path / "peft"), ref) <= LOGITS_RTOL
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hf_export, "save_file", interleave_qk_rows(hf_export.save_file))
+        export_hf(merged, tmp_path / "permuted")
+    assert logits_rel(hf_logits(tmp_path / "permuted", tokens), ref) > 100 * LOGITS_RTOL
+    unscaled = copy.deepcopy(model)
+    for module in unscaled.modules():
+        if isinstance(module, LoRALinear):
+            module.lora_scaling = 1.0  # alpha/rank = 4 dropped
+    export_hf(merge_lora(unscaled), tmp_path / "unscaled")
+    assert logits_rel(hf_logits(tmp_path / "unscaled", tokens), ref) > 100 * LOGITS_RTOL
+    export_peft(model.state_dict(), LoRASpec(4, 4.0, 0.0), tmp_path / "peft-unscaled", str(tmp_path / "base"))
+    assert logits_rel(hf_logits(tmp_path / "base", tokens, tmp_path / "peft-unscaled"), ref) > 100 * LOGITS_RTOL
+
+
+def test_the_peft_row_needs_an_hf_base(tmp_path) -> None:
+    """PEFT adapters apply to an HF checkpoint: a LoRA run on one (model.init_from) gets the PEFT row, a LoRA run
+    on a preset's seeded weights the merged row alone, a run without LoRA no PEFT row."""
+    from meshlm.check.export import peft_base
+    from meshlm.config import load_config
+
+    hf = hf_checkpoint("llama", tmp_path / "hf")
+    seq = ("data.seq_len", 64)  # within both models' max_seq_len
+    assert peft_base(load_config(None, [seq, ("lora.rank", 4), ("model.init_from", hf)])) == hf
+    assert peft_base(load_config(None, [seq, ("lora.rank", 4), ("model.preset", "test")])) is None
+    assert peft_base(load_config(None, [seq, ("model.init_from", hf)])) is None

@@ -54,6 +54,7 @@ class Row:
     seconds: float
     passed: bool
     note: str = ""
+    d_logits: float | None = None
 
 
 @dataclass
@@ -237,11 +238,11 @@ def world_of(layout: str) -> int:
     return n
 
 
-def check(
-    cfg: Config, batches: list, workdir: Path, *, steps: int = 5, parts: dict | None = None, say=lambda line: None
-) -> CheckReport:
+def check(cfg: Config, batches: list, workdir: Path, *, steps: int = 5, parts: dict | None = None,
+          export: bool = False, say=lambda line: None) -> CheckReport:  # fmt: skip
     """Train `cfg` (a replica: CPU, fp32, an explicit layout) for `steps` steps at world 1 and at its layout on
-    `batches`, resume the layout's middle checkpoint at world 1, and localise a difference."""
+    `batches`, resume the layout's middle checkpoint at world 1, with `export` (meshlm's model, no user parts)
+    export the layout's final checkpoint to HF and back (meshlm.check.export), and localise a difference."""
     layout = cfg.parallel.layout
     world = world_of(layout)
     report = CheckReport(layout=layout)
@@ -297,6 +298,10 @@ def check(
                 first,
             )
         )
+    if export and report.passed:  # an export of weights that already differ would fail for that reason
+        from meshlm.check.export import add_export_rows
+
+        add_export_rows(cfg, workdir, batches[0][0], report, say)
     if not report.passed:
         pairs = zip(got["losses"], ref["losses"], got["grad_norms"], ref["grad_norms"], strict=True)
         differs = [
@@ -552,12 +557,14 @@ def render(report: CheckReport, kept: tuple[str, ...] = (), shrunk: tuple[str, .
     for line in shrunk:
         console.print(f"shrunk: {line}", highlight=False)
     table = Table(title=f"meshlm check: layout {report.layout} against one process (relative differences)")
-    for column in ("check", "Δ loss", "Δ grad norm", "Δ weights", "tolerance and why", "time", "verdict"):
+    logits = any(r.d_logits is not None for r in report.rows)  # the export rows' column, with --export only
+    columns = ("check", "Δ loss", "Δ grad norm", "Δ weights", *(("Δ logits",) * logits), "tolerance and why")
+    for column in (*columns, "time", "verdict"):
         table.add_column(column)
     for r in report.rows:
         verdict = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
-        table.add_row(r.check, num(r.d_loss), num(r.d_grad_norm), num(r.d_weights), r.tolerance,
-                      f"{r.seconds:.1f} s", verdict)  # fmt: skip
+        numbers = [num(x) for x in (r.d_loss, r.d_grad_norm, r.d_weights, *((r.d_logits,) * logits))]
+        table.add_row(r.check, *numbers, r.tolerance, f"{r.seconds:.1f} s", verdict)
     console.print(table)
     for r in report.rows:
         if r.note:
@@ -568,17 +575,23 @@ def render(report: CheckReport, kept: tuple[str, ...] = (), shrunk: tuple[str, .
     console.print("PASS: the layout reproduces one process" if report.passed else "FAIL", highlight=False)
 
 
-def check_config(cfg: Config, *, steps: int, world: int | None, max_ranks: int, workdir: Path,
+def check_config(cfg: Config, *, steps: int, world: int | None, max_ranks: int, workdir: Path, export: bool = False,
                  say=lambda line: None) -> tuple[CheckReport, object]:  # fmt: skip
-    """`meshlm check`: the run's replica (meshlm.check.shrink), its first batches, and `check`."""
+    """`meshlm check`: the run's replica (meshlm.check.shrink), its first batches, and `check`; with `export`
+    the export round trip too (bad input for it refused first, on the run's model and on the replica's)."""
+    from meshlm.check.export import check_export_input
     from meshlm.check.shrink import shrink
 
+    if export:
+        check_export_input(cfg)
     start = time.monotonic()
     replica = shrink(cfg, workdir, world=world, max_ranks=max_ranks)
+    if export:
+        check_export_input(replica.config)
     shrunk_s = time.monotonic() - start
     start = time.monotonic()
     batches = first_batches(cfg, replica.config, steps)
     data_s = time.monotonic() - start
-    report = check(replica.config, batches, workdir, steps=steps, say=say)
+    report = check(replica.config, batches, workdir, steps=steps, export=export, say=say)
     report.phases = {"shrink": round(shrunk_s, 2), "data": round(data_s, 2), **report.phases}
     return report, replica
