@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from meshlm.config import load_config
 from meshlm.model.config import PRESETS, ModelConfig
 from meshlm.model.flops import param_counts
-from meshlm.parallel.mesh import Layout
+from meshlm.parallel.mesh import DIMS, Layout
 from meshlm.parallel.schedules import compute_order, theoretical_bubble
 from meshlm.plan import (
     Assumptions,
@@ -51,7 +51,7 @@ from meshlm.plan.memory import (
     model_state_bytes,
     stage_params,
 )
-from meshlm.plan.network import crosses_nodes
+from meshlm.plan.network import GROUPS, crosses_nodes
 from meshlm.plan.pipeline_split import chunk_layers, held_layers, rank_chunks, rank_layers
 from meshlm.plan.search import layout_problem
 from meshlm.plan.spot import expected_wall_time
@@ -239,6 +239,27 @@ def test_node_placement_pp_outer_dp_tp_inner():
     assert [crosses_nodes(lay, d, 8) for d in ("tp", "dp", "pp")] == [False, True, True]
     small = Layout(pp=2, dp=2, tp=2)
     assert [crosses_nodes(small, d, 4) for d in ("tp", "dp", "pp")] == [False, False, True]
+
+
+@given(
+    sizes=st.lists(st.sampled_from([1, 1, 2, 3, 4, 5, 8]), min_size=len(DIMS), max_size=len(DIMS)),
+    dim=st.sampled_from([*DIMS, *GROUPS]),
+    gpus_per_node=st.sampled_from([1, 2, 3, 4, 6, 8]),
+)
+def test_crosses_nodes_is_whether_some_group_spans_two_nodes(sizes: list[int], dim: str, gpus_per_node: int):
+    """Against its definition: every group of the dim (its ranks, numbered pp outermost to tp innermost),
+    whether one holds ranks of two nodes."""
+    lay = Layout(**dict(zip(DIMS, sizes, strict=True)))
+    rank = dict(zip(DIMS, range(len(DIMS)), strict=True))
+    grouped = GROUPS.get(dim, (dim,))
+    groups: dict[tuple, set[int]] = {}
+    for coords in itertools.product(*(range(n) for n in sizes)):
+        r = 0
+        for d in ("pp", "dp", "ep", "cp", "tp"):
+            r = r * sizes[rank[d]] + coords[rank[d]]
+        key = tuple(c for d, c in zip(DIMS, coords, strict=True) if d not in grouped)
+        groups.setdefault(key, set()).add(r // gpus_per_node)
+    assert crosses_nodes(lay, dim, gpus_per_node) == any(len(nodes) > 1 for nodes in groups.values())
 
 
 def test_step_time_uses_slower_link_across_nodes():

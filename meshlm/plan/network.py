@@ -3,7 +3,6 @@ groups cross (another node, how many NICs per node they drive). Formulas and sou
 
 from __future__ import annotations
 
-import itertools
 from functools import lru_cache
 
 from meshlm.parallel.mesh import DIMS, Layout
@@ -34,23 +33,21 @@ def crosses_nodes(mesh: Layout, dim: str, gpus_per_node: int) -> bool:
     pp outermost, then dp, ep, cp, tp innermost (rank = (((i_pp·dp + i_dp)·ep + i_ep)·cp + i_cp)·tp + i_tp)
     and fill nodes in order. A group's members are its first rank plus offsets up to `span`; it crosses when
     the first rank's offset within its node plus the span reaches the next node, which depends only on that
-    offset, so each offset is checked once."""
+    offset. The first ranks are the sums of the other dims' coordinates times their strides; their offsets
+    (mod the node size, at most that many) are built one dim at a time, and a dim's coordinates repeat their
+    offsets after the node size, so each dim adds at most that many."""
     dims = GROUPS.get(dim, (dim,))
     strides, stride = {}, 1
     for d in reversed(DIMS):
         strides[d] = stride
         stride *= getattr(mesh, d)
     span = sum((getattr(mesh, d) - 1) * strides[d] for d in dims)
-    others = [d for d in DIMS if d not in dims and getattr(mesh, d) > 1]
-    seen: set[int] = set()
-    for coords in itertools.product(*(range(getattr(mesh, d)) for d in others)):
-        offset = sum(c * strides[d] for c, d in zip(coords, others, strict=True)) % gpus_per_node
-        if offset + span >= gpus_per_node:
-            return True
-        seen.add(offset)
-        if len(seen) == gpus_per_node:
-            break
-    return False
+    offsets = {0}
+    for d in DIMS:
+        if d not in dims:
+            steps = {c * strides[d] % gpus_per_node for c in range(min(getattr(mesh, d), gpus_per_node))}
+            offsets = {(o + step) % gpus_per_node for o in offsets for step in steps}
+    return max(offsets) + span >= gpus_per_node
 
 
 @lru_cache(maxsize=4096)
