@@ -396,31 +396,18 @@ def search(
     memory_only: bool = False,
     priced: int = 10,
 ) -> SearchResult:
-    """`_search`; below CP_MIN_SEQ_LEN tokens a sequence, without context parallelism unless the constraints
-    name a cp or no layout without it fits: its terms are checked against no published run, and published
-    practice uses it for long sequences only (docs/planner.md, "Context parallelism at short sequences")."""
-    if constraints.cp is None and w.seq_len < CP_MIN_SEQ_LEN:
-        result = _search(w, gpus, hw, objective, dataclasses.replace(constraints, cp=1), a, costs, memory_only, priced)
-        if result.plans:
-            return result
-    return _search(w, gpus, hw, objective, constraints, a, costs, memory_only, priced)
-
-
-def _search(
-    w: Workload,
-    gpus: int | list[int],
-    hw: Hardware,
-    objective: Objective = "throughput",
-    constraints: Constraints = Constraints(),
-    a: Assumptions = DEFAULTS,
-    costs: CostModel = DEFAULT_COSTS,
-    memory_only: bool = False,
-    priced: int = 10,
-) -> SearchResult:
     """Evaluate every valid strategy on each device count in `gpus`; plans come back best first. The first
     `priced` (by the objective, on demand) also get spot, mixed and elastic offerings, and under the cost
     objective are re-ranked by the recommended pool's dollars. With memory_only, plans carry no step time or
-    cost (used to find what would fit)."""
+    cost (used to find what would fit).
+
+    Below CP_MIN_SEQ_LEN tokens a sequence, the search leaves context parallelism out unless the constraints
+    name a cp or no layout without it fits: its terms are checked against no published run, and published
+    practice uses it for long sequences only (docs/planner.md, "Context parallelism at short sequences")."""
+    if constraints.cp is None and w.seq_len < CP_MIN_SEQ_LEN:
+        result = search(w, gpus, hw, objective, dataclasses.replace(constraints, cp=1), a, costs, memory_only, priced)
+        if result.plans:
+            return result
     if w.model.n_experts and w.lora_rank:  # LoRA's formulas count a dense layer's projections
         raise PlanError(
             f"the planner does not model LoRA on mixture-of-experts layers (model.n_experts={w.model.n_experts}, "
