@@ -200,7 +200,7 @@ def check_tp_plan(model: nn.Module, plan: ParallelPlan, tp: int, sequence_parall
                 f"(modules: {_examples(names)})"
             )
     for name, module, style in tp_modules(model, plan):
-        _check_tp_module(plan, model, name, module, style, tp)
+        check_linear_style(plan, model, name, module, style, tp)
     _check_tp_ties(model, plan, tp)
     if plan.check is not None:
         plan.check(model, tp)
@@ -220,7 +220,7 @@ def check_zero3_units(model: nn.Module, plan: ParallelPlan) -> None:
                 )
 
 
-def _check_tp_module(
+def check_linear_style(
     plan: ParallelPlan,
     model: nn.Module,
     name: str,
@@ -370,6 +370,35 @@ def fused_widths(
         )
         raise PlanError(f"{where}: blocks {list(widths)} must sum to out_features {out} and be {what}")
     return widths
+
+
+Pieces = tuple[tuple[int, int], ...]  # runs (full start, length) of a tensor along one dim
+
+
+def linear_pieces(
+    plan: ParallelPlan, model: nn.Module, name: str, module: nn.Linear, style: Style, tp: int, rank: int
+) -> tuple[int, Pieces]:
+    """(dim, runs) of a Linear's weight that tp rank `rank` keeps under a Linear style (checked already):
+    output rows for the column styles (this rank's tp-th of every block for a fused one; under COLWISE_HEADS
+    with fewer heads than ranks, the one head it shares), input columns for ROWWISE. The bias (and a LoRA
+    factor) follows the same runs along its own dim. tensor_parallel's sharder and the build-time probe
+    (meshlm.parallel.probe) both cut by this one function."""
+    if isinstance(style, FUSED_STYLES):
+        pieces, start = [], 0
+        for width in fused_widths(plan, model, name, module, style, tp):
+            pieces.append((start + rank * width // tp, width // tp))
+            start += width
+        return 0, tuple(pieces)
+    if style == ROWWISE:
+        cols = module.in_features // tp
+        return 1, ((rank * cols, cols),)
+    if style == COLWISE_HEADS:
+        head_dim = plan.head_dim(model)
+        heads = module.out_features // head_dim
+        if heads % tp:  # fewer heads than ranks: tp/heads consecutive ranks share one
+            return 0, (((rank // (tp // heads)) * head_dim, head_dim),)
+    rows = module.out_features // tp
+    return 0, ((rank * rows, rows),)
 
 
 def check_pipeline_split(model: nn.Module, plan: ParallelPlan, n_stages: int) -> None:

@@ -174,8 +174,10 @@ class TensorParallel:
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
         from meshlm.parallel.plan import check_tp_plan
+        from meshlm.parallel.probe import probe_tensor_parallel
 
         check_tp_plan(model, plan, layout.tp, options.sequence_parallel)
+        probe_tensor_parallel(model, plan, layout.tp)  # each distinct block split vs whole (docs/api.md)
 
     def apply(self, build: Build) -> Applied:
         from meshlm.parallel.runtime import TensorParallelHooks

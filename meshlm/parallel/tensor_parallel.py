@@ -49,7 +49,7 @@ from meshlm.parallel.plan import (
     ParallelPlan,
     SplitMoE,
     Style,
-    fused_widths,
+    linear_pieces,
     moe_split_params,
     plan_for,
     tp_modules,
@@ -278,40 +278,27 @@ class _Sharder:
 
     def _build(self, name: str, module: nn.Module, style: Style) -> nn.Module:
         tp = self.tp
-        if isinstance(style, FUSED_STYLES):
-            # This rank's tp-th of every block (an interleaved layout is one block of whole heads).
-            pieces, start = [], 0
-            for width in fused_widths(self.plan, self.model, name, module, style, tp.size):
-                pieces.append((start + tp.rank * width // tp.size, width // tp.size))
-                start += width
-            return ColumnParallelLinear(*self.split_rows(module, tuple(pieces)), tp)
         if style == VOCAB_EMBEDDING:
             rows = module.num_embeddings // tp.size
             weight = self.shard(module.weight, 0, ((tp.rank * rows, rows),))
             return VocabParallelEmbedding(weight, tp, module.padding_idx)
-        if style in (COLWISE, VOCAB_HEAD):
-            rows = module.out_features // tp.size
-            weight, bias = self.split_rows(module, ((tp.rank * rows, rows),))
-            return ColumnParallelLinear(weight, bias, tp, vocab_head=style == VOCAB_HEAD)
-        if style == COLWISE_HEADS:
-            head_dim = self.plan.head_dim(self.model)
-            heads = module.out_features // head_dim
-            if heads % tp.size == 0:
-                rows = module.out_features // tp.size
-                return ColumnParallelLinear(*self.split_rows(module, ((tp.rank * rows, rows),)), tp)
+        if isinstance(style, FUSED_STYLES) or style in (COLWISE, COLWISE_HEADS, VOCAB_HEAD):
+            _, pieces = linear_pieces(self.plan, self.model, name, module, style, tp.size, tp.rank)
+            weight, bias = self.split_rows(module, pieces)
+            heads = None if style != COLWISE_HEADS else module.out_features // self.plan.head_dim(self.model)
+            if heads is None or heads % tp.size == 0:
+                return ColumnParallelLinear(weight, bias, tp, vocab_head=style == VOCAB_HEAD)
             # Fewer heads than ranks: tp/heads consecutive ranks share the head their query heads use.
             # The first of them counts its gradient for clipping and saves it, the others are replicas.
             replicas = tp.size // heads
-            head = tp.rank // replicas
-            weight, bias = self.split_rows(module, ((head * head_dim, head_dim),))
             if tp.rank % replicas:
                 for p in (weight, bias):
                     if p is not None:
                         self.placements.record(p, tp=TPShard(0, self.placements[p].tp.pieces, counted=False))
-            return ColumnParallelLinear(weight, bias, tp, kv_head=head, n_kv_heads=heads)
+            return ColumnParallelLinear(weight, bias, tp, kv_head=tp.rank // replicas, n_kv_heads=heads)
         if style == ROWWISE:
-            cols = module.in_features // tp.size
-            weight = self.shard(module.weight, 1, ((tp.rank * cols, cols),))
+            _, pieces = linear_pieces(self.plan, self.model, name, module, style, tp.size, tp.rank)
+            weight = self.shard(module.weight, 1, pieces)
             bias = module.bias
             if bias is not None and tp.sequence_parallel:
                 _sum_grad_over_tp(bias, tp)
