@@ -82,6 +82,9 @@ def meta_forward(module: nn.Module, x: torch.Tensor, then: Callable[[object], ob
 # run's. Every rank computes the same verdict from the same seeded numbers, without communicating.
 PROBE_RTOL = 1e-3  # fp32 sums in another order differ by ~1e-6 relatively; a wrong row order by O(1)
 PROBE_TOKENS = 4  # tokens of the probe batch (one row)
+# A block whose column entries are all plain (COLWISE, COLWISE_HEADS) is probed only up to this many weight
+# elements (~0.1 s of CPU): a fused entry is where a layout can silently disagree with its plan, and always probed.
+PLAIN_PROBE_ELEMENTS = 1 << 22
 
 
 class _Captured(Exception):
@@ -140,6 +143,9 @@ def _distinct_blocks(model: nn.Module, entries: list[tuple[str, Style]]) -> list
         if any(not (_is_column(s) or s in (ROWWISE, SEQUENCE_PARALLEL)) for _, s in inside):
             continue  # an embedding, head or MoE layer inside: not a block of linears
         module = model.get_submodule(path)
+        fused = any(isinstance(s, FUSED_STYLES) for _, s in inside)
+        if not fused and sum(p.numel() for p in module.parameters()) > PLAIN_PROBE_ELEMENTS:
+            continue
         key = (
             type(module),
             tuple((n[len(path) :], s) for n, s in inside),
