@@ -29,8 +29,11 @@ A meta module that none of these initialises is refused in one line (InitError) 
 
 from __future__ import annotations
 
+import ast
 import copy
+import inspect
 import math
+import textwrap
 from collections.abc import Callable
 
 import torch
@@ -71,14 +74,89 @@ def _check_no_init_in_constructor(model: nn.Module, modules: dict[str, nn.Module
             temp.reset_parameters()
         for key, p in own.items():
             extra = p._version - temp._parameters[key]._version
+            name = f"{path}.{key}" if path else key
+            if extra < 0:
+                raise InitError(
+                    f"{type(model).__name__}: parameter {name} was not written by its module's reset_parameters() "
+                    f"while built on meta ({type(module).__name__}'s reset_parameters() writes it {-extra} more "
+                    "time(s): a new nn.Parameter assigned in __init__, or a module whose __init__ does not call "
+                    "reset_parameters()): the eager build keeps what __init__ gave it and meshlm cannot replay that; "
+                    "move that init into an init_weights() method (docs/api.md), or build the model on a real device"
+                )
             if extra > 0:
-                name = f"{path}.{key}" if path else key
                 raise InitError(
                     f"{type(model).__name__}: parameter {name} was written in place {extra} more time(s) than its "
                     f"module's reset_parameters() writes it while built on meta (an init in __init__, e.g. "
                     "nn.init.normal_ or self.apply(...)): it draws nothing there and meshlm cannot replay it; move "
                     "that init into an init_weights() method (docs/api.md), or build the model on a real device"
                 )
+
+
+def _check_no_data_writes(model: nn.Module, modules: dict[str, nn.Module]) -> None:
+    """A write through `.data` in a module's `__init__` (`p.data.normal_()`, `p.data = ...`, `init.normal_(p.data)`)
+    leaves no trace on a meta tensor (a `.data` tensor has a version counter of its own), so it is found in the
+    source: `__init__` of each class of the model outside torch, and the methods it calls on `self`
+    (`reset_parameters()` excepted: meshlm replays it). Refused in one line naming the module and the line."""
+    seen: set[type] = set()
+    for path, module in modules.items():
+        cls = type(module)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        found = _data_write_in_init(cls)
+        if found is not None:
+            where, line, text = found
+            raise InitError(
+                f"{type(model).__name__}: module {path or '(root)'} ({cls.__name__}): {where} writes a tensor's .data "
+                f"in place (line {line}: {text}): built on meta it draws nothing and leaves no trace meshlm could "
+                "replay; move that init into an init_weights() method (docs/api.md), or build the model on a real "
+                "device"
+            )
+
+
+def _data_write_in_init(cls: type) -> tuple[str, int, str] | None:
+    """(function, line, source) of the first `.data` write reachable from `cls.__init__` through calls on self."""
+    todo, done = ["__init__"], set()
+    while todo:
+        name = todo.pop(0)
+        func = getattr(cls, name, None)
+        done.add(name)
+        if not inspect.isfunction(func) or func.__module__.startswith("torch."):
+            continue
+        try:
+            lines, first = inspect.getsourcelines(func)
+        except (OSError, TypeError):
+            continue
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+        for node in ast.walk(tree):
+            if _writes_data(node):
+                return func.__qualname__, first + node.lineno - 1, ast.unparse(node)[:80]
+            called = node.attr if isinstance(node, ast.Attribute) and _is_self(node.value) else None
+            if called and called != "reset_parameters" and called not in done and called not in todo:
+                todo.append(called)
+    return None
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _is_data(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "data"
+
+
+def _writes_data(node: ast.AST) -> bool:
+    """`x.data.op_(...)`, `op_(..., x.data, ...)`, `x.data = ...`, `x.data[...] = ...`, `x.data += ...`."""
+    if isinstance(node, ast.Call):
+        func = node.func
+        in_place = isinstance(func, (ast.Attribute, ast.Name)) and getattr(func, "attr", getattr(func, "id", ""))
+        if not (isinstance(in_place, str) and in_place.endswith("_") and not in_place.endswith("__")):
+            return False
+        return (isinstance(func, ast.Attribute) and _is_data(func.value)) or any(_is_data(a) for a in node.args)
+    if isinstance(node, (ast.Assign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(_is_data(t) or (isinstance(t, ast.Subscript) and _is_data(t.value)) for t in targets)
+    return False
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -129,6 +207,7 @@ class MetaInit:
                     "materialised model, docs/api.md) or the module reset_parameters(), or build it on a real device"
                 )
         if own and self.whole_model is None:
+            _check_no_data_writes(model, self.modules)
             _check_no_init_in_constructor(model, self.modules)
         self.pending: dict[int, str] = {}  # id(placeholder) -> name: parameters a FlatBuffer must still fill
         self._cached: tuple[str, dict[str, torch.Tensor]] | None = None

@@ -14,7 +14,6 @@ receives on the `pp` group; every wait has a timeout, so a dead or stuck neighbo
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,13 +58,47 @@ def module_stage_costs(model: nn.Module, split: PipelineSplit) -> tuple[float, f
     return parts(split.first), linear_flops(blocks[0]), parts(split.last)
 
 
+_MODULE_STATE = frozenset(vars(nn.Module()))  # what nn.Module keeps per instance: its tables, hooks, `training`
+
+
+class _ReadThrough:
+    """A stage view's class (a subclass of the model's own): what the view does not hold itself — anything but
+    nn.Module's own tables and flags, and what is set on the view — is read from the user's module. A flag the
+    user's loop sets on its model between steps (`model.use_adapter = step % 2`) thus reaches every stage, as it
+    does a child module, which the views share."""
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            return super().__getattr__(name)  # nn.Module's: the view's parameters, buffers and children
+        except AttributeError:
+            source = self.__dict__.get("_stage_source")
+            if source is None:
+                raise
+            return getattr(source, name)
+
+
+_VIEW_CLASSES: dict[type, type] = {}
+
+
+def _view_class(cls: type) -> type:
+    if cls not in _VIEW_CLASSES:
+        names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        _VIEW_CLASSES[cls] = type(cls.__name__, (_ReadThrough, cls), names)
+    return _VIEW_CLASSES[cls]
+
+
 def _private_copy(module: nn.Module) -> nn.Module:
-    """A shallow copy sharing parameters, buffers and children, with its own child, parameter and hook
-    tables, so that changing the copy (dropping a part, a ZeRO-3 hook) leaves the original alone."""
-    clone = copy.copy(module)
+    """A view of `module` sharing its parameters, buffers and children, with its own child, parameter and hook
+    tables, so that changing the view (dropping a part, a ZeRO-3 hook) leaves the original alone; every other
+    attribute is read from the original when it is read (_ReadThrough), not copied."""
+    clone = object.__new__(_view_class(type(module)))
     for key, value in vars(module).items():
+        if key not in _MODULE_STATE:
+            continue
         if isinstance(value, dict) and (key in ("_modules", "_parameters", "_buffers") or "hook" in key):
-            clone.__dict__[key] = value.__class__(value)
+            value = value.__class__(value)
+        clone.__dict__[key] = value
+    clone.__dict__["_stage_source"] = module
     return clone
 
 
