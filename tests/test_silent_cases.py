@@ -24,10 +24,12 @@ import re
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from distributed import run_shared
 from equivalence import assert_same_losses, global_batch
 from torch import nn
@@ -179,6 +181,40 @@ def test_hf_phi3_fused_qkv_under_a_per_head_plan_is_refused_at_parallelize() -> 
         assert "\n" not in message, message
         assert f"block model.layers.0.self_attn split at tp=2 as model.layers.0.self_attn.qkv_proj: {style}" in message
         assert "its forward fails when split" in message and "read widths from its tensors" in message, message
+
+
+class GQAAttention(nn.Module):
+    """A Phi-3-style fused qkv that splits by proportion (so a rank's [q_r | k_r | v_r] splits alike): 8 query
+    and 2 KV heads of 8, Q | K | V blocks of 64, 16, 16 features; the head counts in a `config` as HF keeps them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2)
+        self.qkv_proj, self.o_proj = nn.Linear(DIM, 96, bias=False), nn.Linear(64, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv_proj(x)
+        q_width = qkv.shape[-1] * 8 // 12
+        parts = qkv.split([q_width, (qkv.shape[-1] - q_width) // 2, (qkv.shape[-1] - q_width) // 2], -1)
+        q, k, v = (t.reshape(b, s, -1, 8).transpose(1, 2) for t in parts)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_equal_blocks_under_grouped_query_attention_are_refused_naming_the_unequal_widths() -> None:
+    """FusedColwise(3, heads=True) cuts 96 features into three blocks of 4 heads: it passes the width checks
+    but gives a rank query heads of K's block. Refused, with the Q / K / V widths of the config's head counts
+    (unequal parts, each split at head boundaries) as the valid entry; that entry passes."""
+    entries = {"1.qkv_proj": meshlm.FusedColwise(3, heads=True), "1.o_proj": meshlm.ROWWISE}
+    plan = meshlm.ParallelPlan(name="gqa", tensor_parallel=entries, head_dim=lambda m: 8)
+    model = nn.Sequential(nn.Embedding(VOCAB, DIM), GQAAttention())
+    with pytest.raises(meshlm.PlanError) as err:
+        checked(model, plan, "tp=2")
+    message, valid = str(err.value), meshlm.FusedColwise((64, 16, 16), heads=True)
+    assert "module 1.qkv_proj (FusedColwise(blocks=3, heads=True)) does not match" in message, message
+    assert f"valid: {valid}" in message, message
+    checked(model, with_entry(plan, "1.qkv_proj", valid), "tp=2")
 
 
 def _refused_at_parallelize() -> str:

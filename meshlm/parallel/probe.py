@@ -107,15 +107,15 @@ def probe_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp: int) -> None
     blocks = _distinct_blocks(model, entries)
     if not blocks:
         return
-    inputs = _capture_inputs(model, [b.path for b in blocks])
-    gen = torch.Generator().manual_seed(0)
-    for block in blocks:
-        if block.path in inputs:
-            _probe_block(model, plan, tp, block, inputs[block.path], gen)
+    with torch.random.fork_rng(devices=[]):  # a forward that draws (dropout) leaves the user's stream alone
+        inputs = _capture_inputs(model, [b.path for b in blocks])
+        gen = torch.Generator().manual_seed(0)
+        for block in blocks:
+            if block.path in inputs:
+                _probe_block(model, plan, tp, block, inputs[block.path], gen)
 
 
 def _is_column(style: Style) -> bool:
-
     return isinstance(style, FUSED_STYLES) or style in (COLWISE, COLWISE_HEADS)
 
 
@@ -178,8 +178,10 @@ def _capture_inputs(model: nn.Module, paths: list[str]) -> dict[str, tuple[tuple
         real = next((p for p in model.parameters() if not p.is_meta), None)
         if len(got) < len(paths) and real is not None and not any(p.is_meta for p in model.parameters()):
             got.clear()
+            buffers = {n: b.clone() for n, b in model.named_buffers()}  # running statistics stay the user's
             with torch.no_grad(), contextlib.suppress(Exception):  # proves nothing: the probe is skipped
-                model(torch.zeros((1, PROBE_TOKENS), dtype=torch.long, device=real.device))
+                tokens = torch.zeros((1, PROBE_TOKENS), dtype=torch.long, device=real.device)
+                functional_call(model, buffers, (tokens,), strict=False)
     finally:
         for h in handles:
             h.remove()
@@ -315,8 +317,11 @@ def _probe_block(
     rows = [model.get_submodule(n) for n, s in block.entries if s == ROWWISE]
     try:
         reference = _run_block(module, whole, inputs, rows)
+        again = _run_block(module, whole, inputs, rows)
     except Exception:  # the whole block does not run on stand-in inputs: nothing to compare
         return
+    if any(not torch.equal(a, b) for (_, a), (_, b) in zip(reference, again, strict=True)):
+        return  # a forward that is not a function of its inputs and weights (it draws): nothing to compare
     styles = dict(block.entries)
     what = _split_differs(model, plan, tp, block, styles, whole, inputs, reference)
     if not what:
@@ -344,7 +349,7 @@ def _alternatives(model: nn.Module, plan: ParallelPlan, name: str, style: Style,
     candidates: list[Style] = []
     if plan.head_dim is not None:  # the per-head styles first: they say more than a plain split that agrees
         candidates += [InterleavedColwise(3), FusedColwise(3, heads=True)]
-        heads = _head_counts(model)
+        heads = _head_counts(model.get_submodule(name.rpartition(".")[0])) or _head_counts(model)
         if heads is not None:
             head_dim = plan.head_dim(model)
             widths = (heads[0] * head_dim, heads[1] * head_dim, heads[1] * head_dim)
@@ -365,7 +370,7 @@ def _alternatives(model: nn.Module, plan: ParallelPlan, name: str, style: Style,
 
 
 def _head_counts(model: nn.Module) -> tuple[int, int] | None:
-    """(query heads, KV heads) from the model's config (Hugging Face's or meshlm's), if it says."""
+    """(query heads, KV heads) from a module's config (Hugging Face's or meshlm's), if it says."""
     for config, q, kv in ((getattr(model, "config", None), "num_attention_heads", "num_key_value_heads"),
                           (getattr(model, "cfg", None), "n_heads", "n_kv_heads")):  # fmt: skip
         heads = getattr(config, q, None)
