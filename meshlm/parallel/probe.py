@@ -5,6 +5,9 @@ verdict without communicating. The module itself is left as it was.
 
 A forward that meta tensors cannot run (a data-dependent shape such as a mixture-of-experts' token routing,
 `.item()`) proves nothing; `meta_forward` returns what it raised, as a `MetaFailure`, for the caller to judge.
+
+`probe_tensor_parallel` (below) computes for real, on the CPU: a few blocks of the model on random weights,
+whole and split as a tensor-parallel plan says, to catch an entry that disagrees with its weight's layout.
 """
 
 from __future__ import annotations
@@ -102,7 +105,6 @@ def probe_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp: int) -> None
     probe finds one) a tp plan under which some block's forward differs from, or fails unlike, the whole
     block. A block whose inputs cannot be captured (a forward neither the meta device nor, for a real model, a
     short real batch runs) or whose whole run fails proves nothing and is skipped."""
-
     entries = [(name, style) for name, _, style in tp_modules(model, plan)]
     blocks = _distinct_blocks(model, entries)
     if not blocks:
@@ -122,7 +124,6 @@ def _is_column(style: Style) -> bool:
 def _distinct_blocks(model: nn.Module, entries: list[tuple[str, Style]]) -> list[_Block]:
     """The first block of each kind (class, its entries relative to it, its parameters' shapes): the layers of
     one model repeat a few kinds, so a 126-layer model probes about as many blocks as a 2-layer one."""
-
     rows = [name for name, style in entries if style == ROWWISE]
     seen, out = set(), []
     for name, style in entries:
@@ -224,7 +225,6 @@ def _rank_weights(
 ) -> dict[str, torch.Tensor]:
     """The block's weights as tp rank `rank` holds them: every column entry's rows (weight, bias, LoRA B), every
     ROWWISE entry's columns (weight, LoRA A) with no bias (added once, after the sum over ranks)."""
-
     out = dict(whole)
     for name, _ in block.entries:
         style = styles[name]
@@ -274,7 +274,6 @@ def _split_differs(
     reference: list[tuple[nn.Module, torch.Tensor]],
 ) -> str:
     """'' if the ranks' ROWWISE outputs sum to the whole run's, else what differs (or what a rank raised)."""
-
     module = model.get_submodule(block.path)
     rows = [model.get_submodule(n) for n, s in block.entries if s == ROWWISE]
     total = None
@@ -310,7 +309,6 @@ def _first_line(error: BaseException) -> str:
 def _probe_block(
     model: nn.Module, plan: ParallelPlan, tp: int, block: _Block, captured: tuple[tuple, dict], gen: torch.Generator
 ) -> None:
-
     module = model.get_submodule(block.path)
     whole = _random_weights(module, gen)
     inputs = tree_map(lambda t: _random_like(t, gen) if isinstance(t, torch.Tensor) else t, captured)
@@ -345,7 +343,6 @@ def _probe_block(
 def _alternatives(model: nn.Module, plan: ParallelPlan, name: str, style: Style, tp: int) -> list[Style]:
     """The column styles that fit module `name` at tp (fused_widths accepts them), `style` excluded: plain,
     per-head, 2 or 3 equal blocks, and Q/K/V of the model's query and KV head counts (grouped-query attention)."""
-
     candidates: list[Style] = []
     if plan.head_dim is not None:  # the per-head styles first: they say more than a plain split that agrees
         candidates += [InterleavedColwise(3), FusedColwise(3, heads=True)]
