@@ -144,7 +144,7 @@ def test_the_probe_passes_every_correct_plan_for_both_real_and_meta_builds(
 
 def test_the_probe_costs_little() -> None:
     """Cost at start-up: the GPT-2 example at dim 768 (124M-class blocks: c_attn 768 x 2304, MLP 768 x 3072),
-    built on meta, tp=4: ~0.2 s of CPU when measured (the two distinct blocks, whole and per rank, on random
+    built on meta, tp=4: 0.14 s of CPU when measured (the two distinct blocks, whole and per rank, on random
     weights). Bounded at 3 s of CPU time (process time, not wall: the test machine is shared) so a probe that
     grew to the whole model (12 layers) would fail."""
     with torch.device("meta"):
