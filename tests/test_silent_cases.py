@@ -101,6 +101,17 @@ def test_a_fused_entry_against_its_weights_row_order_is_refused_naming_the_entry
     assert f"valid: {valid}" in message, message
 
 
+def test_a_rowwise_layer_declared_colwise_is_refused_naming_its_block_and_entries() -> None:
+    """It crashed at step 1 with a bare shape error; now one line at parallelize naming the block (the layer:
+    the nearest module holding a ROWWISE entry) and its entries."""
+    plan = with_entry(GPT2_PLAN, "h.*.attn.c_proj", meshlm.COLWISE)
+    with pytest.raises(meshlm.PlanError) as err:
+        checked(gpt2(), plan, "tp=2")
+    message = str(err.value)
+    assert "\n" not in message and "block h.0 split at tp=2 as" in message, message
+    assert "h.0.attn.c_proj: colwise" in message and "its forward fails when split" in message, message
+
+
 def _hf(family: str) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -179,7 +190,8 @@ def test_hf_phi3_fused_qkv_under_a_per_head_plan_is_refused_at_parallelize() -> 
             checked(model, plan, "tp=2")
         message = str(err.value)
         assert "\n" not in message, message
-        assert f"block model.layers.0.self_attn split at tp=2 as model.layers.0.self_attn.qkv_proj: {style}" in message
+        assert "block model.layers.0.self_attn split at tp=2 as " in message, message
+        assert f"model.layers.0.self_attn.qkv_proj: {style}" in message, message
         assert "its forward fails when split" in message and "read widths from its tensors" in message, message
 
 

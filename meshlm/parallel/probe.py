@@ -138,11 +138,15 @@ def _distinct_blocks(model: nn.Module, entries: list[tuple[str, Style]]) -> list
             ),
             None,
         )
-        if path is None:
-            continue
+        if path is None:  # no ROWWISE closes it (a row-parallel layer declared colwise?): its parent, if any
+            path = ".".join(parts[:-1])
+            if not path:
+                continue
         inside = tuple((n, s) for n, s in entries if n.startswith(path + "."))
         if any(not (_is_column(s) or s in (ROWWISE, SEQUENCE_PARALLEL)) for _, s in inside):
             continue  # an embedding, head or MoE layer inside: not a block of linears
+        if sum(s == ROWWISE for _, s in inside) > 1:
+            continue  # two regions in one block (a whole layer): the probe does not all-reduce between them
         module = model.get_submodule(path)
         fused = any(isinstance(s, FUSED_STYLES) for _, s in inside)
         if not fused and sum(p.numel() for p in module.parameters()) > PLAIN_PROBE_ELEMENTS:
@@ -271,11 +275,14 @@ def _split_differs(
     styles: dict[str, Style],
     whole: dict[str, torch.Tensor],
     inputs: tuple[tuple, dict],
-    reference: list[tuple[nn.Module, torch.Tensor]],
-) -> str:
-    """'' if the ranks' ROWWISE outputs sum to the whole run's, else what differs (or what a rank raised)."""
+    reference: list[tuple[nn.Module, torch.Tensor]] | None = None,
+) -> str | None:
+    """'' if the ranks' ROWWISE outputs (under `styles`) sum to the whole run's (`reference`, computed if not
+    given), else what differs (or what a rank raised); None if it runs but there is no ROWWISE output to compare."""
     module = model.get_submodule(block.path)
-    rows = [model.get_submodule(n) for n, s in block.entries if s == ROWWISE]
+    rows = [model.get_submodule(n) for n, s in styles.items() if s == ROWWISE]
+    if reference is None:
+        reference = _run_block(module, whole, inputs, rows)
     total = None
     for rank in range(tp):
         try:
@@ -295,7 +302,9 @@ def _split_differs(
         if bias is not None:
             got = got + whole[f"{_rel(model, block, m)}.bias"]
         worst = max(worst, ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
-    return f"the split output differs from the whole block's by {worst:.1e} relatively" if worst > PROBE_RTOL else ""
+    if worst > PROBE_RTOL:
+        return f"the split output differs from the whole block's by {worst:.1e} relatively"
+    return "" if reference else None
 
 
 def _rel(model: nn.Module, block: _Block, module: nn.Module) -> str:
@@ -324,10 +333,10 @@ def _probe_block(
     what = _split_differs(model, plan, tp, block, styles, whole, inputs, reference)
     if not what:
         return
-    columns = [(n, s) for n, s in block.entries if _is_column(s)]
+    columns = [(n, s) for n, s in block.entries if _is_column(s) or s == ROWWISE]
     for name, style in columns:  # which entry: the first whose change to another style makes the block exact
         for other in _alternatives(model, plan, name, style, tp):
-            if not _split_differs(model, plan, tp, block, {**styles, name: other}, whole, inputs, reference):
+            if _split_differs(model, plan, tp, block, {**styles, name: other}, whole, inputs) == "":
                 raise PlanError(
                     f"plan {plan.name!r}: module {name} ({style}) does not match its weight's row order at tp={tp}: "
                     f"in a build-time probe of {block.path} {what}; valid: {other} (exact in the same probe)"
@@ -341,8 +350,9 @@ def _probe_block(
 
 
 def _alternatives(model: nn.Module, plan: ParallelPlan, name: str, style: Style, tp: int) -> list[Style]:
-    """The column styles that fit module `name` at tp (fused_widths accepts them), `style` excluded: plain,
-    per-head, 2 or 3 equal blocks, and Q/K/V of the model's query and KV head counts (grouped-query attention)."""
+    """The Linear styles that fit module `name` at tp (check_linear_style accepts them), `style` excluded:
+    per-head, Q/K/V of the model's query and KV head counts (grouped-query attention), 3 or 2 equal blocks,
+    plain colwise, rowwise."""
     candidates: list[Style] = []
     if plan.head_dim is not None:  # the per-head styles first: they say more than a plain split that agrees
         candidates += [InterleavedColwise(3), FusedColwise(3, heads=True)]
@@ -352,7 +362,7 @@ def _alternatives(model: nn.Module, plan: ParallelPlan, name: str, style: Style,
             widths = (heads[0] * head_dim, heads[1] * head_dim, heads[1] * head_dim)
             candidates.append(FusedColwise(widths, heads=True))
         candidates.append(COLWISE_HEADS)
-    candidates += [FusedColwise(3), FusedColwise(2), COLWISE]
+    candidates += [FusedColwise(3), FusedColwise(2), COLWISE, ROWWISE]
     module = model.get_submodule(name)
     out = []
     for candidate in candidates:
