@@ -85,6 +85,13 @@ WRONG_ORDER = {
     ),
     # A fused weight split as a plain colwise: rank 0 holds all of Q (test_fused.py's mutant).
     "blocked qkv as a plain colwise": (gpt2, MUTANT_PLAN, "h.0.attn.c_attn (colwise)", "FusedColwise(blocks=3"),
+    # A plain MLP up projection declared [gate | up]: rank 0 keeps half of each half.
+    "plain up projection as FusedColwise(2)": (
+        gpt2,
+        with_entry(GPT2_PLAN, "h.*.mlp.c_fc", meshlm.FusedColwise(2)),
+        "h.0.mlp.c_fc (FusedColwise(blocks=2))",
+        "colwise",
+    ),
 }
 
 

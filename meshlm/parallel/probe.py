@@ -352,7 +352,7 @@ def _probe_block(
 def _alternatives(model: nn.Module, plan: ParallelPlan, name: str, style: Style, tp: int) -> list[Style]:
     """The Linear styles that fit module `name` at tp (check_linear_style accepts them), `style` excluded:
     per-head, Q/K/V of the model's query and KV head counts (grouped-query attention), 3 or 2 equal blocks,
-    plain colwise, rowwise."""
+    plain colwise, colwise at head boundaries, rowwise."""
     candidates: list[Style] = []
     if plan.head_dim is not None:  # the per-head styles first: they say more than a plain split that agrees
         candidates += [InterleavedColwise(3), FusedColwise(3, heads=True)]
@@ -361,8 +361,10 @@ def _alternatives(model: nn.Module, plan: ParallelPlan, name: str, style: Style,
             head_dim = plan.head_dim(model)
             widths = (heads[0] * head_dim, heads[1] * head_dim, heads[1] * head_dim)
             candidates.append(FusedColwise(widths, heads=True))
-        candidates.append(COLWISE_HEADS)
-    candidates += [FusedColwise(3), FusedColwise(2), COLWISE, ROWWISE]
+    candidates += [FusedColwise(3), FusedColwise(2), COLWISE]
+    if plan.head_dim is not None:
+        candidates.append(COLWISE_HEADS)  # after COLWISE: it only differs from it where KV heads are replicated
+    candidates.append(ROWWISE)
     module = model.get_submodule(name)
     out = []
     for candidate in candidates:
