@@ -30,7 +30,7 @@ from meshlm.plan.memory import (
     rank_moe_layers,
     stage_params,
 )
-from meshlm.plan.network import collective_time, crosses_nodes, rails
+from meshlm.plan.network import collective_time, crosses_nodes, group_time, rails
 from meshlm.plan.pipeline_split import Runtime, chunk_full_layers, chunk_layers, rank_chunks, representative_stages
 
 MEASURED_EFFICIENCY = 0.8  # achievable fraction of a measured large-matmul rate
@@ -280,7 +280,7 @@ def dp_collectives(
 
     def t(op: str, nbytes: float, calls: int | None = None) -> float:
         calls = calls or max(1, math.ceil(nbytes / bucket))  # default: one call per bucket
-        return calls * collective_time(op, nbytes / calls, n, hw.link("dp", cross, op, nics))
+        return calls * group_time(hw, "dp", cross, op, nbytes / calls, n, nics)
 
     m = micro_batches
     trainable = psi if trainable is None else trainable
@@ -452,13 +452,13 @@ def _tp_times(w: Workload, s: Strategy, hw: Hardware, a: Assumptions) -> tuple[f
     activation = tokens * w.model.dim * BYTES[w.precision][3]  # one micro-batch's hidden states, s·b·h
     tp_cross = crosses_nodes(s.mesh, "tp", hw.gpus_per_node)
     tp_ops = ("all_gather", "reduce_scatter") if s.sequence_parallel else ("all_reduce",)
-    per_collective = sum(collective_time(op, activation, s.tp, hw.link("tp", tp_cross, op)) for op in tp_ops)
+    per_collective = sum(group_time(hw, "tp", tp_cross, op, activation, s.tp, s.tp) for op in tp_ops)
     n_collectives = TP_COLLECTIVES.get(s.recompute, 4)
     tp_layer = n_collectives * per_collective * (1 - a.tp_overlap)
     tp_full_layer = TP_COLLECTIVES["full"] * per_collective * (1 - a.tp_overlap)
-    tp_link = hw.link("tp", tp_cross, "all_reduce")
     tp_edge = per_collective / len(tp_ops) * (1 - a.tp_overlap)
-    tp_loss = sum(collective_time("all_reduce", k * tokens * 4, s.tp, tp_link) for k in (1, 2)) * (1 - a.tp_overlap)
+    loss = (group_time(hw, "tp", tp_cross, "all_reduce", k * tokens * 4, s.tp, s.tp) for k in (1, 2))
+    tp_loss = sum(loss) * (1 - a.tp_overlap)
     return tp_layer, tp_full_layer, tp_edge, tp_loss
 
 
