@@ -325,19 +325,36 @@ def cp_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, 
     return (forwards + 1) * collective_time("all_to_all", nbytes, s.cp, link)
 
 
-def ep_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int) -> float:
-    """Expert-parallel communication of one MoE layer for one micro-batch of `tokens` local tokens, as
-    meshlm.parallel.expert_parallel runs it (blocking, not overlapped): the rows-per-expert counts (E int64,
-    once per forward), then the dispatch and the combine of the k·tokens rows (h wide each) forward and again
-    reversed in backward, 4 all-to-alls, 6 with full or 'mlp' recompute (both rerun the routed MLP).
-    Balanced routing sends (ep − 1)/ep of the rows off the rank, which `collective_time`'s all-to-all charges."""
+def ep_layer_time(
+    model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int, runtime: Runtime = "meshlm"
+) -> float:
+    """Expert-parallel communication of one MoE layer for one micro-batch of `tokens` local tokens, blocking,
+    not overlapped: the rows-per-expert counts (E int64, once per forward), then the dispatch and the combine
+    of the k rows of each token a rank sends (h wide each) forward and again reversed in backward, 4
+    all-to-alls, 6 with full or 'mlp' recompute (both rerun the routed MLP). Balanced routing sends
+    (ep − 1)/ep of the rows off the rank, which `collective_time`'s all-to-all charges.
+
+    The tokens a rank sends: meshlm's runtime (meshlm.parallel.tp_moe) exchanges the whole (under sequence
+    parallelism, all-gathered) sequence from every tp rank; Megatron's all-to-all dispatcher under sequence
+    parallelism sends each tp rank's tokens/tp and then all-gathers the received rows over tp (reduce-scatters
+    them back at the combine): k·tokens rows where the dense MLP's gather moves tokens, so (k − 1)·tokens
+    rows more than the tensor-parallel term already counts."""
     if s.ep == 1:
         return 0.0
     link = hw.link("ep", crosses_nodes(s.mesh, "ep", hw.gpus_per_node), "all_to_all")
     forwards = 2 if s.recompute in ("full", "mlp") else 1
-    rows = collective_time("all_to_all", tokens * model.top_k * model.dim * act, s.ep, link)
+    split = runtime == "megatron" and s.sequence_parallel and s.tp > 1
+    sent = tokens / s.tp if split else tokens
+    rows = collective_time("all_to_all", sent * model.top_k * model.dim * act, s.ep, link)
     counts = collective_time("all_to_all", 8 * model.n_experts, s.ep, link)
-    return (forwards + 1) * 2 * rows + forwards * counts
+    regather = 0.0
+    if split:
+        nbytes = (model.top_k - 1) * tokens * model.dim * act
+        tp_cross = crosses_nodes(s.mesh, "tp", hw.gpus_per_node)
+        regather = sum(
+            group_time(hw, "tp", tp_cross, op, nbytes, s.tp, s.tp) for op in ("all_gather", "reduce_scatter")
+        )
+    return (forwards + 1) * (2 * rows + regather) + forwards * counts
 
 
 def cp_attention_factor(s: Strategy) -> float:
@@ -513,12 +530,12 @@ def stage_slots(
     chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
     moe = rank_moe_layers(model, s.pp, s.virtual_stages, a.runtime)
     cp_layer = cp_layer_time(model, tokens, s, hw, act)
-    ep_layer = ep_layer_time(model, tokens, s, hw, act)
+    ep_layer = ep_layer_time(model, tokens, s, hw, act, a.runtime)
     cp_full_layer = ep_full_layer = 0.0
     if s.recompute_layers:
         full_s = dataclasses.replace(s, recompute="full")
         cp_full_layer = cp_layer_time(model, tokens, full_s, hw, act)
-        ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act)
+        ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act, a.runtime)
     stages = []
     slot_compute = slot_tp = slot_cp = slot_ep = 0.0
     for i in representative_stages(chunks):
