@@ -327,7 +327,7 @@ def test_search_rejects_memory_misfits_with_sizes():
     w = Workload(PRESETS["llama3-8b"], 8192, 8, 1e9)
     result = search(w, 1, hardware("A100-40GB"))
     assert not result.plans and set(result.reasons()) == {"out of memory"}
-    assert all("GB > 38.4 GB" in r.detail for r in result.rejected)  # 40 GB less the 4 % allocator reserve
+    assert all("GiB > 38.4 GiB" in r.detail for r in result.rejected)  # 40 GiB less the 4 % allocator reserve
     with pytest.raises(PlanError, match=r"does not fit on 1× A100-40GB.*needs ≥ \d+ GPUs"):
         best(w, 1, hardware("A100-40GB"))
 
