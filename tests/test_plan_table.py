@@ -15,7 +15,7 @@ from rich.console import Console
 from meshlm.model.config import preset
 from meshlm.plan import Workload, hardware
 from meshlm.plan.cli import add_plan_parser, run_plan
-from meshlm.plan.search import search
+from meshlm.plan.search import Constraints, search
 from meshlm.plan.step_time import StepTime
 from meshlm.plan.table import STRATEGY, distinct, expert_parallel_note, fitted_table, why_first
 
@@ -60,7 +60,8 @@ def test_why_first_names_the_part_that_separates_the_first_two() -> None:
     (absent from #1's parts) is what the line names, with #2's saving elsewhere."""
     w = Workload(preset("mixtral-8x7b"), 4096, 64, 1e12, name="mixtral")
     hw = hardware("H100-SXM")
-    plans = search(w, 16, hw).plans
+    fixed = Constraints(pp=2, tp=2, zero=3, micro_batch=1, schedule="1f1b", recompute="none")  # keeps it cheap
+    plans = search(w, 16, hw, constraints=fixed).plans
     no_ep = next(p for p in plans if p.strategy.ep == 1)
     with_ep = next(p for p in plans if p.strategy.ep > 1)
     line = why_first([no_ep, with_ep], hw)
@@ -76,9 +77,9 @@ def test_why_first_names_the_part_that_separates_the_first_two() -> None:
 
 
 def test_why_first_on_a_tie_names_the_memory() -> None:
-    w = Workload(preset("llama3-1b"), 8192, 64, 1e12, name="llama3-1b")
+    w = Workload(preset("llama3-1b"), 8192, 8, 1e12, name="llama3-1b")
     hw = hardware("H100-SXM")
-    plans = search(w, 8, hw).plans
+    plans = search(w, 1, hw).plans
     one, two = plans[0], dataclasses.replace(plans[0], step=dataclasses.replace(plans[0].step))
     assert why_first([one, two], hw) == "#2: the same step time and memory"
     later = dataclasses.replace(two, step=StepTime(**{**dataclasses.asdict(two.step), "bubble": 0.5}))
