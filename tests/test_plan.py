@@ -113,10 +113,10 @@ def test_fused_loss_bytes_are_what_it_keeps_for_backward():
 @pytest.mark.parametrize(
     ("precision", "zero", "runtime", "expected"),
     [
-        ("bf16", 0, "megatron", (2.0, 2.0, 12.0)),  # the ZeRO paper's mixed-precision Adam
-        ("bf16", 1, "megatron", (2.0, 2.0, 1.5)),
-        ("bf16", 2, "megatron", (2.0, 0.25, 1.5)),
-        ("bf16", 3, "megatron", (0.25, 0.25, 1.5)),
+        ("bf16", 0, "megatron", (2.0, 4.0, 12.0)),  # Megatron: bf16 weights, fp32 grad buffer, fp32 master + Adam
+        ("bf16", 1, "megatron", (2.0, 4.0, 1.5)),  # its distributed optimizer: 6 + 12/d
+        ("bf16", 2, "megatron", (2.0, 0.5, 1.5)),
+        ("bf16", 3, "megatron", (0.5, 0.5, 1.0)),  # FSDP FULL_SHARD: fp32 sharded weights, grads, moments: 16/d
         ("bf16", 0, "meshlm", (4.0, 4.0, 8.0)),  # fp32 weights under autocast
         ("bf16", 1, "meshlm", (2.5, 2.5, 1.0)),  # bf16 weights and grads + fp32 master and grad shards
         ("bf16", 2, "meshlm", (2.5, 0.5, 1.0)),
@@ -327,7 +327,7 @@ def test_search_rejects_memory_misfits_with_sizes():
     w = Workload(PRESETS["llama3-8b"], 8192, 8, 1e9)
     result = search(w, 1, hardware("A100-40GB"))
     assert not result.plans and set(result.reasons()) == {"out of memory"}
-    assert all("GB > 38.4 GB" in r.detail for r in result.rejected)  # 40 GB less the 4 % allocator reserve
+    assert all("GiB > 38.4 GiB" in r.detail for r in result.rejected)  # 40 GiB less the 4 % allocator reserve
     with pytest.raises(PlanError, match=r"does not fit on 1× A100-40GB.*needs ≥ \d+ GPUs"):
         best(w, 1, hardware("A100-40GB"))
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from meshlm.config import load_config
 from meshlm.model.config import PRESETS, ModelConfig, preset
@@ -38,6 +37,7 @@ from meshlm.plan.memory import Assumptions, Workload
 from meshlm.plan.replay import RUNS, Replay, Replays, check_deadline, replay_offerings
 from meshlm.plan.search import Constraints, Plan, PlanError, SearchResult, elastic_shrink, no_fit_message, search
 from meshlm.plan.spot import Estimate, duration_text
+from meshlm.plan.table import COLUMNS, expert_parallel_note, fitted_table, legend, offer, row, si, why_first
 from meshlm.plan.traces import FORMATS, Trace, load_trace
 
 SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -425,11 +425,11 @@ def _print_replay(r: Request, args: argparse.Namespace, replays: Replays) -> Non
 
 def _replay_text(rp: Replay, on_demand_per_token: float | None) -> str:
     closed = rp.closed
-    form = f"closed form {_offer(closed, None)}" if closed.feasible else "closed form cannot finish"
+    form = f"closed form {offer(closed, None)}" if closed.feasible else "closed form cannot finish"
     if not rp.feasible:
         return f"{rp.pool.describe()}: {rp.reason} ({form})"
-    text = (f"{rp.pool.describe()}: p50 ${_si(rp.usd_p50)}, {duration_text(rp.wall_p50)}, {rp.restarts_p50:,.0f} "
-            f"restarts; p90 ${_si(rp.usd_p90)}, {duration_text(rp.wall_p90)} ({form})")  # fmt: skip
+    text = (f"{rp.pool.describe()}: p50 ${si(rp.usd_p50)}, {duration_text(rp.wall_p50)}, {rp.restarts_p50:,.0f} "
+            f"restarts; p90 ${si(rp.usd_p90)}, {duration_text(rp.wall_p90)} ({form})")  # fmt: skip
     if rp.met is not None:
         text += f"; meets the deadline in {rp.met:.0%} of runs"
     if rp.usd_per_token is not None and on_demand_per_token:
@@ -492,93 +492,21 @@ def _summary(r: Request, args: argparse.Namespace, result: SearchResult) -> dict
     }
 
 
-def _si(x: float) -> str:
-    """2.6e6 -> '2.6M', 7.06e10 -> '70.6B', 1.5e13 -> '15T'."""
-    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if x >= scale:
-            return f"{x / scale:.3g}{unit}"
-    return f"{x:.3g}"
-
-
-def _offer(e: Estimate | None, recommended: Estimate | None) -> str:
-    """'$137M, 116 d' for a table cell ('cannot finish' for a pool that never does, '—' for none); '*' marks
-    the pick."""
-    if e is None:
-        return "—"
-    if not e.feasible:
-        return "cannot finish"
-    return f"${_si(e.usd)}, {duration_text(e.wall_s)}" + (" *" if e is recommended else "")
-
-
-# The table's columns in order, and the order they are left out in when the terminal is too narrow for all.
-COLUMNS = ["#", "layout", "zero", "mb", "schedule", "recompute", "sp", "GB/GPU", "step s", "tok/s", "TFLOP/s",
-           "MFU", "on demand", "spot", "mixed", "restarts", "ckpt every"]  # fmt: skip
-DROP_ORDER = ["TFLOP/s", "ckpt every", "restarts", "step s", "sp", "mixed", "recompute", "spot", "mb", "zero",
-              "schedule", "tok/s", "GB/GPU"]  # fmt: skip  # never dropped: #, layout, MFU, on demand
-
-
-def _fitted_table(title: str, rows: list[dict[str, str]], console: Console) -> tuple[Table, list[str]]:
-    """The table with the columns that fit `console`'s width (the least useful left out first), and the names
-    of those left out. What still does not fit is squeezed by rich to the width, never printed wider."""
-    dropped: list[str] = []
-    while True:
-        shown = [name for name in COLUMNS if name not in dropped]
-        table = Table(title=title, title_justify="left")
-        for name in shown:
-            left = name in ("layout", "schedule", "recompute")
-            table.add_column(name, justify="left" if left else "right", no_wrap=True)
-        for row in rows:
-            table.add_row(*(row[name] for name in shown))
-        needed = console.measure(table, options=console.options.update_width(10_000)).maximum
-        if needed <= console.width or len(dropped) == len(DROP_ORDER):
-            return table, dropped
-        dropped.append(DROP_ORDER[len(dropped)])
-
-
-def _legend(table: Table, rows: list[dict[str, str]]) -> list[str]:
-    """What the shown columns' short names mean (only those shown; zb1 when a row uses it)."""
-    shown = {str(column.header) for column in table.columns}
-    notes = {
-        "mb": "mb: micro-batch size, sequences per forward/backward (train.micro_batch)",
-        "sp": "sp: sequence parallelism, activations outside attention and MLP split over tp",
-        "zb1": "zb1: the zero-bubble pipeline schedule (ZB-H1: weight gradients fill the bubble)",
-        "mixed": "mixed: on-demand nodes plus spot nodes, the best such pool",
-    }
-    uses_zb1 = "schedule" in shown and any(row["schedule"] == "zb1" for row in rows)
-    wanted = [key for key in notes if key in shown or (key == "zb1" and uses_zb1)]
-    return [notes[key] for key in wanted]
-
-
 def _print_table(r: Request, args: argparse.Namespace, result: SearchResult) -> None:
     w, hw = r.workload, r.hw
     counts = param_counts(w.model)
-    params = _si(counts["total"]) + (f", {_si(counts['active'])} active" if w.model.n_experts else "")
+    params = si(counts["total"]) + (f", {si(counts['active'])} active" if w.model.n_experts else "")
     gpus = ",".join(map(str, args.gpus))
     title = (
         f"{w.name} ({params} params) on {gpus}× {hw.name}: seq {w.seq_len}, batch {w.global_batch} "
-        f"({_si(w.global_batch * w.seq_len)} tokens), {_si(w.train_tokens)} training tokens, {w.precision}"
+        f"({si(w.global_batch * w.seq_len)} tokens), {si(w.train_tokens)} training tokens, {w.precision}"
     )
-    rows = []
-    for i, plan in enumerate(result.plans[: args.top], 1):
-        d = plan.to_dict()
-        schedule = d["schedule"] + (f"×{d['virtual_stages']}" if d["schedule"] == "interleaved" else "")
-        layout = d["layout"] + (f" {d['cp_attention']}" if d["cp_attention"] else "")
-        recompute = d["recompute"] + (f" +{d['recompute_layers']} full" if d["recompute_layers"] else "")
-        o = plan.offerings
-        on_demand, spot, mixed = (_offer(e, o.recommended) for e in (o.on_demand, o.spot, o.mixed))
-        rows.append({
-            "#": str(i), "layout": layout, "zero": str(d["zero"]), "mb": str(d["micro_batch"]), "schedule": schedule,
-            "recompute": recompute, "sp": "yes" if d["sequence_parallel"] else "",
-            "GB/GPU": f"{d['memory_gb_per_gpu']:.1f}", "step s": f"{d['step_time_s']:.2f}",
-            "tok/s": f"{d['tokens_per_s']:,.0f}", "TFLOP/s": f"{d['tflops_per_gpu']:.3g}", "MFU": f"{d['mfu']:.1%}",
-            "on demand": on_demand, "spot": spot, "mixed": mixed, "restarts": f"{o.recommended.restarts:,.0f}",
-            "ckpt every": duration_text(o.recommended.interval_s),
-        })  # fmt: skip
+    rows = [row(i, plan) for i, plan in enumerate(result.plans[: args.top], 1)]
     width = shutil.get_terminal_size().columns  # $COLUMNS, else the terminal's, else 80
     console = Console(width=width)
-    table, dropped = _fitted_table(title, rows, console)
+    table, dropped = fitted_table(title, rows, console)
     console.print(table)
-    for note in _legend(table, rows):
+    for note in legend(table, rows):
         console.print(note)
     if dropped:
         hidden = ", ".join(name for name in COLUMNS if name in dropped)
@@ -591,6 +519,7 @@ def _print_table(r: Request, args: argparse.Namespace, result: SearchResult) -> 
     lines += [f"#1 {name}: {note}"
               for name, note in (("spot", o.spot_note), ("mixed", o.mixed_note)) if note]  # fmt: skip
     lines += [f"#1: {o.note}"] if o.note.startswith("nothing finishes") else []
+    lines += [line for line in (why_first(result.plans, hw), expert_parallel_note(result.plans, w.model)) if line]
     for line in lines:
         console.print(line, soft_wrap=True)
     rejected = ", ".join(f"{reason} ×{n}" for reason, n in result.reasons().most_common())

@@ -63,6 +63,7 @@ class Hardware:
     micro_batch_overhead_s: float = MICRO_BATCH_OVERHEAD_S  # fixed host time per micro-batch besides layers
     gemm_efficiency: float = 0.5  # fraction of peak that a training step's GEMMs sustain (no calibration)
     attention_efficiency: float = 1.0  # flash-attention FLOP rate as a fraction of the GEMM rate
+    nvls: bool = False  # NVLink SHARP: the NVSwitch reduces (H100/H200 DGX/HGX nodes); NCCL's NVLS algorithm
     # (dim|kind, op) -> Link; compared (two devices that differ only here price differently) but not hashed
     links: dict[tuple[str, str], Link] = field(default_factory=dict, hash=False)
 
@@ -78,6 +79,10 @@ class Hardware:
         if crosses_nodes and rails > 1 and op in RING_OPS:
             return Link(alpha=self.inter.alpha, beta=min(self.inter.beta * rails, self.intra.beta))
         return self.inter if crosses_nodes else self.intra
+
+    def measured(self, dim: str, crosses_nodes: bool, op: str) -> bool:
+        """Whether a calibration measured the link a collective on `dim` uses (then its α–β fit prices it)."""
+        return (dim, op) in self.links or ("inter" if crosses_nodes else "intra", op) in self.links
 
     def per_rank(self, world: int, busy: float | None = None) -> Hardware:
         """Figures one rank gets: unchanged for GPUs. On a shared node memory is split between the `world`
@@ -95,7 +100,7 @@ class Hardware:
         )
 
 
-def _gpu(name, tflops, mem_gb, hbm_tbs, nvlink_gbs, net_gbs, on_demand, spot, gemm, attention) -> Hardware:
+def _gpu(name, tflops, mem_gb, hbm_tbs, nvlink_gbs, net_gbs, on_demand, spot, gemm, attention, nvls) -> Hardware:
     return Hardware(
         name=name,
         peak_flops=tflops * 1e12,
@@ -108,6 +113,7 @@ def _gpu(name, tflops, mem_gb, hbm_tbs, nvlink_gbs, net_gbs, on_demand, spot, ge
         price_spot=spot,
         gemm_efficiency=gemm,
         attention_efficiency=attention,
+        nvls=nvls,
     )
 
 
@@ -123,10 +129,10 @@ H100_GEMM, H100_ATTENTION = 0.6, 0.6
 GPUS: dict[str, Hardware] = {
     g.name: g
     for g in (
-        _gpu("A100-40GB", 312, 40, 1.555, 300, 25, 3.00, 1.20, A100_GEMM, A100_ATTENTION),
-        _gpu("A100-80GB", 312, 80, 2.039, 300, 25, 3.50, 1.40, A100_GEMM, A100_ATTENTION),
-        _gpu("H100-SXM", 989, 80, 3.35, 450, 50, 6.00, 2.50, H100_GEMM, H100_ATTENTION),
-        _gpu("H200", 989, 141, 4.8, 450, 50, 7.00, 3.00, H100_GEMM, H100_ATTENTION),
+        _gpu("A100-40GB", 312, 40, 1.555, 300, 25, 3.00, 1.20, A100_GEMM, A100_ATTENTION, False),
+        _gpu("A100-80GB", 312, 80, 2.039, 300, 25, 3.50, 1.40, A100_GEMM, A100_ATTENTION, False),
+        _gpu("H100-SXM", 989, 80, 3.35, 450, 50, 6.00, 2.50, H100_GEMM, H100_ATTENTION, True),
+        _gpu("H200", 989, 141, 4.8, 450, 50, 7.00, 3.00, H100_GEMM, H100_ATTENTION, True),
     )
 }
 ALIASES = {"h100": "H100-SXM", "h100sxm": "H100-SXM", "h200sxm": "H200"}

@@ -198,7 +198,12 @@ def model_state_bytes(
     """(weights, gradients, optimizer) bytes: stage 1 shards the optimizer over dp, 2 also the gradients,
     3 also the weights (Rajbhandari et al. 2020).
 
-    The Megatron-style runtime counts as the ZeRO paper (BYTES). meshlm's runtime holds what its flat buffers
+    The Megatron-style runtime counts what Megatron-LM documents for its distributed optimizer
+    (docs/source/api-guide/dist_optimizer.md): bf16 weights and an fp32 gradient buffer, with the fp32 master
+    and Adam's moments sharded over dp, 6 + 12/d bytes per parameter (18 unsharded); ZeRO-2 also shards the
+    gradient buffer. Its ZeRO-3 is FSDP's FULL_SHARD (the MPT rows of docs/planner.md; FSDP2 alike): fp32
+    sharded weights, which are the master copy, fp32 sharded gradients and moments, 16/d. fp32 training
+    counts BYTES (4 + 4 + 8) for both. meshlm's runtime holds what its flat buffers
     hold (docs/zero.md, checked against the real tensors by tests/test_zero_bytes.py): zero 0 steps the fp32
     weights under autocast (4 + 4 + 8); under ZeRO ≥ 1 AdamW's moments (8) shard, with fp32 master and
     reduced-gradient shards (4 + 4 per dp) beside full working weights and gradients of
@@ -206,6 +211,8 @@ def model_state_bytes(
     which ZeRO-2 frees after the reduction and ZeRO-3 gathers only for use."""
     if runtime == "megatron":
         w, g, o, _ = BYTES[precision]
+        if precision == "bf16":
+            w, g, o = (4, 4, 8) if zero == 3 else (2, 4, 12)
         return (
             w * psi / (dp if zero >= 3 else 1),
             g * psi / (dp if zero >= 2 else 1),

@@ -1,12 +1,15 @@
-"""The network side of a step's time: α–β ring collectives over a link, and which links a mesh dimension's
-groups cross (another node, how many NICs per node they drive). Formulas and sources: docs/planner.md."""
+"""The network side of a step's time: α–β ring collectives over a link, the algorithm NCCL would run a
+collective with on a GPU (ring, tree, PAT, NVLS) and its time, and which links a mesh dimension's groups cross
+(another node, how many NICs per node they drive). Formulas and sources: docs/planner.md."""
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
+from typing import NamedTuple
 
 from meshlm.parallel.mesh import DIMS, Layout
-from meshlm.plan.hardware import Link
+from meshlm.plan.hardware import RING_OPS, Hardware, Link
 
 
 def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
@@ -20,6 +23,79 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
     if op == "send_recv":
         return nbytes / link.beta + link.alpha
     raise ValueError(f"unknown collective {op!r}")
+
+
+# NCCL's cost model of a collective (src/graph/tuning.cc, its Simple protocol, the one of MB-sized training
+# messages; NCCL 2.19 and later), read, not copied: a call costs a base latency per algorithm plus a latency
+# per hop by the hop's link, and its bytes at the algorithm's bandwidth; NCCL runs the algorithm whose time
+# is least. Seconds.
+NCCL_BASE = {"ring": 8.4e-6, "tree": 8.4e-6, "pat": 8.4e-6, "nvls": 23e-6}
+NCCL_HOP = {"nvlink": {"ring": 3.4e-6, "tree": 4.0e-6, "pat": 3.4e-6, "nvls": 25e-6}, "net": 14e-6}
+# A tree moves each byte up and down the tree (algorithm bandwidth = half the bus bandwidth) at 0.9 of the
+# ring's bus bandwidth (tuning.cc's tree refinement); a ring all-reduce moves 2(n − 1)/n of it.
+TREE_BANDWIDTH = 0.9 * 0.5
+# NVLink SHARP (NVSwitch 3, H100/H200): the switch reduces, so an all-reduce inside a node reaches a higher
+# bus bandwidth than a ring: ~480 against ~360 GB/s on DGX H100 in NVIDIA's published nccl-tests runs.
+NVLS_SPEEDUP = 480 / 360
+
+
+class Algorithm(NamedTuple):
+    """The algorithm NCCL would pick for a call and its predicted seconds."""
+
+    name: str
+    seconds: float
+
+
+def nccl_algorithms(
+    op: str, nbytes: float, n: int, per_node: int, intra: Link, inter: Link, nvls: bool = False
+) -> dict[str, float]:
+    """Seconds of one `op` call of `nbytes` (the full buffer, nccl-tests convention) over n ranks, `per_node`
+    of them in each node they span, by every algorithm NCCL has for it: ring (every op; its n − 1 steps per
+    pass, of which nodes − 1 cross the network), tree (all-reduce: up and down a tree, latency 2·((per node −
+    1) NVLink hops + log2(nodes) network hops)), PAT (all-gather and reduce-scatter with one rank per node,
+    NCCL 2.23: log2(n) network hops, ring bandwidth) and NVLS (all-reduce inside one node where the switch
+    reduces). `intra` and `inter` are the NVLink and network links (their β the bus bandwidth the group's NICs
+    give)."""
+    if n == 1:
+        return {"ring": 0.0}
+    nodes = max(1, math.ceil(n / per_node))
+    beta = inter.beta if nodes > 1 else intra.beta
+    passes = 2 if op == "all_reduce" else 1
+    hops = passes * (n - 1)
+    net_hops = passes * (nodes - 1)
+    nvlink = NCCL_HOP["nvlink"]
+    out = {
+        "ring": NCCL_BASE["ring"]
+        + (hops - net_hops) * nvlink["ring"]
+        + net_hops * NCCL_HOP["net"]
+        + passes * (n - 1) / n * nbytes / beta
+    }
+    if op == "all_reduce":
+        depth = (per_node - 1) * nvlink["tree"] + math.log2(nodes) * NCCL_HOP["net"]
+        out["tree"] = NCCL_BASE["tree"] + 2 * depth + nbytes / (TREE_BANDWIDTH * beta)
+        if nvls and nodes == 1:
+            out["nvls"] = NCCL_BASE["nvls"] + nvlink["nvls"] + 2 * (n - 1) / n * nbytes / (NVLS_SPEEDUP * beta)
+    elif per_node == 1 and nodes > 1:
+        out["pat"] = NCCL_BASE["pat"] + math.log2(n) * NCCL_HOP["net"] + (n - 1) / n * nbytes / beta
+    return out
+
+
+def nccl_pick(op: str, nbytes: float, n: int, per_node: int, intra: Link, inter: Link, nvls: bool = False) -> Algorithm:
+    """The algorithm NCCL's tuner would run the call with: the one of least predicted time."""
+    times = nccl_algorithms(op, nbytes, n, per_node, intra, inter, nvls)
+    name = min(times, key=times.__getitem__)
+    return Algorithm(name, times[name])
+
+
+def group_time(hw: Hardware, dim: str, crosses: bool, op: str, nbytes: float, n: int, per_node: int) -> float:
+    """Seconds of one collective of mesh dim (or flattened group) `dim`: on a GPU of the table, as NCCL would
+    run it (`nccl_pick`; a group crossing nodes with `per_node` members in each drives that many NICs); where
+    a calibration measured the link, or on cpu (gloo), the α–β ring over that link."""
+    link = hw.link(dim, crosses, op, per_node if crosses else 1)
+    if op not in RING_OPS or hw.shared_node or hw.measured(dim, crosses, op):
+        return collective_time(op, nbytes, n, link)
+    inter = link if crosses else hw.inter
+    return nccl_pick(op, nbytes, n, per_node if crosses else n, hw.intra, inter, hw.nvls).seconds
 
 
 # Flattened groups of several mesh dims (meshlm.parallel.mesh.Mesh): the expert-data-parallel group that

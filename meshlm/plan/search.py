@@ -223,7 +223,7 @@ def enumerate_strategies(
         per_replica = w.global_batch // mesh.data_parallel
         choices = itertools.product(
             [c.micro_batch] if c.micro_batch else [b for b in _divisors(per_replica) if b <= c.max_micro_batch],
-            _schedules(mesh.pp, c),
+            _schedules(mesh.pp, c, max_chunks(w.model, a.runtime)),
             [c.zero] if c.zero is not None else ([0] if mesh.dp * mesh.ep * mesh.cp == 1 else [0, 1, 2, 3]),
             recomputes,
             [c.sequence_parallel] if c.sequence_parallel is not None else ([False, True] if mesh.tp > 1 else [False]),
@@ -276,18 +276,26 @@ def _sized(
     return mem, mem, s.recompute_layers
 
 
-def _schedules(pp: int, c: Constraints) -> list[tuple[Schedule, int]]:
-    """(schedule, virtual stages) pairs to try; without a pipeline the schedule is moot. zb1 only when asked
+def _schedules(pp: int, c: Constraints, chunks: int = 8) -> list[tuple[Schedule, int]]:
+    """(schedule, virtual stages) pairs to try: interleaved with v from 2 to 8 (past the layers, the runtime's
+    check rejects them with its reason) and, as far as `chunks` (the most the runtime splits the layers into)
+    allows, every larger v that splits a stage's layers evenly (Nemotron-4 340B's 96 layers run as pp 8 × v
+    12); without a pipeline the schedule is moot. zb1 only when asked
     for: meshlm's executor has no split-backward kernels (its W pass re-walks the graph, `ZB1_REWALK`, which
     is measured on CPU only), and the Megatron-style runtime of the published runs has no such schedule."""
     out: list[tuple[Schedule, int]] = []
     names = [c.schedule] if c.schedule else (["1f1b"] if pp == 1 else ["gpipe", "1f1b", "interleaved"])
     for name in names:
         if name == "interleaved":
-            out += [(name, v) for v in ([c.virtual_stages] if c.virtual_stages else range(2, 9))]
+            out += [(name, v) for v in ([c.virtual_stages] if c.virtual_stages else _virtual_stages(chunks // pp))]
         else:
             out.append((name, c.virtual_stages or 1))
     return out
+
+
+def _virtual_stages(per_stage: int) -> list[int]:
+    """2…8, then the divisors of the chunks a stage can hold above 8."""
+    return [*range(2, 9), *(v for v in range(9, per_stage + 1) if per_stage % v == 0)]
 
 
 @cache
@@ -437,7 +445,7 @@ def search(
             if recompute_layers != item.recompute_layers:
                 item = dataclasses.replace(item, recompute_layers=recompute_layers)
             if mem.total > limit:
-                detail = f"needs {mem.total / GB:.1f} GB > {limit / GB:.1f} GB"
+                detail = f"needs {mem.total / GB:.1f} GiB > {limit / GB:.1f} GiB"
                 result.rejected.append(Rejection(str(item), "out of memory", detail, mem))
             elif memory_only:
                 result.plans.append(Plan(item, item.micro_batches(w.global_batch), mem, None, None))
@@ -488,7 +496,7 @@ def no_fit_message(
     if oom:
         smallest = min(oom, key=lambda r: r.memory.total)
         need, limit = smallest.memory.total / GB, capacity(hw, n, c) / GB
-        msg = f"{w.name} does not fit on {n}× {hw.name}: smallest footprint {need:.1f} GB > {limit:.1f} GB"
+        msg = f"{w.name} does not fit on {n}× {hw.name}: smallest footprint {need:.1f} GiB > {limit:.1f} GiB"
         msg += f" per GPU ({smallest.layout})"
     else:
         first = result.rejected[0]
@@ -500,7 +508,7 @@ def no_fit_message(
     while m <= (MAX_GPUS if oom else n):  # more devices only help when memory is the problem
         if fits_somehow(w, m, hw, free, a):
             fastest = search(w, m, hw, constraints=free, a=a, priced=0).plans[0]
-            example = f"{fastest.strategy} at {fastest.memory.total / GB:.1f} GB/GPU"
+            example = f"{fastest.strategy} at {fastest.memory.total / GB:.1f} GiB/GPU"
             return f"{msg}; {'fits as' if m == n else f'needs ≥ {m} GPUs, e.g.'} {example}"
         m *= 2
     return f"{msg}; nothing fits on up to {MAX_GPUS} GPUs" if oom else msg

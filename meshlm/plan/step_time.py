@@ -16,6 +16,7 @@ from typing import NamedTuple
 from meshlm.model.config import ModelConfig
 from meshlm.model.flops import flops_per_token, matmul_params
 from meshlm.parallel.mesh import Layout
+from meshlm.plan.exchanges import cp_layer_time, ep_layer_time
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.memory import (
     BYTES,
@@ -30,7 +31,7 @@ from meshlm.plan.memory import (
     rank_moe_layers,
     stage_params,
 )
-from meshlm.plan.network import collective_time, crosses_nodes, rails
+from meshlm.plan.network import collective_time, crosses_nodes, group_time, rails
 from meshlm.plan.pipeline_split import Runtime, chunk_full_layers, chunk_layers, rank_chunks, representative_stages
 
 MEASURED_EFFICIENCY = 0.8  # achievable fraction of a measured large-matmul rate
@@ -280,7 +281,7 @@ def dp_collectives(
 
     def t(op: str, nbytes: float, calls: int | None = None) -> float:
         calls = calls or max(1, math.ceil(nbytes / bucket))  # default: one call per bucket
-        return calls * collective_time(op, nbytes / calls, n, hw.link("dp", cross, op, nics))
+        return calls * group_time(hw, "dp", cross, op, nbytes / calls, n, nics)
 
     m = micro_batches
     trainable = psi if trainable is None else trainable
@@ -300,44 +301,6 @@ def dp_collectives(
         # last one was freed after use, meshlm.parallel.zero.Zero3Hooks) and ends with one reduce-scatter
         tail = m * (2 * t("all_gather", weights / units, 1) + t("reduce_scatter", grads / units, 1))
     return after, overlapped, tail
-
-
-def cp_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int) -> float:
-    """Context-parallel communication of one layer for one micro-batch of `tokens` local tokens, as
-    meshlm.parallel.context_parallel runs it (blocking, not overlapped). Ring: forward passes the K/V
-    block cp − 1 hops; backward passes it cp − 1 hops again and its fp32 (or wider) gradient cp hops (the
-    last one home). Ulysses: q, k, v and the output all-to-all'd forward, their gradients backward.
-    Full recompute repeats the forward's."""
-    if s.cp == 1:
-        return 0.0
-    link = hw.link("cp", crosses_nodes(s.mesh, "cp", hw.gpus_per_node), "send_recv")
-    kv = max(model.n_kv_heads // s.tp, 1) * model.head_dim
-    forwards = 2 if s.recompute == "full" else 1
-    if s.cp_attention == "ring":
-        block = 2 * tokens * kv
-        hop, grad_hop = (
-            collective_time("send_recv", block * act, 2, link),
-            collective_time("send_recv", block * max(act, 4), 2, link),
-        )
-        return (forwards + 1) * (s.cp - 1) * hop + s.cp * grad_hop
-    link = hw.link("cp", crosses_nodes(s.mesh, "cp", hw.gpus_per_node), "all_to_all")
-    nbytes = 2 * tokens * (model.dim / s.tp + kv) * act  # q and output, k and v
-    return (forwards + 1) * collective_time("all_to_all", nbytes, s.cp, link)
-
-
-def ep_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int) -> float:
-    """Expert-parallel communication of one MoE layer for one micro-batch of `tokens` local tokens, as
-    meshlm.parallel.expert_parallel runs it (blocking, not overlapped): the rows-per-expert counts (E int64,
-    once per forward), then the dispatch and the combine of the k·tokens rows (h wide each) forward and again
-    reversed in backward, 4 all-to-alls, 6 with full or 'mlp' recompute (both rerun the routed MLP).
-    Balanced routing sends (ep − 1)/ep of the rows off the rank, which `collective_time`'s all-to-all charges."""
-    if s.ep == 1:
-        return 0.0
-    link = hw.link("ep", crosses_nodes(s.mesh, "ep", hw.gpus_per_node), "all_to_all")
-    forwards = 2 if s.recompute in ("full", "mlp") else 1
-    rows = collective_time("all_to_all", tokens * model.top_k * model.dim * act, s.ep, link)
-    counts = collective_time("all_to_all", 8 * model.n_experts, s.ep, link)
-    return (forwards + 1) * 2 * rows + forwards * counts
 
 
 def cp_attention_factor(s: Strategy) -> float:
@@ -452,13 +415,13 @@ def _tp_times(w: Workload, s: Strategy, hw: Hardware, a: Assumptions) -> tuple[f
     activation = tokens * w.model.dim * BYTES[w.precision][3]  # one micro-batch's hidden states, s·b·h
     tp_cross = crosses_nodes(s.mesh, "tp", hw.gpus_per_node)
     tp_ops = ("all_gather", "reduce_scatter") if s.sequence_parallel else ("all_reduce",)
-    per_collective = sum(collective_time(op, activation, s.tp, hw.link("tp", tp_cross, op)) for op in tp_ops)
+    per_collective = sum(group_time(hw, "tp", tp_cross, op, activation, s.tp, s.tp) for op in tp_ops)
     n_collectives = TP_COLLECTIVES.get(s.recompute, 4)
     tp_layer = n_collectives * per_collective * (1 - a.tp_overlap)
     tp_full_layer = TP_COLLECTIVES["full"] * per_collective * (1 - a.tp_overlap)
-    tp_link = hw.link("tp", tp_cross, "all_reduce")
     tp_edge = per_collective / len(tp_ops) * (1 - a.tp_overlap)
-    tp_loss = sum(collective_time("all_reduce", k * tokens * 4, s.tp, tp_link) for k in (1, 2)) * (1 - a.tp_overlap)
+    loss = (group_time(hw, "tp", tp_cross, "all_reduce", k * tokens * 4, s.tp, s.tp) for k in (1, 2))
+    tp_loss = sum(loss) * (1 - a.tp_overlap)
     return tp_layer, tp_full_layer, tp_edge, tp_loss
 
 
@@ -513,12 +476,12 @@ def stage_slots(
     chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
     moe = rank_moe_layers(model, s.pp, s.virtual_stages, a.runtime)
     cp_layer = cp_layer_time(model, tokens, s, hw, act)
-    ep_layer = ep_layer_time(model, tokens, s, hw, act)
+    ep_layer = ep_layer_time(model, tokens, s, hw, act, a.runtime)
     cp_full_layer = ep_full_layer = 0.0
     if s.recompute_layers:
         full_s = dataclasses.replace(s, recompute="full")
         cp_full_layer = cp_layer_time(model, tokens, full_s, hw, act)
-        ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act)
+        ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act, a.runtime)
     stages = []
     slot_compute = slot_tp = slot_cp = slot_ep = 0.0
     for i in representative_stages(chunks):

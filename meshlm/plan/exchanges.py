@@ -1,0 +1,65 @@
+"""Context- and expert-parallel exchanges of one layer for one micro-batch, as meshlm's runtime (and, for
+experts, Megatron's dispatcher) runs them: blocking, not overlapped. Formulas and sources: docs/planner.md."""
+
+from __future__ import annotations
+
+from meshlm.model.config import ModelConfig
+from meshlm.plan.hardware import Hardware
+from meshlm.plan.memory import Strategy
+from meshlm.plan.network import collective_time, crosses_nodes, group_time
+from meshlm.plan.pipeline_split import Runtime
+
+
+def cp_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int) -> float:
+    """Context-parallel communication of one layer for one micro-batch of `tokens` local tokens, as
+    meshlm.parallel.context_parallel runs it (blocking, not overlapped). Ring: forward passes the K/V
+    block cp − 1 hops; backward passes it cp − 1 hops again and its fp32 (or wider) gradient cp hops (the
+    last one home). Ulysses: q, k, v and the output all-to-all'd forward, their gradients backward.
+    Full recompute repeats the forward's."""
+    if s.cp == 1:
+        return 0.0
+    link = hw.link("cp", crosses_nodes(s.mesh, "cp", hw.gpus_per_node), "send_recv")
+    kv = max(model.n_kv_heads // s.tp, 1) * model.head_dim
+    forwards = 2 if s.recompute == "full" else 1
+    if s.cp_attention == "ring":
+        block = 2 * tokens * kv
+        hop, grad_hop = (
+            collective_time("send_recv", block * act, 2, link),
+            collective_time("send_recv", block * max(act, 4), 2, link),
+        )
+        return (forwards + 1) * (s.cp - 1) * hop + s.cp * grad_hop
+    link = hw.link("cp", crosses_nodes(s.mesh, "cp", hw.gpus_per_node), "all_to_all")
+    nbytes = 2 * tokens * (model.dim / s.tp + kv) * act  # q and output, k and v
+    return (forwards + 1) * collective_time("all_to_all", nbytes, s.cp, link)
+
+
+def ep_layer_time(
+    model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int, runtime: Runtime = "meshlm"
+) -> float:
+    """Expert-parallel communication of one MoE layer for one micro-batch of `tokens` local tokens, blocking,
+    not overlapped: the rows-per-expert counts (E int64, once per forward), then the dispatch and the combine
+    of the k rows of each token a rank sends (h wide each) forward and again reversed in backward, 4
+    all-to-alls, 6 with full or 'mlp' recompute (both rerun the routed MLP). Balanced routing sends
+    (ep − 1)/ep of the rows off the rank, which `collective_time`'s all-to-all charges.
+
+    The tokens a rank sends: meshlm's runtime (meshlm.parallel.tp_moe) exchanges the whole (under sequence
+    parallelism, all-gathered) sequence from every tp rank; Megatron's all-to-all dispatcher under sequence
+    parallelism sends each tp rank's tokens/tp and then all-gathers the received rows over tp (reduce-scatters
+    them back at the combine): k·tokens rows where the dense MLP's gather moves tokens, so (k − 1)·tokens
+    rows more than the tensor-parallel term already counts."""
+    if s.ep == 1:
+        return 0.0
+    link = hw.link("ep", crosses_nodes(s.mesh, "ep", hw.gpus_per_node), "all_to_all")
+    forwards = 2 if s.recompute in ("full", "mlp") else 1
+    split = runtime == "megatron" and s.sequence_parallel and s.tp > 1
+    sent = tokens / s.tp if split else tokens
+    rows = collective_time("all_to_all", sent * model.top_k * model.dim * act, s.ep, link)
+    counts = collective_time("all_to_all", 8 * model.n_experts, s.ep, link)
+    regather = 0.0
+    if split:
+        nbytes = (model.top_k - 1) * tokens * model.dim * act
+        tp_cross = crosses_nodes(s.mesh, "tp", hw.gpus_per_node)
+        regather = sum(
+            group_time(hw, "tp", tp_cross, op, nbytes, s.tp, s.tp) for op in ("all_gather", "reduce_scatter")
+        )
+    return (forwards + 1) * (2 * rows + regather) + forwards * counts
