@@ -1,7 +1,7 @@
 """Your model, your loop, meshlm's parallelism: a GPT-2-style model on the embedded corpus.
 
-torchrun --nproc-per-node 2 examples/custom_loop.py --layout dp=2 --zero 3
-torchrun --nproc-per-node 4 examples/custom_loop.py --layout dp=2,tp=2 --zero 1
+meshlm launch --nproc-per-node 2 examples/custom_loop.py --layout dp=2 --zero 3
+meshlm launch --nproc-per-node 4 examples/custom_loop.py --layout dp=2,tp=2 --zero 1
 """
 
 import argparse
@@ -17,11 +17,13 @@ from meshlm.data import GlobalBatchSampler, prepare_data_shared
 args = argparse.ArgumentParser()
 args.add_argument("--layout", default="")
 args.add_argument("--zero", type=int, default=0)
+args.add_argument("--max-chars", type=int, help="cap on the corpus (default: all of it, as `make demo` reads it)")
 args.add_argument("--steps", type=int, default=20)
 args = args.parse_args()
 
 mesh = meshlm.init_mesh(args.layout, device="cpu")
-data = prepare_data_shared(DataSection(max_chars=1_000_000, val_fraction=0.05), vocab_size=512)
+# the demo's corpus and tokenizer (configs/tiny.toml: the standard library, 512 tokens): tokenized once, shared
+data = prepare_data_shared(DataSection(max_chars=args.max_chars), vocab_size=512)
 torch.manual_seed(0)  # the same initial weights on every rank
 model = meshlm.parallelize(GPT2(), mesh, {"zero": args.zero}, plan=GPT2_PLAN, loss=meshlm.Loss(gather_logits=True))
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -1,6 +1,6 @@
 """A Hugging Face LlamaForCausalLM object (random weights, built from a config) under dp × tp.
 
-    torchrun --nproc-per-node 4 examples/hf_model.py --layout dp=2,tp=2
+    meshlm launch --nproc-per-node 4 examples/hf_model.py --layout dp=2,tp=2
 
 meshlm's plan for the HF decoder families (Llama, Qwen2, Mistral) splits the model in place; the loss is
 meshlm's vocabulary-parallel cross-entropy of `output.logits`, so the logits are never gathered.
@@ -18,11 +18,13 @@ from meshlm.data import GlobalBatchSampler, prepare_data_shared
 args = argparse.ArgumentParser()
 args.add_argument("--layout", default="")
 args.add_argument("--zero", type=int, default=0)
+args.add_argument("--max-chars", type=int, help="cap on the corpus (default: all of it, as `make demo` reads it)")
 args.add_argument("--steps", type=int, default=10)
 args = args.parse_args()
 
 mesh = meshlm.init_mesh(args.layout, device="cpu")
-data = prepare_data_shared(DataSection(max_chars=1_000_000, val_fraction=0.05), vocab_size=512)
+# the demo's corpus and tokenizer (configs/tiny.toml: the standard library, 512 tokens): tokenized once, shared
+data = prepare_data_shared(DataSection(max_chars=args.max_chars), vocab_size=512)
 config = LlamaConfig(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64,

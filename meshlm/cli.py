@@ -177,21 +177,35 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    """Sample from the newest checkpoint with the run's own tokenizer (the copy in the run directory: a damaged
+    one is refused naming it); `--chat` wraps the prompt as a user turn of the run's chat template."""
     import torch
 
-    from meshlm.data import decode, encode, prepare_data
+    from meshlm.data.generation import Prompter
     from meshlm.model import generate
-    from meshlm.model.pretrained import init_tokenizer
 
     cfg = _run_config(args.run_dir)
-    model, _ = _load_run_model(args.run_dir, cfg)
-    data = prepare_data(cfg.data, model.cfg.vocab_size, init_tokenizer(cfg.model.init_from))
-    prompt = torch.tensor([encode(data.tokenizer, args.prompt)], dtype=torch.long)
+    model, checkpoint = _load_run_model(args.run_dir, cfg)
+    print(f"meshlm generate: {checkpoint}", file=sys.stderr)
+    prompter = Prompter(_run_tokenizer(args.run_dir, cfg, model.cfg.vocab_size), model.cfg.vocab_size)
+    prompt = torch.tensor([prompter.encode(args.prompt, chat=args.chat)], dtype=torch.long)
     generator = torch.Generator().manual_seed(args.seed)
-    stop = data.manifest.get("eos_id", data.manifest.get("eot_id"))  # what ends an SFT turn / a document
-    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, generator, stop)
-    print(decode(data.tokenizer, out[0].tolist()))
+    stop = prompter.stop_ids(chat=args.chat)  # what ends an SFT turn / a document
+    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, generator, stop)[0].tolist()
+    print(prompter.decode(out[prompt.shape[1] :], chat=True) if args.chat else prompter.decode(out))
     return 0
+
+
+def _run_tokenizer(run_dir: Path, cfg: Config, vocab_size: int) -> Path:
+    """The tokenizer.json the run keeps (written at its start); a run directory without one (written before
+    runs kept it) gets its data cache's, as its training had it."""
+    kept = Path(run_dir) / "tokenizer.json"
+    if kept.exists():
+        return kept
+    from meshlm.data import prepare_data
+    from meshlm.model.pretrained import init_tokenizer
+
+    return prepare_data(cfg.data, vocab_size, init_tokenizer(cfg.model.init_from)).directory / "tokenizer.json"
 
 
 def cmd_check(args: argparse.Namespace, extra: list[str]) -> int:
@@ -232,7 +246,19 @@ def cmd_config_show(args: argparse.Namespace, extra: list[str]) -> int:
     if cfg.model.init_from:  # that checkpoint defines the model, not [model]'s preset: say which (as comments)
         print(f"# the model model.init_from {cfg.model.init_from} defines (model.preset is not used):")
         print("".join(f"#   {name} = {value!r}\n" for name, value in cfg.model.build().to_dict().items()), end="")
+    print(f"# {model_summary(cfg)}")
     return 0
+
+
+def model_summary(cfg: Config) -> str:
+    """'model: 512-token vocabulary, 3,164,416 parameters' (and the active ones of a mixture of experts): what the
+    resolved [model] builds, which the preset's name alone does not say."""
+    from meshlm.model.flops import param_counts
+
+    model = cfg.model.build()
+    counts = param_counts(model)
+    active = f" ({counts['active']:,} active per token)" if model.n_experts else ""
+    return f"model: {model.vocab_size:,}-token vocabulary, {counts['total']:,} parameters{active}"
 
 
 class Parser(argparse.ArgumentParser):
@@ -339,11 +365,13 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 
 def add_check_parser(sub: argparse._SubParsersAction, with_fields: dict) -> None:
-    p = sub.add_parser(
-        "check",
-        help="prove a run exact before it starts: a shrunken CPU replica of its model, plan, data and layout "
-        "against one process (takes what train takes)",
-        **with_fields,
+    p = _with_fields(
+        sub.add_parser(
+            "check",
+            help="prove a run exact before it starts: a shrunken CPU replica of its model, plan, data and layout "
+            "against one process (takes what train takes)",
+            **with_fields,
+        )
     )
     p.add_argument("--config", help="TOML config file (defaults apply to everything it omits)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps of each run (default 5)")
@@ -373,7 +401,47 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--top-k", type=_integer(1), default=50, help="sample among the k likeliest tokens (default: 50)")
     p.add_argument("--seed", type=_integer(0), default=0, help="random seed of the sampling (default: 0)")
+    p.add_argument(
+        "--chat", action="store_true", help="the prompt is a user turn of the run's chat template (a fine-tuned chat "
+        "model; meshlm's plain template without one), and the reply is printed, ended at the end-of-turn token",
+    )  # fmt: skip
     p.set_defaults(func=cmd_generate)
+
+
+# The fields `train --help` lists (the rest: --help-all): what a first run and a first parallel run set.
+COMMON_FIELDS = (
+    "model.preset", "model.init_from", "data.source", "data.format", "data.seq_len", "train.steps",
+    "train.global_batch", "train.micro_batch", "train.lr", "parallel.layout", "parallel.zero", "lora.rank",
+    "checkpoint.every", "log.run_dir",
+)  # fmt: skip
+
+
+def common_help() -> str:
+    """The epilog of `train --help` (and check, prepare-data, config show): the common fields, and where the
+    rest are."""
+    lines = reference_help().splitlines()
+    common = [line for line in lines if line.strip().split(" ", 1)[0].removeprefix("--") in COMMON_FIELDS]
+    return "\n".join([
+        "common config fields (--section.field VALUE; the defaults apply to everything not set):", *common,
+        "every field: --help-all (or `meshlm config reference`); a TOML file of them: --config",
+    ])  # fmt: skip
+
+
+class HelpAll(argparse.Action):
+    """`--help-all`: the help with every config field, its default and meaning."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="list every config field")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> NoReturn:
+        parser.epilog = reference_help()
+        parser.print_help()
+        parser.exit()
+
+
+def _with_fields(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--help-all", action=HelpAll)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -382,8 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"meshlm {version}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    with_fields = {"epilog": reference_help(), "formatter_class": argparse.RawDescriptionHelpFormatter}
-    p = sub.add_parser("train", help="train (or resume) a run; any config field: --section.field VALUE", **with_fields)
+    with_fields = {"epilog": common_help(), "formatter_class": argparse.RawDescriptionHelpFormatter}
+    p = _with_fields(
+        sub.add_parser("train", help="train (or resume) a run; any config field: --section.field VALUE", **with_fields)
+    )
     p.add_argument("--config", help="TOML config file (defaults apply to everything it omits)")
     p.set_defaults(func=cmd_train)
 
@@ -405,10 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from meshlm.data.shards import SHARD_TOKENS
 
-    p = sub.add_parser(
-        "prepare-data",
-        help="tokenize the corpus of a config into token shards with many processes, before training",
-        **with_fields,
+    p = _with_fields(
+        sub.add_parser(
+            "prepare-data",
+            help="tokenize the corpus of a config into token shards with many processes, before training",
+            **with_fields,
+        )
     )
     p.add_argument("--config", help="TOML config file (the [data] and [model] sections matter; overrides too)")
     p.add_argument("--workers", type=_integer(1, 4096), default=os.cpu_count() or 1, help="tokenizer processes")
@@ -417,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="configuration tools")
     config_sub = p.add_subparsers(dest="config_command", required=True)
-    show = config_sub.add_parser("show", help="print the resolved config as TOML", **with_fields)
+    show = _with_fields(config_sub.add_parser("show", help="print the resolved config as TOML", **with_fields))
     show.add_argument("--config", help="TOML config file")
     show.set_defaults(func=cmd_config_show)
     reference = config_sub.add_parser("reference", help="print the table of every config field (as in the README)")

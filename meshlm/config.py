@@ -526,7 +526,7 @@ def reference_markdown() -> str:
 
 
 def reference_help() -> str:
-    """Every field as an override, with its default and meaning (the epilog of `meshlm train --help`)."""
+    """Every field as an override, with its default and meaning (the epilog of `meshlm train --help-all`)."""
     lines = ["config fields (--section.field VALUE; the defaults apply to everything not set):"]
     for section, section_field in Config.model_fields.items():
         lines.append(f"  [{section}]")

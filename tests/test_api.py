@@ -421,7 +421,9 @@ def _example(script: str, n: int, *args: str, tmp: Path) -> str:
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(n)] if n > 1 else []
     cmd = [sys.executable, *launcher, str(ROOT / "examples" / script)]
-    done = subprocess.run([*cmd, *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [*cmd, *args, "--max-chars", "1500000"], cwd=tmp, env=env, capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
 

@@ -349,15 +349,16 @@ def test_train_under_torchrun(small_run: list[str]) -> None:
 
 
 def test_help_lists_every_config_field_and_the_version(capsys: pytest.CaptureFixture[str]) -> None:
-    """`meshlm train --help` (and `prepare-data`, `config show`) list every field of the config schema with its
-    default; `generate`'s options each have a line of help; `meshlm --version` names the package version."""
+    """`meshlm train --help-all` (and `prepare-data`, `config show`) list every field of the config schema with its
+    default (`--help`, the common ones: tests/test_first_day.py); `generate`'s options each have a line of help;
+    `meshlm --version` names the package version."""
     from meshlm import __version__
     from meshlm.config import Config
 
     fields = [f"--{s}.{n} (default " for s, f in Config.model_fields.items() for n in f.annotation.model_fields]
     for command in (["train"], ["prepare-data"], ["config", "show"]):
         with pytest.raises(SystemExit):
-            main([*command, "--help"])
+            main([*command, "--help-all"])
         out = capsys.readouterr().out
         assert [f for f in fields if f not in out] == [], command
     assert "--fault.max_skips (default 5): under 'skip'" in out

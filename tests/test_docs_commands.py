@@ -5,8 +5,11 @@ trainer is a config field with a valid value, so a removed or renamed field fail
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,6 +87,9 @@ def test_every_command_in_the_docs_parses(where: str, argv: list[str], tmp_path:
         args, extra = parser.parse_known_args(argv)
     except SystemExit:
         pytest.fail(f"{where}: `meshlm {shlex.join(argv)}` does not parse: {capsys.readouterr().err.strip()}")
+    if argv[0] == "launch":  # `meshlm launch ... SCRIPT.py`: torchrun's arguments, then the script's own
+        assert Path(ROOT / next(a for a in argv if a.endswith(".py"))).is_file(), where
+        return
     check_overrides(where, args, extra)
     if argv[0] not in CHEAP:
         return
@@ -177,3 +183,92 @@ def _paths(args: object) -> list[str]:
     if "/" in model or model.endswith((".toml", ".json")):
         paths.append(model)
     return paths
+
+
+# ---- the README's commands on the demo's model ----------------------------------------------------------------
+README = ROOT / "README.md"
+TRAINS = {"train", "check", "prepare-data"}  # the commands that read [model] and [data]
+
+
+def readme_lines() -> list[str]:
+    """The shell lines of the README's bash blocks, continuations joined, `make demo` as the Makefile runs it."""
+    demo = re.search(r"^demo:.*\n\t(.*)$", (ROOT / "Makefile").read_text(), re.M)[1].replace("$(VENV)", ".venv")
+    lines = []
+    for block in FENCE.finditer(README.read_text()):
+        if block[1] == "bash":
+            for line in block[2].replace("\\\n", " ").splitlines():
+                line = line.split(" #", 1)[0].strip()
+                lines += [demo] if line == "make demo" else [] if line in ("", "make test") else [line]
+    return lines
+
+
+def test_the_readme_trains_one_model_on_one_token_cache() -> None:
+    """Every README command that trains, checks or tokenizes builds the demo's model (configs/tiny.toml, which
+    `make demo` runs) on the demo's token cache, so the tokenizer is trained once; every command a reader copies
+    launches with `meshlm launch`, never a bare torchrun. Mutation: the README before issue 49 (its parallel
+    runs without the config, or with one of a 2,048-token vocabulary) fails here."""
+    from meshlm.data.dataset import cache_key
+
+    demo = load_config(ROOT / "configs" / "tiny.toml")
+    want = (demo.model.build(), cache_key(demo.data, demo.model.build().vocab_size))
+    lines = readme_lines()
+    assert not [line for line in lines if re.match(r"(\S*/)?torchrun\b", line)]
+    training = [argv for argv in map(meshlm_argv, lines) if argv and argv[0] in TRAINS]
+    assert len(training) >= 6, training
+    for argv in training:
+        args, extra = build_parser().parse_known_args(argv)
+        cfg = load_config(ROOT / args.config if args.config else None, parse_overrides(extra))
+        assert (cfg.model.build(), cache_key(cfg.data, cfg.model.build().vocab_size)) == want, argv
+
+
+def _shrunk(words: list[str], max_chars: int) -> list[str]:
+    """A README command made short (a few steps, `max_chars` of the corpus), the model and the data's every
+    other field as given; `.venv/bin/X` is this interpreter's."""
+    bin_dir = Path(sys.executable).parent
+    words = [str(bin_dir / w.removeprefix(".venv/bin/")) if w.startswith(".venv/bin/") else w for w in words]
+    if Path(words[0]).name == "meshlm":  # the package under test, whichever checkout the script was installed from
+        words = [sys.executable, "-m", "meshlm.cli", *words[1:]]
+    argv = meshlm_argv(shlex.join(words)) or []
+    if argv[:1] == ["launch"]:  # what torchrun's agent runs
+        argv = meshlm_argv(shlex.join(argv[1:])) or []
+    if words[-1].endswith(".py") or any(w.endswith(".py") for w in words):  # an example of the library API
+        return [*words, "--max-chars", str(max_chars), "--steps", "2"]
+    command = argv[0] if argv else ""
+    if command in TRAINS:
+        words += ["--data.max_chars", str(max_chars)]
+    if command == "train":
+        words += ["--train.steps", "4", "--train.eval_every", "2", "--train.eval_batches", "2",
+                  "--checkpoint.every", "2", "--log.progress", "false"]  # fmt: skip
+    if command == "check":
+        words += ["--steps", "2"]
+    if command == "doctor":
+        words += ["--max-bytes", "64K", "--budget-s", "0.05", "--iters", "3"]
+    return words
+
+
+@pytest.mark.slow  # every README command for real (1 to 8 ranks, the check, doctor): 11.5 min at load average 14
+def test_every_readme_command_runs_and_the_tokenizer_is_trained_once(tmp_path: Path) -> None:
+    """In a fresh directory (configs and examples as in a clone, no token cache), the README's commands in
+    order, each shortened: all succeed, the 512-token tokenizer is trained by the first (`make demo`) and only
+    there, and every run the README starts keeps that one tokenizer."""
+    for name in ("configs", "examples"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    said = []
+    for line in readme_lines():
+        words = shlex.split(line)
+        extra_env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
+        words = _shrunk(words[len(extra_env) :], max_chars=1_500_000)  # ~90 documents: 2 % is one
+        # 600 s: an eight-rank run on a loaded 2-core machine takes a few minutes; a hang ends far later
+        done = subprocess.run(words, cwd=tmp_path, env={**env, **extra_env}, capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert done.returncode == 0, f"{line}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        said.append(done.stdout + done.stderr)
+        if len(said) == 1:
+            (tokenizer,) = (tmp_path / ".cache" / "meshlm").glob("*/tokenizer.json")
+            written = tokenizer.stat().st_mtime_ns
+    trained = [output for output in said if "training a 512-token BPE tokenizer" in output]
+    assert len(trained) == 1 and trained[0] is said[0], [s[:300] for s in trained]
+    assert tokenizer.stat().st_mtime_ns == written
+    runs = sorted((tmp_path / "runs").glob("*/tokenizer.json"))
+    assert len(runs) >= 5 and all(run.read_bytes() == tokenizer.read_bytes() for run in runs), runs

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from meshlm.data.dataset import document_separator
+from meshlm.data.dataset import check_tokenizer, document_separator
 from meshlm.data.sft import ChatTemplate, chat_template_files
 from meshlm.files import atomic_write
 
@@ -70,3 +70,44 @@ def write_generation_ids(export_dir: Path) -> None:
     config_path = export_dir / "config.json"
     config = json.loads(config_path.read_bytes())
     atomic_write(config_path, json.dumps({**config, **ids}, indent=2) + "\n")
+
+
+class Prompter:
+    """A run's tokenizer as `meshlm generate` uses it (the library's way to the same): a prompt as token ids, plain
+    or as a user turn of the run's chat template, and the ids that end a reply. The tokenizer file must load and
+    fit the model's vocabulary (one DataError line naming it otherwise).
+
+        prompter = Prompter(run_dir / "tokenizer.json", model.cfg.vocab_size)
+        ids = torch.tensor([prompter.encode("3+3?", chat=True)])
+        out = meshlm.model.generate(model, ids, 32, temperature=0, stop_token=prompter.stop_ids(chat=True))
+        print(prompter.decode(out[0, ids.shape[1]:].tolist()))
+
+    With a chat template (tokenizer_config.json's `chat_template` or chat_template.jinja beside the file) the
+    prompt is that template's user turn and generation prompt, encoded as training encodes it (the template
+    writes BOS itself), and a reply ends at the template's end-of-turn tokens; without one, the plain SFT
+    template's `user:\\n{prompt}\\nassistant:\\n` (meshlm.data.sft), ended by the document separator."""
+
+    def __init__(self, tokenizer_file: Path, vocab_size: int) -> None:
+        self.file = tokenizer_file
+        self.tokenizer = check_tokenizer(tokenizer_file, vocab_size)
+        self.eos = document_separator(tokenizer_file, self.tokenizer)
+        self.template = ChatTemplate(tokenizer_file, self.tokenizer) if chat_template_files(tokenizer_file) else None
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        if not chat:
+            return self.tokenizer.encode(text).ids
+        if self.template is None:  # the plain template's user turn, then the assistant's header
+            return self.tokenizer.encode(f"user:\n{text}\nassistant:\n").ids
+        rendered = self.template.render([("user", text)], str(self.file), generation_prompt=True)
+        return self.tokenizer.encode(rendered, add_special_tokens=False).ids
+
+    def stop_ids(self, chat: bool = False) -> list[int]:
+        """What ends generation: the document separator, and in a chat also the template's end-of-turn tokens."""
+        turn = self.template.end_of_turn_ids() if chat and self.template is not None else []
+        return [self.eos, *(i for i in turn if i != self.eos)]
+
+    def decode(self, ids: list[int], chat: bool = False) -> str:
+        """The text of `ids`; a chat reply without the token that ended it."""
+        if chat and ids and ids[-1] in self.stop_ids(chat=True):
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)

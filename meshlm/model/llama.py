@@ -10,7 +10,7 @@ and optional embedding / norm / head), and data parallelism only touches paramet
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -293,13 +293,14 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
-    stop_token: int | None = None,
+    stop_token: int | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Sample continuations of `prompt` (batch, seq). temperature 0 means greedy. With `stop_token` (the end of a
-    document or of a chat turn) a row that has sampled it keeps repeating it, and sampling ends once every row
-    has: the result is then shorter than prompt + max_new_tokens."""
+    document or of a chat turn; one id or several) a row that has sampled one keeps repeating it, and sampling
+    ends once every row has: the result is then shorter than prompt + max_new_tokens."""
     model.eval()
     tokens = prompt
+    stops = None if stop_token is None else torch.tensor(stop_token, device=prompt.device).reshape(-1)
     done = torch.zeros(prompt.shape[0], 1, dtype=torch.bool, device=prompt.device)
     for _ in range(max_new_tokens):
         if stop_token is not None and bool(done.all()):
@@ -314,8 +315,8 @@ def generate(
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             next_token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
-        if stop_token is not None:
-            next_token = next_token.masked_fill(done, stop_token)
-            done |= next_token == stop_token
+        if stops is not None:
+            next_token = torch.where(done, tokens[:, -1:], next_token)
+            done |= torch.isin(next_token, stops)
         tokens = torch.cat([tokens, next_token], dim=1)
     return tokens

@@ -152,6 +152,22 @@ def mark_resumes(fig: Figure, steps: list[int]) -> None:
             ax.text(step, 1.0, " resume", transform=ax.get_xaxis_transform(), fontsize=7, color="grey", va="top")
 
 
+def steps_drawn(fig: Figure) -> set[float]:
+    """The distinct steps a figure's lines and areas (stackplot, fill_between) have points at."""
+    steps = {float(x) for ax in fig.axes for line in ax.lines for x in line.get_xdata()}
+    for ax in fig.axes:
+        for collection in ax.collections:
+            steps |= {float(x) for path in collection.get_paths() for x in path.vertices[:, 0]}
+    return steps
+
+
+def not_plotted_note(single: dict[str, set[float]]) -> str:
+    """Why plots with points at fewer than two steps are left out: a curve needs two."""
+    steps = sorted({int(s) for found in single.values() for s in found})
+    at = f"step {steps[0]}" if len(steps) == 1 else "no step"
+    return f"Not plotted: {', '.join(single)} (metrics at {at} only; a curve needs two logged steps)."
+
+
 def _png(fig: Figure) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
@@ -270,11 +286,14 @@ def render(run_dir: Path) -> str:
         "<h2>Summary</h2>",
         _table(summary_rows(run, mfu_of) + ([("metrics.jsonl", skipped_lines_note(bad_lines))] if bad_lines else [])),
     ]
-    missing = []
+    missing, single = [], {}
     for title, caption, plot in PLOTS:
         fig = plot(run)
         if fig is None:
             missing.append(title)
+            continue
+        if len(steps := steps_drawn(fig)) < 2:  # one point draws no line, one step no area: an empty frame
+            single[title] = steps
             continue
         caption = caption.format(mfu_of=mfu_of)
         mark_resumes(fig, resumes)
@@ -282,6 +301,8 @@ def render(run_dir: Path) -> str:
             caption += "; dotted lines: resumes"
         parts.append(f"<h2>{title}</h2><p class='note'>{caption}</p><img alt='{title}' src='data:image/png;base64,")
         parts.append(_png(fig) + "'>")
+    if single:
+        parts.append(f"<p class='note'>{html.escape(not_plotted_note(single))}</p>")
     if missing:
         parts.append(f"<p class='note'>Not logged in this run: {', '.join(missing)}.</p>")
     parts += ["<h2>Environment</h2>", _table(environment_rows(env, config, run["ranks"]))]

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshlm.checkpoint import CheckpointError
 from meshlm.checkpoint.store import RunDirInUse, RunLock, StorageError, atomic_write, run_dir_problem, storage_cause
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import SFTData, TokenData, prepare_data_shared
 from meshlm.data.dataset import check_tokenizer, document_separator
-from meshlm.model import Transformer, flops_per_token
+from meshlm.model import PRESETS, Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
 from meshlm.model.pretrained import HFWeights, init_tokenizer, is_hf_directory, keep_tokenizer
 from meshlm.parallel.distributed import autocast_dtype
@@ -45,6 +46,27 @@ def check_config(cfg: Config, world_size: int) -> tuple[Layout, int]:
         with torch.device("meta"):
             adaptation(cfg).check(Transformer(cfg.model.build()))
     return layout, n_micro
+
+
+def model_name(cfg: Config) -> str:
+    """The start-up line's model: `model.init_from`, or the preset's name with the fields the run changes
+    ('tiny resized: dim 128, n_layers 2'), so a resized preset is never reported as the preset itself."""
+    if cfg.model.init_from:
+        return cfg.model.init_from
+    base = PRESETS[cfg.model.preset]
+    changed = [f"{name} {value}" for name, value in cfg.model.build().to_dict().items() if getattr(base, name) != value]
+    return f"{cfg.model.preset} resized: {', '.join(changed)}" if changed else cfg.model.preset
+
+
+def another_model(path: Path, saved: dict, current: dict) -> CheckpointError:
+    """A checkpoint whose model is not the config's: the first differing field, and the two ways on (a new run
+    directory for the new model, or the checkpoint's value to resume it)."""
+    name = next((k for k in current if saved.get(k) != current[k]), "?")
+    return CheckpointError(
+        f"checkpoint {path} is for another model (model.{name}: checkpoint {saved.get(name)!r}, config "
+        f"{current.get(name)!r}); train the new model in a new run directory (--log.run_dir), or resume this one "
+        f"with model.{name} = {saved.get(name)!r}"
+    )
 
 
 def adaptation(cfg: Config) -> Adaptation:

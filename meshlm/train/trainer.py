@@ -51,11 +51,13 @@ from meshlm.train.optim import device_train_step, lr_at, train_step
 from meshlm.train.parts import BatchSource, Callback, TrainParts
 from meshlm.train.startup import (
     LORA_KEYS,
+    another_model,
     build_model,
     build_run_optimizer,
     check_config,
     check_user_layout,
     flat_config,
+    model_name,
     open_batches,
     open_init_from,
     parallelize,
@@ -154,11 +156,6 @@ def _data_mismatch(saved: dict, current: dict) -> str | None:
     return None
 
 
-def _differing_field(saved: dict, current: dict) -> str:
-    name = next((k for k in current if saved.get(k) != current[k]), "?")
-    return f"model.{name}: checkpoint {saved.get(name)!r}, config {current.get(name)!r}"
-
-
 class Trainer:
     """One rank's training run; every public method is collective (all ranks call it together)."""
 
@@ -249,7 +246,7 @@ class Trainer:
         """What this run is, in a few plain lines for an operator's log: model, layout, batch, data,
         checkpoints, and where it starts."""
         cfg, (total, trainable) = self.cfg, self.param_counts
-        model = self.model_identity.get("class") or cfg.model.init_from or cfg.model.preset
+        model = self.model_identity.get("class") or model_name(cfg)
         tokens = cfg.train.global_batch * cfg.data.seq_len
         recompute = cfg.train.recompute + (f" (+ {k} blocks full)" if (k := cfg.train.recompute_layers) else "")
         dtype = "bf16 autocast" if autocast_dtype(cfg.train.dtype, self.device) else "fp32"
@@ -328,9 +325,7 @@ class Trainer:
         saved = read_trainer_state(path)
         current = json.loads(json.dumps(self.model_identity))
         if saved.get("model") != current:
-            raise CheckpointError(
-                f"checkpoint {path} is for another model ({_differing_field(saved['model'], current)})"
-            )
+            raise another_model(path, saved["model"], current)
         self.checkpointer.load(path, training_entries(self.model, self.optimizer))
         load_step_counts(self.model, self.optimizer, saved)
         self.model.after_load()
