@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from meshlm.checkpoint.rng import Streams, saved_world_size
 from meshlm.checkpoint.shards import ChunkLoadPlanner, Chunks, ChunkSavePlanner
 from meshlm.checkpoint.store import (
     LOAD_ERRORS,
@@ -121,7 +122,7 @@ class Checkpointer:
         self.wait()
         if self.rank == 0 and (warning := self.store.space_warning(step)):
             self.say(warning)
-        entries = {**entries, **self._rng_entries()}
+        entries = {**entries, **Streams.current().entries(self.rank)}  # meshlm.checkpoint.rng
         if not self.async_save:
             try:
                 self._write(step, entries, trainer_state)
@@ -184,12 +185,6 @@ class Checkpointer:
         with contextlib.suppress(StorageError):
             self.record(step, {"status": "failed", "held_s": held_s, "error": str(error)})
         raise error
-
-    def _rng_entries(self) -> Entries:
-        entries = {f"rng/cpu/{self.rank}": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            entries[f"rng/cuda/{self.rank}"] = torch.cuda.get_rng_state()
-        return entries
 
     def _stage(self, entries: Entries) -> Entries:
         """Copies of every view in one reusable host buffer, so training may change the originals."""
@@ -272,9 +267,10 @@ class Checkpointer:
         )
 
     # ---- loading ----------------------------------------------------------------------------------------
-    def load(self, path: Path, entries: Entries) -> None:
-        """Fill `entries` in place from checkpoint `path`, whatever layout wrote it; restore this rank's RNG
-        when the checkpoint has a state for it (same world size). `.metadata` is read once."""
+    def load(self, path: Path, entries: Entries, restore_streams: bool = True) -> Streams | None:
+        """Fill `entries` in place from checkpoint `path`, whatever layout wrote it; return this rank's random
+        streams when the checkpoint was saved by as many ranks as this run has (else None: the rule of
+        meshlm.checkpoint.rng), and with `restore_streams` set them now. `.metadata` is read once."""
         reader = MetadataOnceReader(path)
         try:
             saved = reader.read_metadata().state_dict_metadata
@@ -284,12 +280,15 @@ class Checkpointer:
             if anywhere.item():
                 what = f"entry {missing[0]}" if missing else "entries another rank needs"
                 raise CheckpointError(f"checkpoint {path} lacks {what}; was it written for another model?")
-            rng = {k: torch.empty(saved[k].size, dtype=torch.uint8) for k in self._rng_entries() if k in saved}
+            same_world = saved_world_size(saved) == dist.get_world_size()
+            keys = [f"rng/{kind}/{self.rank}" for kind in ("cpu", "cuda")]
+            rng = {k: torch.empty(saved[k].size, dtype=torch.uint8) for k in keys if same_world and k in saved}
             dcp.load({**entries, **rng}, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=self.group)
         except LOAD_ERRORS as e:
             raise unloadable(path, e) from None
-        for key, state in rng.items():
-            if key.startswith("rng/cpu/"):
-                torch.set_rng_state(state)
-            else:
-                torch.cuda.set_rng_state(state)
+        if not rng:
+            return None
+        streams = Streams(rng[keys[0]], rng.get(keys[1]))
+        if restore_streams:
+            streams.restore()
+        return streams

@@ -31,6 +31,7 @@ from meshlm.checkpoint import (
     training_entries,
     verify_checkpoint,
 )
+from meshlm.checkpoint.rng import Streams, reseeded_line, start_streams
 from meshlm.checkpoint.store import RunLock
 from meshlm.config import Config, ConfigError
 from meshlm.data import TokenData
@@ -198,6 +199,7 @@ class Trainer:
         init_optimizer_state(self.optimizer)  # so checkpoints and rollbacks can fill it in place
         self.checkpointer = self.open_checkpointer()
         self.result = TrainResult(run_dir=self.run_dir)
+        self.streams: Streams | None = None  # a resume's random streams, set right before its first step
         if init_from and init_source is None:
             self.load_weights(init_from)
         self.resume()
@@ -291,6 +293,8 @@ class Trainer:
         if path is not None:
             saved = self.load(path, restore_data_position=True)
             self.say(f"resuming from {path} at step {self.sampler.step} (saved under {saved.get('layout')})")
+            if self.streams is None:
+                self.say(reseeded_line(saved.get("world_size"), dist.get_world_size(), self.sampler.step))
             if (was := saved.get("lr_schedule")) and was != self.lr_schedule():
                 changed = ", ".join(f"train.{k} {v} (was {was.get(k)})" for k, v in self.lr_schedule().items()
                                     if was.get(k) != v)  # fmt: skip
@@ -331,13 +335,14 @@ class Trainer:
             raise CheckpointError(
                 f"checkpoint {path} is for another model ({_differing_field(saved['model'], current)})"
             )
-        self.checkpointer.load(path, training_entries(self.model, self.optimizer))
+        streams = self.checkpointer.load(path, training_entries(self.model, self.optimizer), restore_streams=False)
         load_step_counts(self.model, self.optimizer, saved)
         self.model.after_load()
         if restore_data_position:
             if problem := _data_mismatch(saved["sampler"], self.sampler.state_dict()):
                 raise CheckpointError(f"checkpoint {path} was saved {problem}")
             self.sampler.load_state_dict(saved["sampler"])
+            self.streams = streams  # a rollback keeps the streams running, as it keeps the data position
         return saved
 
     def save_if_sound(self, step: int) -> bool:
@@ -378,6 +383,7 @@ class Trainer:
                            every=cfg.log.every) as bar:  # fmt: skip
             self.progress = bar
             self.watchdog.arm()
+            start_streams(self.streams, cfg.train.seed, self.sampler.step)  # after all start-up draws
             if self.result.start_step == 0 and cfg.train.eval_every:
                 self.evaluate(0)
             while self.sampler.step < cfg.train.steps:
