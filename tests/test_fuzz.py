@@ -244,7 +244,7 @@ def test_convert_hf_config_fuzz(
     (directory / "config.json").write_text(json.dumps({k: v for k, v in hf_config.items() if v is not DELETE}))
     code, err = convert(["hf-to-meshlm", str(directory), str(tmp_path / "out.safetensors")], capsys)
     if code != 0:
-        assert code == 1 and err.startswith("meshlm convert: error: "), err
+        assert code == 2 and err.startswith("meshlm convert: error: "), err
         assert_one_line(err, *changes, "model.safetensors")
 
 

@@ -244,7 +244,7 @@ def test_cli_round_trip(hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert max_logit_diff(load_hf(out_dir), load_hf_into_model(hf_dir).eval()) < 1e-5
 
     capsys.readouterr()
-    assert run_convert(parser.parse_args(["convert", "meshlm-to-hf", str(hf_dir / "model.safetensors"), "x"])) == 1
+    assert run_convert(parser.parse_args(["convert", "meshlm-to-hf", str(hf_dir / "model.safetensors"), "x"])) == 2
     assert "not a meshlm checkpoint file" in capsys.readouterr().err
 
 

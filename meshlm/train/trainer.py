@@ -42,6 +42,7 @@ from meshlm.observe import StepObserver, aggregate
 from meshlm.observe.env import environment
 from meshlm.observe.metrics import MetricsLogger, TrainProgress, trackers
 from meshlm.observe.profile import StepProfiler
+from meshlm.parallel import distributed
 from meshlm.parallel.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.parallel.fp8 import check_fp8_device
 from meshlm.parallel.mesh import Layout, build_mesh
@@ -120,21 +121,24 @@ def _fit(cfg: Config, parts: TrainParts) -> TrainResult:
     # Armed before the process group exists: a restarted rank can hang in rendezvous or set-up too.
     watchdog = Watchdog(Path(cfg.log.run_dir), env_rank(), cfg.fault.watchdog_s)
     watchdog.arm()
-    created_group = False
+    created_group = succeeded = False
     trainer = None
     lock = RunLock(Path(cfg.log.run_dir))
     try:
         created_group = init_distributed(device, cfg.parallel.timeout_s)
         take_run_lock(lock)
         trainer = Trainer(cfg, layout, n_micro, device, watchdog, parts, model)
-        return trainer.run()
+        result = trainer.run()
+        succeeded = True
+        return result
     finally:
         if trainer is not None:
             trainer.close()
         lock.release()
         watchdog.close()
-        if created_group:
-            dist.destroy_process_group()
+        del trainer  # and with it its groups (the model's, the checkpoints'), so their gloo threads are joined
+        if created_group:  # on every rank's success; a failed rank's peers may be gone (no barrier)
+            distributed.end_process_group() if succeeded else dist.destroy_process_group()
 
 
 # The sampler's state that fixes the batch stream, and the config field each comes from
