@@ -299,7 +299,9 @@ class Trainer:
             self.say(f"resuming from {path} at step {self.sampler.step} (saved under {saved.get('layout')})")
             if self.streams is None:
                 self.say(reseeded_line(saved.get("world_size"), dist.get_world_size(), self.sampler.step))
-            if (was := saved.get("lr_schedule")) and was != self.lr_schedule():
+            if self.sampler.step >= (steps := self.cfg.train.steps):  # a finished run restarted, or steps lowered
+                self.say(f"run already at step {self.sampler.step} >= train.steps {steps}: nothing to do")
+            elif (was := saved.get("lr_schedule")) and was != self.lr_schedule():
                 changed = ", ".join(f"train.{k} {v} (was {was.get(k)})" for k, v in self.lr_schedule().items()
                                     if was.get(k) != v)  # fmt: skip
                 self.say(f"warning: {changed}: the learning-rate schedule is reshaped from step {self.sampler.step} "
