@@ -58,7 +58,7 @@ class OneLineOptions(BaseModel):
         except ValidationError as e:
             error = e.errors()[0]
             field = ".".join(str(part) for part in error["loc"])
-            raise InputError(f"{self.section}.{field}: {error['msg']}") from None
+            raise InputError(f"{self.section}.{field}: {error['msg'].removeprefix('Value error, ')}") from None
 
 
 class ParallelOptions(OneLineOptions):
