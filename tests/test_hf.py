@@ -314,7 +314,7 @@ def test_truncated_safetensors_is_one_line_in_both_directions(
         for cut in (len(data) // 2, 5):
             path.write_bytes(data[:cut])
             code, err = run_cli(args, capsys)
-            assert code == 1 and len(err.splitlines()) == 1, err
+            assert code == 2 and len(err.splitlines()) == 1, err
             assert f"{path}: not a valid safetensors file (Error while deserializing header" in err
 
 
@@ -345,4 +345,4 @@ def test_meshlm_file_with_bad_metadata_or_tensors(tmp_path: Path, capsys: pytest
         tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k != "model.embed_tokens.weight"}
         save_file(tensors, path, metadata={"format": "pt", "meshlm_model_config": metadata})
         code, err = run_cli(["meshlm-to-hf", str(path), str(tmp_path / "out")], capsys)
-        assert code == 1 and len(err.splitlines()) == 1 and message in err, err
+        assert code == 2 and len(err.splitlines()) == 1 and message in err, err

@@ -10,8 +10,8 @@ generator as `rng/cuda/<rank>`. The rule on load:
   reproducible (two resumes of one checkpoint at one world size draw the same numbers) but its dropout masks
   differ from an uninterrupted run's; the trainer says so in one line.
 
-A fresh start seeds every rank's generators with `train.seed` right before step 1, so the streams of step 1
-on never depend on what start-up drew (a measured matmul peak draws its operands once per process).
+A fresh start seeds every rank's generators from `seed_of(train.seed, 0)` right before step 1, so the streams of
+step 1 on never depend on what start-up drew (a measured matmul peak draws its operands once per process).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ STEP_STRIDE = 1_000_003  # a prime: the seeds of (seed, step) pairs of one run n
 
 
 def seed_of(seed: int, step: int) -> int:
-    """The seed of every rank's generators for a run (`train.seed`) continued from `step` without saved
-    streams: `seed` itself at step 0."""
-    return (seed + step * STEP_STRIDE) % 2**63
+    """The seed of every rank's generators for a run (`train.seed`) starting step `step` + 1 without saved
+    streams. Never `seed` itself: the initial weights were drawn from `torch.manual_seed(seed)`, and dropout
+    masks drawn from the same numbers would be correlated with them."""
+    return (seed + (step + 1) * STEP_STRIDE) % 2**63
 
 
 def seed_streams(seed: int) -> None:
