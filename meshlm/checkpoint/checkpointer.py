@@ -99,9 +99,8 @@ class Checkpointer:
     # ---- finding checkpoints ----------------------------------------------------------------------------
     def resume_point(self, resume: bool, allow_fresh_start: bool) -> Path | None:
         """Start-up: rank 0 refuses entries it did not write (RunCheckpoints.refuse_foreign), removes staging
-        folders of failed or interrupted saves, moves corrupt checkpoints
-        aside and picks the newest valid one (`resume`), or refuses to start over corrupt ones; every rank
-        gets the same answer."""
+        folders of failed or interrupted saves, moves corrupt checkpoints aside and picks the newest valid one
+        (`resume`), or refuses to start over corrupt ones; every rank gets the same answer."""
 
         def pick() -> Path | None:
             self.store.refuse_foreign()
