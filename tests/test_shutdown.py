@@ -94,6 +94,7 @@ def assert_clean(results: list[tuple[int, str]], what: str) -> None:
         assert code == 0 and "terminate called" not in out, f"{what}, rank {rank}: exit {code}\n{out[-3000:]}"
 
 
+@pytest.mark.slow  # two fresh interpreters importing torch and meshlm: 12 s on 2 shared cores
 def test_shutdown_finishes_an_async_save_in_flight(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     assert_clean(two_ranks(tmp_path, "loop", "dp=2", run_dir), "loop dp=2 + async save")
