@@ -28,13 +28,14 @@ from torch import nn
 
 from meshlm.checkpoint import (
     Checkpointer,
+    finish_saves,
     init_optimizer_state,
     load_step_counts,
     read_trainer_state,
     step_counts,
     training_entries,
 )
-from meshlm.parallel.distributed import init_distributed, resolve_device
+from meshlm.parallel.distributed import end_process_group, init_distributed, resolve_device
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.fp8 import check_fp8_device
 from meshlm.parallel.lora import Adaptation
@@ -59,16 +60,14 @@ def init_mesh(layout: str = "", device: str = "auto", timeout_s: float = 300.0) 
 
 
 def shutdown() -> None:
-    """End a script's process group on success: a barrier, then `destroy_process_group`.
-
-    The barrier is the point. gloo's worker thread drops its hold on a collective's tensors a moment after
-    the caller's wait returns; if the interpreter is already finalizing by then, the decref of a Python-owned
-    tensor cannot take the GIL and the rank aborts ("terminate called without an active exception",
-    pytorch/pytorch#190489) with its work done: 6 of 32 two-rank runs of examples/custom_loop.py on 2
-    cores, none of 30 with this. Not after a failure: a barrier with a dead peer waits for the timeout."""
+    """End a script's process group on success (collective): every background checkpoint save finished, then
+    a barrier on every process group and `destroy_process_group` (meshlm.parallel.distributed.end_process_group
+    says why each step: without them a rank could abort in teardown, "terminate called without an active
+    exception", its work done: pytorch/pytorch#190489). Not after a failure: a barrier with a dead peer waits
+    for the timeout."""
     if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        finish_saves()
+        end_process_group()
 
 
 def parallelize(

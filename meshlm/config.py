@@ -12,11 +12,20 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import FAMILY_FIELDS, PRESETS, ModelConfig
-from meshlm.parallel.options import LoRAOptions, ParallelOptions
+from meshlm.parallel.options import LoRAOptions, ParallelOptions, refuse_bool
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,6 +38,11 @@ INT64 = 2**63
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: object, info: ValidationInfo) -> object:
+        return refuse_bool(cls, value, info)
 
     @field_validator("*")
     @classmethod

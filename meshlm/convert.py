@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,9 @@ def export_run(
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    """Run a parsed `meshlm convert` command; bad input gives a one-line error and exit code 1."""
+    """Run a parsed `meshlm convert` command. Bad input (a refused checkpoint or HF directory, a missing or
+    unreadable source) gives a one-line error and exit code 2, as `meshlm eval` and `generate` do for the same
+    checkpoint; a failure to write the output (a full disk, no permission) exit code 1."""
     try:
         if args.convert_mode == "hf-to-meshlm":
             _save_meshlm_file(load_hf_into_model(args.src), args.out)
@@ -134,9 +137,19 @@ def run_convert(args: argparse.Namespace) -> int:
             export_run(args.src, args.out, lora, getattr(torch, args.dtype), args.max_shard_bytes)
     except (ValueError, OSError) as e:
         print(f"meshlm convert: error: {e}", file=sys.stderr)
-        return 1
+        return 1 if _writing(e, Path(args.out)) else 2
     print(f"wrote {args.out}")
     return 0
+
+
+def _writing(error: BaseException, out: Path) -> bool:
+    """Whether `error` is a failure to write the output `out`: an OSError naming it, a path under it or a
+    temporary sibling of it (an atomic write's `out.tmp-...`)."""
+    name = getattr(error, "filename", None)
+    if not isinstance(error, OSError) or name is None:
+        return False
+    path, out = Path(os.fsdecode(name)).absolute(), out.absolute()
+    return out in (path, *path.parents) or (path.parent == out.parent and path.name.startswith(out.name))
 
 
 def rebuild_run_model(checkpoint: Path, state: dict[str, torch.Tensor]) -> tuple[nn.Module, LoRASpec | None]:

@@ -244,7 +244,7 @@ def test_convert_hf_config_fuzz(
     (directory / "config.json").write_text(json.dumps({k: v for k, v in hf_config.items() if v is not DELETE}))
     code, err = convert(["hf-to-meshlm", str(directory), str(tmp_path / "out.safetensors")], capsys)
     if code != 0:
-        assert code == 1 and err.startswith("meshlm convert: error: "), err
+        assert code == 2 and err.startswith("meshlm convert: error: "), err
         assert_one_line(err, *changes, "model.safetensors")
 
 
@@ -278,7 +278,7 @@ def test_convert_corrupt_hf_safetensors_fuzz(
     weights.write_bytes(corrupt((hf_template / "model.safetensors").read_bytes(), *corruption))
     code, err = convert(["hf-to-meshlm", str(directory), str(tmp_path / "out.safetensors")], capsys)
     if code != 0:
-        assert code == 1, err
+        assert code == 2, err
         assert_one_line(err, "model.safetensors")
 
 
@@ -302,7 +302,7 @@ def test_convert_corrupt_meshlm_safetensors_fuzz(
     path.write_bytes(corrupt(meshlm_template.read_bytes(), *corruption))
     code, err = convert(["meshlm-to-hf", str(path), str(tmp_path / "hf_out")], capsys)
     if code != 0:
-        assert code == 1, err
+        assert code == 2, err
         assert_one_line(err, "ckpt.safetensors")
 
 

@@ -244,7 +244,7 @@ def test_cli_round_trip(hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert max_logit_diff(load_hf(out_dir), load_hf_into_model(hf_dir).eval()) < 1e-5
 
     capsys.readouterr()
-    assert run_convert(parser.parse_args(["convert", "meshlm-to-hf", str(hf_dir / "model.safetensors"), "x"])) == 1
+    assert run_convert(parser.parse_args(["convert", "meshlm-to-hf", str(hf_dir / "model.safetensors"), "x"])) == 2
     assert "not a meshlm checkpoint file" in capsys.readouterr().err
 
 
@@ -314,7 +314,7 @@ def test_truncated_safetensors_is_one_line_in_both_directions(
         for cut in (len(data) // 2, 5):
             path.write_bytes(data[:cut])
             code, err = run_cli(args, capsys)
-            assert code == 1 and len(err.splitlines()) == 1, err
+            assert code == 2 and len(err.splitlines()) == 1, err
             assert f"{path}: not a valid safetensors file (Error while deserializing header" in err
 
 
@@ -345,4 +345,4 @@ def test_meshlm_file_with_bad_metadata_or_tensors(tmp_path: Path, capsys: pytest
         tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k != "model.embed_tokens.weight"}
         save_file(tensors, path, metadata={"format": "pt", "meshlm_model_config": metadata})
         code, err = run_cli(["meshlm-to-hf", str(path), str(tmp_path / "out")], capsys)
-        assert code == 1 and len(err.splitlines()) == 1 and message in err, err
+        assert code == 2 and len(err.splitlines()) == 1 and message in err, err

@@ -1,6 +1,6 @@
 """Checkpoints: sharded (DCP) and resharding, atomic and checksummed, loaded without unpickling code."""
 
-from meshlm.checkpoint.checkpointer import Checkpointer
+from meshlm.checkpoint.checkpointer import Checkpointer, finish_saves
 from meshlm.checkpoint.state import (
     init_optimizer_state,
     load_step_counts,
@@ -27,6 +27,7 @@ __all__ = [
     "Checkpointer",
     "RunCheckpoints",
     "StorageError",
+    "finish_saves",
     "init_optimizer_state",
     "latest_valid_checkpoint",
     "list_checkpoints",

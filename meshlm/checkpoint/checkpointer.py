@@ -19,6 +19,7 @@ import datetime
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from meshlm.checkpoint.rng import Streams, saved_world_size
 from meshlm.checkpoint.shards import ChunkLoadPlanner, Chunks, ChunkSavePlanner
 from meshlm.checkpoint.store import (
     LOAD_ERRORS,
@@ -44,7 +46,18 @@ from meshlm.checkpoint.store import (
 )
 
 Entries = dict[str, Any]  # key -> Chunks or a plain tensor
+_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # for finish_saves
 ALIGN = 64  # staging offsets stay aligned for every dtype
+
+
+def finish_saves() -> None:
+    """Wait for every background save still in flight in this process (collective), e.g. one a script started
+    with `Checkpoints.save` and never waited for: its writer thread runs DCP's collectives on the checkpoint
+    group, so the process group must outlive it, and a daemon thread still in C++ when the interpreter
+    finalizes aborts the process (measured: a 2-rank script ending right after an async save aborted in 2 of
+    3 runs and committed no checkpoint). Re-raises a save's failure."""
+    for checkpointer in list(_OPEN):
+        checkpointer.wait()
 
 
 def _nbytes(entries: Entries) -> int:
@@ -81,14 +94,16 @@ class Checkpointer:
         self.pending: tuple[int, float, Future, threading.Thread] | None = None  # step, held_s, result, writer
         self.staging: torch.Tensor | None = None
         self.staging_bytes = 0  # high-water mark of the staging buffer, for the benchmark and the docs
+        _OPEN.add(self)
 
     # ---- finding checkpoints ----------------------------------------------------------------------------
     def resume_point(self, resume: bool, allow_fresh_start: bool) -> Path | None:
-        """Start-up: rank 0 removes staging folders of failed or interrupted saves, moves corrupt checkpoints
-        aside and picks the newest valid one (`resume`), or refuses to start over corrupt ones; every rank
-        gets the same answer."""
+        """Start-up: rank 0 refuses entries it did not write (RunCheckpoints.refuse_foreign), removes staging
+        folders of failed or interrupted saves, moves corrupt checkpoints aside and picks the newest valid one
+        (`resume`), or refuses to start over corrupt ones; every rank gets the same answer."""
 
         def pick() -> Path | None:
+            self.store.refuse_foreign()
             self.store.remove_staging()
             return self.store.resume_point(allow_fresh_start) if resume else None
 
@@ -121,7 +136,7 @@ class Checkpointer:
         self.wait()
         if self.rank == 0 and (warning := self.store.space_warning(step)):
             self.say(warning)
-        entries = {**entries, **self._rng_entries()}
+        entries = {**entries, **Streams.current().entries(self.rank)}  # meshlm.checkpoint.rng
         if not self.async_save:
             try:
                 self._write(step, entries, trainer_state)
@@ -184,12 +199,6 @@ class Checkpointer:
         with contextlib.suppress(StorageError):
             self.record(step, {"status": "failed", "held_s": held_s, "error": str(error)})
         raise error
-
-    def _rng_entries(self) -> Entries:
-        entries = {f"rng/cpu/{self.rank}": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            entries[f"rng/cuda/{self.rank}"] = torch.cuda.get_rng_state()
-        return entries
 
     def _stage(self, entries: Entries) -> Entries:
         """Copies of every view in one reusable host buffer, so training may change the originals."""
@@ -272,9 +281,10 @@ class Checkpointer:
         )
 
     # ---- loading ----------------------------------------------------------------------------------------
-    def load(self, path: Path, entries: Entries) -> None:
-        """Fill `entries` in place from checkpoint `path`, whatever layout wrote it; restore this rank's RNG
-        when the checkpoint has a state for it (same world size). `.metadata` is read once."""
+    def load(self, path: Path, entries: Entries, restore_streams: bool = True) -> Streams | None:
+        """Fill `entries` in place from checkpoint `path`, whatever layout wrote it; return this rank's random
+        streams when the checkpoint was saved by as many ranks as this run has (else None: the rule of
+        meshlm.checkpoint.rng), and with `restore_streams` set them now. `.metadata` is read once."""
         reader = MetadataOnceReader(path)
         try:
             saved = reader.read_metadata().state_dict_metadata
@@ -284,12 +294,15 @@ class Checkpointer:
             if anywhere.item():
                 what = f"entry {missing[0]}" if missing else "entries another rank needs"
                 raise CheckpointError(f"checkpoint {path} lacks {what}; was it written for another model?")
-            rng = {k: torch.empty(saved[k].size, dtype=torch.uint8) for k in self._rng_entries() if k in saved}
+            same_world = saved_world_size(saved) == dist.get_world_size()
+            keys = [f"rng/{kind}/{self.rank}" for kind in ("cpu", "cuda")]
+            rng = {k: torch.empty(saved[k].size, dtype=torch.uint8) for k in keys if same_world and k in saved}
             dcp.load({**entries, **rng}, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=self.group)
         except LOAD_ERRORS as e:
             raise unloadable(path, e) from None
-        for key, state in rng.items():
-            if key.startswith("rng/cpu/"):
-                torch.set_rng_state(state)
-            else:
-                torch.cuda.set_rng_state(state)
+        if not rng:
+            return None
+        streams = Streams(rng[keys[0]], rng.get(keys[1]))
+        if restore_streams:
+            streams.restore()
+        return streams

@@ -230,6 +230,22 @@ class RunCheckpoints:
     def quarantined(self) -> list[Path]:
         return sorted(self.root.glob(f"{CORRUPT_PREFIX}step_*")) if self.root.is_dir() else []
 
+    def refuse_foreign(self) -> None:
+        """Start-up: every `step_*`, staging or quarantined entry under checkpoints/ must be a folder meshlm
+        wrote there. A symbolic link or a file under such a name would be read as a checkpoint, renamed or
+        replaced by a save (which cannot rename a folder over it: the run stopped at that save), so it is
+        refused before any work, named."""
+        if not self.root.is_dir():
+            return
+        prefixes = ("step_", STAGING_PREFIX, CORRUPT_PREFIX)
+        for path in sorted(p for p in self.root.iterdir() if p.name.startswith(prefixes)):
+            if path.is_symlink() or not path.is_dir():
+                what = f"a symbolic link to {os.readlink(path)}" if path.is_symlink() else "not a folder"
+                raise CheckpointError(
+                    f"{path} is {what}, not a checkpoint folder this run wrote; move it out of {self.root} "
+                    "(it may hold only the step_N folders meshlm saves)"
+                )
+
     def remove_staging(self) -> None:
         """Start-up: delete the staging folders of failed or interrupted saves (never committed, so never
         needed), with one line saying what was removed."""

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,7 +40,35 @@ def check_source(cfg: DataSection) -> None:
     imports and a mistyped path is one line within a second."""
     local = not (cfg.source == "stdlib" or cfg.source.startswith("hf:"))
     if local and not (Path(cfg.source).is_dir() or Path(cfg.source).is_file()):
-        raise DataError(f"data.source: {cfg.source} not found; valid: {VALID_SOURCES}")
+        found = f"is {kind}" if (kind := special_kind(Path(cfg.source))) else "not found"
+        raise DataError(f"data.source: {cfg.source} {found}; valid: {VALID_SOURCES}")
+    check_cache_dir(cfg)
+
+
+def special_kind(path: Path) -> str | None:
+    """What `path` is when it exists but is neither a regular file nor a folder (a named pipe, whose reading
+    would block, a socket, a device), else None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    kinds = [(stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character "
+             "device"), (stat.S_ISBLK, "a block device")]  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), None)
+
+
+def check_cache_dir(cfg: DataSection) -> None:
+    """data.cache_dir must be a folder or creatable as one: refuse, naming it, a path that is (or lies under)
+    something else."""
+    for path in (Path(cfg.cache_dir), *Path(cfg.cache_dir).parents):
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                where = "is" if path == Path(cfg.cache_dir) else f"lies under {path}, which is"
+                raise DataError(
+                    f"data.cache_dir: {cfg.cache_dir} {where} not a folder; valid: a folder (created if missing) "
+                    "for the tokenizer and token files"
+                )
+            return
 
 
 def source_files(cfg: DataSection) -> list[Path]:
@@ -63,6 +92,8 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip: set[str]) -> list[Path]:
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d not in skip]
         found += [Path(folder, f) for f in files if f.endswith(suffixes)]
+    if special := next(((p, kind) for p in found if (kind := special_kind(p))), None):
+        raise DataError(f"data.source: {special[0]} is {special[1]}, not a file; remove it from {root}")
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 

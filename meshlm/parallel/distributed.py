@@ -6,6 +6,7 @@ A one-rank group keeps a single code path: the trainer always talks to a mesh, e
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import warnings
 
@@ -89,3 +90,27 @@ def lost_peer(error: BaseException) -> str | None:
         return None
     line = text.splitlines()[0] if text else type(error).__name__
     return line.split("] ", 1)[-1].split(" This is typically caused", 1)[0].strip()
+
+
+def end_process_group() -> None:
+    """End the process group after a run that succeeded on every rank (collective), leaving no gloo work or
+    worker thread that could touch a Python object once the interpreter is finalizing.
+
+    Why each step (`terminate called without an active exception`, SIGABRT, after the script's last line):
+    a gloo group's worker thread drops its hold on a collective's tensors a moment after the caller's wait
+    returns, and `destroy_process_group` stops no group that something still references (a ParallelModel's
+    or a mesh's in the user's globals: measured, their `pt_gloo_runloop` threads outlive it); such a group is
+    destroyed during interpreter finalization, where a last decref of a Python-owned tensor cannot take the GIL
+    (pthread_exit under a noexcept frame). So: (1) a barrier on every group this rank belongs to, all started
+    before any is waited for (no order to deadlock on): each waits for that group's earlier work, on every
+    member; (2) destroy them; (3) collect garbage, so groups held only by reference cycles are destroyed
+    (their threads joined) now, while the interpreter is whole. Not after a failure: a barrier with a dead
+    peer waits for the timeout."""
+    if not dist.is_initialized():
+        return
+    groups = list(dist.distributed_c10d._world.pg_map)  # every group this rank is a member of, WORLD first
+    for work in [dist.barrier(group=group, async_op=True) for group in groups]:
+        work.wait()
+    del groups
+    dist.destroy_process_group()
+    gc.collect()

@@ -13,11 +13,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from meshlm.errors import InputError
+
+KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _takes_bool(annotation: object) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    if get_origin(annotation) is Literal:
+        return any(isinstance(arg, bool) for arg in get_args(annotation))
+    return any(_takes_bool(arg) for arg in get_args(annotation))
+
+
+def refuse_bool(model: type[BaseModel], value: object, info: ValidationInfo) -> object:
+    """A true or false given for a field that takes no bool (a number) is refused, not read as 1 or 0
+    (pydantic's lax mode would: `[parallel] zero = true` became ZeRO-1)."""
+    field = model.model_fields.get(info.field_name or "")
+    if isinstance(value, bool) and field is not None and not _takes_bool(field.annotation):
+        kinds = [KIND_NAMES.get(arg, "") for arg in (field.annotation, *get_args(field.annotation))]
+        expected = next((kind for kind in kinds if kind), "a value of the field's type")
+        raise ValueError(f"Input should be {expected}, not {str(value).lower()}")
+    return value
 
 
 class OneLineOptions(BaseModel):
@@ -26,13 +47,18 @@ class OneLineOptions(BaseModel):
 
     section: ClassVar[str]
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: object, info: ValidationInfo) -> object:
+        return refuse_bool(cls, value, info)
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
         except ValidationError as e:
             error = e.errors()[0]
             field = ".".join(str(part) for part in error["loc"])
-            raise InputError(f"{self.section}.{field}: {error['msg']}") from None
+            raise InputError(f"{self.section}.{field}: {error['msg'].removeprefix('Value error, ')}") from None
 
 
 class ParallelOptions(OneLineOptions):

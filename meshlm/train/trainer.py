@@ -31,6 +31,7 @@ from meshlm.checkpoint import (
     training_entries,
     verify_checkpoint,
 )
+from meshlm.checkpoint.rng import Streams, reseeded_line, start_streams
 from meshlm.checkpoint.store import RunLock
 from meshlm.config import Config, ConfigError
 from meshlm.data import TokenData
@@ -41,6 +42,7 @@ from meshlm.observe import StepObserver, aggregate
 from meshlm.observe.env import environment
 from meshlm.observe.metrics import MetricsLogger, TrainProgress, trackers
 from meshlm.observe.profile import StepProfiler
+from meshlm.parallel import distributed
 from meshlm.parallel.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.parallel.fp8 import check_fp8_device
 from meshlm.parallel.mesh import Layout, build_mesh
@@ -121,21 +123,24 @@ def _fit(cfg: Config, parts: TrainParts) -> TrainResult:
     # Armed before the process group exists: a restarted rank can hang in rendezvous or set-up too.
     watchdog = Watchdog(Path(cfg.log.run_dir), env_rank(), cfg.fault.watchdog_s)
     watchdog.arm()
-    created_group = False
+    created_group = succeeded = False
     trainer = None
     lock = RunLock(Path(cfg.log.run_dir))
     try:
         created_group = init_distributed(device, cfg.parallel.timeout_s)
         take_run_lock(lock)
         trainer = Trainer(cfg, layout, n_micro, device, watchdog, parts, model)
-        return trainer.run()
+        result = trainer.run()
+        succeeded = True
+        return result
     finally:
         if trainer is not None:
             trainer.close()
         lock.release()
         watchdog.close()
-        if created_group:
-            dist.destroy_process_group()
+        del trainer  # and with it its groups (the model's, the checkpoints'), so their gloo threads are joined
+        if created_group:  # on every rank's success; a failed rank's peers may be gone (no barrier)
+            distributed.end_process_group() if succeeded else dist.destroy_process_group()
 
 
 # The sampler's state that fixes the batch stream, and the config field each comes from
@@ -195,6 +200,7 @@ class Trainer:
         init_optimizer_state(self.optimizer)  # so checkpoints and rollbacks can fill it in place
         self.checkpointer = self.open_checkpointer()
         self.result = TrainResult(run_dir=self.run_dir)
+        self.streams: Streams | None = None  # a resume's random streams, set right before its first step
         if init_from and init_source is None:
             self.load_weights(init_from)
         self.resume()
@@ -288,7 +294,11 @@ class Trainer:
         if path is not None:
             saved = self.load(path, restore_data_position=True)
             self.say(f"resuming from {path} at step {self.sampler.step} (saved under {saved.get('layout')})")
-            if (was := saved.get("lr_schedule")) and was != self.lr_schedule():
+            if self.streams is None:
+                self.say(reseeded_line(saved.get("world_size"), dist.get_world_size(), self.sampler.step))
+            if self.sampler.step >= (steps := self.cfg.train.steps):  # a finished run restarted, or steps lowered
+                self.say(f"run already at step {self.sampler.step} >= train.steps {steps}: nothing to do")
+            elif (was := saved.get("lr_schedule")) and was != self.lr_schedule():
                 changed = ", ".join(f"train.{k} {v} (was {was.get(k)})" for k, v in self.lr_schedule().items()
                                     if was.get(k) != v)  # fmt: skip
                 self.say(f"warning: {changed}: the learning-rate schedule is reshaped from step {self.sampler.step} "
@@ -326,13 +336,14 @@ class Trainer:
         current = json.loads(json.dumps(self.model_identity))
         if saved.get("model") != current:
             raise another_model(path, saved["model"], current)
-        self.checkpointer.load(path, training_entries(self.model, self.optimizer))
+        streams = self.checkpointer.load(path, training_entries(self.model, self.optimizer), restore_streams=False)
         load_step_counts(self.model, self.optimizer, saved)
         self.model.after_load()
         if restore_data_position:
             if problem := _data_mismatch(saved["sampler"], self.sampler.state_dict()):
                 raise CheckpointError(f"checkpoint {path} was saved {problem}")
             self.sampler.load_state_dict(saved["sampler"])
+            self.streams = streams  # a rollback keeps the streams running, as it keeps the data position
         return saved
 
     def save_if_sound(self, step: int) -> bool:
@@ -373,6 +384,7 @@ class Trainer:
                            every=cfg.log.every) as bar:  # fmt: skip
             self.progress = bar
             self.watchdog.arm()
+            start_streams(self.streams, cfg.train.seed, self.sampler.step)  # after all start-up draws
             if self.result.start_step == 0 and cfg.train.eval_every:
                 self.evaluate(0)
             while self.sampler.step < cfg.train.steps:
