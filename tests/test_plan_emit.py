@@ -34,7 +34,8 @@ from meshlm.model.config import PRESETS
 from meshlm.plan import Workload, hardware, search
 from meshlm.plan.cli import add_plan_parser, run_plan
 from meshlm.plan.cost import DEFAULT_COSTS
-from meshlm.plan.emit import TARGET_SHAPES, Launch, Site, grace_for, kubernetes, launch_for, skypilot, slurm
+from meshlm.plan.emit import TARGET_SHAPES, Launch, Site, grace_for, launch_for, skypilot, slurm
+from meshlm.plan.emit_k8s import kubernetes
 from meshlm.plan.search import Constraints, elastic_shrink
 from meshlm.plan.spot import Pool, Shapes
 from meshlm.train.startup import check_config
@@ -101,7 +102,7 @@ def agent_words(script: str) -> list[str]:
     """The `meshlm launch ...` command of the sbatch script, shell variables replaced by stand-ins."""
     start = script.index("  meshlm launch ")
     line = script[start : script.index(" &\n", start)].replace("\\\n", " ")
-    for variable, value in (('"$HEAD_NODE:$RDZV_PORT"', "head:1"), ('"$RDZV_ID"', "id"), ('"$RDZV_JOIN_TIMEOUT"', "9"),
+    for variable, value in (('"$HEAD_ADDR:$RDZV_PORT"', "head:1"), ('"$RDZV_ID"', "id"), ('"$RDZV_JOIN_TIMEOUT"', "9"),
                             ('"$MESHLM_CACHE_DIR"', "/cache"), ('"$MESHLM_RUN_DIR"', "/run")):  # fmt: skip
         line = line.replace(variable, value)
     return shlex.split(line)
@@ -208,10 +209,11 @@ def test_each_launcher_is_priced_only_on_pools_it_can_run(tmp_path: Path, capsys
     # The issue's layout family, fixed (pp=1, tp=8, no context parallel): it keeps a dp to shrink.
     argv = ["--model", "llama3-70b", "--gpus", "64", "--seq-len", "8192", "--global-batch", "840", "--train-tokens",
             "1.4T", "--top", "1", "--json", "--data-source", "/data", "--image", "i", "--bucket", "s3://b",
-            "--install", INSTALL, "--layout", "pp=1,tp=8,cp=1"]  # fmt: skip
+            "--layout", "pp=1,tp=8,cp=1"]  # fmt: skip
     for target, shapes in TARGET_SHAPES.items():
         path = tmp_path / target
-        assert run_plan(plan_args(*argv, "--emit", target, "--emit-to", str(path))) == 0
+        install = () if target.startswith("kubernetes") else ("--install", INSTALL)  # the image has meshlm
+        assert run_plan(plan_args(*argv, *install, "--emit", target, "--emit-to", str(path))) == 0
         offers = json.loads(capsys.readouterr().out)["plans"][0]["offerings"]
         assert offers["mixed"] is None and shapes == Shapes(mixed=False, spares=shapes.spares, elastic=shapes.elastic)
         assert (offers["spot"]["min_nodes"] < 8) == shapes.elastic
