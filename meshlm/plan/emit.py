@@ -407,7 +407,7 @@ HEAD_NODE=${{HEAD_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -
 # the rendezvous at the head node's address: Slurm's NodeAddr for it, resolved here, never to a loopback
 # address (Debian's /etc/hosts maps a machine's own name to 127.0.1.1, which no other node reaches), else its name
 meshlm_address() {{
-  NODE_ADDR=$(scontrol show node "$1" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
+  NODE_ADDR=$(scontrol show node "$1" 2>/dev/null | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')
   for ADDR in $(getent ahostsv4 "${{NODE_ADDR:-$1}}" 2>/dev/null | cut -d ' ' -f 1); do
     case "$ADDR" in 127.*) ;; *) echo "$ADDR"; return ;; esac
   done
