@@ -340,6 +340,24 @@ exit "$RC"
 """
 
 
+# The sbatch script's rendezvous host: the first node, at an address every node reaches (see `slurm`)
+SLURM_HEAD = r"""HEAD_NODE=${HEAD_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+# the rendezvous at the head node's address: Slurm's NodeAddr for it, resolved here, never to a loopback
+# address (Debian's /etc/hosts maps a machine's own name to 127.0.1.1, which no other node reaches), else its name
+meshlm_address() {
+  NODE_ADDR=$(scontrol show node "$1" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
+  for ADDR in $(getent ahostsv4 "${NODE_ADDR:-$1}" 2>/dev/null | cut -d ' ' -f 1); do
+    case "$ADDR" in 127.*) ;; *) echo "$ADDR"; return ;; esac
+  done
+  echo "${NODE_ADDR:-$1}"
+}
+HEAD_ADDR=${HEAD_ADDR:-$(meshlm_address "$HEAD_NODE")}
+# meshlm launch on the node Slurm names HEAD_NODE hosts the rendezvous store (torchrun's own guess compares
+# this machine's addresses with HEAD_ADDR and can miss)
+export MESHLM_RDZV_HOST_NODE="$HEAD_NODE"
+"""
+
+
 def slurm(launch: Launch, site: Site) -> str:
     """An sbatch script: one task per node runs a `meshlm launch` agent; the first node hosts the
     rendezvous. `--no-kill` keeps the allocation when a node dies (the agents re-form the group on the
@@ -403,21 +421,7 @@ def slurm(launch: Launch, site: Site) -> str:
 set -uo pipefail
 # torchrun's shared rendezvous store keeps a previous attempt's addresses (pytorch/pytorch#135712)
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-HEAD_NODE=${{HEAD_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}
-# the rendezvous at the head node's address: Slurm's NodeAddr for it, resolved here, never to a loopback
-# address (Debian's /etc/hosts maps a machine's own name to 127.0.1.1, which no other node reaches), else its name
-meshlm_address() {{
-  NODE_ADDR=$(scontrol show node "$1" 2>/dev/null | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')
-  for ADDR in $(getent ahostsv4 "${{NODE_ADDR:-$1}}" 2>/dev/null | cut -d ' ' -f 1); do
-    case "$ADDR" in 127.*) ;; *) echo "$ADDR"; return ;; esac
-  done
-  echo "${{NODE_ADDR:-$1}}"
-}}
-HEAD_ADDR=${{HEAD_ADDR:-$(meshlm_address "$HEAD_NODE")}}
-# meshlm launch on the node Slurm names HEAD_NODE hosts the rendezvous store (torchrun's own guess compares
-# this machine's addresses with HEAD_ADDR and can miss)
-export MESHLM_RDZV_HOST_NODE="$HEAD_NODE"
-RDZV_PORT=${{RDZV_PORT:-{RDZV_PORT}}}
+{SLURM_HEAD}RDZV_PORT=${{RDZV_PORT:-{RDZV_PORT}}}
 RDZV_ID=${{RDZV_ID:-$SLURM_JOB_ID}}
 RDZV_JOIN_TIMEOUT=${{RDZV_JOIN_TIMEOUT:-{JOIN_TIMEOUT_S}}}
 MESHLM_RUN_DIR=${{MESHLM_RUN_DIR:-{run_dir}}}
@@ -438,18 +442,8 @@ export PATH="$MESHLM_VENV/bin:$PATH"
 SKYPILOT_ACCELERATORS = {"A100-40GB": "A100", "A100-80GB": "A100-80GB", "H100-SXM": "H100", "H200": "H200"}
 
 
-def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
-    """A SkyPilot task YAML for `sky jobs launch`: the whole cluster on spot with on demand as the fallback
-    (`any_of`) or on demand, `job_recovery` relaunching it after a preemption (and at most ERROR_RELAUNCHES
-    times after a failure, so a deterministic crash does not loop), the run directory on `site.bucket` in
-    MOUNT_CACHED mode (local writes, so meshlm's atomic folder rename stays atomic, uploaded behind), meshlm
-    pip-installed from `site.install` (a requirement, a wheel URL, or a local wheel SkyPilot uploads), user
-    values as JSON strings (valid YAML), and a `run` command that starts one `meshlm launch` agent per
-    node from SkyPilot's node variables (c10d rendezvous on the first IP, so a worker that dies restarts the
-    group in place up to `--max-restarts` times per launch); `meshlm train` resumes from the
-    newest valid checkpoint there. SkyPilot replaces the whole cluster when a node goes, so the job is rigid
-    (`TARGET_SHAPES`). Written by hand as a plain subset of YAML (no anchors, flow collections or tags)."""
-    name = job_name(launch.name)
+def _sky_resources(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> list[str]:
+    """The task's `resources:` lines: accelerators, CPUs, spot with on demand as the fallback, job recovery."""
     accelerator = SKYPILOT_ACCELERATORS.get(hw.name, hw.name)
     resources = [f"  accelerators: {json.dumps(f'{accelerator}:{launch.nproc_per_node}')}"] if launch.gpu else []
     resources += [f"  cpus: {node_cpus(launch, site.cpus_per_gpu)}+"]
@@ -464,6 +458,22 @@ def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
     resources += ["  job_recovery:", "    strategy: EAGER_NEXT_REGION",
                   f"    max_restarts_on_errors: {ERROR_RELAUNCHES}", "    recover_on_exit_codes:",
                   f"      - {STOP_EXIT}"]  # fmt: skip
+    return resources
+
+
+def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
+    """A SkyPilot task YAML for `sky jobs launch`: the whole cluster on spot with on demand as the fallback
+    (`any_of`) or on demand, `job_recovery` relaunching it after a preemption (and at most ERROR_RELAUNCHES
+    times after a failure, so a deterministic crash does not loop), the run directory on `site.bucket` in
+    MOUNT_CACHED mode (local writes, so meshlm's atomic folder rename stays atomic, uploaded behind), meshlm
+    pip-installed from `site.install` (a requirement, a wheel URL, or a local wheel SkyPilot uploads), user
+    values as JSON strings (valid YAML), and a `run` command that starts one `meshlm launch` agent per
+    node from SkyPilot's node variables (c10d rendezvous on the first IP, so a worker that dies restarts the
+    group in place up to `--max-restarts` times per launch); `meshlm train` resumes from the
+    newest valid checkpoint there. SkyPilot replaces the whole cluster when a node goes, so the job is rigid
+    (`TARGET_SHAPES`). Written by hand as a plain subset of YAML (no anchors, flow collections or tags)."""
+    name = job_name(launch.name)
+    resources = _sky_resources(launch, site, pool, hw)
     mounts = [f"  {RUN_MOUNT}:", f"    source: {json.dumps(site.bucket)}", "    mode: MOUNT_CACHED"]
     if not site.install:
         raise PlanError("--emit skypilot needs --install (a pip requirement such as 'meshlm==0.1.0', or a meshlm "
