@@ -84,7 +84,8 @@ def job_after(exit_code: int, spec: dict, conditions: tuple[str, ...] = ()) -> s
 
 
 def skypilot_after(exit_code: int, recovery: dict, cluster_up: bool = True) -> str:
-    """SkyPilot's managed-job controller on the run command's end (sky/jobs/controller.py, the task monitor):
+    """SkyPilot's managed-job controller (0.14.1) on the run command's end (sky/jobs/controller.py,
+    JobController._monitor_one_task_impl, which reads the job's exit codes for the executor):
     JobStatus SUCCEEDED (exit 0) marks the managed job SUCCEEDED and tears its cluster down; FAILED on a
     cluster no longer UP is a preemption, recovered; FAILED on a cluster still UP is the user program's failure,
     restarted when StrategyExecutor.should_restart_on_failure allows (sky/jobs/recovery_strategy.py): always,

@@ -451,8 +451,8 @@ def _sky_resources(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> list
         resources += ["  any_of:", "    - use_spot: true", "    - use_spot: false"]
     else:
         resources += ["  use_spot: false"]
-    # SkyPilot's controller marks a job that exits 0 SUCCEEDED (sky/jobs/controller.py, the task monitor's
-    # `job_status == JobStatus.SUCCEEDED`) and recovers a failed one whose exit code is in
+    # SkyPilot's controller (0.14.1) marks a job that exits 0 SUCCEEDED (sky/jobs/controller.py,
+    # JobController._monitor_one_task_impl) and recovers a failed one whose exit code is in
     # recover_on_exit_codes without counting it against max_restarts_on_errors (sky/jobs/recovery_strategy.py,
     # StrategyExecutor.should_restart_on_failure): a run stopped by a signal exits STOP_EXIT
     resources += ["  job_recovery:", "    strategy: EAGER_NEXT_REGION",
