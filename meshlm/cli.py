@@ -23,6 +23,10 @@ if sys.argv[1:2] == ["train"]:  # `meshlm train`: SIGTERM and SIGINT are caught 
     # A rank killed by a fatal signal (a C++ abort, a segfault in an extension) prints every thread's Python stack
     # to its stderr (torchrun's log) first: where it died, not only "Signal 6 (SIGABRT) received".
     faulthandler.enable(all_threads=True)
+elif sys.argv[1:2] == ["launch"]:  # `meshlm launch`: a save signal counts from here on, not only after torch's import
+    from meshlm.launch import catch_early
+
+    catch_early()
 
 from meshlm.config import (
     Config,

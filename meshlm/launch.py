@@ -10,9 +10,17 @@ rendezvous, restarts and worker supervision), and differs only in how it ends:
   with one line, where torchrun prints a SignalException traceback and exits 1 (so a scheduler would count a
   clean preemption as a failure). A further SIGTERM while the workers save is ignored instead of abandoning
   them; the agent still SIGKILLs them after its shutdown timeout (`--shutdown-timeout`, default 30 s).
-  SIGUSR1, which many Slurm sites send as the warning (`--signal=USR1@…`), is the same notice: one save,
-  exit 0. A signal that comes after the workers finished (teardown), or before any worker started, exits 0
-  too: the work is committed, or there was none to save.
+  SIGUSR1, which many Slurm sites send as the warning (`--signal=USR1@…`), and SIGHUP (an ssh connection
+  that drops, a closed terminal: only the agent gets it, torchrun's workers have their own sessions) are the
+  same notice: one save, exit 0. A signal that comes after the workers finished (teardown), or before any
+  worker started (from the first line of `meshlm launch`, before torch is imported), exits 0 too: the work
+  is committed, or there was none to save.
+- `MESHLM_STOP_EXIT=CODE` (the Kubernetes and SkyPilot files set 143, `STOP_EXIT`): a run a signal stopped
+  with steps left exits CODE instead of 0, so a scheduler that counts exit 0 as "succeeded" restarts it
+  (docs/clusters.md, "Exit codes"); a run that trained to its last step still exits 0.
+- `MESHLM_STOP_AFTER=SECONDS`: the launcher stops its own run that long after it started, as a SIGTERM
+  would (one save, then MESHLM_STOP_EXIT's code): a self-timed stop before a wall limit that sends no
+  signal, or one that comes too late for the save.
 - Ctrl-C (SIGINT) to the agent (a terminal's reaches only the agent: torchrun starts its workers in their own
   sessions): the same one save, forwarded as SIGINT so each worker says so, then exit 130, the shell's code
   for an interrupt. A second Ctrl-C is forwarded too: the workers stop at once without saving (the newest
@@ -45,13 +53,46 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from meshlm.train.signals import release_hung_up_terminal
+
 LAUNCH_DIR = "MESHLM_LAUNCH_DIR"
 STOPPED_FILE = "MESHLM_STOPPED_FILE"
+STOP_EXIT_VAR = "MESHLM_STOP_EXIT"
+STOP_AFTER_VAR = "MESHLM_STOP_AFTER"
+HOST_NODE_VAR = "MESHLM_RDZV_HOST_NODE"  # under Slurm: the node (SLURMD_NODENAME) that hosts the rendezvous store
 STARTED, STOPPED, FINISHED = "started", "stopped", "finished"
 SIGTERM_EXIT = 128 + signal.SIGTERM
+STOP_EXIT = SIGTERM_EXIT  # what the launch files ask for: a scheduler restarts a run that exits with it
 INTERRUPTED_EXIT = 128 + signal.SIGINT
-SAVE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # each asks for one save
+BAD_INPUT_EXIT = 2
+SAVE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # each asks for one save
+TIME_UP = "MESHLM_STOP_AFTER"  # the name the lines give a self-timed stop (SIGALRM)
 LOST_PEER = "lost a peer"  # a worker's error line when a collective failed because another rank is gone
+
+
+_early: list[signal.Signals] = []
+
+
+def _note_early(signum: int, frame: FrameType | None) -> None:
+    _early.append(signal.Signals(signum))
+
+
+def catch_early() -> None:
+    """From the first line of `meshlm launch` (the CLI calls this before it imports anything else): a save
+    signal only counts until the agent's own handler is in place, instead of killing the launcher while it
+    imports torch; `main` then ends with "nothing to save"."""
+    for sig in SAVE_SIGNALS:
+        signal.signal(sig, _note_early)
+
+
+def _env_seconds(name: str, top: float) -> float | None:
+    """A whole number of seconds in 0..top from the environment variable `name`; None when unset or empty."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) > top:
+        raise ValueError(f"{name}={text!r}: expected a whole number from 0 to {top:g}")
+    return float(text)
 
 
 def _status_file() -> Path | None:
@@ -112,6 +153,7 @@ class _FirstSignalOnly:
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
+        release_hung_up_terminal()  # a SIGHUP's terminal is gone: the lines below must not fail on it
         self.interrupts += signum == signal.SIGINT
         if self.received is None:
             self.received = signal.Signals(signum)
@@ -125,12 +167,15 @@ class _FirstSignalOnly:
                         self.stopped_at_once = True
 
 
-def _stop_outcome(directory: Path, nproc: int, received: signal.Signals, at_once: bool = False) -> int:
-    """After a save signal: 0 when every worker that started ended with its work committed (130 after a Ctrl-C),
-    else 143. `at_once`: a second Ctrl-C stopped the workers without their save."""
+def _stop_outcome(
+    directory: Path, nproc: int, received: signal.Signals, at_once: bool = False, stop_exit: int = 0
+) -> int:
+    """After a save signal: `stop_exit` (MESHLM_STOP_EXIT, default 0) when every worker that started ended with
+    its work committed and steps are left (130 after a Ctrl-C), 0 once they trained to the last step, else 143.
+    `at_once`: a second Ctrl-C stopped the workers without their save."""
     words = {rank: word for rank, (word, _) in _read_status(directory, nproc).items()}
     unfinished = [r for r, word in words.items() if word not in (STOPPED, FINISHED)]
-    name = received.name
+    name = TIME_UP if received == signal.SIGALRM else received.name
     if at_once:
         print("meshlm launch: SIGINT again: workers stopped at once, nothing more saved; the next start resumes "
               "from the newest valid checkpoint", file=sys.stderr, flush=True)  # fmt: skip
@@ -140,8 +185,8 @@ def _stop_outcome(directory: Path, nproc: int, received: signal.Signals, at_once
               "(killed, failed or still saving at the shutdown timeout); the next start resumes from the newest "
               "valid checkpoint", file=sys.stderr, flush=True)  # fmt: skip
         return SIGTERM_EXIT
-    code = INTERRUPTED_EXIT if received == signal.SIGINT else 0
     finished = bool(words) and set(words.values()) == {FINISHED}
+    code = INTERRUPTED_EXIT if received == signal.SIGINT else 0 if finished else stop_exit
     if finished:
         print(f"meshlm launch: {name} after the run finished: nothing to save; exiting {code}", file=sys.stderr,
               flush=True)  # fmt: skip
@@ -150,7 +195,7 @@ def _stop_outcome(directory: Path, nproc: int, received: signal.Signals, at_once
     else:
         print(f"meshlm launch: {name} before any worker started: nothing to save; exiting {code}", file=sys.stderr,
               flush=True)  # fmt: skip
-    if (stopped := os.environ.get(STOPPED_FILE)) and not finished and code == 0:  # a Ctrl-C is a person: no requeue
+    if (stopped := os.environ.get(STOPPED_FILE)) and not finished and code != INTERRUPTED_EXIT:  # a Ctrl-C: no requeue
         Path(stopped).write_text(f"{name}\n")
     return code
 
@@ -182,6 +227,14 @@ def _failure_line(error: BaseException) -> str:
 
 def main(argv: list[str]) -> int:
     """Run torchrun with `argv` (its own arguments); return the exit code a scheduler should see."""
+    if signal.getsignal(signal.SIGTERM) is not _note_early:
+        catch_early()
+    try:
+        stop_exit = int(_env_seconds(STOP_EXIT_VAR, 255) or 0)
+        stop_after = _env_seconds(STOP_AFTER_VAR, 365 * 86400)
+    except ValueError as e:
+        print(f"meshlm launch: {e}", file=sys.stderr, flush=True)
+        return BAD_INPUT_EXIT
     quiet = "LOGLEVEL" not in os.environ  # torchrun's agent logs at LOGLEVEL (its own variable); ours: critical only
     if quiet:
         os.environ["LOGLEVEL"] = "CRITICAL"
@@ -196,6 +249,10 @@ def main(argv: list[str]) -> int:
                 logging.getLogger(name).setLevel(logging.CRITICAL)
 
     args = torchrun.parse_args(argv)
+    head, here = os.environ.get(HOST_NODE_VAR), os.environ.get("SLURMD_NODENAME")
+    if head and here and "is_host" not in args.rdzv_conf:  # an address endpoint: torchrun's guess can miss
+        is_host = f"is_host={str(head == here).lower()}"
+        args.rdzv_conf = f"{args.rdzv_conf},{is_host}" if args.rdzv_conf else is_host
     nproc = torchrun.determine_local_world_size(args.nproc_per_node)
     # torchrun's agent installs its own handler for these (--signals-to-handle) at every worker start; the save
     # signals stay ours
@@ -203,14 +260,18 @@ def main(argv: list[str]) -> int:
     args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() not in ours)
     with tempfile.TemporaryDirectory(prefix="meshlm-launch-") as directory:
         handler = _FirstSignalOnly(Path(directory), nproc)
+        if _early:  # a save signal while torch was imported: no worker has started
+            return _stop_outcome(Path(directory), nproc, _early[0], stop_exit=stop_exit)
         os.environ[LAUNCH_DIR] = directory
-        for sig in SAVE_SIGNALS:
+        for sig in (*SAVE_SIGNALS, signal.SIGALRM):
             signal.signal(sig, handler)
+        if stop_after is not None:  # SIGALRM, as a SIGTERM: torchrun's agent waits in its monitor loop meanwhile
+            signal.setitimer(signal.ITIMER_REAL, max(stop_after, 0.001))
         try:
             torchrun.run(args)
         except SignalException as e:
             if handler.received is not None:
-                return _stop_outcome(Path(directory), nproc, handler.received, handler.stopped_at_once)
+                return _stop_outcome(Path(directory), nproc, handler.received, handler.stopped_at_once, stop_exit)
             print(f"meshlm launch: {e.sigval.name}: workers stopped", file=sys.stderr, flush=True)
             return 128 + e.sigval
         except ChildFailedError as e:
@@ -218,10 +279,11 @@ def main(argv: list[str]) -> int:
             return 1
         except Exception as e:  # rendezvous and agent errors: torchrun's own words, in one line
             if handler.received is not None:  # a save signal in the rendezvous: torchrun's error is its consequence
-                return _stop_outcome(Path(directory), nproc, handler.received, handler.stopped_at_once)
+                return _stop_outcome(Path(directory), nproc, handler.received, handler.stopped_at_once, stop_exit)
             first = (str(e).strip().splitlines() or [""])[0]
             print(f"meshlm launch: {type(e).__name__}: {first}", file=sys.stderr, flush=True)
             return 1
         finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
             handler.received = handler.received or signal.SIGTERM  # a signal after the agent returned: nothing to stop
     return 0

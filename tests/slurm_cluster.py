@@ -2,8 +2,10 @@
 in a temporary directory with their own key, ports, state and spool, one node (this host) and one partition.
 Only the processes started here are stopped at the end, by the pids they wrote.
 
-The node claims 16 CPUs whatever the machine has (`SlurmdParameters=config_overrides`), so an emitted script's
-`--cpus-per-task` fits; the jobs are tiny. The daemons and the jobs run as the user running the tests.
+The node is declared as `slurmd -C` reports this machine (its CPUs, sockets, cores, threads and memory), as a
+site's slurm.conf declares its nodes, so an emitted script that asks for more than the machine has (a CPU run
+once asked for 16 CPUs) stays pending here as it would on a real 2-CPU node. The daemons and the jobs run as
+the user running the tests.
 
 `OverTimeLimit=OVER_TIME_LIMIT_MIN` makes a job's time limit soft by that many minutes (slurm.conf(5): "Adding
 the OverTimeLimit value to the soft time limit provides a hard time limit, at which point the job is
@@ -57,14 +59,22 @@ SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
-SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=60
 OverTimeLimit={over_time_limit}
 MinJobAge=3600
-NodeName={host} CPUs=16 Boards=1 SocketsPerBoard=1 CoresPerSocket=16 ThreadsPerCore=1 RealMemory=1000 State=UNKNOWN
+NodeName={host} {hardware} State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
+
+
+def node_hardware() -> str:
+    """This machine as `slurmd -C` reports it: `CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2
+    ThreadsPerCore=1 RealMemory=24105` (its NodeName and UpTime left out)."""
+    line = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()[
+        0
+    ]
+    return " ".join(word for word in line.split() if not word.startswith(("NodeName=", "UpTime=")))
 
 
 def missing() -> list[str]:
@@ -126,7 +136,8 @@ def start(root: Path) -> Slurm:
     host = socket.gethostname().split(".")[0]
     conf = root / "slurm.conf"
     conf.write_text(CONF.format(host=host, user=getpass.getuser(), root=root, ctld_port=free_port(),
-                                slurmd_port=free_port(), over_time_limit=OVER_TIME_LIMIT_MIN))  # fmt: skip
+                                slurmd_port=free_port(), over_time_limit=OVER_TIME_LIMIT_MIN,
+                                hardware=node_hardware()))  # fmt: skip
     env = {**os.environ, "SLURM_CONF": str(conf)}
     for name in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k != "SLURM_CONF"]:
         del env[name]  # a test run inside a Slurm job must not leak that job's settings into these

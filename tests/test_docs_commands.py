@@ -127,8 +127,8 @@ def check_shown_launch_file(doc: str, args: object, written: str) -> None:
         mapping = f"`layout {layout} -> {map_layout(Layout(**sizes))}`"
         assert mapping in doc, f"docs/clusters.md should say the check maps {mapping}"
         return
-    if args.emit == "kubernetes":
-        return  # the PyTorchJob is described, not shown
+    if args.emit.startswith("kubernetes"):
+        return  # the PyTorchJob and the indexed Job are described, not shown
     first = written.splitlines()[0]  # "#!/bin/bash"; the task's "# MODEL on N× GPU: LAYOUT, POOL"
     shown = blocks.get(first)
     assert shown == written, f"docs/clusters.md shows another {args.emit} file than its command writes ({first})"

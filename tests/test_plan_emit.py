@@ -34,7 +34,8 @@ from meshlm.model.config import PRESETS
 from meshlm.plan import Workload, hardware, search
 from meshlm.plan.cli import add_plan_parser, run_plan
 from meshlm.plan.cost import DEFAULT_COSTS
-from meshlm.plan.emit import TARGET_SHAPES, Launch, Site, grace_for, kubernetes, launch_for, skypilot, slurm
+from meshlm.plan.emit import TARGET_SHAPES, Launch, Site, grace_for, launch_for, skypilot, slurm
+from meshlm.plan.emit_k8s import kubernetes
 from meshlm.plan.search import Constraints, elastic_shrink
 from meshlm.plan.spot import Pool, Shapes
 from meshlm.train.startup import check_config
@@ -101,7 +102,7 @@ def agent_words(script: str) -> list[str]:
     """The `meshlm launch ...` command of the sbatch script, shell variables replaced by stand-ins."""
     start = script.index("  meshlm launch ")
     line = script[start : script.index(" &\n", start)].replace("\\\n", " ")
-    for variable, value in (('"$HEAD_NODE:$RDZV_PORT"', "head:1"), ('"$RDZV_ID"', "id"), ('"$RDZV_JOIN_TIMEOUT"', "9"),
+    for variable, value in (('"$HEAD_ADDR:$RDZV_PORT"', "head:1"), ('"$RDZV_ID"', "id"), ('"$RDZV_JOIN_TIMEOUT"', "9"),
                             ('"$MESHLM_CACHE_DIR"', "/cache"), ('"$MESHLM_RUN_DIR"', "/run")):  # fmt: skip
         line = line.replace(variable, value)
     return shlex.split(line)
@@ -208,10 +209,11 @@ def test_each_launcher_is_priced_only_on_pools_it_can_run(tmp_path: Path, capsys
     # The issue's layout family, fixed (pp=1, tp=8, no context parallel): it keeps a dp to shrink.
     argv = ["--model", "llama3-70b", "--gpus", "64", "--seq-len", "8192", "--global-batch", "840", "--train-tokens",
             "1.4T", "--top", "1", "--json", "--data-source", "/data", "--image", "i", "--bucket", "s3://b",
-            "--install", INSTALL, "--layout", "pp=1,tp=8,cp=1"]  # fmt: skip
+            "--layout", "pp=1,tp=8,cp=1"]  # fmt: skip
     for target, shapes in TARGET_SHAPES.items():
         path = tmp_path / target
-        assert run_plan(plan_args(*argv, "--emit", target, "--emit-to", str(path))) == 0
+        install = () if target.startswith("kubernetes") else ("--install", INSTALL)  # the image has meshlm
+        assert run_plan(plan_args(*argv, *install, "--emit", target, "--emit-to", str(path))) == 0
         offers = json.loads(capsys.readouterr().out)["plans"][0]["offerings"]
         assert offers["mixed"] is None and shapes == Shapes(mixed=False, spares=shapes.spares, elastic=shapes.elastic)
         assert (offers["spot"]["min_nodes"] < 8) == shapes.elastic
@@ -318,10 +320,11 @@ def wait_for_training(metrics: Path, timeout: float = 120) -> None:
 
 
 @pytest.mark.slow  # two "pods" stopped by the kubelet's SIGTERM: ~15 s
-def test_the_pytorchjob_command_saves_and_exits_0_on_the_kubelets_sigterm(data_cache: str, tmp_path: Path) -> None:
-    """The manifest's container command run as two pods: the rendezvous comes from the operator's PET_*
-    variables; the kubelet signals only the container's main process (the agent), which must bring its
-    workers to one save and exit 0 within terminationGracePeriodSeconds."""
+def test_the_pytorchjob_command_saves_and_exits_143_on_the_kubelets_sigterm(data_cache: str, tmp_path: Path) -> None:
+    """The manifest's container command and environment run as two pods: the rendezvous comes from the
+    operator's PET_* variables; the kubelet signals only the container's main process (the agent), which must
+    bring its workers to one save within terminationGracePeriodSeconds and exit 143 (the manifest's
+    MESHLM_STOP_EXIT: steps are left, so the operator must restart it, not call it Succeeded)."""
     plan = two_node_cpu_plan(tmp_path)  # the same plan, as a manifest
     manifest = tmp_path / "job.json"
     config = tmp_path / "run.toml"
@@ -337,6 +340,7 @@ def test_the_pytorchjob_command_saves_and_exits_0_on_the_kubelets_sigterm(data_c
     env = {**local_env(tmp_path), "PATH": f"{tmp_path / 'venv' / 'bin'}:{os.environ['PATH']}", "PET_NNODES": "2:2",
            "PET_NPROC_PER_NODE": "1", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
            "PET_RDZV_ID": "k8s-test", "PET_MAX_RESTARTS": "3"}  # fmt: skip
+    env |= {e["name"]: e["value"] for e in pod["containers"][0]["env"]}  # MESHLM_STOP_EXIT among them
     pods = [
         subprocess.Popen([*command, *small_train(data_cache, 400)], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -349,7 +353,7 @@ def test_the_pytorchjob_command_saves_and_exits_0_on_the_kubelets_sigterm(data_c
     outputs = finish(pods)
     assert time.monotonic() - started < pod["terminationGracePeriodSeconds"]
     for p, out in zip(pods, outputs, strict=True):
-        assert p.returncode == 0, out[-3000:]
+        assert p.returncode == 143, out[-3000:]
     assert 0 < read_trainer_state(list_checkpoints(tmp_path / "run")[-1])["step"] < 400
 
 

@@ -37,7 +37,8 @@ from meshlm.cli import build_parser, cmd_check, cmd_train
 from meshlm.config import load_config, parse_overrides
 from meshlm.plan import hardware
 from meshlm.plan.cli import run_plan
-from meshlm.plan.emit import RUN_MOUNT, Site, kubernetes, skypilot, slurm
+from meshlm.plan.emit import RUN_MOUNT, Site, skypilot, slurm
+from meshlm.plan.emit_k8s import kubernetes
 from meshlm.plan.spot import Pool
 
 CHECKED = Site(SITE.data_source, install=INSTALL, time_limit_s=SITE.time_limit_s, check=True)
@@ -206,7 +207,7 @@ def test_the_pytorchjob_checks_on_the_first_worker_and_the_others_wait(tmp_path:
                "TMPDIR": str(tmp_path), "CHECK_EXIT": "0" if verdict == "passed" else "1"}  # fmt: skip
         (tmp_path / verdict / "w1").mkdir(parents=True)  # the second worker starts first and waits
         second = pod(text, "meshlm-my-model-worker-1", env | {"TMPDIR": str(tmp_path / verdict / "w1")})
-        assert second.stdout.readline() == "meshlm: waiting for meshlm check on meshlm-my-model-worker-0\n"
+        assert second.stdout.readline() == "meshlm: waiting for meshlm check on the first worker\n"
         first = pod(text, "meshlm-my-model-worker-0", env)
         _, err = first.communicate(timeout=60)
         _, err2 = second.communicate(timeout=60)
@@ -218,7 +219,7 @@ def test_the_pytorchjob_checks_on_the_first_worker_and_the_others_wait(tmp_path:
             assert check[check.index("--world") + 1] == "64" and "--log.run_dir" not in check
         else:
             assert first.returncode == 1 and err == FAILED + "\n", err
-            assert second.returncode == 1 and err2 == "meshlm: meshlm check failed on meshlm-my-model-worker-0: " \
+            assert second.returncode == 1 and err2 == "meshlm: meshlm check failed on the first worker: " \
                 "not training\n", err2  # fmt: skip
             assert names == ["check"]
             restarted = pod(text, "meshlm-my-model-worker-0", env)

@@ -55,8 +55,10 @@ def test_task_yaml_has_spot_with_on_demand_fallback_recovery_the_bucket_and_an_i
     assert task["name"] == "meshlm-my-model" and task["num_nodes"] == 8
     res = task["resources"]
     assert res["accelerators"] == "H100:8" and res["any_of"] == [{"use_spot": True}, {"use_spot": False}]
-    # a crash that repeats is not relaunched 1,600 times; preemptions do not count against it
-    assert res["job_recovery"] == {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 3}
+    # a crash that repeats is not relaunched 1,600 times; preemptions, and a run a signal stopped (exit 143), do
+    # not count against it
+    assert res["job_recovery"] == {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 3,
+                                   "recover_on_exit_codes": [143]}  # fmt: skip
     assert task["file_mounts"] == {"/meshlm-run": {"source": "s3://bucket/runs", "mode": "MOUNT_CACHED"}}
     envs = task["envs"]
     assert envs["MESHLM_RUN_DIR"] == "/meshlm-run/meshlm-my-model" and envs["MESHLM_PORT"] == "29500"

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -240,6 +241,21 @@ def killed_job(slurm: Slurm, data_cache: str, tmp_path_factory: pytest.TempPathF
         if slurm.job(job)["JobState"] not in ENDED:
             slurm.run("scancel", job, check=False)
     return tmp_path, job
+
+
+@pytest.mark.slow  # starts the one-machine Slurm: ~20 s
+def test_the_node_is_this_machine_and_the_cpu_runs_script_fits_it(slurm: Slurm, tmp_path: Path) -> None:
+    """The test node is declared as `slurmd -C` reports this machine (it once claimed 16 CPUs, which hid that a
+    CPU run's script asked for 8 per "GPU", 16, and never scheduled on a 2-CPU node); the script of 2 CPU ranks
+    on one node, as emitted, asks for 2 CPUs and Slurm finds it a start here (`sbatch --test-only`). The slow
+    tests below run it to completion."""
+    node = dict(w.split("=", 1) for w in slurm.run("scontrol", "-o", "show", "node").split() if "=" in w)
+    assert f"CPUs={node['CPUTot']} " in slurm_cluster.node_hardware() + " "
+    script = emit(tmp_path)
+    assert "#SBATCH --cpus-per-task=2\n" in script.read_text()
+    done = subprocess.run(["sbatch", "--test-only", f"--chdir={tmp_path}", str(script)], env=slurm.env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and " to start at " in done.stderr, done.stderr
 
 
 @pytest.mark.slow  # a real Slurm job whose worker is killed and restarted in place: ~1 min

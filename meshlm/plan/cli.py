@@ -21,17 +21,18 @@ from meshlm.model.flops import param_counts
 from meshlm.observe.peak import DATASHEET_PEAK, MEASURED_MATMUL
 from meshlm.plan.cost import CostModel, rates
 from meshlm.plan.emit import (
+    KUBERNETES_TARGETS,
     PVC,
     TARGET_SHAPES,
     TIME_LIMIT_S,
     Site,
-    install_spec,
+    emit_flags,
     job_name,
-    kubernetes,
     launch_for,
     skypilot,
     slurm,
 )
+from meshlm.plan.emit_k8s import kubernetes, kubernetes_job
 from meshlm.plan.hardware import GPUS, Hardware, hardware
 from meshlm.plan.memory import Assumptions, Workload
 from meshlm.plan.replay import RUNS, Replay, Replays, check_deadline, replay_offerings
@@ -45,7 +46,12 @@ DURATIONS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 DEFAULT_BATCH_TOKENS = 2**22  # when no batch is given: ~4M tokens per step
 TOKENS_PER_PARAM = 20  # when no training length is given: compute-optimal (Hoffmann et al. 2022)
 ASSUMED_MATMUL = "assumed matmul"  # cpu without a calibration: the hardware table's placeholder rate
-EMIT_SUFFIX = {"slurm": ".sbatch", "kubernetes": ".pytorchjob.json", "skypilot": ".sky.yaml"}
+EMIT_SUFFIX = {
+    "slurm": ".sbatch",
+    "kubernetes": ".pytorchjob.json",
+    "kubernetes-job": ".job.json",
+    "skypilot": ".sky.yaml",
+}
 
 
 def count(text: str) -> float:
@@ -322,20 +328,11 @@ def _request(args: argparse.Namespace) -> Request:
     w = Workload(model, seq_len, global_batch, train_tokens, precision, source.name, args.lora_rank or 0)
     if args.check and not args.emit:
         raise PlanError("--check goes into a launch file: it needs --emit slurm, kubernetes or skypilot")
-    if args.emit == "kubernetes" and not args.image:
-        raise PlanError("--emit kubernetes needs --image (the container image with meshlm installed)")
-    if args.emit == "skypilot" and not args.bucket:
-        raise PlanError("--emit skypilot needs --bucket (where the run directory lives, e.g. s3://my-bucket/runs)")
-    if args.emit and not (args.data_source or source.data_source):
-        raise PlanError(f"--emit {args.emit} needs --data-source (the corpus to train on: a path on shared storage, "
-                        "'hf:NAME' or 'stdlib') or a --model config with data.source")  # fmt: skip
-    if args.emit == "kubernetes" and "=" not in args.spot_selector:
+    if args.emit:
+        args.install = emit_flags(args.emit, args.image, args.bucket, args.data_source or source.data_source,
+                                  args.install)  # fmt: skip
+    if args.emit in KUBERNETES_TARGETS and "=" not in args.spot_selector:
         raise PlanError(f"--spot-selector {args.spot_selector!r}: expected a node label KEY=VALUE")
-    if args.emit in ("slurm", "skypilot"):
-        if not args.install:
-            raise PlanError(f"--emit {args.emit} needs --install (a pip requirement such as 'meshlm==0.1.0', or a "
-                            "meshlm wheel: a path or URL ending in .whl)")  # fmt: skip
-        args.install = install_spec(args.install)
     trace = load_trace(args.spot_trace, args.trace_format) if args.spot_trace is not None else None
     c = Constraints(
         **parse_layout(args.layout),
@@ -454,6 +451,8 @@ def _emit(args: argparse.Namespace, r: Request, plan: Plan, pick: Estimate | Non
         text = slurm(launch, site)
     elif args.emit == "kubernetes":
         text = kubernetes(launch, site, args.image)
+    elif args.emit == "kubernetes-job":
+        text = kubernetes_job(launch, site, args.image)
     else:
         text = skypilot(launch, site, pick.pool, r.hw)
     path = args.emit_to or Path(job_name(w.name) + EMIT_SUFFIX[args.emit])

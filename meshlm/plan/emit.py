@@ -1,5 +1,6 @@
-"""Launch files for a plan: a Slurm sbatch script, a Kubeflow PyTorchJob manifest and a SkyPilot managed-job
-task, each running `meshlm train` under `meshlm launch` (torchrun's elastic agent, which exits 0 after a clean
+"""Launch files for a plan: a Slurm sbatch script, a Kubeflow PyTorchJob manifest, a Kubernetes indexed Job with
+its headless Service, and a SkyPilot managed-job task, each running `meshlm train` under `meshlm launch`
+(torchrun's elastic agent, which exits 0, or MESHLM_STOP_EXIT's code, after a clean
 SIGTERM save however many SIGTERMs reach the agent and its workers) with the plan's layout, checkpoint
 interval, restarts, node range and spares: exactly the pool the planner priced for that launcher
 (`TARGET_SHAPES`), so every node count a file lets torchrun start with is one the layout runs at.
@@ -10,8 +11,10 @@ scheduler's preemption signal to meshlm's SIGTERM save (Slurm `--signal=TERM@…
 `--requeue`, Kubernetes `terminationGracePeriodSeconds`, SkyPilot job recovery) with a grace sized from the
 plan's own step and checkpoint times, bounds restarts per allocation, and installs meshlm from what the user
 names (a pip requirement or a wheel; Kubernetes: the image), never from the machine that planned it. Every
-user value is validated or quoted where it is written (a shell word, a JSON or YAML string).
-docs/clusters.md shows the three files.
+user value is validated or quoted where it is written (a shell word, a JSON or YAML string). A run a signal
+stopped with steps left exits STOP_EXIT where a scheduler would read 0 as "succeeded" (Kubernetes, SkyPilot),
+and each of those files tells its scheduler to restart on that code. A CPU run asks for the CPUs its ranks
+use (one each), a GPU run CPUS_PER_GPU per GPU. docs/clusters.md shows the files.
 """
 
 from __future__ import annotations
@@ -39,15 +42,23 @@ MAX_RESTARTS = (3, 50)  # torchrun restarts allowed per allocation: at least / a
 ERROR_RELAUNCHES = 3  # SkyPilot: whole-cluster relaunches after a non-preemption failure (a crash loops)
 SHM_GB_PER_GPU = 8  # /dev/shm for data workers and NCCL's shared-memory transport (Kubernetes' default: 64 MB)
 CPUS_PER_GPU = 8
+# `meshlm launch`'s code for a run a signal stopped with steps left, under MESHLM_STOP_EXIT (meshlm.launch.STOP_EXIT;
+# plan does not import launch): 128 + SIGTERM, a code each scheduler here restarts: Kubeflow's ExitCode policy
+# retries codes >= 128 (training-operator pkg/util/train/train_util.go, IsRetryableExitCode), OnFailure any
+# non-zero; a Job's podFailurePolicy ignores it; SkyPilot recovers on it (`recover_on_exit_codes`)
+STOP_EXIT = 143
 SLURM_MAX_WARN_S = 65535  # sbatch --signal's largest lead time
 TIME_LIMIT_S = 24 * 3600.0  # Slurm's --time: a common partition limit; the job requeues itself at its end
 PVC = "meshlm-runs"
 RUN_MOUNT = "/meshlm-run"
 # What each launcher can express: SkyPilot replaces its whole cluster when a node goes (rigid, no spares);
 # no launcher here runs one job on spot and on-demand nodes at once (a mixed pool).
+# A Kubernetes Job completes only when every index exits 0: a spare whose agent still waits when the rendezvous
+# closes would fail it, so the Job target has no spares.
 TARGET_SHAPES = {
     "slurm": Shapes(mixed=False),
     "kubernetes": Shapes(mixed=False),
+    "kubernetes-job": Shapes(mixed=False, spares=False),
     "skypilot": Shapes(mixed=False, spares=False, elastic=False),
 }
 
@@ -94,6 +105,12 @@ class Launch:
             f"--max-restarts={self.max_restarts}",
             "--rdzv-backend=c10d",
         ]
+
+
+def node_cpus(launch: Launch, cpus_per_gpu: int) -> int:
+    """The CPUs a node's task asks for: `cpus_per_gpu` per GPU (data workers, the host side of each GPU), or
+    on CPUs one per rank (torchrun runs each rank with one intra-op thread), which a 2-CPU node can give."""
+    return cpus_per_gpu * launch.nproc_per_node if launch.gpu else launch.nproc_per_node
 
 
 def _mesh_override(s: Strategy, elastic: bool) -> str:
@@ -208,6 +225,35 @@ def install_spec(text: str) -> str:
                     "(a path or URL ending in .whl)")  # fmt: skip
 
 
+KUBERNETES_TARGETS = ("kubernetes", "kubernetes-job")
+
+
+def emit_flags(target: str, image: str, bucket: str, data_source: str, install: str) -> str:
+    """Check the flags `--emit TARGET` needs; return --install as `install_spec` reads it. Every missing flag
+    is named in one line (not one per attempt), and --install with a Kubernetes target, which runs --image
+    and would ignore it, is refused."""
+    missing = []
+    if target in KUBERNETES_TARGETS and not image:
+        missing.append("--image (the container image with meshlm installed)")
+    if target == "skypilot" and not bucket:
+        missing.append("--bucket (where the run directory lives, e.g. s3://my-bucket/runs)")
+    if not data_source:
+        missing.append("--data-source (the corpus to train on: a path on shared storage, 'hf:NAME' or 'stdlib'; or "
+                       "a --model config with data.source)")  # fmt: skip
+    if target in ("slurm", "skypilot") and not install:
+        missing.append("--install (a pip requirement such as 'meshlm==0.1.0', or a meshlm wheel: a path or URL "
+                       "ending in .whl)")  # fmt: skip
+    if missing:
+        raise PlanError(f"--emit {target} needs " + ", ".join(missing[:-1]) + (" and " if len(missing) > 1 else "")
+                        + missing[-1])  # fmt: skip
+    if target in KUBERNETES_TARGETS:
+        if install:
+            raise PlanError(f"--install {install!r}: --emit {target} runs --image, which must have meshlm installed "
+                            "(pip install meshlm in its Dockerfile); drop --install")  # fmt: skip
+        return ""
+    return install_spec(install)
+
+
 def _hms(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 86400}-{s % 86400 // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
@@ -294,6 +340,24 @@ exit "$RC"
 """
 
 
+# The sbatch script's rendezvous host: the first node, at an address every node reaches (see `slurm`)
+SLURM_HEAD = r"""HEAD_NODE=${HEAD_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+# the rendezvous at the head node's address: Slurm's NodeAddr for it, resolved here, never to a loopback
+# address (Debian's /etc/hosts maps a machine's own name to 127.0.1.1, which no other node reaches), else its name
+meshlm_address() {
+  NODE_ADDR=$(scontrol show node "$1" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
+  for ADDR in $(getent ahostsv4 "${NODE_ADDR:-$1}" 2>/dev/null | cut -d ' ' -f 1); do
+    case "$ADDR" in 127.*) ;; *) echo "$ADDR"; return ;; esac
+  done
+  echo "${NODE_ADDR:-$1}"
+}
+HEAD_ADDR=${HEAD_ADDR:-$(meshlm_address "$HEAD_NODE")}
+# meshlm launch on the node Slurm names HEAD_NODE hosts the rendezvous store (torchrun's own guess compares
+# this machine's addresses with HEAD_ADDR and can miss)
+export MESHLM_RDZV_HOST_NODE="$HEAD_NODE"
+"""
+
+
 def slurm(launch: Launch, site: Site) -> str:
     """An sbatch script: one task per node runs a `meshlm launch` agent; the first node hosts the
     rendezvous. `--no-kill` keeps the allocation when a node dies (the agents re-form the group on the
@@ -304,12 +368,13 @@ def slurm(launch: Launch, site: Site) -> str:
     way, through Slurm (`scancel --signal=TERM`), never to `srun`, which turns SIGTERM into SIGKILL for every
     task (Slurm's src/srun/srun_job.c, srun(1) "SIGNALS"); only MESHLM_STOPPED_FILE requeues, so a finished
     run never runs again. meshlm is pip-installed from `site.install` into MESHLM_VENV, once. HEAD_NODE,
-    RDZV_PORT, RDZV_ID, RDZV_JOIN_TIMEOUT, MESHLM_RUN_DIR, MESHLM_CACHE_DIR, MESHLM_VENV and MESHLM_INSTALL can
-    be set from outside; extra arguments go to `meshlm train`. Every user value is quoted or validated."""
+    HEAD_ADDR, RDZV_PORT, RDZV_ID, RDZV_JOIN_TIMEOUT, MESHLM_RUN_DIR, MESHLM_CACHE_DIR, MESHLM_VENV and
+    MESHLM_INSTALL can be set from outside; extra arguments go to `meshlm train`. Every user value is quoted
+    or validated."""
     if not site.install:
         raise PlanError("--emit slurm needs --install (a pip requirement such as 'meshlm==0.1.0', or a meshlm "
                         "wheel on the cluster), which every job installs into MESHLM_VENV")  # fmt: skip
-    rdzv = '--rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv-id="$RDZV_ID" --rdzv-conf=join_timeout="$RDZV_JOIN_TIMEOUT"'
+    rdzv = '--rdzv-endpoint="$HEAD_ADDR:$RDZV_PORT" --rdzv-id="$RDZV_ID" --rdzv-conf=join_timeout="$RDZV_JOIN_TIMEOUT"'
     train = shlex.join(["-m", "meshlm.cli", "train", *launch.train_args])
     command = f"meshlm launch {shlex.join(launch.agent_options())} {rdzv} {train}"
     name = job_name(launch.name)
@@ -324,7 +389,7 @@ def slurm(launch: Launch, site: Site) -> str:
                         f"(fault.grace_s {launch.grace_s:g} s + {TEARDOWN_S} s); give at least twice that, "
                         f"and at most {SLURM_MAX_WARN_S} s of it")  # fmt: skip
     allocations = math.ceil(launch.wall_s / window) if math.isfinite(launch.wall_s) and launch.wall_s else 1
-    cpus = site.cpus_per_gpu * launch.nproc_per_node
+    cpus = node_cpus(launch, site.cpus_per_gpu)
     options = [f"--gpus-per-node={launch.nproc_per_node}"] if launch.gpu else []
     options += [f"--partition={slurm_name('--partition', site.partition)}"] if site.partition else []
     options += [f"--account={slurm_name('--account', site.account)}"] if site.account else []
@@ -356,8 +421,7 @@ def slurm(launch: Launch, site: Site) -> str:
 set -uo pipefail
 # torchrun's shared rendezvous store keeps a previous attempt's addresses (pytorch/pytorch#135712)
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-HEAD_NODE=${{HEAD_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}
-RDZV_PORT=${{RDZV_PORT:-{RDZV_PORT}}}
+{SLURM_HEAD}RDZV_PORT=${{RDZV_PORT:-{RDZV_PORT}}}
 RDZV_ID=${{RDZV_ID:-$SLURM_JOB_ID}}
 RDZV_JOIN_TIMEOUT=${{RDZV_JOIN_TIMEOUT:-{JOIN_TIMEOUT_S}}}
 MESHLM_RUN_DIR=${{MESHLM_RUN_DIR:-{run_dir}}}
@@ -375,126 +439,26 @@ export PATH="$MESHLM_VENV/bin:$PATH"
 {check}{slurm_run(command, cpus, site.data_source)}"""
 
 
-def kubernetes(launch: Launch, site: Site, image: str) -> str:
-    """A Kubeflow training-operator PyTorchJob (kubeflow.org/v1, operator ≥ 1.7) with an elastic policy; the
-    operator passes the rendezvous to the agent (PET_* variables). Every worker mounts the ReadWriteMany
-    claim `site.pvc` (run directory and token cache) and a memory-backed /dev/shm, gets
-    terminationGracePeriodSeconds above fault.grace_s for the SIGTERM save, and on a spot pool is pinned to
-    spot nodes. `replicas` = nodes + spares: the spares' agents wait in torchrun's rendezvous. Written as
-    JSON, which is valid YAML."""
-    name = job_name(launch.name)
-    run_dir = f"{RUN_MOUNT}/{name}"
-    data = ["--data.source", site.data_source, "--data.cache_dir", f"{RUN_MOUNT}/.cache/meshlm"]
-    command = ["meshlm", "launch", "-m", "meshlm.cli", "train", *launch.train_args, *data, "--log.run_dir", run_dir]
-    if site.check:
-        command = ["sh", "-c", _kubernetes_check(launch, image, run_dir, shlex.join(data), command)]
-    shm = f"{SHM_GB_PER_GPU * max(1, launch.nproc_per_node)}Gi"
-    limits = {"nvidia.com/gpu": str(launch.nproc_per_node)} if launch.gpu else {}  # quantities are strings
-    pod: dict[str, object] = {
-        "terminationGracePeriodSeconds": math.ceil(launch.grace_s + TEARDOWN_S),
-        "containers": [
-            {
-                "name": "pytorch",
-                "image": image,
-                "command": command,
-                "env": [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}],
-                "resources": {"limits": limits | {"cpu": str(site.cpus_per_gpu * launch.nproc_per_node)}},
-                "volumeMounts": [{"name": "run", "mountPath": RUN_MOUNT}, {"name": "dshm", "mountPath": "/dev/shm"}],
-            }
-        ],
-        "volumes": [
-            {"name": "run", "persistentVolumeClaim": {"claimName": site.pvc}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
-        ],
-    }
-    if launch.spot:
-        key, _, value = site.spot_selector.partition("=")
-        pod["nodeSelector"] = {key: value}
-        pod["tolerations"] = [{"key": key, "operator": "Equal", "value": value, "effect": "NoSchedule"}]
-    job = {
-        "apiVersion": "kubeflow.org/v1",
-        "kind": "PyTorchJob",
-        "metadata": {"name": name, "annotations": {"meshlm/plan": launch.summary}},
-        "spec": {
-            "nprocPerNode": str(launch.nproc_per_node),
-            "runPolicy": {"backoffLimit": launch.max_restarts},
-            "elasticPolicy": {
-                "rdzvBackend": "c10d",
-                "minReplicas": launch.min_nodes,
-                "maxReplicas": launch.nodes,
-                "maxRestarts": launch.max_restarts,
-                "rdzvConf": [{"key": "join_timeout", "value": str(JOIN_TIMEOUT_S)}],
-            },
-            "pytorchReplicaSpecs": {
-                "Worker": {
-                    "replicas": launch.nodes + launch.spares,
-                    "restartPolicy": "OnFailure",
-                    "template": {"spec": pod},
-                }
-            },
-        },
-    }
-    return json.dumps(job, indent=2, ensure_ascii=False) + "\n"
-
-
-CHECK_POLL_S = 2  # Kubernetes: how often the other workers look for the first worker's verdict
-
-
-def _kubernetes_check(launch: Launch, image: str, run_dir: str, data: str, command: list[str]) -> str:
-    """--check: the container's command as a POSIX sh script. The first worker (the rendezvous host the
-    operator names in PET_RDZV_ENDPOINT) runs `meshlm check` with the run's arguments, once per arguments and
-    image, and leaves its verdict in the run directory on the shared claim (.check-passed, .check-failed); the
-    other workers wait for it. Only after a pass does any worker exec `command` (`meshlm launch`, which gets
-    the kubelet's SIGTERM); after a failure every worker exits with one line, and a restarted pod does not
-    check again (remove .check-failed to)."""
-    args = check_args(launch, [data], shlex.quote(f"{run_dir}/check"))
-    failed = '"meshlm: meshlm check failed (exit $CHECK_RC; its report is above): not training"'
-    lines = [
-        "set -u",
-        f"MESHLM_RUN_DIR={shlex.quote(run_dir)}",
-        'mkdir -p "$MESHLM_RUN_DIR"',
-        'HOST="${PET_RDZV_ENDPOINT:?set by the training operator}"',
-        'HOST="${HOST%:*}"',
-        "# this pod's hostname, its name: from the container runtime, else the kernel's",
-        'ME="${HOSTNAME:-$(cat /proc/sys/kernel/hostname)}"',
-        "# --check: `meshlm check` trains a shrunken replica of this run on this node's CPUs at world 1 and at the",
-        "# layout mapped onto a few ranks and compares them (docs/check.md), on the first worker only, before",
-        "# any training; once per arguments and image (.check-passed, .check-failed in the run directory)",
-        "meshlm_check() {",
-        '  ARGS="${TMPDIR:-/tmp}/meshlm-check-args"',
-        f'  printf \'%s\\0\' {shlex.quote(image)} "$@" > "$ARGS"',
-        '  if cmp -s "$ARGS" "$MESHLM_RUN_DIR/.check-passed"; then',
-        '    echo "meshlm: meshlm check passed before with these arguments ($MESHLM_RUN_DIR/.check-passed)"',
-        '  elif cmp -s "$ARGS" "$MESHLM_RUN_DIR/.check-failed"; then',
-        '    echo "meshlm: meshlm check failed before with these arguments: not training (remove'
-        ' $MESHLM_RUN_DIR/.check-failed to check again)" >&2',
-        "    return 1",
-        '  elif [ "$HOST" = "$ME" ]; then',
-        '    meshlm check "$@" || {',
-        "      CHECK_RC=$?",
-        '      cp "$ARGS" "$MESHLM_RUN_DIR/.check-failed"',
-        f"      echo {failed} >&2",
-        '      return "$CHECK_RC"',
-        "    }",
-        '    cp "$ARGS" "$MESHLM_RUN_DIR/.check-passed"',
-        "  else",
-        '    echo "meshlm: waiting for meshlm check on $HOST"',
-        '    until cmp -s "$ARGS" "$MESHLM_RUN_DIR/.check-passed"; do',
-        '      if cmp -s "$ARGS" "$MESHLM_RUN_DIR/.check-failed"; then',
-        '        echo "meshlm: meshlm check failed on $HOST: not training" >&2',
-        "        return 1",
-        "      fi",
-        f"      sleep {CHECK_POLL_S}",
-        "    done",
-        "  fi",
-        "}",
-        f"meshlm_check {args} || exit",
-        f"exec {shlex.join(command)}",
-    ]
-    return "\n".join(lines) + "\n"
-
-
 SKYPILOT_ACCELERATORS = {"A100-40GB": "A100", "A100-80GB": "A100-80GB", "H100-SXM": "H100", "H200": "H200"}
+
+
+def _sky_resources(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> list[str]:
+    """The task's `resources:` lines: accelerators, CPUs, spot with on demand as the fallback, job recovery."""
+    accelerator = SKYPILOT_ACCELERATORS.get(hw.name, hw.name)
+    resources = [f"  accelerators: {json.dumps(f'{accelerator}:{launch.nproc_per_node}')}"] if launch.gpu else []
+    resources += [f"  cpus: {node_cpus(launch, site.cpus_per_gpu)}+"]
+    if pool.spot:
+        resources += ["  any_of:", "    - use_spot: true", "    - use_spot: false"]
+    else:
+        resources += ["  use_spot: false"]
+    # SkyPilot's controller (0.14.1) marks a job that exits 0 SUCCEEDED (sky/jobs/controller.py,
+    # JobController._monitor_one_task_impl) and recovers a failed one whose exit code is in
+    # recover_on_exit_codes without counting it against max_restarts_on_errors (sky/jobs/recovery_strategy.py,
+    # StrategyExecutor.should_restart_on_failure): a run stopped by a signal exits STOP_EXIT
+    resources += ["  job_recovery:", "    strategy: EAGER_NEXT_REGION",
+                  f"    max_restarts_on_errors: {ERROR_RELAUNCHES}", "    recover_on_exit_codes:",
+                  f"      - {STOP_EXIT}"]  # fmt: skip
+    return resources
 
 
 def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
@@ -509,15 +473,7 @@ def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
     newest valid checkpoint there. SkyPilot replaces the whole cluster when a node goes, so the job is rigid
     (`TARGET_SHAPES`). Written by hand as a plain subset of YAML (no anchors, flow collections or tags)."""
     name = job_name(launch.name)
-    accelerator = SKYPILOT_ACCELERATORS.get(hw.name, hw.name)
-    resources = [f"  accelerators: {json.dumps(f'{accelerator}:{launch.nproc_per_node}')}"] if launch.gpu else []
-    resources += [f"  cpus: {site.cpus_per_gpu * launch.nproc_per_node}+"]
-    if pool.spot:
-        resources += ["  any_of:", "    - use_spot: true", "    - use_spot: false"]
-    else:
-        resources += ["  use_spot: false"]
-    resources += ["  job_recovery:", "    strategy: EAGER_NEXT_REGION",
-                  f"    max_restarts_on_errors: {ERROR_RELAUNCHES}"]  # fmt: skip
+    resources = _sky_resources(launch, site, pool, hw)
     mounts = [f"  {RUN_MOUNT}:", f"    source: {json.dumps(site.bucket)}", "    mode: MOUNT_CACHED"]
     if not site.install:
         raise PlanError("--emit skypilot needs --install (a pip requirement such as 'meshlm==0.1.0', or a meshlm "
@@ -546,8 +502,9 @@ NPROC=${{SKYPILOT_NUM_GPUS_PER_NODE:-0}}
 if [ "$NPROC" -lt 1 ]; then NPROC={launch.nproc_per_node}; fi
 mkdir -p "$MESHLM_RUN_DIR"
 # meshlm train resumes from the newest valid checkpoint in MESHLM_RUN_DIR by itself
-# a worker that dies restarts the group in place (c10d rendezvous on the first node); a lost node, the cluster
-meshlm launch --nnodes="$SKYPILOT_NUM_NODES:$SKYPILOT_NUM_NODES" --nproc-per-node="$NPROC" \\
+# a worker that dies restarts the group in place (c10d rendezvous on the first node); a lost node, the cluster.
+# exec: the agent, not this shell, gets the stop signals
+exec meshlm launch --nnodes="$SKYPILOT_NUM_NODES:$SKYPILOT_NUM_NODES" --nproc-per-node="$NPROC" \\
   --max-restarts={launch.max_restarts} --rdzv-backend=c10d --rdzv-endpoint="$HEAD_IP:$MESHLM_PORT" \\
   --rdzv-id="${{SKYPILOT_TASK_ID:-meshlm}}" --rdzv-conf=join_timeout={JOIN_TIMEOUT_S} \\
   {train} --data.source "$MESHLM_DATA" --data.cache_dir "$MESHLM_CACHE_DIR" \\
@@ -565,6 +522,8 @@ meshlm launch --nnodes="$SKYPILOT_NUM_NODES:$SKYPILOT_NUM_NODES" --nproc-per-nod
         f"  MESHLM_DATA: {json.dumps(site.data_source)}",
         f'  MESHLM_PORT: "{RDZV_PORT}"',
         '  MESHLM_TRAIN_ARGS: ""',
+        f'  MESHLM_STOP_EXIT: "{STOP_EXIT}"',
+        '  MESHLM_STOP_AFTER: ""',
         "file_mounts:",
         *mounts,
         "setup: |",

@@ -12,9 +12,16 @@ installed until the process exits, so no SIGTERM ever kills a meshlm process sil
 - during teardown, after the last save, it only counts too.
 
 SIGUSR1, the warning many Slurm sites configure (`--signal=USR1@…`, delivered to every task of the step), is
-the same notice as SIGTERM everywhere here. Only SIGKILL (the scheduler's hard kill after the notice) stops
-the process otherwise. This module imports
-nothing heavy, so the CLI installs the handler before importing torch.
+the same notice as SIGTERM everywhere here, and so is SIGHUP (an ssh connection that drops, a terminal window
+closed): one save, one line ("SIGHUP: saved step N"), exit 0. A hang-up also leaves stdout and stderr on a
+terminal that is gone, where every write fails (EIO) and would end the run in a traceback before its save:
+the handler points such descriptors at /dev/null first (`release_hung_up_terminal`), for SIGTERM too (the
+workers of `meshlm launch` get the agent's SIGTERM, not the hang-up, on the same dead terminal).
+SIGQUIT (Ctrl-\\) is left at its default, a core dump without a save: it is the terminal's way out when a
+stop that saves is not wanted or is itself stuck (a save hanging on a dead filesystem), and the newest
+committed checkpoint stays the resume point. Only SIGKILL (the scheduler's hard kill after the notice) and
+SIGQUIT stop the process otherwise. This module imports nothing heavy, so the CLI installs the handler before
+importing torch.
 
 SIGINT (Ctrl-C, or torchrun's agent forwarding its own Ctrl-C to its workers) is the same notice: one save, one
 line, and `meshlm train` exits 130 (128 + SIGINT, the shell's code for an interrupted command) instead of 0. A
@@ -24,13 +31,16 @@ raises KeyboardInterrupt at once (no save; the newest committed checkpoint stays
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
+import termios
 import threading
 from types import FrameType
 
 PREEMPTED_BEFORE_START = "preempted before the first step; nothing to save"
 INTERRUPTED_BEFORE_START = "interrupted (SIGINT) before the first step; nothing to save"
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # SIGUSR1 is a SIGTERM here
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # SIGUSR1 and SIGHUP are SIGTERMs here
 INTERRUPTED_EXIT = 128 + signal.SIGINT  # what `meshlm train` exits with after a Ctrl-C (and its save)
 
 
@@ -59,7 +69,25 @@ class _State:
 _state = _State()
 
 
+def release_hung_up_terminal() -> None:
+    """Point stdout and stderr at /dev/null where they are a terminal that hung up (every write to one fails
+    with EIO), so the lines a stop prints cannot end the run before its save; a file, a pipe or a live
+    terminal stays as it is."""
+    for fd in (1, 2):
+        try:
+            termios.tcgetattr(fd)
+        except termios.error as e:
+            if e.args[0] != errno.EIO:
+                continue  # not a terminal (ENOTTY): a file or a pipe
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
+        except OSError:  # a closed descriptor
+            continue
+
+
 def _handle(signum: int, frame: FrameType | None) -> None:
+    release_hung_up_terminal()
     _state.count += 1
     _state.first = _state.first or signum
     if signum == signal.SIGINT:
@@ -110,7 +138,7 @@ def start_training() -> None:
 
 
 def received() -> int:
-    """How many SIGTERMs and SIGINTs this process has received (0: none)."""
+    """How many stop signals (SIGTERM, SIGUSR1, SIGINT, SIGHUP) this process has received (0: none)."""
     return _state.count
 
 
@@ -120,8 +148,9 @@ def interrupted() -> bool:
 
 
 def signal_name() -> str:
-    """The first stop signal's name, for the line that says what the run did about it."""
-    return "SIGINT" if interrupted() else "SIGTERM"
+    """The first stop signal's name, for the line that says what the run did about it (SIGUSR1, the scheduler's
+    warning, is named SIGTERM)."""
+    return {signal.SIGINT: "SIGINT", signal.SIGHUP: "SIGHUP"}.get(_state.first, "SIGTERM")
 
 
 def before_start_line() -> str:
