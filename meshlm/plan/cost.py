@@ -23,7 +23,7 @@ class CostModel:
     preemption_rate: float = 1e-3  # spot preemptions, per `preemption_per`; illustrative
     preemption_per: Literal["gpu-hour", "node-hour", "job-hour"] = "gpu-hour"
     replace_s: float = 3600.0  # mean time until a preempted spot node is back; illustrative
-    restart_s: float = 600.0  # reschedule, re-initialise, warm up (plus reading the checkpoint back)
+    restart_s: float = 600.0  # reschedule (Slurm 22.05's requeue alone waits ~121 s), re-initialise, warm up
     storage_gbps: float = 20.0  # aggregate checkpoint write/read bandwidth, GB/s
     deadline_s: float | None = None  # wall-time limit: pools that miss it are not recommended
     shapes: Shapes = ALL_SHAPES  # the pools priced: those the launcher (`meshlm plan --emit`) can run
