@@ -87,10 +87,16 @@ def max_rel(got: list[float], ref: list[float]) -> float:
 
 
 def weights_rel(got: dict, ref: dict) -> tuple[float, str]:
-    """max over tensors of ‖got - ref‖ / ‖ref‖, and the first tensor (forward order) beyond WEIGHT_RTOL."""
+    """max over tensors of ‖got - ref‖ / ‖ref‖, and the first tensor (forward order) beyond WEIGHT_RTOL. A tensor
+    whose norm is below the model's (a zero-initialised bias that gets no gradient stays ~1e-12 in float64) is
+    measured against the model's RMS weight over as many elements: a bug moves it by lr-sized steps, orders of
+    magnitude above WEIGHT_RTOL of that scale."""
+    total = sum(r.double().square().sum().item() for r in ref.values())
+    rms = (total / max(1, sum(r.numel() for r in ref.values()))) ** 0.5
     worst, first = 0.0, ""
     for name, r in ref.items():
-        d = ((got[name] - r).norm() / r.norm().clamp(min=1e-30)).item()
+        scale = max(r.double().norm().item(), rms * r.numel() ** 0.5, 1e-30)
+        d = (got[name].double() - r.double()).norm().item() / scale
         worst = max(worst, d)
         if d > WEIGHT_RTOL and not first:
             first = f"first tensor whose final weights differ: {name} ({d:.1e} rel)"

@@ -158,6 +158,7 @@ def resolve(value: object) -> object:
 
 def main(job_path: str) -> None:
     faulthandler.enable(all_threads=True)  # a rank killed by a fatal signal prints its Python stacks to the log
+    torch.set_default_dtype(torch.float64)  # every check run in float64: meshlm.check.run's docstring says why
     job = pickle.loads(Path(job_path).read_bytes())
     cfg = job["config"]
     pieces = {key: resolve(value) for key, value in (job.get("parts") or {}).items()}

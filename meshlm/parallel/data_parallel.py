@@ -126,7 +126,13 @@ class DataParallel:
     ) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero}")
-        if zero == 0 and (shard_group_size is not None or param_dtype != torch.float32):
+        # fp32 stands for the parameters' own precision where it is higher (float64: meshlm check's runs): the
+        # masters, gradient shards, working weights and reductions then keep it
+        wide = any(p.dtype == torch.float64 for chunk in chunks for p in chunk.parameters())
+        self.master_dtype = torch.float64 if wide else torch.float32
+        param_dtype = self.master_dtype if param_dtype == torch.float32 else param_dtype
+        reduce_dtype = self.master_dtype if reduce_dtype == torch.float32 else reduce_dtype
+        if zero == 0 and (shard_group_size is not None or param_dtype != self.master_dtype):
             raise ValueError("hybrid sharding and param_dtype need zero >= 1 (zero 0 steps the fp32 params)")
         self.chunks = chunks
         self.plan = plan
@@ -261,18 +267,18 @@ class DataParallel:
                 buf.steps, buf.step_grads = buf.params, buf.views(buf.full_grad)
                 buf.step_owner = list(range(len(buf.params)))
                 continue
-            share = self.stage < 3 and self.param_dtype == torch.float32
+            share = self.stage < 3 and self.param_dtype == self.master_dtype
             if buf.initial_shard is not None:  # ZeRO-3 from the source: the shard is all there is
                 buf.master, buf.initial_shard = buf.initial_shard, None
             else:
                 shard = buf.data[buf.shard]
-                buf.master = shard if share else shard.to(torch.float32, copy=True)
+                buf.master = shard if share else shard.to(self.master_dtype, copy=True)
             if self.stage == 1:
                 buf.alloc_grad()
             if self.stage == 1 and share:
                 buf.grad_shard = buf.full_grad[buf.shard]
             else:
-                buf.grad_shard = torch.zeros(buf.shard_numel, dtype=torch.float32, device=buf.data.device)
+                buf.grad_shard = torch.zeros(buf.shard_numel, dtype=self.master_dtype, device=buf.data.device)
             buf.split_master()
             if self.stage == 3:
                 buf.free_params()
