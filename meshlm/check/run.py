@@ -14,6 +14,7 @@ within 1e-5 (same reason as the loss).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -44,6 +45,15 @@ class CheckError(InputError):
     """A check that cannot run (a replica too wide for the machine, a run that failed to start)."""
 
 
+class RaisedInModule(CheckError):
+    """A check run whose rank raised in a module's forward (a shape error): `where` names the module, its plan
+    entry and the error (meshlm.check.worker.where_raised)."""
+
+    def __init__(self, line: str, where: str, error: str) -> None:
+        super().__init__(line)
+        self.where, self.error = where, error
+
+
 @dataclass
 class Row:
     check: str
@@ -68,7 +78,8 @@ class CheckReport:
     def passed(self) -> bool:
         return all(r.passed for r in self.rows)
 
-    def to_json(self) -> dict:
+    def as_dict(self) -> dict:
+        """The report as JSON-able data: what `meshlm check --json` prints, less the replica's lines."""
         return {
             "layout": self.layout,
             "passed": self.passed,
@@ -76,6 +87,10 @@ class CheckReport:
             "phases_s": self.phases,
             "culprit": self.culprit,
         }
+
+    def to_json(self) -> str:
+        """as_dict() as JSON text."""
+        return json.dumps(self.as_dict())
 
 
 def rel(a: float, b: float) -> float:
@@ -122,8 +137,22 @@ def run_job(
         shutil.rmtree(cfg.log.run_dir, ignore_errors=True)
     if start and start[1]:
         copy_until(start[0], Path(cfg.log.run_dir), start[1])
-    for stale in [out, *workdir.glob(f"{out.name}.refused-*")]:  # an earlier check's result is not this one's
+    for stale in [
+        out,
+        *workdir.glob(f"{out.name}.refused-*"),
+        *workdir.glob(f"{out.name}.raised-*"),
+    ]:  # an earlier check's result is not this one's
         stale.unlink(missing_ok=True)
+    for key, value in parts.items():
+        try:
+            pickle.dumps(value)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise CheckError(
+                f"{key} {getattr(value, '__qualname__', None) or getattr(value, 'name', type(value).__name__)!r} "
+                f"cannot reach the check's ranks ({e}): they import the model factory, plan and "
+                "loss by name, so define them at module level (in a module or your script), not inside a "
+                "function (docs/check.md)"
+            ) from None
     job.write_bytes(pickle.dumps({"config": cfg, "batches": batches, "parts": parts, "mode": mode, "out": str(out)}))
     path = os.pathsep.join(p for p in sys.path if p and Path(p).is_dir())  # the ranks import what the caller does
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
@@ -143,6 +172,11 @@ def run_job(
     refused = sorted(workdir.glob(f"{out.name}.refused-*"), key=lambda path: int(path.name.rsplit("-", 1)[1]))
     if refused:  # bad input the ranks met (a plan, a layout): the lowest rank's one line, without a rank prefix
         raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}) refused: {refused[0].read_text()}")
+    raised = sorted(workdir.glob(f"{out.name}.raised-*"), key=lambda path: int(path.name.rsplit("-", 1)[1]))
+    if done.returncode and raised:  # the lowest rank's module, plan entry and error
+        where, error = raised[0].read_text().split("\t", 1)
+        line = f"check run {name} ({cfg.parallel.layout or 'world 1'}) raised in {where}: {error}"
+        raise RaisedInModule(line, where, error)
     if done.returncode or not out.exists():
         reason = failure_reason(log.read_text()) if done.returncode else "exited 0 without its result"
         raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}) failed: {reason} (log {log})")
@@ -257,12 +291,21 @@ def check(cfg: Config, batches: list, workdir: Path, *, steps: int = 5, parts: d
     def timed(phase: str, *job: object, **kw: object) -> tuple[dict, float]:
         say(f"{phase} ...")
         start = time.monotonic()
-        value = run_job(*job, **kw)
-        report.phases[phase] = round(time.monotonic() - start, 2)
+        try:
+            value = run_job(*job, **kw)
+        finally:
+            report.phases[phase] = round(time.monotonic() - start, 2)
         return value, report.phases[phase]
 
     lay_cfg = run_config(cfg, workdir / "layout", layout, steps)  # first: what the layout refuses, it refuses at once
-    got, t_lay = timed(f"layout {layout} ({world} ranks)", lay_cfg, world, batches, workdir, "layout", parts=parts)
+    try:
+        got, t_lay = timed(f"layout {layout} ({world} ranks)", lay_cfg, world, batches, workdir, "layout", parts=parts)
+    except RaisedInModule as e:  # a plan entry that cannot run (a shape error): that module is the culprit
+        seconds = report.phases[f"layout {layout} ({world} ranks)"]
+        row = Row(f"{steps} steps at {layout} vs world 1", None, None, None, "runs", seconds, False, str(e))
+        report.rows.append(row)
+        report.culprit = f"{e.where}: raised at the layout, {e.error}"
+        return report
     ref_cfg = run_config(cfg, workdir / "reference", "", steps, every=1, **SINGLE_PROCESS)  # each: localise's
     ref, t_ref = timed("reference (world 1)", ref_cfg, 1, batches, workdir, "reference", parts=parts)
     d_loss, d_norm = max_rel(got["losses"], ref["losses"]), max_rel(got["grad_norms"], ref["grad_norms"])
@@ -368,19 +411,77 @@ def counted_wrongly(got_norm: float, ref_norm: float, grads: dict) -> tuple[str,
     return (name, how) if miss <= tol else None
 
 
-def first_output_differs(got: dict, ref: dict) -> tuple[str, float] | None:
-    """The first module, in the order the reference's calls end (a module's children before it), whose output
-    of the first micro-batch differs on a rank that holds that output as one process does: the same rows (the
-    first data-parallel replica) and whole (a sequence or tp shard has another shape and is left out)."""
-    [mine] = ref["outputs"]
-    for name, r in mine["modules"].items():
-        if r.ndim < 3 or tuple(r.shape[:2]) != mine["tokens"]:  # not one row-and-position tensor (an expert's)
+def assembled(records: list[dict], shape: tuple[int, ...], key: str) -> list[torch.Tensor]:
+    """The copies of a module's input or output (`key`) the layout's ranks hold as one process would: each rank's
+    whole copy of that shape, and the one the tp ranks' column shards make together, each shard placed where
+    its plan's pieces say (TPShard.pieces of the Linear's weight; a shard of another kind, such as a sequence
+    shard, has another shape and is left out)."""
+    held, full, covered = [], None, None
+    for record in records:
+        t, pieces = record[key], record[f"{key}_shard"]
+        if t is None:
             continue
-        held = [out["modules"][name] for out in got["outputs"] if name in out["modules"]]
-        held = [o for o in held if o.shape == r.shape]
-        d = max((((o - r).norm() / r.norm().clamp(min=1e-30)).item() for o in held), default=0.0)
-        if d > GRAD_RTOL:
-            return name, d
+        if pieces is None:
+            held += [t] if tuple(t.shape) == tuple(shape) else []
+            continue
+        if tuple(t.shape[:-1]) != tuple(shape[:-1]) or max(start + size for start, size in pieces) > shape[-1]:
+            continue
+        if full is None:
+            full, covered = torch.zeros(shape, dtype=t.dtype), torch.zeros(shape[-1], dtype=torch.bool)
+        at = 0
+        for start, size in pieces:
+            full[..., start : start + size] = t[..., at : at + size]
+            covered[start : start + size] = True
+            at += size
+    return held + ([full] if covered is not None and bool(covered.all()) else [])
+
+
+def worst(held: list[torch.Tensor], r: torch.Tensor) -> float:
+    return max(
+        (((h.double() - r.double()).norm() / r.double().norm().clamp(min=1e-30)).item() for h in held), default=0.0
+    )
+
+
+def first_module_differs(got: dict, ref: dict) -> tuple[str, float, str] | None:
+    """The first module, in the order the reference's calls end (a module's children before it), whose output
+    of the first micro-batch differs, gathered over its tp shards as its plan entry places them, on a rank of
+    the first replica (the same rows): (the module to name, by how much, why). If its own input agrees (or is
+    not comparable) the module itself computes wrongly. If its input differs although every module before it
+    agrees, the difference arose in its parent's own code between them, which runs on each rank's columns of
+    the last tp-sharded output before it in that parent (a colwise entry): that entry's layout disagrees with
+    the code that consumes it (a blocked [Q|K|V] declared per head, a plain projection declared fused), so
+    that entry is named."""
+    [mine] = ref["outputs"]
+    order = list(mine["modules"])
+    for i, name in enumerate(order):
+        r = mine["modules"][name]
+        if r["out"].ndim < 3 or tuple(r["out"].shape[:2]) != mine["tokens"]:  # not one row-and-position tensor
+            continue
+        records = [out["modules"][name] for out in got["outputs"] if name in out["modules"]]
+        d = worst(assembled(records, tuple(r["out"].shape), "out"), r["out"])
+        if d <= GRAD_RTOL:
+            continue
+        given = assembled(records, tuple(r["in"].shape), "in") if r["in"] is not None else []
+        if not given or worst(given, r["in"]) <= GRAD_RTOL:
+            return name, d, f"output differs {d:.1e} rel on the same input"
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        sharded = [
+            n
+            for n in order[:i]
+            if n.startswith(f"{parent}.")
+            and any(rec["out_shard"] for out in got["outputs"] for rec in [out["modules"].get(n)] if rec)
+        ]
+        if sharded:
+            return (
+                sharded[-1],
+                d,
+                (
+                    f"its output agrees gathered, but {parent}'s code on each rank's columns of it gives {name} "
+                    f"an input that differs ({name}'s output {d:.1e} rel): this entry's column order is not the "
+                    "one that code reads"
+                ),
+            )
+        return name, d, f"output differs {d:.1e} rel (its input too: {parent or 'the model'}'s code before it)"
     return None
 
 
@@ -404,11 +505,11 @@ def blame(got: dict, ref: dict, step: int) -> tuple[str, str, str, float] | str:
             f"grad is {scale:.4g}x one process's (step-{step} loss agrees, {d_first:.1e} rel): the gradient "
             "reduction shared by every tensor is applied twice or its mean taken twice or never"
         )
-    elif len(differ) == len(names) and (output := first_output_differs(got, ref)):
-        (module, d), name = output, next((n for n in names if n.startswith(output[0] + ".")), differ[0][0])
+    elif len(differ) == len(names) and (output := first_module_differs(got, ref)):
+        (module, d, why), name = output, next((n for n in names if n.startswith(output[0] + ".")), differ[0][0])
         what = (
-            f"output differs {d:.1e} rel, the first output in forward order that does (every gradient differs; "
-            f"step-{step} loss {d_first:.1e} rel): the forward pass differs from here"
+            f"{why}; the first module in forward order to differ (every gradient differs, step-{step} loss "
+            f"{d_first:.1e} rel)"
         )
     elif len(differ) == len(names):  # no one module: the forward (or the loss) already differs
         (name, d) = differ[0]
@@ -472,7 +573,8 @@ def localise(
         return
     module, name, what, d = found
     d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
-    culprit = f"{module}: {what}; {got['placements'].get(name, '')}"
+    entry = got["entries"].get(module)
+    culprit = f"{module}: {what}; " + (f"{entry}; " if entry else "") + got["placements"].get(name, "")
     if step > 1:
         culprit += f"; first at step {step}"
     for dim in DIMS:
@@ -549,6 +651,13 @@ def check_model(
     return check(cfg, batches, Path(workdir), steps=steps, parts=parts, say=say)
 
 
+def short(tolerance: str) -> str:
+    """A tolerance without its parenthesised reasons (the table's column; the reasons are printed below it)."""
+    while (shorter := re.sub(r" ?\([^()]*\)", "", tolerance)) != tolerance:
+        tolerance = shorter
+    return tolerance
+
+
 def render(report: CheckReport, kept: tuple[str, ...] = (), shrunk: tuple[str, ...] = ()) -> None:
     """The verdict table, the replica's kept and shrunk lines and each phase's time, on stdout."""
     from rich.console import Console
@@ -557,21 +666,23 @@ def render(report: CheckReport, kept: tuple[str, ...] = (), shrunk: tuple[str, .
     def num(x: float | None) -> str:
         return "" if x is None else f"{x:.1e}"
 
-    console = Console(width=max(120, Console().width))
+    console = Console()  # the terminal's width (COLUMNS): the table fits 80 columns, the whys below it
     for line in kept:
         console.print(f"kept: {line}", highlight=False)
     for line in shrunk:
         console.print(f"shrunk: {line}", highlight=False)
     table = Table(title=f"meshlm check: layout {report.layout} against one process (relative differences)")
     logits = any(r.d_logits is not None for r in report.rows)  # the export rows' column, with --export only
-    columns = ("check", "Δ loss", "Δ grad norm", "Δ weights", *(("Δ logits",) * logits), "tolerance and why")
+    columns = ("check", "Δ loss", "Δ grad norm", "Δ weights", *(("Δ logits",) * logits), "tolerance")
     for column in (*columns, "time", "verdict"):
         table.add_column(column)
     for r in report.rows:
         verdict = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
         numbers = [num(x) for x in (r.d_loss, r.d_grad_norm, r.d_weights, *((r.d_logits,) * logits))]
-        table.add_row(r.check, *numbers, r.tolerance, f"{r.seconds:.1f} s", verdict)
+        table.add_row(r.check, *numbers, short(r.tolerance), f"{r.seconds:.0f} s", verdict)
     console.print(table)
+    for why in dict.fromkeys(r.tolerance for r in report.rows if "(" in r.tolerance):
+        console.print(f"tolerance: {why}", highlight=False)
     for r in report.rows:
         if r.note:
             console.print(f"{r.check}: {r.note}", highlight=False)
