@@ -46,3 +46,30 @@ def test_a_tensor_at_zero_is_measured_against_the_model_scale() -> None:
     assert weights_rel(noisy, ref)[0] <= WEIGHT_RTOL
     moved = {"w": ref["w"].clone(), "b": ref["b"] + 1e-4}  # one lr-sized step of a bug on the bias
     assert weights_rel(moved, ref)[1].startswith("first tensor whose final weights differ: b")
+
+
+def adamw_run(dtype: torch.dtype, micro: int) -> dict:
+    """Five AdamW steps of KBias in one process at `dtype`, each step's gradient accumulated over `micro`
+    micro-batches (another summation order per micro-batch count): the final weights."""
+    torch.manual_seed(0)
+    model = kbias().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x, y in batches():
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            logits = model(xs)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ys.flatten(), reduction="sum") / y.numel()
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_float64_keeps_a_zero_gradient_bias_put_in_any_summation_order() -> None:
+    """Why the check runs in float64, in one process (cheap: no torchrun): one batch summed whole or in two
+    micro-batches, everything else equal. In float32 the K bias's rounding-level gradient changes sign with the
+    order and AdamW turns it into lr-sized steps, beyond WEIGHT_RTOL (measured 4.8e-5 on layers.0.attn.qkv.bias);
+    in float64 every tensor agrees within it (8.5e-14)."""
+    d32, first32 = weights_rel(adamw_run(torch.float32, 2), adamw_run(torch.float32, 1))
+    assert d32 > WEIGHT_RTOL and ".attn.qkv.bias" in first32, (d32, first32)
+    d64, first64 = weights_rel(adamw_run(torch.float64, 2), adamw_run(torch.float64, 1))
+    assert d64 <= WEIGHT_RTOL and not first64, (d64, first64)

@@ -1,15 +1,19 @@
 """Run a replica at world 1 and at its layout, each by the real trainer under torchrun on gloo, and compare.
 
-Tolerances (fp32 on CPU, as the equivalence suite, tests/equivalence.py): two correct layouts differ only by
-float32 rounding in another order. A loss is a mean over the global batch's tokens and a gradient norm a sum
-of squares: reordering changes them by ~1e-7 relative, so every step's loss and norm must agree within 1e-5;
-a wrong reduction changes a gradient by O(1) and the next step's loss by far more. The final weights are
-compared norm-wise per tensor (‖Δw‖/‖w‖): AdamW can turn the rounding of a near-cancelling gradient element
-into an lr-sized step of that element, which the norm over the tensor dilutes (measured 2e-7 after 5 steps,
-dp=2 ZeRO-3 on the test preset), within the same 1e-5; a bug moves whole tensors elsewhere.
-A checkpoint reshards bytes, so the resumed run must continue the reference's steps within the same 1e-5.
-The localisation's gradients (of the first step that differs) and module outputs are compared per tensor
-within 1e-5 (same reason as the loss).
+Every check run computes in float64 (meshlm.check.worker sets the ranks' default dtype; DataParallel keeps
+float64 masters, shards and reductions for float64 parameters). A parameter whose gradient is zero in exact
+arithmetic (an attention key bias: softmax is invariant to it) gets rounding noise whose sign depends on the
+summation order; in float32 that noise (~1e-10) exceeds AdamW's eps once normalised by its own RMS, so AdamW
+moved it by lr-sized steps in random directions and correct layouts failed (5e-5..2.5e-4 on final weights).
+In float64 it is ~1e-19, far below eps: it stays put in every run, under any optimizer.
+Tolerances (as the equivalence suite, tests/equivalence.py): a loss is a mean over the global batch's tokens
+and a gradient norm a sum of squares, logged in float32: reordering changes them by ~1e-7 relative, so every
+step's loss and norm must agree within 1e-5; a wrong reduction changes a gradient by O(1) and the next
+step's loss by far more. The final weights are compared norm-wise per tensor, against the larger of its norm
+and the model's RMS weight over as many elements (a tensor at ~0 measured at the model's scale), within the
+same 1e-5; a bug moves whole tensors by lr-sized steps. A checkpoint reshards bytes, so the resumed run must
+continue the reference's steps within the same 1e-5. The localisation's gradients (of the first step that
+differs) and module inputs and outputs are compared per tensor within 1e-5 (same reason as the loss).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ WEIGHT_RTOL = 1e-5
 GRAD_RTOL = 1e-5
 WHY = {
     "loss": "fp32: reduction order moves a mean by ~1e-7 rel; a bug by O(1e-2)",
-    "weights": "norm-wise per tensor: AdamW amplifies rounding on few elements only",
+    "weights": "norm-wise per tensor, float64 runs: rounding never reaches an optimizer's eps",
 }
 
 
@@ -495,7 +499,7 @@ def blame(got: dict, ref: dict, step: int) -> tuple[str, str, str, float] | str:
     their global norm does not, the tensor whose norm term is counted twice or never (counted_wrongly); when
     every gradient differs by one factor and the loss agrees, the reduction they share (common_scale); when
     they differ otherwise, the forward pass does: the first module whose output differs
-    (first_output_differs)."""
+    (first_module_differs)."""
     names, differ = list(ref["weights"]), grads_differ(got, ref["weights"])
     d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
     d_first = rel(got["losses"][0], ref["losses"][0])
