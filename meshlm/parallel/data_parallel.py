@@ -126,12 +126,7 @@ class DataParallel:
     ) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero}")
-        # fp32 stands for the parameters' own precision where it is higher (float64: meshlm check's runs): the
-        # masters, gradient shards, working weights and reductions then keep it
-        wide = any(p.dtype == torch.float64 for chunk in chunks for p in chunk.parameters())
-        self.master_dtype = torch.float64 if wide else torch.float32
-        param_dtype = self.master_dtype if param_dtype == torch.float32 else param_dtype
-        reduce_dtype = self.master_dtype if reduce_dtype == torch.float32 else reduce_dtype
+        self.master_dtype, param_dtype, reduce_dtype = widened(chunks, param_dtype, reduce_dtype)
         if zero == 0 and (shard_group_size is not None or param_dtype != self.master_dtype):
             raise ValueError("hybrid sharding and param_dtype need zero >= 1 (zero 0 steps the fp32 params)")
         self.chunks = chunks
@@ -577,6 +572,13 @@ class DataParallel:
             "grads": unique_storage_bytes(grads),
             "optimizer": unique_storage_bytes(state),
         }
+
+
+def widened(chunks: list[nn.Module], *dtypes: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The masters' dtype, fp32 or float64 for float64 parameters (meshlm check's runs), then `dtypes`, fp32 read
+    as it: masters, shards, working weights and reductions keep float64 where the model has it."""
+    wide = torch.float64 if any(p.dtype == torch.float64 for c in chunks for p in c.parameters()) else torch.float32
+    return (wide, *(wide if dtype == torch.float32 else dtype for dtype in dtypes))
 
 
 def zero_param_dtype(parallel: ParallelOptions, device_type: str, autocast_dtype: torch.dtype | None) -> torch.dtype:
