@@ -123,3 +123,22 @@ def kbias_with_mid() -> KBias:
 
 def batches(steps: int = 5) -> list:
     return [global_batch(step, BATCH, SEQ, VOCAB) for step in range(steps)]
+
+
+def unprobed() -> None:
+    """Switch off, in this rank, the build-time tensor-parallel probe `parallelize` runs where the tree has one
+    (meshlm.parallel.probe.probe_tensor_parallel: it refuses these plan mistakes before step 1, naming the
+    entry): the naming tests test the check's own localisation, which must name the entry without it."""
+    from meshlm.parallel import probe
+
+    probe.probe_tensor_parallel = lambda model, plan, tp: None
+
+
+def kbias_unprobed() -> KBias:
+    unprobed()
+    return KBias()
+
+
+def kbias_with_mid_unprobed() -> KBias:
+    unprobed()
+    return kbias_with_mid()

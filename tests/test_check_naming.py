@@ -14,6 +14,9 @@ Mutation of the fix: with meshlm.check.run.first_module_differs comparing raw ou
 input comparison) the first two name `attn.dense` / `mlp.down`; without meshlm.check.worker.where_raised the
 last two raise CheckError with the bare shape error.
 
+The factories switch off `parallelize`'s build-time tp probe where the tree has one (it refuses all four before
+step 1, naming the entry): what is tested is the check's own localisation.
+
 The first two are 4 torchrun starts each (60-150 s on 2 shared cores), the last two one each (10-30 s).
 """
 
@@ -22,25 +25,35 @@ from __future__ import annotations
 import json
 
 import pytest
-from check_models import DOWN_COLWISE, FUSED_UP, KBIAS_PLAN, PER_HEAD_QKV, batches, kbias, kbias_with_mid
+from check_models import (
+    DOWN_COLWISE,
+    FUSED_UP,
+    KBIAS_PLAN,
+    PER_HEAD_QKV,
+    batches,
+    kbias_unprobed,
+    kbias_with_mid_unprobed,
+)
 
 import meshlm
 
 # (model factory, plan; how the culprit starts, what it says of the entry)
 CASES = {
     "blocked qkv declared per head": (
-        kbias, PER_HEAD_QKV, "layers.0.attn.qkv: its output agrees gathered",
+        kbias_unprobed, PER_HEAD_QKV, "layers.0.attn.qkv: its output agrees gathered",
         "plan entry 'layers.*.attn.qkv': InterleavedColwise(per_head=3)",
     ),
     "plain up declared fused": (
-        kbias, FUSED_UP, "layers.0.mlp.up: its output agrees gathered", "plan entry 'layers.*.mlp.up': FusedColwise(",
+        kbias_unprobed, FUSED_UP, "layers.0.mlp.up: its output agrees gathered",
+        "plan entry 'layers.*.mlp.up': FusedColwise(",
     ),
     "row-parallel down declared colwise": (
-        kbias, DOWN_COLWISE, "layers.0.mlp.down (plan entry 'layers.*.mlp.down': colwise): raised at the layout",
+        kbias_unprobed, DOWN_COLWISE,
+        "layers.0.mlp.down (plan entry 'layers.*.mlp.down': colwise): raised at the layout",
         "mat1 and mat2 shapes cannot be multiplied",
     ),
     "a new Linear with no plan entry": (
-        kbias_with_mid, KBIAS_PLAN, "layers.0.mlp.mid (no plan entry in 'kbias'", "raised at the layout",
+        kbias_with_mid_unprobed, KBIAS_PLAN, "layers.0.mlp.mid (no plan entry in 'kbias'", "raised at the layout",
     ),
 }  # fmt: skip
 
