@@ -229,7 +229,7 @@ def cmd_check(args: argparse.Namespace, extra: list[str]) -> int:
         report, replica = check_config(cfg, steps=args.steps, world=args.world, max_ranks=args.max_ranks,
                                        workdir=workdir, export=args.export, say=say)  # fmt: skip
     if args.json:
-        print(json.dumps({**report.to_json(), "kept": replica.kept, "shrunk": replica.shrunk}, indent=1))
+        print(json.dumps({**report.as_dict(), "kept": replica.kept, "shrunk": replica.shrunk}, indent=1))
     else:
         render(report, replica.kept, replica.shrunk)
     return 0 if report.passed else 1

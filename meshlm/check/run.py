@@ -1,19 +1,24 @@
 """Run a replica at world 1 and at its layout, each by the real trainer under torchrun on gloo, and compare.
 
-Tolerances (fp32 on CPU, as the equivalence suite, tests/equivalence.py): two correct layouts differ only by
-float32 rounding in another order. A loss is a mean over the global batch's tokens and a gradient norm a sum
-of squares: reordering changes them by ~1e-7 relative, so every step's loss and norm must agree within 1e-5;
-a wrong reduction changes a gradient by O(1) and the next step's loss by far more. The final weights are
-compared norm-wise per tensor (‖Δw‖/‖w‖): AdamW can turn the rounding of a near-cancelling gradient element
-into an lr-sized step of that element, which the norm over the tensor dilutes (measured 2e-7 after 5 steps,
-dp=2 ZeRO-3 on the test preset), within the same 1e-5; a bug moves whole tensors elsewhere.
-A checkpoint reshards bytes, so the resumed run must continue the reference's steps within the same 1e-5.
-The localisation's gradients (of the first step that differs) and module outputs are compared per tensor
-within 1e-5 (same reason as the loss).
+Every check run computes in float64 (meshlm.check.worker sets the ranks' default dtype; DataParallel keeps
+float64 masters, shards and reductions for float64 parameters). A parameter whose gradient is zero in exact
+arithmetic (an attention key bias: softmax is invariant to it) gets rounding noise whose sign depends on the
+summation order; in float32 that noise (~1e-10) exceeds AdamW's eps once normalised by its own RMS, so AdamW
+moved it by lr-sized steps in random directions and correct layouts failed (5e-5..2.5e-4 on final weights).
+In float64 it is ~1e-19, far below eps: it stays put in every run, under any optimizer.
+Tolerances (as the equivalence suite, tests/equivalence.py): a loss is a mean over the global batch's tokens
+and a gradient norm a sum of squares, logged in float32: reordering changes them by ~1e-7 relative, so every
+step's loss and norm must agree within 1e-5; a wrong reduction changes a gradient by O(1) and the next
+step's loss by far more. The final weights are compared norm-wise per tensor, against the larger of its norm
+and the model's RMS weight over as many elements (a tensor at ~0 measured at the model's scale), within the
+same 1e-5; a bug moves whole tensors by lr-sized steps. A checkpoint reshards bytes, so the resumed run must
+continue the reference's steps within the same 1e-5. The localisation's gradients (of the first step that
+differs) and module inputs and outputs are compared per tensor within 1e-5 (same reason as the loss).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -36,12 +41,21 @@ WEIGHT_RTOL = 1e-5
 GRAD_RTOL = 1e-5
 WHY = {
     "loss": "fp32: reduction order moves a mean by ~1e-7 rel; a bug by O(1e-2)",
-    "weights": "norm-wise per tensor: AdamW amplifies rounding on few elements only",
+    "weights": "norm-wise per tensor, float64 runs: rounding never reaches an optimizer's eps",
 }
 
 
 class CheckError(InputError):
     """A check that cannot run (a replica too wide for the machine, a run that failed to start)."""
+
+
+class RaisedInModule(CheckError):
+    """A check run whose rank raised in a module's forward (a shape error): `where` names the module, its plan
+    entry and the error (meshlm.check.worker.where_raised)."""
+
+    def __init__(self, line: str, where: str, error: str) -> None:
+        super().__init__(line)
+        self.where, self.error = where, error
 
 
 @dataclass
@@ -68,7 +82,8 @@ class CheckReport:
     def passed(self) -> bool:
         return all(r.passed for r in self.rows)
 
-    def to_json(self) -> dict:
+    def as_dict(self) -> dict:
+        """The report as JSON-able data: what `meshlm check --json` prints, less the replica's lines."""
         return {
             "layout": self.layout,
             "passed": self.passed,
@@ -76,6 +91,10 @@ class CheckReport:
             "phases_s": self.phases,
             "culprit": self.culprit,
         }
+
+    def to_json(self) -> str:
+        """as_dict() as JSON text."""
+        return json.dumps(self.as_dict())
 
 
 def rel(a: float, b: float) -> float:
@@ -87,10 +106,16 @@ def max_rel(got: list[float], ref: list[float]) -> float:
 
 
 def weights_rel(got: dict, ref: dict) -> tuple[float, str]:
-    """max over tensors of ‖got - ref‖ / ‖ref‖, and the first tensor (forward order) beyond WEIGHT_RTOL."""
+    """max over tensors of ‖got - ref‖ / ‖ref‖, and the first tensor (forward order) beyond WEIGHT_RTOL. A tensor
+    whose norm is below the model's (a zero-initialised bias that gets no gradient stays ~1e-12 in float64) is
+    measured against the model's RMS weight over as many elements: a bug moves it by lr-sized steps, orders of
+    magnitude above WEIGHT_RTOL of that scale."""
+    total = sum(r.double().square().sum().item() for r in ref.values())
+    rms = (total / max(1, sum(r.numel() for r in ref.values()))) ** 0.5
     worst, first = 0.0, ""
     for name, r in ref.items():
-        d = ((got[name] - r).norm() / r.norm().clamp(min=1e-30)).item()
+        scale = max(r.double().norm().item(), rms * r.numel() ** 0.5, 1e-30)
+        d = (got[name].double() - r.double()).norm().item() / scale
         worst = max(worst, d)
         if d > WEIGHT_RTOL and not first:
             first = f"first tensor whose final weights differ: {name} ({d:.1e} rel)"
@@ -116,8 +141,22 @@ def run_job(
         shutil.rmtree(cfg.log.run_dir, ignore_errors=True)
     if start and start[1]:
         copy_until(start[0], Path(cfg.log.run_dir), start[1])
-    for stale in [out, *workdir.glob(f"{out.name}.refused-*")]:  # an earlier check's result is not this one's
+    for stale in [
+        out,
+        *workdir.glob(f"{out.name}.refused-*"),
+        *workdir.glob(f"{out.name}.raised-*"),
+    ]:  # an earlier check's result is not this one's
         stale.unlink(missing_ok=True)
+    for key, value in parts.items():
+        try:
+            pickle.dumps(value)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise CheckError(
+                f"{key} {getattr(value, '__qualname__', None) or getattr(value, 'name', type(value).__name__)!r} "
+                f"cannot reach the check's ranks ({e}): they import the model factory, plan and "
+                "loss by name, so define them at module level (in a module or your script), not inside a "
+                "function (docs/check.md)"
+            ) from None
     job.write_bytes(pickle.dumps({"config": cfg, "batches": batches, "parts": parts, "mode": mode, "out": str(out)}))
     path = os.pathsep.join(p for p in sys.path if p and Path(p).is_dir())  # the ranks import what the caller does
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
@@ -137,6 +176,11 @@ def run_job(
     refused = sorted(workdir.glob(f"{out.name}.refused-*"), key=lambda path: int(path.name.rsplit("-", 1)[1]))
     if refused:  # bad input the ranks met (a plan, a layout): the lowest rank's one line, without a rank prefix
         raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}) refused: {refused[0].read_text()}")
+    raised = sorted(workdir.glob(f"{out.name}.raised-*"), key=lambda path: int(path.name.rsplit("-", 1)[1]))
+    if done.returncode and raised:  # the lowest rank's module, plan entry and error
+        where, error = raised[0].read_text().split("\t", 1)
+        line = f"check run {name} ({cfg.parallel.layout or 'world 1'}) raised in {where}: {error}"
+        raise RaisedInModule(line, where, error)
     if done.returncode or not out.exists():
         reason = failure_reason(log.read_text()) if done.returncode else "exited 0 without its result"
         raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}) failed: {reason} (log {log})")
@@ -251,12 +295,19 @@ def check(cfg: Config, batches: list, workdir: Path, *, steps: int = 5, parts: d
     def timed(phase: str, *job: object, **kw: object) -> tuple[dict, float]:
         say(f"{phase} ...")
         start = time.monotonic()
-        value = run_job(*job, **kw)
-        report.phases[phase] = round(time.monotonic() - start, 2)
+        try:
+            value = run_job(*job, **kw)
+        finally:
+            report.phases[phase] = round(time.monotonic() - start, 2)
         return value, report.phases[phase]
 
     lay_cfg = run_config(cfg, workdir / "layout", layout, steps)  # first: what the layout refuses, it refuses at once
-    got, t_lay = timed(f"layout {layout} ({world} ranks)", lay_cfg, world, batches, workdir, "layout", parts=parts)
+    try:
+        got, t_lay = timed(f"layout {layout} ({world} ranks)", lay_cfg, world, batches, workdir, "layout", parts=parts)
+    except RaisedInModule as e:  # a plan entry that cannot run (a shape error): that module is the culprit
+        report.rows.append(Row(f"{steps} steps at {layout} vs world 1", None, None, None, "runs", 0.0, False, str(e)))
+        report.culprit = f"{e.where}: raised at the layout, {e.error}"
+        return report
     ref_cfg = run_config(cfg, workdir / "reference", "", steps, every=1, **SINGLE_PROCESS)  # each: localise's
     ref, t_ref = timed("reference (world 1)", ref_cfg, 1, batches, workdir, "reference", parts=parts)
     d_loss, d_norm = max_rel(got["losses"], ref["losses"]), max_rel(got["grad_norms"], ref["grad_norms"])
@@ -307,181 +358,10 @@ def check(cfg: Config, batches: list, workdir: Path, *, steps: int = 5, parts: d
         differs = [
             s for s, (a, b, n, m) in zip(ref["steps"], pairs, strict=True) if max(rel(a, b), rel(n, m)) > LOSS_RTOL
         ]
+        from meshlm.check.localise import localise
+
         localise(cfg, batches, workdir, report, parts, timed, differs[0] if differs else 1)
     return report
-
-
-def grads_differ(got: dict, ref: dict) -> list[tuple[str, float]]:
-    """(name, rel) of each gradient that differs, in the reference model's order (forward order): the gathered
-    full one or any rank's own copy of one it holds whole."""
-    out = []
-    for name, r in ref.items():
-        held = [got["weights"][name], *(copies[name] for copies in got["copies"] if name in copies)]
-        d = max(((g - r).norm() / r.norm().clamp(min=1e-30)).item() for g in held)
-        if d > GRAD_RTOL:
-            out.append((name, d))
-    return out
-
-
-def entry_point(differ: list[tuple[str, float]], names: list[str]) -> str | None:
-    """The parameter at whose module a wrong activation gradient entered the backward pass, if the differing
-    gradients say so: backward runs from the loss to the embedding, so such a gradient makes every parameter
-    before that module (in forward order) differ and the module's own agree. That is the case when the
-    differing ones are exactly the first ones, spanning two modules at least, and some agree after them;
-    otherwise (one parameter's own reduction wrong: a plan entry, a bucket) there is none."""
-    n = len(differ)
-    if n == len(names) or [name for name, _ in differ] != names[:n]:
-        return None
-    modules = {name.rsplit(".", 1)[0] for name in names[:n]}
-    return names[n] if len(modules) > 1 else None
-
-
-def common_scale(got: dict, ref: dict) -> float | None:
-    """The one factor c with got = c·ref for every gradient (each within GRAD_RTOL of c·ref, norm-wise), if there
-    is one: a gradient reduction applied twice (c = the group's size) or a mean taken twice (c = 1/size) scales
-    every gradient alike, while the forward pass and the loss agree."""
-    num = sum((got[name] * r).sum().item() for name, r in ref.items())
-    den = sum(r.square().sum().item() for r in ref.values())
-    c = num / max(den, 1e-30)
-    fits = all(
-        ((got[name] - c * r).norm() / (c * r).norm().clamp(min=1e-30)).item() <= GRAD_RTOL for name, r in ref.items()
-    )
-    return c if fits and abs(c - 1) > GRAD_RTOL else None
-
-
-def counted_wrongly(got_norm: float, ref_norm: float, grads: dict) -> tuple[str, str] | None:
-    """The tensor whose norm term the layout counts twice or never, when the gradients agree and their global
-    norm does not: the squared norms differ by that tensor's ‖g‖² (within the 1e-5 rel of either norm)."""
-    excess, tol = got_norm**2 - ref_norm**2, 2 * GRAD_RTOL * ref_norm**2
-    fits = [
-        (abs(excess - sign * g.square().sum().item()), name, how)
-        for name, g in grads.items()
-        for sign, how in ((1, "counted twice"), (-1, "never counted"))
-    ]
-    miss, name, how = min(fits, key=lambda fit: fit[0])  # the first in forward order of equal fits (a tie)
-    return (name, how) if miss <= tol else None
-
-
-def first_output_differs(got: dict, ref: dict) -> tuple[str, float] | None:
-    """The first module, in the order the reference's calls end (a module's children before it), whose output
-    of the first micro-batch differs on a rank that holds that output as one process does: the same rows (the
-    first data-parallel replica) and whole (a sequence or tp shard has another shape and is left out)."""
-    [mine] = ref["outputs"]
-    for name, r in mine["modules"].items():
-        if r.ndim < 3 or tuple(r.shape[:2]) != mine["tokens"]:  # not one row-and-position tensor (an expert's)
-            continue
-        held = [out["modules"][name] for out in got["outputs"] if name in out["modules"]]
-        held = [o for o in held if o.shape == r.shape]
-        d = max((((o - r).norm() / r.norm().clamp(min=1e-30)).item() for o in held), default=0.0)
-        if d > GRAD_RTOL:
-            return name, d
-    return None
-
-
-def blame(got: dict, ref: dict, step: int) -> tuple[str, str, str, float] | str:
-    """(module, the tensor whose placement goes with it, what differs, by how much) from one step's gradients,
-    norm and module outputs at the layout (`got`) and at world 1 (`ref`; its frozen weights left out), or the
-    line that says why no module can be named.
-
-    The module: where a wrong activation gradient entered backward (entry_point) if the differing gradients
-    show one, else the first tensor in forward order whose gradient differs; when every gradient agrees and
-    their global norm does not, the tensor whose norm term is counted twice or never (counted_wrongly); when
-    every gradient differs by one factor and the loss agrees, the reduction they share (common_scale); when
-    they differ otherwise, the forward pass does: the first module whose output differs
-    (first_output_differs)."""
-    names, differ = list(ref["weights"]), grads_differ(got, ref["weights"])
-    d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
-    d_first = rel(got["losses"][0], ref["losses"][0])
-    if len(differ) == len(names) and d_first <= LOSS_RTOL and (scale := common_scale(got["weights"], ref["weights"])):
-        (name, d), module = differ[0], "every tensor"
-        what = (
-            f"grad is {scale:.4g}x one process's (step-{step} loss agrees, {d_first:.1e} rel): the gradient "
-            "reduction shared by every tensor is applied twice or its mean taken twice or never"
-        )
-    elif len(differ) == len(names) and (output := first_output_differs(got, ref)):
-        (module, d), name = output, next((n for n in names if n.startswith(output[0] + ".")), differ[0][0])
-        what = (
-            f"output differs {d:.1e} rel, the first output in forward order that does (every gradient differs; "
-            f"step-{step} loss {d_first:.1e} rel): the forward pass differs from here"
-        )
-    elif len(differ) == len(names):  # no one module: the forward (or the loss) already differs
-        (name, d) = differ[0]
-        module = "every tensor"
-        what = f"grad differs (from {name} {d:.1e} rel; step-{step} loss {d_first:.1e} rel): the forward pass differs"
-    elif differ:
-        entry = entry_point(differ, names)
-        name, d = (entry, differ[0][1]) if entry else differ[0]
-        module = name.rsplit(".", 1)[0]
-        what = (
-            f"its input gradient differs (every gradient before it in forward order differs, from {differ[0][0]} "
-            f"{d:.1e} rel; its own agree)"
-            if entry
-            else f"grad differs {d:.1e} rel"
-        )
-    elif d_norm > LOSS_RTOL and (wrong := counted_wrongly(got["grad_norms"][0], ref["grad_norms"][0], ref["weights"])):
-        (name, how), d = wrong, d_norm
-        module = name.rsplit(".", 1)[0]
-        what = f"gradients agree, their global norm differs {d_norm:.1e} rel: {name} {how} in it (Placement.counted)"
-    else:
-        return (
-            f"step-{step} gradients agree on every rank, their global norm differs {d_norm:.1e} rel (no one "
-            "tensor's term accounts for it)"
-            if d_norm > LOSS_RTOL
-            else f"step-{step} gradients and norm agree: the difference arises in a later step (an optimizer's "
-            "state, the resume)"
-        )
-    return module, name, what, d
-
-
-def localise(
-    cfg: Config, batches: list, workdir: Path, report: CheckReport, parts: dict | None, timed, step: int = 1
-) -> None:
-    """The full gradients (unclipped) of `step`, the first step whose loss or gradient norm differs (else 1),
-    at the layout against world 1, both from the reference's weights and optimizer state before that step (its
-    checkpoint): the module responsible, where its tensor lives, and the layout dimension whose removal makes
-    every gradient and their norm exact (the module: blame)."""
-    layout = cfg.parallel.layout
-    data = cfg.model_dump()
-    data["train"]["grad_clip"] = 0.0
-    plain = Config.model_validate(data)
-    start = (workdir / "reference", step - 1)
-    label = f"step-{step} gradients"
-
-    def grads(phase: str, name: str, layout: str, **options: object) -> tuple[dict, float]:
-        g_cfg = run_config(plain, workdir / name, layout, step, **options)
-        return timed(
-            f"{label} at {phase}", g_cfg, world_of(layout), batches, workdir, name, "grads", parts, start=start
-        )
-
-    ref, _ = grads("world 1", "grads-reference", "", **SINGLE_PROCESS)
-    got, t = grads("the layout", "grads", layout)
-    ref["weights"] = {name: g for name, g in ref["weights"].items() if name not in ref["frozen"]}  # no gradient
-
-    def exact(run: dict) -> bool:
-        return not grads_differ(run, ref["weights"]) and rel(run["grad_norms"][0], ref["grad_norms"][0]) <= LOSS_RTOL
-
-    found = blame(got, ref, step)
-    if isinstance(found, str):
-        report.culprit = found
-        return
-    module, name, what, d = found
-    d_norm = rel(got["grad_norms"][0], ref["grad_norms"][0])
-    culprit = f"{module}: {what}; {got['placements'].get(name, '')}"
-    if step > 1:
-        culprit += f"; first at step {step}"
-    for dim in DIMS:
-        if f"{dim}=" not in layout or f"{dim}=1" in layout.split(","):
-            continue
-        smaller, options = without(plain, dim)
-        try:
-            res, _ = grads(smaller, f"grads-no-{dim}", smaller, **options)
-        except CheckError:
-            continue
-        if exact(res):
-            culprit += f"; exact with {dim}=1" + (f" ({smaller})" if world_of(smaller) > 1 else "")
-            break
-    report.culprit = culprit
-    report.rows.append(Row(f"{label} per tensor", None, d_norm, d, f"<= {GRAD_RTOL:g} per tensor", t, False))
 
 
 def map_ids(batches: list, vocab_size: int, ignore_index: int) -> list:
@@ -543,6 +423,13 @@ def check_model(
     return check(cfg, batches, Path(workdir), steps=steps, parts=parts, say=say)
 
 
+def short(tolerance: str) -> str:
+    """A tolerance without its parenthesised reasons (the table's column; the reasons are printed below it)."""
+    while (shorter := re.sub(r" ?\([^()]*\)", "", tolerance)) != tolerance:
+        tolerance = shorter
+    return tolerance
+
+
 def render(report: CheckReport, kept: tuple[str, ...] = (), shrunk: tuple[str, ...] = ()) -> None:
     """The verdict table, the replica's kept and shrunk lines and each phase's time, on stdout."""
     from rich.console import Console
@@ -551,21 +438,23 @@ def render(report: CheckReport, kept: tuple[str, ...] = (), shrunk: tuple[str, .
     def num(x: float | None) -> str:
         return "" if x is None else f"{x:.1e}"
 
-    console = Console(width=max(120, Console().width))
+    console = Console()  # the terminal's width (COLUMNS): the table fits 80 columns, the whys below it
     for line in kept:
         console.print(f"kept: {line}", highlight=False)
     for line in shrunk:
         console.print(f"shrunk: {line}", highlight=False)
     table = Table(title=f"meshlm check: layout {report.layout} against one process (relative differences)")
     logits = any(r.d_logits is not None for r in report.rows)  # the export rows' column, with --export only
-    columns = ("check", "Δ loss", "Δ grad norm", "Δ weights", *(("Δ logits",) * logits), "tolerance and why")
+    columns = ("check", "Δ loss", "Δ grad norm", "Δ weights", *(("Δ logits",) * logits), "tolerance")
     for column in (*columns, "time", "verdict"):
         table.add_column(column)
     for r in report.rows:
         verdict = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
         numbers = [num(x) for x in (r.d_loss, r.d_grad_norm, r.d_weights, *((r.d_logits,) * logits))]
-        table.add_row(r.check, *numbers, r.tolerance, f"{r.seconds:.1f} s", verdict)
+        table.add_row(r.check, *numbers, short(r.tolerance), f"{r.seconds:.0f} s", verdict)
     console.print(table)
+    for why in dict.fromkeys(r.tolerance for r in report.rows if "(" in r.tolerance):
+        console.print(f"tolerance: {why}", highlight=False)
     for r in report.rows:
         if r.note:
             console.print(f"{r.check}: {r.note}", highlight=False)

@@ -66,8 +66,9 @@ def shrink(config: Config, workdir: Path, *, world: int | None = None, max_ranks
     the target world cannot hold or a model that cannot shrink under the mapped layout's rules."""
     cfg, target, n_micro = _target(config, world)
     mapped = map_layout(target, max_ranks)
-    kept: list[str] = []
-    shrunk: list[str] = [f"layout {target} -> {mapped}"]
+    same = str(target) == str(mapped)  # only what changed is listed as shrunk
+    kept: list[str] = [f"layout {mapped}"] if same else []
+    shrunk: list[str] = [] if same else [f"layout {target} -> {mapped}"]
     train = _train_section(cfg, target, mapped, n_micro, shrunk)
     original = cfg.model.build()
     vocab_floor = _vocab_floor(cfg, original)

@@ -14,6 +14,7 @@ it (OUT.refused-RANK) and exits 2.
 from __future__ import annotations
 
 import faulthandler
+import fnmatch
 import importlib
 import importlib.util
 import os
@@ -69,27 +70,91 @@ def placement_line(place: Placement, layout: Layout) -> str:
 
 
 class Outputs:
-    """The output of each module's first call in this process (its first micro-batch), in the order the calls
-    end (a module's children before it), and the shape of the first token-id input (rows, sequence)."""
+    """The input and output of each module's first call in this process (its first micro-batch), in the order
+    the calls end (a module's children before it), and the shape of the first token-id input (rows, sequence)."""
 
     def __init__(self) -> None:
-        self.first: dict[nn.Module, torch.Tensor] = {}
+        self.first: dict[nn.Module, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.tokens: tuple[int, ...] | None = None
         self.handle = register_module_forward_hook(self.hook)
 
     def hook(self, module: nn.Module, args: tuple, output: object) -> None:
-        if self.tokens is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
-            self.tokens = tuple(args[0].shape)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if self.tokens is None and first is not None and not first.is_floating_point():
+            self.tokens = tuple(first.shape)
         out = output[0] if isinstance(output, tuple) and output else output
         if isinstance(out, torch.Tensor) and out.is_floating_point() and module not in self.first:
-            self.first[module] = out.detach().float().clone()
+            given = first.detach().clone() if first is not None and first.is_floating_point() else None
+            self.first[module] = (given, out.detach().clone())
 
     def clear(self) -> None:
         self.first, self.tokens = {}, None
 
-    def named(self, chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
+    def named(self, chunks: list[nn.Module], placements: object) -> dict[str, dict]:
+        """Per module name: its input and output and, for a tp-sharded Linear, where this rank's columns of
+        its output (weight split on dim 0) or of its input (dim 1) sit in the full tensor (TPShard.pieces)."""
         names = {module: name for chunk in chunks for name, module in chunk.named_modules() if name}
-        return {names[module]: out for module, out in self.first.items() if module in names}
+        out = {}
+        for module, (given, output) in self.first.items():
+            if module not in names:
+                continue
+            weight = getattr(module, "weight", None)
+            shard = placements[weight].tp if isinstance(weight, torch.Tensor) else None
+            linear = (  # a Linear's shapes: (.., in) -> (.., out) with a weight (out, in); not an embedding's
+                shard is not None
+                and given is not None
+                and weight.ndim == 2
+                and (given.shape[-1], output.shape[-1]) == (weight.shape[1], weight.shape[0])
+            )
+            out[names[module]] = {
+                "in": given,
+                "out": output,
+                "in_shard": shard.pieces if linear and shard.dim == 1 else None,
+                "out_shard": shard.pieces if linear and shard.dim == 0 else None,
+            }
+        return out
+
+
+def describe(style: object) -> str:
+    """A plan entry's style in one line ('rowwise', 'FusedColwise(blocks=2)')."""
+    if isinstance(style, str) or not hasattr(style, "__dataclass_fields__"):
+        return str(style)
+    fields = ", ".join(
+        f"{key}={value!r}" for key, value in vars(style).items() if not callable(value) and value not in (None, False)
+    )
+    return f"{type(style).__name__}({fields})"
+
+
+def where_raised(error: BaseException, plan: object) -> str | None:
+    """'layers.0.mlp.down (plan entry 'layers.*.mlp.down': colwise)': the innermost module whose forward the
+    error was raised in (from the traceback's frames: a module's `self`), named from the outermost one (the
+    model or its pipeline stage), with the plan entry that matches it; None outside any module's forward."""
+    modules: list[nn.Module] = []
+    tb = error.__traceback__
+    while tb is not None:
+        me = tb.tb_frame.f_locals.get("self")
+        if isinstance(me, nn.Module) and (not modules or modules[-1] is not me):
+            modules.append(me)
+        tb = tb.tb_next
+    if not modules:
+        return None
+    names = {id(module): name for name, module in modules[0].named_modules()}
+    name = next((names[id(m)] for m in reversed(modules) if names.get(id(m))), None)
+    if name is None:
+        return None
+    if plan is None:
+        from meshlm.parallel.plan import plan_for
+
+        plan = plan_for(modules[0])
+    return f"{name} ({entry_line(name, plan)})"
+
+
+def entry_line(name: str, plan: object) -> str:
+    """ "plan entry 'layers.*.mlp.down': colwise" for module `name`, or that the plan has none for it."""
+    entry = next((key for key in plan.tensor_parallel if fnmatch.fnmatchcase(name, key)), None)
+    if entry is None:
+        return f"no plan entry in {plan.name!r}: whole on every tp rank"
+    return f"plan entry {entry!r}: {describe(plan.tensor_parallel[entry])}"
 
 
 class StepBatches(IterableBatches):
@@ -114,24 +179,27 @@ class Record(Callback):
 
     def __init__(self, steps: int, outputs: Outputs | None = None) -> None:
         self.steps, self.weights, self.placements, self.copies = steps, None, {}, []
-        self.outputs, self.module_outputs, self.frozen = outputs, [], set()
+        self.outputs, self.module_outputs, self.frozen, self.entries = outputs, [], set(), {}
 
     def on_step_end(self, trainer: Trainer, step: int, loss: float, metrics: dict[str, float]) -> None:
         if step != self.steps:
             return
         model = trainer.model
+        self.entries = {
+            name: entry_line(name, model.plan) for chunk in model.chunks for name, _ in chunk.named_modules()
+        }
         self.weights = model.full_state_dict()
         params = dict(model.named_parameters())  # this rank's
         mine = {name: placement_line(model.placements[p], trainer.layout) for name, p in params.items()}
         mine = {name: line for name, line in mine.items() if name in self.weights}
         whole = {
-            name: p.detach().float().clone()
+            name: p.detach().clone()
             for name, p in params.items()
             if model.placements[p].tp is None and model.placements[p].ep is None and resident(p)
         }
         outputs = {}
         if self.outputs is not None and trainer.dp_rank == 0:
-            outputs = {"tokens": self.outputs.tokens, "modules": self.outputs.named(model.chunks)}
+            outputs = {"tokens": self.outputs.tokens, "modules": self.outputs.named(model.chunks, model.placements)}
         every: list[tuple] = [() for _ in range(dist.get_world_size())]
         frozen = {name for name, p in params.items() if not p.requires_grad}
         dist.all_gather_object(every, (mine, whole, outputs, frozen))
@@ -158,6 +226,7 @@ def resolve(value: object) -> object:
 
 def main(job_path: str) -> None:
     faulthandler.enable(all_threads=True)  # a rank killed by a fatal signal prints its Python stacks to the log
+    torch.set_default_dtype(torch.float64)  # every check run in float64: meshlm.check.run's docstring says why
     job = pickle.loads(Path(job_path).read_bytes())
     cfg = job["config"]
     pieces = {key: resolve(value) for key, value in (job.get("parts") or {}).items()}
@@ -170,6 +239,14 @@ def main(job_path: str) -> None:
     except InputError as e:  # the caller prints the lowest rank's line once (meshlm.check.run.run_job)
         Path(f"{job['out']}.refused-{os.environ.get('RANK', '0')}").write_text(str(e))
         sys.exit(2)
+    except Exception as e:  # raised in a module's forward (a shape error): the module and its plan entry
+        where = where_raised(e, pieces.get("plan"))
+        if where is not None:
+            line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            Path(f"{job['out']}.raised-{os.environ.get('RANK', '0')}").write_text(
+                f"{where}\t{type(e).__name__}: {line}"
+            )
+        raise
     if os.environ.get("RANK", "0") != "0" or not job.get("out"):  # fit has left the process group
         return
     records, _ = load_metrics(Path(cfg.log.run_dir))
@@ -184,6 +261,7 @@ def main(job_path: str) -> None:
         "copies": record.copies,
         "outputs": record.module_outputs,
         "frozen": record.frozen,
+        "entries": record.entries,
     }
     Path(job["out"]).write_bytes(pickle.dumps(out))
 

@@ -47,7 +47,7 @@ class LoRALinear(nn.Linear):
         device = torch.device("cpu") if base.weight.is_meta else base.weight.device
         bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=√5), PEFT's and nn.Linear's default
         a = torch.rand(spec.rank, self.in_features, generator=generator, dtype=torch.float32) * (2 * bound) - bound
-        self.lora_A = nn.Parameter(a.to(device))
+        self.lora_A = nn.Parameter(a.to(device, torch.get_default_dtype()))  # as lora_B (float64 in meshlm check)
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, spec.rank, device=device))
         self.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
         self.lora_scaling = spec.scaling

@@ -126,7 +126,8 @@ class DataParallel:
     ) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero}")
-        if zero == 0 and (shard_group_size is not None or param_dtype != torch.float32):
+        self.master_dtype, param_dtype, reduce_dtype = widened(chunks, param_dtype, reduce_dtype)
+        if zero == 0 and (shard_group_size is not None or param_dtype != self.master_dtype):
             raise ValueError("hybrid sharding and param_dtype need zero >= 1 (zero 0 steps the fp32 params)")
         self.chunks = chunks
         self.plan = plan
@@ -261,18 +262,18 @@ class DataParallel:
                 buf.steps, buf.step_grads = buf.params, buf.views(buf.full_grad)
                 buf.step_owner = list(range(len(buf.params)))
                 continue
-            share = self.stage < 3 and self.param_dtype == torch.float32
+            share = self.stage < 3 and self.param_dtype == self.master_dtype
             if buf.initial_shard is not None:  # ZeRO-3 from the source: the shard is all there is
                 buf.master, buf.initial_shard = buf.initial_shard, None
             else:
                 shard = buf.data[buf.shard]
-                buf.master = shard if share else shard.to(torch.float32, copy=True)
+                buf.master = shard if share else shard.to(self.master_dtype, copy=True)
             if self.stage == 1:
                 buf.alloc_grad()
             if self.stage == 1 and share:
                 buf.grad_shard = buf.full_grad[buf.shard]
             else:
-                buf.grad_shard = torch.zeros(buf.shard_numel, dtype=torch.float32, device=buf.data.device)
+                buf.grad_shard = torch.zeros(buf.shard_numel, dtype=self.master_dtype, device=buf.data.device)
             buf.split_master()
             if self.stage == 3:
                 buf.free_params()
@@ -571,6 +572,13 @@ class DataParallel:
             "grads": unique_storage_bytes(grads),
             "optimizer": unique_storage_bytes(state),
         }
+
+
+def widened(chunks: list[nn.Module], *dtypes: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The masters' dtype, fp32 or float64 for float64 parameters (meshlm check's runs), then `dtypes`, fp32 read
+    as it: masters, shards, working weights and reductions keep float64 where the model has it."""
+    wide = torch.float64 if any(p.dtype == torch.float64 for c in chunks for p in c.parameters()) else torch.float32
+    return (wide, *(wide if dtype == torch.float32 else dtype for dtype in dtypes))
 
 
 def zero_param_dtype(parallel: ParallelOptions, device_type: str, autocast_dtype: torch.dtype | None) -> torch.dtype:

@@ -192,10 +192,10 @@ class FlatBuffer:
     @torch.no_grad()
     def _shard_from(self, source: ParamSource, dtype: torch.dtype) -> torch.Tensor:
         """This rank's fp32 shard of the initial weights, padding zero, each piece from `source`."""
-        shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.data.device)
+        shard = torch.zeros(self.shard_numel, dtype=torch.promote_types(dtype, torch.float32), device=self.data.device)
         for p, offset, lo, hi in self.pieces:
             source.fill(p, shard[lo:hi], offset)
-        if dtype != torch.float32:
+        if dtype != shard.dtype:
             for part in shard.split(1 << 20):  # the rounding a copy into the working buffer would do
                 part.copy_(part.to(dtype))
         return shard
