@@ -313,9 +313,13 @@ def test_generated_sbatch_trains_as_two_nodes_and_resumes_after_a_node_dies(data
     assert not (tmp_path / "requeued").exists()  # finished: nothing to requeue
 
 
-def wait_for_training(metrics: Path, timeout: float = 120) -> None:
+def wait_for_training(metrics: Path, timeout: float = 900) -> None:
+    """Until a training step is logged. The bound only ends a hung start (torchrun's rendezvous and the workers'
+    imports take seconds quiet and minutes on a loaded 2-core machine): returning without a step would signal
+    the pods before any worker started, where there is nothing to save."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+    while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+        assert time.monotonic() < deadline, f"no training step logged in {timeout:.0f} s ({metrics})"
         time.sleep(0.2)
 
 
