@@ -20,8 +20,8 @@ from side_by_side import one_process, step_arguments
 
 from meshlm.config import ParallelSection
 from meshlm.model import Transformer
-from meshlm.parallel.compile import compile_blocks
 from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.transforms.compile import compile_blocks
 from meshlm.train.optim import build_optimizer, train_step
 
 

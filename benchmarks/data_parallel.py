@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from meshlm.config import ParallelSection, TrainSection
 from meshlm.model import Transformer, cross_entropy_loss, preset
+from meshlm.parallel.dp.gradients import unique_storage_bytes
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.gradients import unique_storage_bytes
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.testing import run_distributed
 from meshlm.train.optim import build_optimizer

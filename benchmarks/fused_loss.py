@@ -19,7 +19,7 @@ from torch import nn
 
 from meshlm.model import token_cross_entropy
 from meshlm.observe.memory import ActivationMeter
-from meshlm.parallel.fused_loss import HeadOutput, fused_cross_entropy_sum
+from meshlm.parallel.transforms.fused_loss import HeadOutput, fused_cross_entropy_sum
 
 
 def measure(vocab: int, tokens: int, dim: int, repeats: int) -> dict:

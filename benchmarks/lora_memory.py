@@ -2,8 +2,8 @@
 on CPU gloo ranks and predicted by the planner (meshlm.plan.memory).
 
 Each rank builds meshlm's Llama (the `small` preset by default, fp32 on CPU), for LoRA applies rank-r adapters
-to the attention and MLP projections (meshlm.parallel.lora.apply_lora: the base frozen), wraps it in a ParallelModel
-for the layout and takes one AdamW step. It then reports what it holds (`DataParallel.memory_report`: the
+to the attention and MLP projections (meshlm.parallel.transforms.lora.apply_lora: the base frozen), wraps it in a
+ParallelModel for the layout and takes one AdamW step. It then reports what it holds (`DataParallel.memory_report`: the
 distinct storages of its parameters and masters, gradients and AdamW moments; freed ZeRO-3 weights count
 nothing). The planner's prediction is `memory(...)`'s params + grads + optimizer for the same workload
 (`Workload(..., lora_rank=r)`): activations are not compared (the planner's are GPU kernels' figures).
@@ -22,8 +22,8 @@ import torch
 
 import meshlm
 from meshlm.model import Transformer, preset
-from meshlm.parallel.lora import apply_lora
 from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.parallel.transforms.lora import apply_lora
 from meshlm.plan.hardware import hardware
 from meshlm.plan.memory import Strategy, Workload, memory
 from meshlm.testing import global_batch, run_distributed

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.model import Transformer, cross_entropy_loss, preset
-from meshlm.parallel.pipeline import PipelineSchedule, split_model
-from meshlm.parallel.schedules import theoretical_bubble
+from meshlm.parallel.pp.pipeline import PipelineSchedule, split_model
+from meshlm.parallel.pp.schedules import theoretical_bubble
 from meshlm.testing import run_distributed
 
 Step = Callable[[torch.Tensor, torch.Tensor], float]

@@ -37,12 +37,12 @@ from meshlm.checkpoint import (
 )
 from meshlm.parallel.distributed import end_process_group, init_distributed, resolve_device
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.fp8 import check_fp8_device
-from meshlm.parallel.lora import Adaptation
 from meshlm.parallel.materialize import is_meta_model
 from meshlm.parallel.mesh import Mesh, build_mesh, parse_layout
 from meshlm.parallel.options import LoRAOptions, Loss, ParallelOptions
-from meshlm.parallel.plan import ParallelPlan
+from meshlm.parallel.parallel_plan import ParallelPlan
+from meshlm.parallel.transforms.fp8 import check_fp8_device
+from meshlm.parallel.transforms.lora import Adaptation
 
 __all__ = ["Checkpoints", "init_mesh", "parallelize", "shutdown"]
 

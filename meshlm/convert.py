@@ -40,7 +40,14 @@ from meshlm.model.hf import (
 )
 from meshlm.model.hf_export import _save_meshlm_file, export_hf
 from meshlm.model.pretrained import check_run_tokenizer, copy_run_tokenizer, is_hf_directory
-from meshlm.parallel.lora import LoRAError, LoRASpec, apply_lora, export_peft, freeze_patterns_match, merge_lora
+from meshlm.parallel.transforms.lora import (
+    LoRAError,
+    LoRASpec,
+    apply_lora,
+    export_peft,
+    freeze_patterns_match,
+    merge_lora,
+)
 from meshlm.ties import canonical_state, load_state, unique_state_names
 
 

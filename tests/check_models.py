@@ -127,9 +127,9 @@ def batches(steps: int = 5) -> list:
 
 def unprobed() -> None:
     """Switch off, in this rank, the build-time tensor-parallel probe `parallelize` runs where the tree has one
-    (meshlm.parallel.probe.probe_tensor_parallel: it refuses these plan mistakes before step 1, naming the
+    (meshlm.parallel.tp.probe.probe_tensor_parallel: it refuses these plan mistakes before step 1, naming the
     entry): the naming tests test the check's own localisation, which must name the entry without it."""
-    from meshlm.parallel import probe
+    from meshlm.parallel.tp import probe
 
     probe.probe_tensor_parallel = lambda model, plan, tp: None
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from meshlm.config import ParallelSection, TrainSection
 from meshlm.model import ModelConfig, Transformer
-from meshlm.parallel import data_parallel
+from meshlm.parallel.dp import data_parallel
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.train.optim import build_optimizer

@@ -55,10 +55,10 @@ from meshlm.checkpoint import (
 from meshlm.config import ParallelSection, TrainSection, load_config, parse_overrides
 from meshlm.model import ModelConfig, Transformer, preset
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.lora import Adaptation
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.parallel.options import LoRAOptions
 from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.transforms.lora import Adaptation
 from meshlm.testing import global_batch, mask_prompts, rank_threads
 from meshlm.train.optim import build_optimizer, lr_at, train_step
 from meshlm.train.trainer import train
@@ -277,7 +277,7 @@ def _patched(owner: object, name: str, replacement: object) -> Iterator[None]:
 def kv_head_summed_on_one_rank_only() -> Iterator[list]:
     """Replicated KV heads (n_kv_heads < tp): the head's gradient is summed over its replicas, but the
     second replica keeps its own partial gradient, so the copies drift apart."""
-    from meshlm.parallel import tp_ops
+    from meshlm.parallel.tp import ops as tp_ops
 
     fired: list = []
     original = tp_ops._SumOverHeadReplicas.backward
@@ -297,7 +297,7 @@ def kv_head_summed_on_one_rank_only() -> Iterator[list]:
 def tp_input_gradient_not_all_reduced() -> Iterator[list]:
     """Megatron's f operator without its backward all-reduce: the input gradient of the column-parallel
     linears keeps only this rank's partial sum."""
-    from meshlm.parallel import tp_ops
+    from meshlm.parallel.tp import ops as tp_ops
 
     fired: list = []
 
@@ -313,7 +313,7 @@ def tp_input_gradient_not_all_reduced() -> Iterator[list]:
 def dp_bucket_not_all_reduced(max_numel: int = 1000) -> Iterator[list]:
     """ZeRO-0 skips the gradient all-reduce of its small buckets (the norm weights of the test model's
     vectors buffer): those weights step on their own replica's half of the batch."""
-    from meshlm.parallel import data_parallel
+    from meshlm.parallel.dp import data_parallel
 
     fired: list = []
     original = data_parallel.dist.all_reduce
@@ -339,7 +339,7 @@ def dp_bucket_not_all_reduced(max_numel: int = 1000) -> Iterator[list]:
 def dp_gradients_all_reduced_twice() -> Iterator[list]:
     """ZeRO-0 runs each bucket's gradient all-reduce twice (a reduction applied twice): every gradient is dp×
     one process's, while the forward pass and the loss agree."""
-    from meshlm.parallel import data_parallel
+    from meshlm.parallel.dp import data_parallel
 
     fired: list = []
     original = data_parallel.dist.all_reduce
@@ -358,7 +358,7 @@ def dp_gradients_all_reduced_twice() -> Iterator[list]:
 def zero_shard_offset_off_by_one() -> Iterator[list]:
     """ZeRO ≥ 1: each rank's reduced gradient shard is read one element past its offset (r·n/S + 1), so
     every element is updated with its neighbour's gradient."""
-    from meshlm.parallel import data_parallel
+    from meshlm.parallel.dp import data_parallel
 
     fired: list = []
 

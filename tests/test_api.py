@@ -27,8 +27,8 @@ from torch import nn
 import meshlm
 from meshlm.config import Config
 from meshlm.model import Transformer
+from meshlm.parallel.dp.zero import FreedParameterError
 from meshlm.parallel.mesh import build_mesh, parse_layout
-from meshlm.parallel.zero import FreedParameterError
 from meshlm.train.optim import lr_at
 
 ROOT = Path(__file__).resolve().parents[1]

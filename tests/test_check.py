@@ -27,7 +27,7 @@ import meshlm
 from meshlm.check.run import CheckError
 from meshlm.cli import main
 from meshlm.model import Transformer, preset
-from meshlm.parallel.plans import LLAMA
+from meshlm.parallel.builtin_plans import LLAMA
 from meshlm.testing import global_batch
 
 MODEL = preset("test")
@@ -323,7 +323,7 @@ def test_the_export_logits_tolerance_is_sharp(tmp_path, monkeypatch) -> None:
     import meshlm.model.hf_export as hf_export
     from meshlm.check.export import LOGITS_RTOL, hf_logits, logits_rel
     from meshlm.model.hf_export import export_hf
-    from meshlm.parallel.lora import LoRALinear, LoRASpec, apply_lora, export_peft, merge_lora
+    from meshlm.parallel.transforms.lora import LoRALinear, LoRASpec, apply_lora, export_peft, merge_lora
 
     pytest.importorskip("peft")
     model = Transformer(MODEL, init_seed=0).eval()

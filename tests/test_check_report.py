@@ -18,7 +18,7 @@ import meshlm
 from meshlm.check.run import CheckError, CheckReport, Row, render
 from meshlm.check.shrink import shrink
 from meshlm.config import load_config
-from meshlm.parallel.plan import ParallelPlan
+from meshlm.parallel.parallel_plan import ParallelPlan
 
 WHY = "loss, norm <= 1e-05 (fp32: reduction order moves a mean by ~1e-7 rel; a bug by O(1e-2)); weights <= 1e-05"
 

@@ -21,7 +21,7 @@ from meshlm.config import ConfigError, load_config
 from meshlm.data import DataError
 from meshlm.observe.metrics import read_metrics
 from meshlm.parallel.mesh import LayoutError
-from meshlm.parallel.plan import PlanError as ModelPlanError
+from meshlm.parallel.parallel_plan import PlanError as ModelPlanError
 from meshlm.plan import PlanError
 
 

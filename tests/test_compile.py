@@ -22,9 +22,9 @@ import meshlm
 from meshlm.config import ParallelSection, load_config, parse_overrides
 from meshlm.model import Transformer, preset
 from meshlm.model.llama import Attention
-from meshlm.parallel.compile import compile_blocks
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.parallel.transforms.compile import compile_blocks
 from meshlm.train import trainer as trainer_module
 from meshlm.train.optim import train_step
 from meshlm.train.parts import Callback

@@ -29,8 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from meshlm.config import TrainSection
 from meshlm.model import ModelConfig, Transformer, cross_entropy_loss
-from meshlm.parallel.data_parallel import DataParallel
-from meshlm.parallel.zero import FlatBuffer, FreedParameterError, resident
+from meshlm.parallel.dp.data_parallel import DataParallel
+from meshlm.parallel.dp.zero import FlatBuffer, FreedParameterError, resident
 from meshlm.train.optim import lr_at
 
 STEPS, BATCH, SEQ = 10, 8, 32
@@ -256,7 +256,7 @@ def test_norm_of_a_long_flat_buffer_is_as_exact_as_per_tensor_norms(monkeypatch:
     """ZeRO-0 flat gradient buffers are long: the CPU's fp32 running sum of 262144 squares is off by ~1e-5
     relative (more than the equivalence tests' 1e-5 on the gradient norm), so squared_norm_sum cuts them into
     pieces (~1e-8). The mutation (piece = 2**30: one running sum per buffer) must fail the 1e-6 bound."""
-    from meshlm.parallel import gradients
+    from meshlm.parallel.dp import gradients
 
     if piece is not None:
         monkeypatch.setattr(gradients, "CPU_NORM_PIECE", piece)

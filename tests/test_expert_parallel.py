@@ -1,4 +1,4 @@
-"""Expert parallelism (meshlm.parallel.expert_parallel): the `ep` mesh dimension, all-to-all dispatch and
+"""Expert parallelism (meshlm.parallel.ep.experts): the `ep` mesh dimension, all-to-all dispatch and
 combine, per-parameter gradient reduction groups, checkpoints that reshard across ep sizes, and bad input."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_hybrid_shard_blocks_nest_the_expert_groups() -> None:
     """dp=2 × ep=2, ranks (dp, ep) dp-major; expert groups {0, 2} and {1, 3}. Blocks of 2 ({0, 1}, {2, 3}):
     each expert group has one rank per block, so experts are replicated over dp and all-reduced; one block of
     4: sharded over the whole group, no replicas."""
-    from meshlm.parallel.zero import nested_shard_lists
+    from meshlm.parallel.dp.zero import nested_shard_lists
 
     assert nested_shard_lists([(0, 2), (1, 3)], [(0, 1), (2, 3)]) == ([[0], [2], [1], [3]], [[0, 2], [1, 3]])
     assert nested_shard_lists([(0, 2), (1, 3)], [(0, 1, 2, 3)]) == ([[0, 2], [1, 3]], [])
@@ -77,7 +77,7 @@ def test_hybrid_shard_blocks_nest_the_expert_groups() -> None:
 def test_hybrid_shard_blocks_that_cut_expert_groups_unevenly_are_one_line() -> None:
     """dp=3 × ep=2 with zero_shard_size 3: blocks {0, 1, 2} and {3, 4, 5} hold 2 and 1 ranks of expert group
     {0, 2, 4}, so its shards could not be equal."""
-    from meshlm.parallel.zero import nested_shard_lists
+    from meshlm.parallel.dp.zero import nested_shard_lists
 
     with pytest.raises(ValueError) as e:
         nested_shard_lists([(0, 2, 4), (1, 3, 5)], [(0, 1, 2), (3, 4, 5)])
@@ -93,7 +93,7 @@ def test_top_k_above_the_experts_is_one_line() -> None:
 def test_received_rows_are_put_in_expert_major_order() -> None:
     """Rows received from 2 ranks for 2 local experts: source 0 sent 1 row for expert 0 and 2 for expert 1,
     source 1 sent 3 and 0. Expert 0's rows (sources 0 then 1) come first, then expert 1's."""
-    from meshlm.parallel.expert_parallel import expert_major_order
+    from meshlm.parallel.ep.experts import expert_major_order
 
     order = expert_major_order(torch.tensor([[1, 2], [3, 0]]))
     assert order.tolist() == [0, 3, 4, 5, 1, 2]
@@ -104,7 +104,7 @@ def test_received_rows_are_put_in_expert_major_order() -> None:
 def combined_in_expert_order() -> Iterator[list]:
     """The bug: the experts' outputs go back in the order the experts ran them (expert-major), not in the order
     the rows arrived (source-major), so tokens get other tokens' outputs."""
-    from meshlm.parallel.expert_parallel import ShardedExperts
+    from meshlm.parallel.ep.experts import ShardedExperts
 
     fired: list = []
     original = ShardedExperts.restore
@@ -132,7 +132,7 @@ def expert_grads_over_all_replicas() -> Iterator[list]:
     def never(self: Placement) -> bool:
         """False where data parallel asks (unsharding for full_state_dict still sees the experts)."""
         expert = original.fget(self)
-        if sys._getframe(1).f_globals["__name__"] != "meshlm.parallel.data_parallel":
+        if sys._getframe(1).f_globals["__name__"] != "meshlm.parallel.dp.data_parallel":
             return expert
         fired.append(expert)
         return False
@@ -148,7 +148,7 @@ def expert_grads_over_all_replicas() -> Iterator[list]:
 def norm_counts_rank0_only() -> Iterator[list]:
     """The bug: one primary replica for every buffer (global rank 0, as before per-buffer groups), so the
     gradient norm misses the expert shards the other ep ranks hold."""
-    from meshlm.parallel.data_parallel import ReduceGroups
+    from meshlm.parallel.dp.data_parallel import ReduceGroups
 
     fired: list = []
     original = ReduceGroups.primary

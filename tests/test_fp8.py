@@ -1,4 +1,4 @@
-"""FP8 training of the blocks' Linear layers (meshlm.parallel.fp8), on CPU through the emulated matmul: the
+"""FP8 training of the blocks' Linear layers (meshlm.parallel.transforms.fp8), on CPU through the emulated matmul: the
 scaling logic (amax → scale, round trip, saturation), one layer against fp32, the swap under tensor parallel,
 the loss of 50 steps tracking bf16, and the one-line refusal on a device without FP8."""
 
@@ -14,9 +14,11 @@ import meshlm
 from meshlm.config import ConfigError, ParallelSection, load_config, parse_overrides
 from meshlm.errors import InputError
 from meshlm.model import ModelConfig, Transformer, cross_entropy_loss
-from meshlm.parallel import fp8
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.fp8 import (
+from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.parallel.tp.sharding import ColumnParallelLinear, RowParallelLinear
+from meshlm.parallel.transforms import fp8
+from meshlm.parallel.transforms.fp8 import (
     E4M3,
     E5M2,
     Float8Linear,
@@ -27,8 +29,6 @@ from meshlm.parallel.fp8 import (
     quantize,
     swap_to_fp8,
 )
-from meshlm.parallel.mesh import build_mesh, parse_layout
-from meshlm.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from meshlm.train import trainer as trainer_module
 
 MODEL = ModelConfig(vocab_size=128, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=64, max_seq_len=32)

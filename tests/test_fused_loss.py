@@ -1,4 +1,4 @@
-"""The fused, chunked output projection + cross-entropy (meshlm.parallel.fused_loss) equals the unfused loss.
+"""The fused, chunked output projection + cross-entropy (meshlm.parallel.transforms.fused_loss) equals the unfused loss.
 
 fp32 on CPU: the loss sum and the gradients of the hidden states and the head weight within 1e-6 relative of
 the unfused `token_cross_entropy(hidden @ Wᵀ).sum()` — the same products summed in another order (per chunk,
@@ -25,11 +25,13 @@ from equivalence import TEST_MODEL, assert_close_runs, assert_same_losses, train
 from meshlm.config import ParallelSection
 from meshlm.model import Transformer, token_cross_entropy
 from meshlm.observe.memory import ActivationMeter
-from meshlm.parallel import engine, fused_loss, zero
+from meshlm.parallel import engine
+from meshlm.parallel.builtin_plans import LLAMA
+from meshlm.parallel.dp import zero
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.fused_loss import FusedLinearHead, HeadOutput, fused_cross_entropy_sum
 from meshlm.parallel.mesh import build_mesh, parse_layout
-from meshlm.parallel.plans import LLAMA
+from meshlm.parallel.transforms import fused_loss
+from meshlm.parallel.transforms.fused_loss import FusedLinearHead, HeadOutput, fused_cross_entropy_sum
 from meshlm.testing import mask_prompts
 
 RTOL = 1e-6  # fp32 sums of the same products in another order: ~1e-7 relative

@@ -17,7 +17,7 @@ from meshlm.model.hf_export import export_hf
 from meshlm.model.pretrained import HFWeights
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.plan import PlanError, plan_for
+from meshlm.parallel.parallel_plan import PlanError, plan_for
 from meshlm.parallel.strategies import LayoutSpec, check_layout
 
 transformers = pytest.importorskip("transformers")

@@ -18,7 +18,7 @@ from meshlm.model import Transformer, preset
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.mesh import Layout, LayoutError
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.plan import PlanError
+from meshlm.parallel.parallel_plan import PlanError
 from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, check_layout
 from meshlm.plan import Workload
 from meshlm.plan.memory import Strategy

@@ -26,8 +26,8 @@ from torch import nn
 import meshlm
 from meshlm.model import Transformer
 from meshlm.model.lora import lora_delta
-from meshlm.parallel.lora import LoRAError, LoRALinear, apply_lora, freeze
 from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.parallel.transforms.lora import LoRAError, LoRALinear, apply_lora, freeze
 
 RANK, ALPHA = 4, 8.0
 BATCH, SEQ = 8, 16
@@ -136,8 +136,8 @@ def lora_run(
 def row_adapter_reduced_twice() -> Iterator[list]:
     """The adapter's partial output all-reduced by itself, then again inside the base's all-reduce: tp× the
     update on every row-parallel projection (o_proj, down_proj)."""
-    from meshlm.parallel import tensor_parallel
-    from meshlm.parallel.tp_ops import reduce_from_tp
+    from meshlm.parallel.tp import sharding as tensor_parallel
+    from meshlm.parallel.tp.ops import reduce_from_tp
 
     fired: list = []
 
@@ -361,7 +361,7 @@ def test_zero3_lora_rank_holds_a_base_shard_and_adapter_state_as_the_planner_pre
 
 # ---- a bf16 frozen base under bf16 autocast --------------------------------------------------------------
 def _autocast_losses(bf16_base: bool, zero: int) -> tuple[list[float], object]:
-    from meshlm.parallel.lora import cast_frozen_linears
+    from meshlm.parallel.transforms.lora import cast_frozen_linears
 
     mesh = build_mesh(parse_layout("", 1), "cpu")
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import torch
 from meshlm.config import load_config
 from meshlm.model import Transformer, preset
 from meshlm.model.hf_export import export_hf
-from meshlm.parallel.lora import (
+from meshlm.parallel.transforms.lora import (
     LoRAError,
     apply_lora,
     export_peft,

@@ -36,7 +36,7 @@ from meshlm.model import Transformer
 from meshlm.parallel import engine
 from meshlm.parallel.engine import LossShapeError
 from meshlm.parallel.mesh import build_mesh, parse_layout
-from meshlm.parallel.plan import PlanError
+from meshlm.parallel.parallel_plan import PlanError
 from meshlm.testing import global_batch, mask_prompts
 from meshlm.train.optim import lr_at
 
@@ -92,7 +92,7 @@ def per_micro_batch_mean() -> Iterator[list]:
 @contextlib.contextmanager
 def ignored_labels_counted() -> Iterator[list]:
     """-100 labels treated as tokens by the vocabulary-parallel cross-entropy (and not masked after it)."""
-    from meshlm.parallel import tensor_parallel
+    from meshlm.parallel.tp import sharding as tensor_parallel
 
     fired: list = []
     original = tensor_parallel.vocab_parallel_cross_entropy

@@ -35,7 +35,7 @@ from meshlm.model.moe import (
 )
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.plan import plan_for
+from meshlm.parallel.parallel_plan import plan_for
 from meshlm.parallel.strategies import LayoutSpec, check_layout
 
 # The `test` preset's shape with a Qwen2-MoE-style feed-forward in layers 1-3: every option on (shared expert
@@ -277,7 +277,7 @@ def test_moe_fields_need_experts(changes: dict, message: str) -> None:
 
 
 def test_tensor_and_context_parallel_are_accepted_for_meshlms_moe_model() -> None:
-    from meshlm.parallel.context_parallel import check_cp_plan
+    from meshlm.parallel.cp.attention import check_cp_plan
 
     with torch.device("meta"):
         model = Transformer(MOE_MODEL)
@@ -342,7 +342,7 @@ def aux_scale_not_per_micro_batch() -> Iterator[list]:
 def balancing_statistics_per_cp_shard() -> Iterator[list]:
     """The bug: under cp each rank's balancing loss is built from its own shard of the sequences (the
     statistics are not summed over the cp group), so the aux term and its gradient differ."""
-    from meshlm.parallel import context_parallel
+    from meshlm.parallel.cp import attention as context_parallel
 
     fired: list = []
     original = context_parallel.set_sequence_group

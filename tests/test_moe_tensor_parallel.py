@@ -1,4 +1,4 @@
-"""Tensor parallelism inside mixture-of-experts layers (meshlm.parallel.tp_moe) and ep × tp: the plan tables, bad
+"""Tensor parallelism inside mixture-of-experts layers (meshlm.parallel.tp.moe) and ep × tp: the plan tables, bad
 layouts in one line, training like one process at tp=2 (± sequence parallel) and ep=2×tp=2, mutations that
 must fail, meta-built weights, and a checkpoint saved at ep=2×tp=2 resumed in one process."""
 
@@ -26,10 +26,10 @@ from test_moe import MOE_MODEL
 from meshlm.model import Transformer
 from meshlm.model import init as element_init
 from meshlm.model.init import Normal, fill_
+from meshlm.parallel.builtin_plans import MOE_LAYER
 from meshlm.parallel.mesh import Layout, LayoutError, parse_layout
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.plan import PlanError, SplitMoE, plan_for
-from meshlm.parallel.plans import MOE_LAYER
+from meshlm.parallel.parallel_plan import PlanError, SplitMoE, plan_for
 from meshlm.parallel.strategies import LayoutSpec, check_layout
 
 SAVED_AT = 5  # the ep=2×tp=2 checkpoint's step, resumed in one process
@@ -115,7 +115,7 @@ def test_expert_init_slices_over_ep_and_tp_are_the_full_tensors_slices(monkeypat
 def routed_output_reduced_twice() -> Iterator[list]:
     """The bug: the MoE layer's partial output is all-reduced twice (the tp reduction done by the experts and
     again after the combine), so it is tp times too large."""
-    from meshlm.parallel import tp_moe
+    from meshlm.parallel.tp import moe as tp_moe
 
     fired: list = []
     original = tp_moe.reduce_from_tp
@@ -131,7 +131,7 @@ def routed_output_reduced_twice() -> Iterator[list]:
 @contextlib.contextmanager
 def router_gradient_not_summed() -> Iterator[list]:
     """The bug: the router's gradient keeps this tp rank's share (what its partial outputs send back)."""
-    from meshlm.parallel import tp_moe
+    from meshlm.parallel.tp import moe as tp_moe
 
     fired: list = []
 
@@ -147,7 +147,7 @@ def router_gradient_not_summed() -> Iterator[list]:
 def aux_gradient_added_on_every_tp_rank() -> Iterator[list]:
     """The bug: every tp rank adds the whole aux-loss gradient, which the router's sum over tp then counts tp
     times."""
-    from meshlm.parallel.tp_moe import TensorParallelMoE
+    from meshlm.parallel.tp.moe import TensorParallelMoE
 
     fired: list = []
     original = TensorParallelMoE.__init__

@@ -27,8 +27,8 @@ from meshlm.model.llama import cross_entropy_loss
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.pipeline import PipelineError, split_model
-from meshlm.parallel.schedules import (
+from meshlm.parallel.pp.pipeline import PipelineError, split_model
+from meshlm.parallel.pp.schedules import (
     SCHEDULES,
     SENDS,
     WAITS,
@@ -42,7 +42,7 @@ from meshlm.parallel.schedules import (
     theoretical_bubble,
     validate,
 )
-from meshlm.parallel.stages import stage_layers
+from meshlm.parallel.pp.stages import stage_layers
 from meshlm.parallel.strategies import LayoutSpec, check_layout
 
 EIGHT_LAYERS = TEST_MODEL.replace(n_layers=8)
@@ -382,7 +382,7 @@ def _compositions(runs: list) -> list[dict]:
 
 @pytest.mark.slow  # five compositions on four ranks: ~12 s
 def test_pp_with_dp_and_zero():
-    pytest.importorskip("meshlm.parallel.data_parallel")
+    pytest.importorskip("meshlm.parallel.dp.data_parallel")
     runs = [
         ("pp=2,dp=2", {"schedule": "1f1b"}, 2),
         ("pp=2,dp=2", {"schedule": "gpipe", "zero": 1}, 1),
@@ -397,7 +397,7 @@ def test_pp_with_dp_and_zero():
 
 @pytest.mark.slow  # ~6,000 collectives on four ranks: ~19 s
 def test_pp_with_tp_and_sequence_parallel():
-    pytest.importorskip("meshlm.parallel.tensor_parallel")
+    pytest.importorskip("meshlm.parallel.tp.sharding")
     runs = [
         ("pp=2,tp=2", {"schedule": "1f1b"}, 2),
         ("pp=2,tp=2", {"schedule": "interleaved", "virtual_stages": 2, "sequence_parallel": True}, 2),
@@ -409,8 +409,8 @@ def test_pp_with_tp_and_sequence_parallel():
 
 @pytest.mark.slow  # eight ranks on two cores
 def test_pp_dp_tp_world_8():
-    pytest.importorskip("meshlm.parallel.data_parallel")
-    pytest.importorskip("meshlm.parallel.tensor_parallel")
+    pytest.importorskip("meshlm.parallel.dp.data_parallel")
+    pytest.importorskip("meshlm.parallel.tp.sharding")
     runs = [("pp=2,dp=2,tp=2", {"schedule": "1f1b"}, 2)]
     _assert_matches_reference(run_shared(_compositions, 8, runs)[0][0], TEST_MODEL, runs[0])
 

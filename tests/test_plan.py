@@ -20,7 +20,7 @@ from meshlm.config import load_config
 from meshlm.model.config import PRESETS, ModelConfig
 from meshlm.model.flops import param_counts
 from meshlm.parallel.mesh import DIMS, Layout
-from meshlm.parallel.schedules import compute_order, theoretical_bubble
+from meshlm.parallel.pp.schedules import compute_order, theoretical_bubble
 from meshlm.plan import (
     Assumptions,
     Constraints,
@@ -90,7 +90,7 @@ def test_fused_loss_bytes_are_what_it_keeps_for_backward():
     runtime's loss stays unfused (10 bytes a logit in bf16), and the chunk is the runtime's."""
     import torch
 
-    from meshlm.parallel.fused_loss import CHUNK_ELEMENTS, HeadOutput, fused_cross_entropy_sum
+    from meshlm.parallel.transforms.fused_loss import CHUNK_ELEMENTS, HeadOutput, fused_cross_entropy_sum
 
     assert FUSED_LOSS_CHUNK == CHUNK_ELEMENTS
     s = strategy(micro_batch=2)

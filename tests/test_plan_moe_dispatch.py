@@ -2,7 +2,7 @@
 principles: with sequence parallelism a tp rank holds s/tp of the tokens, and Megatron's all-to-all dispatcher
 sends those (then all-gathers the received k-fold rows over tp, reduce-scatters them back at the combine),
 so its expert-parallel all-to-all carries tokens/tp rows per rank, not every token from every tp rank (the
-planner's figure before issue 48: tp× too large). meshlm's own runtime (meshlm.parallel.tp_moe) exchanges
+planner's figure before issue 48: tp× too large). meshlm's own runtime (meshlm.parallel.tp.moe) exchanges
 the whole gathered sequence from each tp rank, so it keeps the full figure. Mutation: sending `tokens` on the
 megatron runtime too fails the first test by the factor tp; dropping the tp regather fails it too."""
 

@@ -1,5 +1,5 @@
 """ZeRO-3 under pipeline parallelism (issue #33): every micro-batch re-gathers its stage's weights in forward
-and in backward and reduce-scatters its gradients, as meshlm.parallel.zero.Zero3Hooks runs it; the planner
+and in backward and reduce-scatters its gradients, as meshlm.parallel.dp.zero.Zero3Hooks runs it; the planner
 prices all of it per micro-batch, and with it no longer recommends ZeRO-3 + pp for Llama 3 8B on 16 H100s."""
 
 from __future__ import annotations

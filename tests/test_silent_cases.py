@@ -2,7 +2,7 @@
 
 1. A fused projection whose row order disagrees with its plan entry (a blocked [Q | K | V] under a per-head
    plan, a per-head layout under FusedColwise, a fused weight split as a plain colwise) trained another model
-   (2.5e-3 loss drift). The build-time probe (meshlm.parallel.probe.probe_tensor_parallel, run by the one layout
+   (2.5e-3 loss drift). The build-time probe (meshlm.parallel.tp.probe.probe_tensor_parallel, run by the one layout
    check every entry point shares) refuses it in one line naming the module, its entry and the style that is
    exact; it passes every correct plan of the suite's models.
 2. Hugging Face Phi-3 slices its fused qkv_proj at its config's global widths, so no split of it runs under tp:
@@ -39,7 +39,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.parallel.materialize import InitError, MetaInit
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.plan import plan_for
+from meshlm.parallel.parallel_plan import plan_for
 from meshlm.parallel.strategies import LayoutSpec, check_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

@@ -16,7 +16,7 @@ from meshlm.model import Transformer, preset
 from meshlm.parallel import strategies
 from meshlm.parallel.mesh import Layout, LayoutError
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.plan import PlanError
+from meshlm.parallel.parallel_plan import PlanError
 from meshlm.parallel.runtime import Applied
 from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, ModelTransform, check_layout
 from meshlm.plan import Workload

@@ -29,19 +29,19 @@ from meshlm.model import ModelConfig, Transformer, cross_entropy_loss, generate
 from meshlm.parallel.mesh import LayoutError
 from meshlm.parallel.placement import Placements
 from meshlm.parallel.strategies import check_tensor_parallel
-from meshlm.parallel.tensor_parallel import (
-    apply_tensor_parallel,
-    gathered_logits,
-    unshard_state_dict,
-    vocab_parallel_cross_entropy,
-)
-from meshlm.parallel.tp_ops import (
+from meshlm.parallel.tp.ops import (
     copy_to_tp,
     gather_from_tp,
     gather_seq,
     reduce_from_tp,
     reduce_scatter_seq,
     scatter_to_tp,
+)
+from meshlm.parallel.tp.sharding import (
+    apply_tensor_parallel,
+    gathered_logits,
+    unshard_state_dict,
+    vocab_parallel_cross_entropy,
 )
 
 TIED = TEST_MODEL.replace(tie_embeddings=True)
@@ -362,6 +362,6 @@ def test_tp4_replicated_kv_matches_single_process() -> None:
 
 @pytest.mark.slow  # ZeRO 0-3 × SGD twins, eight four-rank runs; dp+tp is in the fast tier's tests/test_compositions.py
 def test_dp2_tp2_with_zero_matches_single_process() -> None:
-    pytest.importorskip("meshlm.parallel.data_parallel")
+    pytest.importorskip("meshlm.parallel.dp.data_parallel")
     runs = with_sgd_twins([("dp=2,tp=2", {"zero": zero, **(SP if zero % 2 else {})}, {}) for zero in range(4)])
     _assert_runs_match(runs, run_shared(_train_runs, 4, runs))

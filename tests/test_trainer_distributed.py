@@ -14,7 +14,7 @@ from equivalence import trainer_runs
 from meshlm.config import load_config, parse_overrides
 from meshlm.data import prepare_data
 from meshlm.model import Transformer
-from meshlm.parallel.lora import apply_lora
+from meshlm.parallel.transforms.lora import apply_lora
 from meshlm.train.trainer import train
 
 STEPS = 4

@@ -107,7 +107,7 @@ def test_plan_without_attention_is_refused_under_cp() -> None:
 
 @pytest.mark.parametrize("field", ["attention", "positions"])
 def test_cp_patterns_matching_nothing_are_refused(field: str) -> None:
-    from meshlm.parallel.context_parallel import check_cp_plan
+    from meshlm.parallel.cp.attention import check_cp_plan
 
     with pytest.raises(meshlm.PlanError, match=rf"{field} 'h\.\*\.nothing' matches no module of GPT2"):
         check_cp_plan(gpt2(), meshlm.ParallelPlan(**{**vars(GPT2_PLAN), field: "h.*.nothing"}))

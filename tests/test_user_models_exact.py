@@ -32,7 +32,7 @@ from torch import nn
 import meshlm
 from meshlm.config import TrainSection
 from meshlm.parallel.mesh import build_mesh, parse_layout
-from meshlm.parallel.plan import ParallelPlan, PipelineSplit, PlanError
+from meshlm.parallel.parallel_plan import ParallelPlan, PipelineSplit, PlanError
 from meshlm.testing import global_batch, mask_prompts
 from meshlm.train.optim import lr_at
 

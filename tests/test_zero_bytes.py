@@ -24,8 +24,8 @@ from equivalence import global_batch
 
 from meshlm.config import ParallelSection, TrainSection
 from meshlm.model import ModelConfig, Transformer
+from meshlm.parallel.dp.gradients import unique_storage_bytes
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.gradients import unique_storage_bytes
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.plan.memory import Strategy, model_state_bytes, moe_stage_params, moe_state_bytes
 from meshlm.train.optim import build_optimizer, train_step

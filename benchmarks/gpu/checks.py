@@ -41,7 +41,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_fp8(device: torch.device) -> dict:
-    from meshlm.parallel.fp8 import check_fp8_device, fp8_linear
+    from meshlm.parallel.transforms.fp8 import check_fp8_device, fp8_linear
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 512, generator=g).to(device, torch.bfloat16)
@@ -176,7 +176,7 @@ def check_cuda_defaults(device: torch.device) -> dict:
     import tempfile
 
     from meshlm.config import Config
-    from meshlm.parallel import compile as compile_module
+    from meshlm.parallel.transforms import compile as compile_module
     from meshlm.train import trainer as trainer_module
 
     seen = {}

@@ -29,9 +29,9 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from meshlm.errors import InputError
 from meshlm.observe.metrics import load_metrics
+from meshlm.parallel.dp.zero import resident
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.placement import Placement
-from meshlm.parallel.zero import resident
 from meshlm.train.parts import Callback, IterableBatches
 from meshlm.train.trainer import Trainer, fit
 
@@ -143,7 +143,7 @@ def where_raised(error: BaseException, plan: object) -> str | None:
     if name is None:
         return None
     if plan is None:
-        from meshlm.parallel.plan import plan_for
+        from meshlm.parallel.parallel_plan import plan_for
 
         plan = plan_for(modules[0])
     return f"{name} ({entry_line(name, plan)})"

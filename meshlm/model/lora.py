@@ -1,6 +1,6 @@
 """The LoRA layer (Hu et al. 2021): an nn.Linear plus a trainable low-rank update. A model piece, below the
-parallel strategies that shard it with its base (meshlm.parallel.tensor_parallel); applying, merging and
-exporting adapters is meshlm.parallel.lora."""
+parallel strategies that shard it with its base (meshlm.parallel.tp.sharding); applying, merging and
+exporting adapters is meshlm.parallel.transforms.lora."""
 
 from __future__ import annotations
 

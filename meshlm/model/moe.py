@@ -173,7 +173,7 @@ class MoE(nn.Module):
         self.sequence_group: dist.ProcessGroup | None = None  # cp: ranks holding shards of the same sequences
         self.aux_loss_scale = 1.0  # gradient scale of this micro-batch's aux losses: 1/n_micro (set_aux_loss_scale)
         # Ranks that each measure this layer's aux losses from the same routing and whose router gradients are
-        # summed (tensor parallel: tp, meshlm.parallel.tp_moe): each adds 1/aux_loss_split of the aux gradient.
+        # summed (tensor parallel: tp, meshlm.parallel.tp.moe): each adds 1/aux_loss_split of the aux gradient.
         self.aux_loss_split = 1
         self.last_aux_loss: torch.Tensor | None = None  # measured in the last training forward (detached)
         self.last_z_loss: torch.Tensor | None = None

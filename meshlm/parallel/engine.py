@@ -4,12 +4,12 @@ Composition: each parallelism is a strategy (meshlm.parallel.strategies) with on
 the model against its plan, apply — and `ParallelModel` applies the transforms of the plain model (freezing and
 LoRA), runs every strategy's check, then applies the others in order (tensor parallel, the fused loss, context
 parallel, expert parallel, pipeline, data parallel / ZeRO, FP8, compile), each driven by the model's ParallelPlan
-(meshlm.parallel.plan), never by its attribute names. None touches the model code. Each applied strategy returns its
-run-time hooks (meshlm.parallel.runtime: the batch split, the micro-batches, the gradient synchronisation, gathering
-the state), and the run-time methods below keep the loss contract and run those hooks in order, naming no
-parallelism. The gradients and optimizer tensors have one owner (`grads`, meshlm.parallel.gradients). Every gradient
-is correct after `forward_backward` (or `backward`) returns, so clipping and the optimizer are layout-agnostic, and
-any torch.optim optimizer steps what `parameters()` returns.
+(meshlm.parallel.parallel_plan), never by its attribute names. None touches the model code. Each applied strategy
+returns its run-time hooks (meshlm.parallel.runtime: the batch split, the micro-batches, the gradient
+synchronisation, gathering the state), and the run-time methods below keep the loss contract and run those hooks in
+order, naming no parallelism. The gradients and optimizer tensors have one owner (`grads`,
+meshlm.parallel.dp.gradients). Every gradient is correct after `forward_backward` (or `backward`) returns, so
+clipping and the optimizer are layout-agnostic, and any torch.optim optimizer steps what `parameters()` returns.
 
 A model built on the `meta` device goes through the module swaps and the pipeline split as meta tensors; then
 each rank allocates only what it keeps (its tp slice of its stage, under ZeRO-3 only its flat shard), directly
@@ -27,18 +27,18 @@ from torch import nn
 
 from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
 from meshlm.model.moe import set_aux_loss_scale
-from meshlm.parallel.fused_loss import HeadOutput, fused_cross_entropy_sum
-from meshlm.parallel.gradients import ShardedTensor
-from meshlm.parallel.lora import Adaptation
+from meshlm.parallel.dp.gradients import ShardedTensor
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.parallel_plan import ParallelPlan, PlanError, plan_for
 from meshlm.parallel.placement import Placements
-from meshlm.parallel.plan import ParallelPlan, PlanError, plan_for
-from meshlm.parallel.probe import MetaFailure, meta_forward, meta_tokens
 from meshlm.parallel.runtime import Applied
 from meshlm.parallel.strategies import Build, LayoutSpec, LossFn, apply_strategies, check_layout
 from meshlm.parallel.timers import comm
+from meshlm.parallel.tp.probe import MetaFailure, meta_forward, meta_tokens
+from meshlm.parallel.transforms.fused_loss import HeadOutput, fused_cross_entropy_sum
+from meshlm.parallel.transforms.lora import Adaptation
 from meshlm.ties import tied_aliases
 
 
@@ -66,7 +66,7 @@ def check_token_losses(losses: object, targets: torch.Tensor) -> None:
 
 def check_loss_shape(model: nn.Module, loss_fn: LossFn) -> None:
     """The loss contract checked before any work: the model and `loss_fn` run once on a meta batch
-    (meshlm.parallel.probe), on every rank alike, so a scalar loss is one line, not a failure of the last
+    (meshlm.parallel.tp.probe), on every rank alike, so a scalar loss is one line, not a failure of the last
     pipeline stage at the first step. A model or loss that the meta device cannot run is checked at the step."""
     targets = meta_tokens()
     losses = meta_forward(model, meta_tokens(), then=lambda output: loss_fn(output, targets))
@@ -77,7 +77,7 @@ def check_loss_shape(model: nn.Module, loss_fn: LossFn) -> None:
 class ParallelModel:
     """This rank's model chunks plus the collectives that make them behave like the single-process model.
 
-    `plan` defaults to the registered plan of the model's class (meshlm.parallel.plan.plan_for).
+    `plan` defaults to the registered plan of the model's class (meshlm.parallel.parallel_plan.plan_for).
 
     The loss contract: `loss_fn(output, targets)` returns per-token losses shaped like `targets` (as
     `F.cross_entropy(..., reduction="none")` does); meshlm zeroes those whose target is `ignore_index`, sums
@@ -86,13 +86,14 @@ class ParallelModel:
     layout and accumulation. The default is token cross-entropy, vocabulary-parallel under tp (the logits
     stay sharded). A loss of one's own under tp needs `gather_logits=True` (the model then returns full
     logits, at the cost of gathering them). `fused_loss` computes meshlm's cross-entropy together with the
-    vocabulary head, chunk by chunk, never materialising the logits (meshlm.parallel.fused_loss; the head
+    vocabulary head, chunk by chunk, never materialising the logits (meshlm.parallel.transforms.fused_loss; the head
     returns them again in eval). `model` may be built on the `meta` device: each rank then
     materialises only its shard (see the module docstring), on the mesh's device. `parallel` is a
     ParallelOptions (the run config's ParallelSection is one) or a dict of its fields. `fp8` (True, or
     "emulate" off FP8 GPUs) swaps the blocks' Linear layers to fp8 matmuls and `compile_backend` compiles each
-    block, both after the parallel transforms (meshlm.parallel.fp8, meshlm.parallel.compile); `adaptation`
-    (train.freeze and LoRA, meshlm.parallel.lora) is applied to the plain model before anything else."""
+    block, both after the parallel transforms (meshlm.parallel.transforms.fp8,
+    meshlm.parallel.transforms.compile); `adaptation`
+    (train.freeze and LoRA, meshlm.parallel.transforms.lora) is applied to the plain model before anything else."""
 
     def __init__(
         self,
@@ -344,7 +345,7 @@ class ParallelModel:
         self.zero_grad()
 
     def seq_shard(self, batch: torch.Tensor) -> torch.Tensor:
-        """This cp rank's load-balanced chunks of every row (meshlm.parallel.context_parallel), which
+        """This cp rank's load-balanced chunks of every row (meshlm.parallel.cp.attention), which
         `forward_backward` and `eval_loss` take themselves; without context parallel the rows unchanged."""
         for hooks in self.applied:
             batch = hooks.shard_sequence(batch)

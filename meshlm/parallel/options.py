@@ -105,8 +105,8 @@ class ParallelOptions(OneLineOptions):
 
 
 class LoRAOptions(OneLineOptions):
-    """LoRA adapters on a frozen base (meshlm.parallel.lora; the run config's `[lora]` section is one). Bad values
-    raise a one-line InputError naming the field."""
+    """LoRA adapters on a frozen base (meshlm.parallel.transforms.lora; the run config's `[lora]` section is one).
+    Bad values raise a one-line InputError naming the field."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     section: ClassVar[str] = "lora"
@@ -128,7 +128,7 @@ class Loss:
     `fn(output, targets)` returns per-token losses (None: token cross-entropy, vocabulary-parallel under tp);
     targets equal to `ignore_index` carry none. `gather_logits` makes a tp model return full logits (a loss
     of one's own under tp needs it); `fused` computes the default loss together with the vocabulary head,
-    chunk by chunk, never materialising the logits in training (meshlm.parallel.fused_loss)."""
+    chunk by chunk, never materialising the logits in training (meshlm.parallel.transforms.fused_loss)."""
 
     fn: Callable[[Any, Any], Any] | None = None
     ignore_index: int = -100

@@ -18,7 +18,7 @@ batch) and runs these hooks, naming no parallelism itself:
   gather_state(state, model)   this rank's full-precision state dict -> gathered over its dimension
 
 Which gradients and optimizer tensors exist is the business of one object, `Build.grads`
-(meshlm.parallel.gradients), which data parallel sets.
+(meshlm.parallel.dp.gradients), which data parallel sets.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.parallel.plan import PlanError
+from meshlm.parallel.parallel_plan import PlanError
 from meshlm.parallel.timers import comm
 
 if TYPE_CHECKING:
-    from meshlm.parallel.data_parallel import DataParallel
+    from meshlm.parallel.dp.data_parallel import DataParallel
+    from meshlm.parallel.dp.gradients import LocalGradients
     from meshlm.parallel.engine import ParallelModel
-    from meshlm.parallel.gradients import LocalGradients
     from meshlm.parallel.mesh import Mesh
-    from meshlm.parallel.pipeline import PipelineSchedule, TiedStages
+    from meshlm.parallel.pp.pipeline import PipelineSchedule, TiedStages
     from meshlm.parallel.strategies import Build
 
 
@@ -85,7 +85,7 @@ def held_params(model: ParallelModel) -> dict[str, nn.Parameter]:
 
 class TensorParallelHooks(Applied):
     def gather_state(self, state: dict[str, torch.Tensor], model: ParallelModel) -> dict[str, torch.Tensor]:
-        from meshlm.parallel.tensor_parallel import unshard_state_dict
+        from meshlm.parallel.tp.sharding import unshard_state_dict
 
         return unshard_state_dict(state, held_params(model), model.placements, model.mesh.group("tp"))
 
@@ -95,14 +95,14 @@ class ContextParallelHooks(Applied):
         self.size, self.rank = mesh.size("cp"), mesh.rank("cp")
 
     def shard_sequence(self, batch: torch.Tensor) -> torch.Tensor:
-        from meshlm.parallel.context_parallel import shard_sequence
+        from meshlm.parallel.cp.attention import shard_sequence
 
         return shard_sequence(batch, self.size, self.rank)
 
 
 class ExpertParallelHooks(Applied):
     def gather_state(self, state: dict[str, torch.Tensor], model: ParallelModel) -> dict[str, torch.Tensor]:
-        from meshlm.parallel.expert_parallel import unshard_experts
+        from meshlm.parallel.ep.experts import unshard_experts
 
         return unshard_experts(state, held_params(model), model.placements, model.mesh.group("ep"))
 

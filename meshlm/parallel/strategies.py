@@ -33,7 +33,7 @@ modules its plan names for sharded ones; the fused loss (not a mesh dimension, b
 see tp's) fuses the head with the cross-entropy; context parallel swaps the attention cores; expert parallel keeps
 this rank's experts; pipeline parallel keeps this rank's stages; data parallel / ZeRO lays out what is left
 (materialising a meta-built model's shard on the device) and owns gradient reduction: it sets `build.grads`, the one
-owner of the gradients and optimizer tensors (meshlm.parallel.gradients); FP8 swaps the blocks' Linear layers and
+owner of the gradients and optimizer tensors (meshlm.parallel.dp.gradients); FP8 swaps the blocks' Linear layers and
 Compile compiles the blocks (transforms of what runs, no mesh dimension).
 A new strategy is one class here and one module.
 """
@@ -53,16 +53,16 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from meshlm.parallel.data_parallel import DataParallel
+    from meshlm.parallel.dp.data_parallel import DataParallel
+    from meshlm.parallel.dp.gradients import LocalGradients
     from meshlm.parallel.engine import ParallelModel
-    from meshlm.parallel.gradients import LocalGradients
-    from meshlm.parallel.lora import Adaptation
     from meshlm.parallel.materialize import MetaInit
     from meshlm.parallel.mesh import Mesh
-    from meshlm.parallel.pipeline import PipelineSchedule, TiedStages
+    from meshlm.parallel.parallel_plan import ParallelPlan
     from meshlm.parallel.placement import Placements
-    from meshlm.parallel.plan import ParallelPlan
+    from meshlm.parallel.pp.pipeline import PipelineSchedule, TiedStages
     from meshlm.parallel.runtime import Applied
+    from meshlm.parallel.transforms.lora import Adaptation
 
 LossFn = Callable[[object, "torch.Tensor"], "torch.Tensor"]
 
@@ -89,8 +89,8 @@ class LayoutSpec:
 
 
 def _adaptation() -> Adaptation:
-    """No freezing, no LoRA (imported here: meshlm.parallel.lora needs torch)."""
-    from meshlm.parallel.lora import Adaptation
+    """No freezing, no LoRA (imported here: meshlm.parallel.transforms.lora needs torch)."""
+    from meshlm.parallel.transforms.lora import Adaptation
 
     return Adaptation()
 
@@ -122,7 +122,9 @@ class Build:
     ignore_index: int = -100
     fp8: bool | str = False  # True, or "emulate" (the same quantisation through an fp32 matmul: CPU tests)
     compile_backend: str | None = None  # torch.compile each block with this backend; None: eager
-    adaptation: Adaptation = field(default_factory=_adaptation)  # train.freeze and LoRA (meshlm.parallel.lora)
+    adaptation: Adaptation = field(
+        default_factory=_adaptation
+    )  # train.freeze and LoRA (meshlm.parallel.transforms.lora)
     placements: Placements = field(default_factory=_placements)  # where each parameter lives (readers' table)
     chunks: list[nn.Module] = field(default_factory=list)
     pipeline: PipelineSchedule | None = None
@@ -161,7 +163,7 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int, sequence_para
 
 
 class TensorParallel:
-    """meshlm.parallel.tensor_parallel: the plan's Linear/Embedding modules sharded over `tp` (a TPShard each)."""
+    """meshlm.parallel.tp.sharding: the plan's Linear/Embedding modules sharded over `tp` (a TPShard each)."""
 
     dim = "tp"
 
@@ -173,15 +175,15 @@ class TensorParallel:
             check_tensor_parallel(spec.model, spec.layout.tp, spec.seq_len, spec.options.sequence_parallel)
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
-        from meshlm.parallel.plan import check_tp_plan
-        from meshlm.parallel.probe import probe_tensor_parallel
+        from meshlm.parallel.parallel_plan import check_tp_plan
+        from meshlm.parallel.tp.probe import probe_tensor_parallel
 
         check_tp_plan(model, plan, layout.tp, options.sequence_parallel)
         probe_tensor_parallel(model, plan, layout.tp)  # each distinct block split vs whole (docs/api.md)
 
     def apply(self, build: Build) -> Applied:
         from meshlm.parallel.runtime import TensorParallelHooks
-        from meshlm.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+        from meshlm.parallel.tp.sharding import apply_tensor_parallel, vocab_parallel_cross_entropy
 
         tp = apply_tensor_parallel(
             build.model, build.mesh.group("tp"), build.placements, build.options.sequence_parallel, build.plan
@@ -233,7 +235,7 @@ class ModelTransform(Transform):
 
 
 class Adapt(ModelTransform):
-    """meshlm.parallel.lora: train.freeze's parameters frozen and LoRA adapters wrapped around the targets
+    """meshlm.parallel.transforms.lora: train.freeze's parameters frozen and LoRA adapters wrapped around the targets
     (`build.adaptation`), first, so tensor parallel shards each adapter with its base and data parallel packs,
     reduces and shards only what trains. Under bf16 autocast the frozen Linear weights are kept in bf16
     (autocast casts them at each use anyway: the same numbers, half the bytes)."""
@@ -241,7 +243,7 @@ class Adapt(ModelTransform):
     def transform(self, build: Build) -> None:
         import torch
 
-        from meshlm.parallel.lora import cast_frozen_linears
+        from meshlm.parallel.transforms.lora import cast_frozen_linears
 
         build.adaptation.apply(build.model, build.plan)
         if build.autocast_dtype == torch.bfloat16:
@@ -249,12 +251,12 @@ class Adapt(ModelTransform):
 
 
 class FusedLoss(Transform):
-    """meshlm.parallel.fused_loss: the vocabulary head and meshlm's cross-entropy computed together, chunk by
+    """meshlm.parallel.transforms.fused_loss: the vocabulary head and meshlm's cross-entropy computed together, chunk by
     chunk (vocabulary-parallel after tensor parallel). Only for meshlm's own loss on logits it never returns.
     Under ZeRO-3 the head's unit stays gathered until the fused loss has run (docs/zero.md)."""
 
     def transform(self, build: Build) -> None:
-        from meshlm.parallel.fused_loss import apply_fused_loss
+        from meshlm.parallel.transforms.fused_loss import apply_fused_loss
 
         if build.fused_loss and build.loss_fn is None and not build.gather_logits:
             apply_fused_loss(build.model, build.plan)
@@ -286,7 +288,7 @@ def check_context_parallel(
 
 
 class ContextParallel:
-    """meshlm.parallel.context_parallel: each rank holds part of every sequence; ring or Ulysses attention."""
+    """meshlm.parallel.cp.attention: each rank holds part of every sequence; ring or Ulysses attention."""
 
     dim = "cp"
 
@@ -301,12 +303,12 @@ class ContextParallel:
             )
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
-        from meshlm.parallel.context_parallel import check_cp_plan
+        from meshlm.parallel.cp.attention import check_cp_plan
 
         check_cp_plan(model, plan)
 
     def apply(self, build: Build) -> Applied:
-        from meshlm.parallel.context_parallel import apply_context_parallel
+        from meshlm.parallel.cp.attention import apply_context_parallel
         from meshlm.parallel.runtime import ContextParallelHooks
 
         apply_context_parallel(build.model, build.plan, build.mesh.group("cp"), build.options.cp_attention)
@@ -315,7 +317,7 @@ class ContextParallel:
 
 def check_expert_parallel(cfg: ModelConfig, layout: Layout) -> None:
     """Raise a one-line LayoutError if the model has no experts to split over ep or they do not split evenly
-    (meshlm.parallel.expert_parallel; ep composes with dp, pp, cp and tp: check_tensor_parallel splits the
+    (meshlm.parallel.ep.experts; ep composes with dp, pp, cp and tp: check_tensor_parallel splits the
     experts' hidden units). Needs no process group."""
     ep = layout.ep
     if ep == 1:
@@ -327,7 +329,7 @@ def check_expert_parallel(cfg: ModelConfig, layout: Layout) -> None:
 
 
 class ExpertParallel:
-    """meshlm.parallel.expert_parallel: each rank keeps E/ep of every MoE layer's experts, reached by all-to-all."""
+    """meshlm.parallel.ep.experts: each rank keeps E/ep of every MoE layer's experts, reached by all-to-all."""
 
     dim = "ep"
 
@@ -339,12 +341,12 @@ class ExpertParallel:
             check_expert_parallel(spec.model, spec.layout)
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
-        from meshlm.parallel.expert_parallel import check_ep_model
+        from meshlm.parallel.ep.experts import check_ep_model
 
         check_ep_model(model, layout, options)
 
     def apply(self, build: Build) -> Applied:
-        from meshlm.parallel.expert_parallel import apply_expert_parallel
+        from meshlm.parallel.ep.experts import apply_expert_parallel
         from meshlm.parallel.runtime import ExpertParallelHooks
 
         apply_expert_parallel(build.model, build.mesh.group("ep"), build.placements)
@@ -373,7 +375,7 @@ def check_pipeline_schedule(layout: Layout, n_micro: int, schedule: str = "1f1b"
 
 
 class PipelineParallel:
-    """meshlm.parallel.pipeline: this rank keeps its stage(s) of the plan's layers; a schedule runs them."""
+    """meshlm.parallel.pp.pipeline: this rank keeps its stage(s) of the plan's layers; a schedule runs them."""
 
     dim = "pp"
 
@@ -386,15 +388,15 @@ class PipelineParallel:
         check_pipeline_schedule(spec.layout, spec.n_micro, spec.options.schedule)
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
-        from meshlm.parallel.pipeline import check_stage_forwards, hidden_size
-        from meshlm.parallel.plan import check_pipeline_split
+        from meshlm.parallel.parallel_plan import check_pipeline_split
+        from meshlm.parallel.pp.pipeline import check_stage_forwards, hidden_size
 
         check_pipeline_split(model, plan, layout.pp)
         hidden_size(model, plan.pipeline)
         check_stage_forwards(model, plan, layout.pp * options.virtual_stages)
 
     def apply(self, build: Build) -> Applied:
-        from meshlm.parallel.pipeline import PipelineSchedule, TiedStages, hidden_size, split_model
+        from meshlm.parallel.pp.pipeline import PipelineSchedule, TiedStages, hidden_size, split_model
         from meshlm.parallel.runtime import PipelineHooks
 
         mesh, options, engine = build.mesh, build.options, build.engine
@@ -442,7 +444,7 @@ def check_batch_split(layout: Layout, global_batch: int, micro_batch: int = 0) -
 
 
 class DataParallelism:
-    """meshlm.parallel.data_parallel: replicas average their gradients (overlapped, bucketed); ZeRO 1-3 shards
+    """meshlm.parallel.dp.data_parallel: replicas average their gradients (overlapped, bucketed); ZeRO 1-3 shards
     optimizer state, gradients and weights. Always applied: at one replica without ZeRO it only materialises a
     meta-built model on the device."""
 
@@ -455,7 +457,7 @@ class DataParallelism:
         spec.n_micro  # noqa: B018 — the property raises the one-line LayoutError
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
-        from meshlm.parallel.plan import check_zero3_units
+        from meshlm.parallel.parallel_plan import check_zero3_units
 
         if options.zero == 3:
             check_zero3_units(model, plan)
@@ -463,8 +465,8 @@ class DataParallelism:
     def apply(self, build: Build) -> Applied:
         import torch
 
-        from meshlm.parallel.data_parallel import DataParallel, replica_group, zero_param_dtype
-        from meshlm.parallel.gradients import LocalGradients
+        from meshlm.parallel.dp.data_parallel import DataParallel, replica_group, zero_param_dtype
+        from meshlm.parallel.dp.gradients import LocalGradients
         from meshlm.parallel.runtime import DataParallelHooks
 
         mesh, options = build.mesh, build.options
@@ -493,24 +495,24 @@ class DataParallelism:
 
 
 class FP8(Transform):
-    """meshlm.parallel.fp8: the blocks' Linear layers multiply in fp8 (tensorwise dynamic scales); a module swap
-    on what the strategies above left (tp's sharded linears keep their collectives), same parameters, so data
+    """meshlm.parallel.transforms.fp8: the blocks' Linear layers multiply in fp8 (tensorwise dynamic scales); a module
+    swap on what the strategies above left (tp's sharded linears keep their collectives), same parameters, so data
     parallel's buffers and hooks stay. Not exact against one process by design (each rank scales its own
     operands): tests/test_fp8.py bounds it."""
 
     def transform(self, build: Build) -> None:
-        from meshlm.parallel.fp8 import apply_fp8
+        from meshlm.parallel.transforms.fp8 import apply_fp8
 
         if build.fp8:
             apply_fp8(build.chunks, build.plan, emulate=build.fp8 == "emulate")
 
 
 class Compile(Transform):
-    """meshlm.parallel.compile: torch.compile each block this rank holds, last, so the graphs are of the modules
-    that run (tp's collectives inside, pipeline sends and ZeRO-3 gathers between blocks, eager)."""
+    """meshlm.parallel.transforms.compile: torch.compile each block this rank holds, last, so the graphs are of the
+    modules that run (tp's collectives inside, pipeline sends and ZeRO-3 gathers between blocks, eager)."""
 
     def transform(self, build: Build) -> None:
-        from meshlm.parallel.compile import compile_blocks
+        from meshlm.parallel.transforms.compile import compile_blocks
 
         if build.compile_backend:
             compile_blocks(build.chunks, build.plan, build.compile_backend)
@@ -534,7 +536,7 @@ def check_layout(spec: LayoutSpec, model: nn.Module | None = None, plan: Paralle
     plan registered for its class), before anything changes (one-line PlanErrors); then every strategy's size
     checks (one-line LayoutErrors). Returns the micro-batches per replica."""
     if model is not None:
-        from meshlm.parallel.plan import plan_for
+        from meshlm.parallel.parallel_plan import plan_for
 
         plan = plan or plan_for(model)
         for strategy in STRATEGIES:

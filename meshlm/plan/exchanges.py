@@ -12,7 +12,7 @@ from meshlm.plan.pipeline_split import Runtime
 
 def cp_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int) -> float:
     """Context-parallel communication of one layer for one micro-batch of `tokens` local tokens, as
-    meshlm.parallel.context_parallel runs it (blocking, not overlapped). Ring: forward passes the K/V
+    meshlm.parallel.cp.attention runs it (blocking, not overlapped). Ring: forward passes the K/V
     block cp − 1 hops; backward passes it cp − 1 hops again and its fp32 (or wider) gradient cp hops (the
     last one home). Ulysses: q, k, v and the output all-to-all'd forward, their gradients backward.
     Full recompute repeats the forward's."""
@@ -42,7 +42,7 @@ def ep_layer_time(
     all-to-alls, 6 with full or 'mlp' recompute (both rerun the routed MLP). Balanced routing sends
     (ep − 1)/ep of the rows off the rank, which `collective_time`'s all-to-all charges.
 
-    The tokens a rank sends: meshlm's runtime (meshlm.parallel.tp_moe) exchanges the whole (under sequence
+    The tokens a rank sends: meshlm's runtime (meshlm.parallel.tp.moe) exchanges the whole (under sequence
     parallelism, all-gathered) sequence from every tp rank; Megatron's all-to-all dispatcher under sequence
     parallelism sends each tp rank's tokens/tp and then all-gathers the received rows over tp (reduce-scatters
     them back at the combine): k·tokens rows where the dense MLP's gather moves tokens, so (k − 1)·tokens

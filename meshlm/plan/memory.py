@@ -1,8 +1,8 @@
 """Memory per device of one strategy: model states by ZeRO stage, activations by recompute policy and
 pipeline schedule, the loss's logits, transient buffers, and framework overhead.
 
-The pipeline split and the schedule are the runtime's own (`meshlm.parallel.stages.stage_layers`,
-`meshlm.parallel.schedules.compute_order`), so the planner predicts memory for the split and the order of
+The pipeline split and the schedule are the runtime's own (`meshlm.parallel.pp.stages.stage_layers`,
+`meshlm.parallel.pp.schedules.compute_order`), so the planner predicts memory for the split and the order of
 micro-batches that actually run. Every formula and its source is in docs/planner.md.
 """
 
@@ -35,7 +35,7 @@ Recompute = Literal["none", "selective", "mlp", "full"]
 # bf16: mixed-precision Adam as in the ZeRO paper (2Ψ + 2Ψ + 12Ψ: fp32 master, m, v).
 # fp32: what meshlm runs on CPU (4Ψ + 4Ψ + 8Ψ: fp32 m, v; the weights are the master copy).
 BYTES: dict[str, tuple[int, int, int, int]] = {"bf16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4)}
-FUSED_LOSS_CHUNK = 1 << 25  # logits per chunk of the fused loss: meshlm.parallel.fused_loss.CHUNK_ELEMENTS
+FUSED_LOSS_CHUNK = 1 << 25  # logits per chunk of the fused loss: meshlm.parallel.transforms.fused_loss.CHUNK_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class Workload:
     train_tokens: float
     precision: Precision = "bf16"
     name: str = "model"
-    lora_rank: int = 0  # > 0: LoRA on the attention and MLP projections; the base is frozen (meshlm.parallel.lora)
+    lora_rank: int = (
+        0  # > 0: LoRA on the attention and MLP projections; the base is frozen (meshlm.parallel.transforms.lora)
+    )
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class Strategy:
     virtual_stages: int = 1
     recompute: Recompute = "none"
     sequence_parallel: bool = False
-    cp_attention: Literal["ring", "ulysses"] = "ring"  # under mesh.cp > 1 (meshlm.parallel.context_parallel)
+    cp_attention: Literal["ring", "ulysses"] = "ring"  # under mesh.cp > 1 (meshlm.parallel.cp.attention)
     recompute_layers: int = 0  # the first N layers of each pipeline chunk fully recomputed, the rest `recompute`
 
     @property
@@ -230,9 +232,9 @@ def model_state_bytes(
 
 
 def layer_lora_params(model: ModelConfig, tp: int, rank: int) -> int:
-    """LoRA adapter parameters of one layer on one tensor-parallel rank (meshlm.parallel.lora on the 7 projections):
-    a column-parallel projection (q, k, v, gate, up) holds its replicated A (rank × in) and its rows of B, a
-    row-parallel one (o, down) its columns of A and the replicated B (rank × out)."""
+    """LoRA adapter parameters of one layer on one tensor-parallel rank (meshlm.parallel.transforms.lora on the 7
+    projections): a column-parallel projection (q, k, v, gate, up) holds its replicated A (rank × in) and its rows
+    of B, a row-parallel one (o, down) its columns of A and the replicated B (rank × out)."""
     d, hd, r = model.dim, model.head_dim, rank
     kv = max(model.n_kv_heads // tp, 1) * hd
     mlp = model.intermediate_size // tp
@@ -309,7 +311,7 @@ def layer_activation_bytes(
 def logits_bytes(w: Workload, strategy: Strategy, fused: bool = False) -> float:
     """The last stage's loss buffers: what one micro-batch keeps for backward (all m under GPipe) and what its
     loss holds while it runs. Unfused: logits in the activation dtype and their fp32 copy (bf16 only), the
-    fp32 log-softmax kept. Fused (train.fused_loss, meshlm.parallel.fused_loss): no logits kept, but the
+    fp32 log-softmax kept. Fused (train.fused_loss, meshlm.parallel.transforms.fused_loss): no logits kept, but the
     gradients it computes in forward, the hidden states' (activation dtype) and the vocabulary slice's weight
     gradient (fp32, vocab/tp × h), and while it runs one chunk of fp32 logits and their gradient."""
     act = BYTES[w.precision][3]
@@ -488,7 +490,7 @@ def activation_kinds(
     return tuple(kinds), layer_activation_bytes(*args, "full", precision, flash, runtime, cp)
 
 
-# ---- mixture of experts (meshlm.model.moe, meshlm.parallel.expert_parallel; docs/planner.md) -----------------
+# ---- mixture of experts (meshlm.model.moe, meshlm.parallel.ep.experts; docs/planner.md) -----------------
 
 
 @lru_cache(maxsize=4096)
@@ -535,7 +537,7 @@ def moe_state_bytes(
 ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of a rank holding `dense` and `experts` parameters: data
     parallel reduces (and ZeRO shards) the dense ones over all data replicas dp × ep × cp and the expert shards
-    over the ranks holding the same experts, dp × cp (meshlm.parallel.data_parallel: a flat buffer per kind,
+    over the ranks holding the same experts, dp × cp (meshlm.parallel.dp.data_parallel: a flat buffer per kind,
     each with its own group)."""
     dense_bytes = model_state_bytes(dense, s.replicas, s.zero, precision, runtime)
     expert_bytes = model_state_bytes(experts, s.expert_replicas, s.zero, precision, runtime)

@@ -1,6 +1,6 @@
 """The pipeline side of the planner's memory: how a runtime cuts the model into chunks and ranks, and how many
 layer-activations a pipeline rank holds at its peak, replaying the runtime's own schedule
-(`meshlm.parallel.stages.stage_layers`, `meshlm.parallel.schedules.compute_order`). docs/planner.md has the
+(`meshlm.parallel.pp.stages.stage_layers`, `meshlm.parallel.pp.schedules.compute_order`). docs/planner.md has the
 formulas and sources."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from functools import lru_cache
 from typing import Literal
 
 from meshlm.model.config import ModelConfig
-from meshlm.parallel.schedules import compute_order
-from meshlm.parallel.stages import stage_layers
+from meshlm.parallel.pp.schedules import compute_order
+from meshlm.parallel.pp.stages import stage_layers
 
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1"]
 # Whose kernels and pipeline split run the step: meshlm's eager PyTorch layer (unfused RMSNorm and SwiGLU,

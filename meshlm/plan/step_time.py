@@ -298,7 +298,7 @@ def dp_collectives(
         gathers = 2.0  # the recompute forward runs inside the unit's backward, which has it gathered
         overlapped = m * (gathers * t("all_gather", weights, units) + t("reduce_scatter", grads, units))
         # every micro-batch starts its forward and its backward with a blocking gather of the first unit (the
-        # last one was freed after use, meshlm.parallel.zero.Zero3Hooks) and ends with one reduce-scatter
+        # last one was freed after use, meshlm.parallel.dp.zero.Zero3Hooks) and ends with one reduce-scatter
         tail = m * (2 * t("all_gather", weights / units, 1) + t("reduce_scatter", grads / units, 1))
     return after, overlapped, tail
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from meshlm.parallel.plan import ParallelPlan
+from meshlm.parallel.parallel_plan import ParallelPlan
 
 if TYPE_CHECKING:
     from meshlm.train.trainer import Trainer

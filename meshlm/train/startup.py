@@ -24,10 +24,10 @@ from meshlm.model.llama import set_recompute
 from meshlm.model.pretrained import HFWeights, init_tokenizer, is_hf_directory, keep_tokenizer
 from meshlm.parallel.distributed import autocast_dtype
 from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.lora import Adaptation
 from meshlm.parallel.mesh import Layout, Mesh, parse_layout
-from meshlm.parallel.plan import plan_for
+from meshlm.parallel.parallel_plan import plan_for
 from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.transforms.lora import Adaptation
 from meshlm.train.guards import DeviceStepGuard, Watchdog
 from meshlm.train.optim import build_optimizer, skips_on_device
 from meshlm.train.parts import BatchSource, TrainParts

@@ -44,8 +44,8 @@ from meshlm.observe.metrics import MetricsLogger, TrainProgress, trackers
 from meshlm.observe.profile import StepProfiler
 from meshlm.parallel import distributed
 from meshlm.parallel.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
-from meshlm.parallel.fp8 import check_fp8_device
 from meshlm.parallel.mesh import Layout, build_mesh
+from meshlm.parallel.transforms.fp8 import check_fp8_device
 from meshlm.train import signals
 from meshlm.train.evaluation import evaluate, evaluate_batches
 from meshlm.train.guards import Preemption, StepGuard, TrainingFault, Watchdog, check_replicas_in_sync

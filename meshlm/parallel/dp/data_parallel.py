@@ -10,7 +10,7 @@ Frozen parameters (requires_grad False: a LoRA base, train.freeze) get no gradie
 no optimizer state under any stage: stages 0-2 leave them as they are (replicated, in their own dtype, e.g.
 bf16); ZeRO-3 shards them too, in their own dtype (no fp32 master), gathered with their unit's trainable
 buffers and never reduced (`frozen_buffers`).
-Under expert parallelism (meshlm.parallel.expert_parallel) each parameter has its reduction groups: the
+Under expert parallelism (meshlm.parallel.ep.experts) each parameter has its reduction groups: the
 experts' shards are bucketed apart and reduced (and ZeRO-sharded) over `expert_group`, the ranks holding the
 same experts, the rest over `group`; both are divided by the size of `group`, the data replicas. Under hybrid
 sharding the experts are sharded over the ranks of their group inside this rank's dense shard block and
@@ -34,13 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.parallel.gradients import ShardedTensor, optimizer_state_keys, squared_norm_sum, unique_storage_bytes
-from meshlm.parallel.mesh import Mesh
-from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.placement import Placements
-from meshlm.parallel.plan import ParallelPlan, plan_for, zero3_unit_groups
-from meshlm.parallel.timers import comm, timed_wait
-from meshlm.parallel.zero import (
+from meshlm.parallel.dp.gradients import ShardedTensor, optimizer_state_keys, squared_norm_sum, unique_storage_bytes
+from meshlm.parallel.dp.zero import (
     FlatBuffer,
     ParamSource,
     Unit,
@@ -54,6 +49,11 @@ from meshlm.parallel.zero import (
     reduce_scatter_flat,
     split_by_kind,
 )
+from meshlm.parallel.mesh import Mesh
+from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.parallel_plan import ParallelPlan, plan_for, zero3_unit_groups
+from meshlm.parallel.placement import Placements
+from meshlm.parallel.timers import comm, timed_wait
 
 # ZeRO-2/3 wait for the oldest reduction beyond this many in flight, so freed gradient buffers bound memory.
 MAX_INFLIGHT_SHARDED_REDUCTIONS = 2
@@ -596,5 +596,5 @@ def zero_param_dtype(parallel: ParallelOptions, device_type: str, autocast_dtype
 def replica_group(mesh: Mesh) -> dist.ProcessGroup:
     """The ranks that hold the same (dense) weights and reduce gradients together: dp, and under context
     parallel dp × cp (each cp rank's gradient covers only its tokens of the sequences), under expert parallel
-    dp × ep × cp (the experts' gradients are reduced over dp × cp only: meshlm.parallel.expert_parallel)."""
+    dp × ep × cp (the experts' gradients are reduced over dp × cp only: meshlm.parallel.ep.experts)."""
     return mesh.group("replicas")

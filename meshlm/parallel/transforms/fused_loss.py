@@ -16,7 +16,7 @@ head's own input region (Megatron's f operator, whose backward all-reduces) comp
 The same FLOPs as the unfused head: one logits GEMM and two gradient GEMMs per token.
 
 Under ZeRO-3 the head's gathered weight outlives the head's forward: the unit's post-forward hook hands the
-HeadOutput a `release` (meshlm.parallel.zero.Zero3Hooks) instead of freeing the weight, and the loss calls it
+HeadOutput a `release` (meshlm.parallel.dp.zero.Zero3Hooks) instead of freeing the weight, and the loss calls it
 once its forward has run. Backward needs no weight (only the gradients computed in forward), so the weight is
 not gathered again for it.
 """
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Function
 
-from meshlm.parallel.plan import VOCAB_HEAD, ParallelPlan, tp_modules
+from meshlm.parallel.parallel_plan import VOCAB_HEAD, ParallelPlan, tp_modules
 from meshlm.parallel.timers import comm
 
 CHUNK_ELEMENTS = 1 << 25  # logits per chunk: 32M (128 MiB in fp32), ~256 tokens at a 128k vocabulary slice

@@ -23,7 +23,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
-from meshlm.parallel.plan import (
+from meshlm.parallel.parallel_plan import (
     COLWISE,
     COLWISE_HEADS,
     FUSED_STYLES,

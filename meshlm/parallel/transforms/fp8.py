@@ -26,7 +26,7 @@ from torch import nn
 from meshlm.errors import InputError
 
 if TYPE_CHECKING:
-    from meshlm.parallel.plan import ParallelPlan
+    from meshlm.parallel.parallel_plan import ParallelPlan
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -127,7 +127,7 @@ def fp8_capable(module: nn.Module) -> bool:
 def swap_to_fp8(blocks: list[nn.Module], emulate: bool = False) -> list[str]:
     """Make every Linear of `blocks` (plain or tensor-parallel) multiply in fp8; returns the swapped names.
     A layer whose local weight has a dimension that is not a multiple of 16 is left as it is."""
-    from meshlm.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from meshlm.parallel.tp.sharding import ColumnParallelLinear, RowParallelLinear
 
     swapped = []
     for i, block in enumerate(blocks):

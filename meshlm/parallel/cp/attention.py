@@ -40,7 +40,7 @@ from torch import nn
 
 from meshlm.model.llama import apply_rotary
 from meshlm.model.moe import set_sequence_group
-from meshlm.parallel.plan import ParallelPlan, PlanError
+from meshlm.parallel.parallel_plan import ParallelPlan, PlanError
 from meshlm.parallel.timers import comm
 
 __all__ = [

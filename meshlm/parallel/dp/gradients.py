@@ -1,7 +1,7 @@
 """The gradients and optimizer tensors of a parallel model, and who owns them.
 
 One object owns what the optimizer steps and the gradients it reads (ParallelModel asks it and nothing else):
-data parallel / ZeRO's `DataParallel` (meshlm.parallel.data_parallel) wherever replicas reduce gradients or
+data parallel / ZeRO's `DataParallel` (meshlm.parallel.dp.data_parallel) wherever replicas reduce gradients or
 ZeRO shards state, else `LocalGradients`, the parameters as this rank holds them, whose gradients need no
 reduction. Both answer the same calls: the optimizer's tensors and groups, the squared gradient norm this
 rank counts, scaling and zeroing the gradients, what follows the optimizer step, and the pieces of state for

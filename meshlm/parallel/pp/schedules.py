@@ -458,7 +458,7 @@ def format_timeline(timeline: Timeline) -> str:
 
 
 def main() -> None:
-    """`python -m meshlm.parallel.schedules interleaved 4 8 2`: timeline, bubble and every rank's action list."""
+    """`python -m meshlm.parallel.pp.schedules interleaved 4 8 2`: timeline, bubble and every rank's action list."""
     import sys
 
     name, p, m, v = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 1

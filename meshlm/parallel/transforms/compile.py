@@ -13,7 +13,7 @@ import os
 
 from torch import nn
 
-from meshlm.parallel.plan import ParallelPlan
+from meshlm.parallel.parallel_plan import ParallelPlan
 
 
 def compile_blocks(chunks: list[nn.Module], plan: ParallelPlan, backend: str = "inductor") -> int:

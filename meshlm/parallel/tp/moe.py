@@ -1,5 +1,5 @@
 """Tensor parallelism inside a mixture-of-experts layer: every expert split over tp (Megatron-Core's expert
-tensor parallel size = tp), applied to the layers the plan gives the style `SplitMoE` (meshlm.parallel.plan).
+tensor parallel size = tp), applied to the layers the plan gives the style `SplitMoE` (meshlm.parallel.parallel_plan).
 
 Every tp rank holds the whole router and routes the same tokens the same way (its input is the full residual
 stream: attention's row-parallel output is already summed over tp). Each rank keeps a tp-th of every expert's
@@ -31,11 +31,11 @@ import torch
 from torch import nn
 
 from meshlm.model.moe import MoE
-from meshlm.parallel.tp_ops import _all_reduce, copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
+from meshlm.parallel.tp.ops import _all_reduce, copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 
 if TYPE_CHECKING:
     from meshlm.parallel.placement import Placements
-    from meshlm.parallel.tensor_parallel import TPState
+    from meshlm.parallel.tp.sharding import TPState
 
 Shard = Callable[[torch.Tensor, int, tuple[tuple[int, int], ...]], nn.Parameter]
 

@@ -10,7 +10,7 @@ transform (Adapt, meshlm.parallel.strategies) applies for `meshlm train` and `me
 `apply_lora` by hand goes before `meshlm.parallelize`. Either way the strategies then see only what trains. Data
 parallel / ZeRO packs, reduces and shards only trainable parameters (the frozen base gets no gradient buffer, no
 reduction and no optimizer state); tensor parallel shards each adapter with its base
-(meshlm.parallel.tensor_parallel): a column-parallel base gets a replicated A and a row-sharded B, a row-parallel
+(meshlm.parallel.tp.sharding): a column-parallel base gets a replicated A and a row-sharded B, a row-parallel
 base a column-sharded A and a replicated B whose partial output joins the base's partial sum in its one all-reduce;
 pipeline and context parallel need nothing.
 
@@ -46,7 +46,7 @@ LORA_STYLES = ("colwise", "colwise_heads", "rowwise")  # the plan's attention an
 
 def default_targets(model: nn.Module, plan: object | None = None) -> list[str]:
     """The plan's tensor-parallel patterns of attention and MLP projections (colwise and rowwise styles)."""
-    from meshlm.parallel.plan import plan_for
+    from meshlm.parallel.parallel_plan import plan_for
 
     plan = plan or plan_for(model)
     return [pattern for pattern, style in plan.tensor_parallel.items() if style in LORA_STYLES]

@@ -82,7 +82,7 @@ FUSED_STYLES = (FusedColwise, InterleavedColwise)
 @dataclass(frozen=True)
 class SplitMoE:
     """A mixture-of-experts layer (meshlm.model.moe.MoE) split over tp as Megatron-Core's expert tensor
-    parallelism does (meshlm.parallel.tp_moe): each parameter in `hidden` — a name inside the layer and the
+    parallelism does (meshlm.parallel.tp.moe): each parameter in `hidden` — a name inside the layer and the
     dim that indexes its hidden units — keeps this rank's tp-th along that dim (every expert's gate/up rows
     and down columns, and the shared expert's); every other parameter of the layer (the router, the shared
     expert's gate) stays whole and sums its gradient over tp. The layer's input opens the tensor-parallel
@@ -382,7 +382,7 @@ def linear_pieces(
     output rows for the column styles (this rank's tp-th of every block for a fused one; under COLWISE_HEADS
     with fewer heads than ranks, the one head it shares), input columns for ROWWISE. The bias (and a LoRA
     factor) follows the same runs along its own dim. tensor_parallel's sharder and the build-time probe
-    (meshlm.parallel.probe) both cut by this one function."""
+    (meshlm.parallel.tp.probe) both cut by this one function."""
     if isinstance(style, FUSED_STYLES):
         pieces, start = [], 0
         for width in fused_widths(plan, model, name, module, style, tp):
@@ -456,7 +456,7 @@ def register_plan(model_class: type | str, plan: PlanSource) -> None:
 
 def plan_for(model: nn.Module) -> ParallelPlan:
     """The registered plan of the model's class (or nearest base), else the generic plan (DP / ZeRO only)."""
-    from meshlm.parallel import plans  # noqa: F401  (registers the built-in families)
+    from meshlm.parallel import builtin_plans as plans  # noqa: F401  (registers the built-in families)
 
     for cls in type(model).__mro__:
         plan = _PLANS.get(cls) or _PLANS.get(cls.__name__)

@@ -14,7 +14,7 @@ from torch import nn
 from meshlm.model.config import ModelConfig
 from meshlm.model.llama import Transformer
 from meshlm.parallel.mesh import LayoutError
-from meshlm.parallel.plan import (
+from meshlm.parallel.parallel_plan import (
     COLWISE,
     COLWISE_HEADS,
     ROWWISE,
@@ -92,7 +92,7 @@ HF_DECODER = ParallelPlan(
 
 # ---- mixture of experts (meshlm.model.moe; docs/moe.md) ------------------------------------------------------
 # DP, ZeRO 0-3 (a layer, experts included, is one ZeRO-3 unit), pipeline stages and expert parallelism take MoE
-# layers as they are. Under tp each MoE layer is one SplitMoE entry (meshlm.parallel.tp_moe: every expert's hidden
+# layers as they are. Under tp each MoE layer is one SplitMoE entry (meshlm.parallel.tp.moe: every expert's hidden
 # units split, the router whole, the output summed over tp), dense layers keep the MLP's colwise/rowwise pair.
 # Context parallelism too: meshlm's MoE layers sum their balancing statistics over the cp group.
 MOE_ATTENTION_TP = {pattern: style for pattern, style in DECODER_TP.items() if ".mlp." not in pattern}

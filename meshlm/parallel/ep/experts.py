@@ -15,12 +15,12 @@ so the rows come back in exactly the order they left, and `combine` sums them ov
 process. Backward runs the same exchanges in reverse (`AllToAll`). Each rank's expert gradients are sums over
 the tokens of every ep rank; data parallel reduces them over the ranks that hold the same experts (dp × cp,
 mesh group "dp_cp"), the dense gradients over all data replicas (dp × ep × cp), and divides both by dp × ep
-× cp, the number of per-replica loss terms (meshlm.parallel.data_parallel).
+× cp, the number of per-replica loss terms (meshlm.parallel.dp.data_parallel).
 
 Each sharded weight's record in the placement table (meshlm.parallel.placement) gets its `ep` slice (a
 TPShard along dim 0, apart from its `tp` one, so tensor parallelism's readers never mistake it for theirs):
 checkpoints write it as a box of the full stacked tensor, so a checkpoint saved at one ep size loads at any
-other (meshlm.checkpoint.state). Under ep × tp (meshlm.parallel.tp_moe) an expert weight also keeps its tp
+other (meshlm.checkpoint.state). Under ep × tp (meshlm.parallel.tp.moe) an expert weight also keeps its tp
 slice along its hidden dim (`Placement.shards` gives both), and the ep group is the ranks with the same tp
 rank, each exchanging its identical rows.
 """
@@ -34,8 +34,8 @@ from torch import nn
 from meshlm.model.moe import GroupedExperts, MoE
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.parallel_plan import PlanError
 from meshlm.parallel.placement import Placements, TPShard
-from meshlm.parallel.plan import PlanError
 from meshlm.parallel.timers import comm
 
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.parallel.fused_loss import HeadOutput
 from meshlm.parallel.placement import Placements
 from meshlm.parallel.timers import timed_wait
+from meshlm.parallel.transforms.fused_loss import HeadOutput
 
 # torch 2.13 renamed the flat collectives; fall back to the older names (same semantics) on earlier versions.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

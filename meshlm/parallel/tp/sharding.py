@@ -1,6 +1,6 @@
 """Megatron-style tensor parallelism, optionally with sequence parallelism, applied to a plain model by plan.
 
-`apply_tensor_parallel` swaps the modules the model's `ParallelPlan` names (meshlm.parallel.plan) in place and
+`apply_tensor_parallel` swaps the modules the model's `ParallelPlan` names (meshlm.parallel.parallel_plan) in place and
 keeps every parameter name, so state dicts keep their names (HF names for meshlm's Llama):
 
     vocab_embedding   VocabParallelEmbedding   rows = this rank's vocabulary slice
@@ -36,9 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.model.lora import LoRAError, LoRALinear, lora_delta
-from meshlm.parallel.fused_loss import HeadOutput
-from meshlm.parallel.placement import Placements, TPShard
-from meshlm.parallel.plan import (
+from meshlm.parallel.parallel_plan import (
     COLWISE,
     COLWISE_HEADS,
     FUSED_STYLES,
@@ -54,8 +52,9 @@ from meshlm.parallel.plan import (
     plan_for,
     tp_modules,
 )
-from meshlm.parallel.tp_moe import TensorParallelMoE
-from meshlm.parallel.tp_ops import (
+from meshlm.parallel.placement import Placements, TPShard
+from meshlm.parallel.tp.moe import TensorParallelMoE
+from meshlm.parallel.tp.ops import (
     SeqShard,
     _all_reduce,
     copy_to_tp,
@@ -67,6 +66,7 @@ from meshlm.parallel.tp_ops import (
     sum_over_head_replicas,
     vocab_parallel_cross_entropy,
 )
+from meshlm.parallel.transforms.fused_loss import HeadOutput
 
 __all__ = [
     "ColumnParallelLinear",
@@ -130,9 +130,11 @@ class ColumnParallelLinear(nn.Module):
         self.kv_head, self.n_kv_heads = kv_head, n_kv_heads
         self.vocab_head = vocab_head
         self.gather_output = False
-        self.fused_loss = False  # training returns a HeadOutput for the fused loss (meshlm.parallel.fused_loss)
+        self.fused_loss = (
+            False  # training returns a HeadOutput for the fused loss (meshlm.parallel.transforms.fused_loss)
+        )
         self.adapted = False  # LoRA: _Sharder.attach_adapter adds lora_A (replicated) and lora_B (row shard)
-        self.linear = F.linear  # the local matmul (meshlm.parallel.fp8 makes it fp8)
+        self.linear = F.linear  # the local matmul (meshlm.parallel.transforms.fp8 makes it fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
@@ -168,7 +170,7 @@ class RowParallelLinear(nn.Module):
         self.bias = bias
         self.tp = tp
         self.adapted = False  # LoRA: _Sharder.attach_adapter adds lora_A (column shard) and lora_B (replicated)
-        self.linear = F.linear  # the local matmul (meshlm.parallel.fp8 makes it fp8)
+        self.linear = F.linear  # the local matmul (meshlm.parallel.transforms.fp8 makes it fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x, self.weight)
