@@ -39,10 +39,11 @@ from meshlm.model import ModelConfig, Transformer, preset
 from meshlm.observe.calibration import calibration
 from meshlm.observe.doctor import doctor
 from meshlm.observe.memory import ActivationMeter, MemoryProbe
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.strategies import check_layout
 from meshlm.plan import Strategy, Workload, evaluate, hardware
 from meshlm.plan.memory import model_state_bytes, stage_params
 from meshlm.plan.pipeline_split import rank_layers

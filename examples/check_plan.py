@@ -13,7 +13,7 @@ import sys
 import meshlm
 from meshlm.check.run import render
 from meshlm.model import Transformer, preset
-from meshlm.parallel.builtin_plans import LLAMA
+from meshlm.parallel.plan_registry import LLAMA
 from meshlm.testing import global_batch
 
 MODEL = preset("test")

@@ -54,10 +54,11 @@ from meshlm.checkpoint import (
 )
 from meshlm.config import ParallelSection, TrainSection, load_config, parse_overrides
 from meshlm.model import ModelConfig, Transformer, preset
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.parallel.options import LoRAOptions
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.strategies import check_layout
 from meshlm.parallel.transforms.lora import Adaptation
 from meshlm.testing import global_batch, mask_prompts, rank_threads
 from meshlm.train.optim import build_optimizer, lr_at, train_step

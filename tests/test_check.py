@@ -27,7 +27,7 @@ import meshlm
 from meshlm.check.run import CheckError
 from meshlm.cli import main
 from meshlm.model import Transformer, preset
-from meshlm.parallel.builtin_plans import LLAMA
+from meshlm.parallel.plan_registry import LLAMA
 from meshlm.testing import global_batch
 
 MODEL = preset("test")

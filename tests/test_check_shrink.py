@@ -15,8 +15,9 @@ from meshlm.config import Config, load_config
 from meshlm.convert import load_checkpoint_model
 from meshlm.errors import InputError
 from meshlm.model.hf import import_hf, load_hf_into_model
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.mesh import Layout, parse_layout
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.strategies import check_layout
 from meshlm.train.trainer import check_config, fit
 
 LLAMA_70B_RUN = [

@@ -143,7 +143,7 @@ def test_config_show_with_init_from_prints_the_model_the_checkpoint_defines(
 def test_the_pipeline_hint_says_to_set_micro_batch() -> None:
     """The default micro_batch (0: the whole per-replica batch) is one micro-batch: "lower" it is no advice."""
     from meshlm.parallel.mesh import parse_layout
-    from meshlm.parallel.strategies import check_pipeline_schedule
+    from meshlm.parallel.pp.strategy import check_pipeline_schedule
 
     with pytest.raises(LayoutError, match=r"got 1 \(set train.micro_batch so that the per-replica batch splits"):
         check_pipeline_schedule(parse_layout("pp=2", 2), 1)

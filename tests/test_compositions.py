@@ -23,8 +23,9 @@ from equivalence import assert_close_runs, reference, train_layout
 from test_fused_loss import _counting_fused_calls
 from test_moe import MOE_MODEL
 
+from meshlm.parallel.contract import Strategy
 from meshlm.parallel.mesh import parse_layout
-from meshlm.parallel.strategies import STRATEGIES, Strategy
+from meshlm.parallel.strategies import STRATEGIES
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,14 @@ from meshlm.model import Transformer, preset
 from meshlm.model.config import ModelConfig
 from meshlm.model.llama import causal_attention, rotary_tables
 from meshlm.observe.memory import ActivationMeter
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.cp import attention as cpm
 from meshlm.parallel.dp import data_parallel
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.parallel_plan import ParallelPlan, PlanError
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.strategies import check_layout
 from meshlm.plan.hardware import hardware
 from meshlm.plan.memory import Strategy, Workload, layer_activation_bytes, logits_bytes
 from meshlm.plan.step_time import cp_attention_factor, cp_layer_time, step_time

@@ -23,9 +23,10 @@ from test_moe import MOE_MODEL
 
 from meshlm.config import ParallelSection
 from meshlm.model import Transformer, preset
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.strategies import check_layout
 
 SAVED_AT = 5  # the ep=2 checkpoint's step; resumed at ep=1 and ep=4 for the remaining steps
 

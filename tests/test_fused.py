@@ -29,7 +29,7 @@ from torch import nn
 import meshlm
 from meshlm.model.init import fill_
 from meshlm.parallel.mesh import build_mesh, parse_layout
-from meshlm.parallel.parallel_plan import check_tp_plan
+from meshlm.parallel.tp.rules import check_tp_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt2 import GPT2, GPT2_PLAN

@@ -26,10 +26,10 @@ from meshlm.config import ParallelSection
 from meshlm.model import Transformer, token_cross_entropy
 from meshlm.observe.memory import ActivationMeter
 from meshlm.parallel import engine
-from meshlm.parallel.builtin_plans import LLAMA
 from meshlm.parallel.dp import zero
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.parallel.plan_registry import LLAMA
 from meshlm.parallel.transforms import fused_loss
 from meshlm.parallel.transforms.fused_loss import FusedLinearHead, HeadOutput, fused_cross_entropy_sum
 from meshlm.testing import mask_prompts

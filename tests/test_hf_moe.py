@@ -15,10 +15,12 @@ from meshlm.model import Transformer
 from meshlm.model.hf import import_hf, load_hf_into_model, model_config_from_hf, read_hf_config
 from meshlm.model.hf_export import export_hf
 from meshlm.model.pretrained import HFWeights
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.parallel_plan import PlanError, plan_for
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.parallel_plan import PlanError
+from meshlm.parallel.plan_registry import plan_for
+from meshlm.parallel.strategies import check_layout
 
 transformers = pytest.importorskip("transformers")
 

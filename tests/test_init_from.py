@@ -27,9 +27,10 @@ from meshlm.data.sampler import GlobalBatchSampler  # noqa: E402
 from meshlm.model.hf import read_hf_config  # noqa: E402
 from meshlm.model.llama import Transformer  # noqa: E402
 from meshlm.model.pretrained import HFWeights  # noqa: E402
+from meshlm.parallel.contract import LayoutSpec  # noqa: E402
 from meshlm.parallel.engine import ParallelModel  # noqa: E402
 from meshlm.parallel.mesh import build_mesh, parse_layout  # noqa: E402
-from meshlm.parallel.strategies import LayoutSpec, check_layout  # noqa: E402
+from meshlm.parallel.strategies import check_layout  # noqa: E402
 from meshlm.testing import global_batch  # noqa: E402
 from meshlm.train.startup import open_init_from  # noqa: E402
 from meshlm.train.trainer import fit  # noqa: E402

@@ -28,6 +28,7 @@ Every import counts, whether at module level, inside a function or under TYPE_CH
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import meshlm
@@ -196,3 +197,89 @@ def test_no_module_or_function_is_oversized(tmp_path: Path) -> None:
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
     (big / "m.py").write_text(f"def f():\n{body}")
     assert oversized(big) == [f"meshlm/m.py:1 f: {MAX_FUNCTION_LINES + 1} lines"]
+
+
+PARALLEL = PACKAGE / "parallel"
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and (
+        (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+        or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")
+    )
+
+
+def run_time_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: module-level and function-local ones, not those under
+    `if TYPE_CHECKING:` (never executed; they only name types for the type checker)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def parallel_module_edges(root: Path = PARALLEL) -> dict[tuple[str, str], list[str]]:
+    """(importer, imported) -> 'file:line' for each run-time import between two modules of meshlm/parallel
+    (`root`): a module imports the module it names, or for `from package import name` the submodule `name`
+    where there is one."""
+    top = root.parent.parent
+    modules = {module_name_under(path, top): path for path in sorted(root.rglob("*.py"))}
+    edges: dict[tuple[str, str], list[str]] = {}
+    for importer, path in modules.items():
+        package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
+        for node in run_time_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for target in targets:
+                if target in modules and target != importer:
+                    edges.setdefault((importer, target), []).append(f"{path.relative_to(top)}:{node.lineno}")
+    return edges
+
+
+def module_name_under(path: Path, top: Path) -> str:
+    parts = list(path.relative_to(top).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_circle_inside_the_parallel_layer() -> None:
+    """No circle among the modules of meshlm/parallel/, function-local imports included: each strategy's folder,
+    the contract below them and the engine above them can be read and loaded in one order. Imports under
+    `if TYPE_CHECKING:` are left out: they never run, so they cannot make one module's loading wait on
+    another's, and annotations may name a type from a module that imports this one (the contract's Build names
+    the placement table and the LoRA adaptation it carries). Main at 22133da failed this with plan.py ->
+    (function-local) plans.py -> plan.py, one loop of 15 modules that all reached each other (engine.py too,
+    counting TYPE_CHECKING imports): plan, plans, strategies, runtime, probe, the strategies' modules."""
+    edges = parallel_module_edges()
+    cycle = find_cycle(set(edges))
+    where = [f"{a} -> {b}: {edges[a, b][0]}" for a, b in itertools.pairwise(cycle)] if cycle else []
+    assert cycle is None, "\n".join(where)
+
+
+def test_the_parallel_circle_check_is_sharp(tmp_path: Path) -> None:
+    """A function-local import closing a loop is a circle; the same import under TYPE_CHECKING is not, and
+    `from package import module` is an edge to the module."""
+    root = tmp_path / "meshlm" / "parallel"
+    (root / "tp").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "tp" / "__init__.py").write_text("")
+    (root / "contract.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from meshlm.parallel.tp import rules\n"
+    )
+    (root / "tp" / "rules.py").write_text("from meshlm.parallel import contract\n")
+    assert find_cycle(set(parallel_module_edges(root))) is None
+    (root / "contract.py").write_text("def f():\n    from meshlm.parallel.tp import rules\n")
+    cycle = find_cycle(set(parallel_module_edges(root)))
+    assert cycle is not None and set(cycle) == {"meshlm.parallel.contract", "meshlm.parallel.tp.rules"}

@@ -16,10 +16,11 @@ import torch
 
 from meshlm.model import Transformer, preset
 from meshlm.model.config import ModelConfig
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.mesh import Layout, LayoutError
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.parallel_plan import PlanError
-from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, check_layout
+from meshlm.parallel.strategies import STRATEGIES, check_layout
 from meshlm.plan import Workload
 from meshlm.plan.memory import Strategy
 from meshlm.plan.search import Constraints, enumerate_strategies

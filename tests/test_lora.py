@@ -167,9 +167,10 @@ def _mutated_tp_run() -> dict:
 def adapt_dropped() -> Iterator[None]:
     """The Adapt transform left out of the strategy list: `meshlm.parallelize(lora=...)` trains the whole model."""
     from meshlm.parallel import strategies
+    from meshlm.parallel.transforms.strategy import Adapt
 
     original = strategies.STRATEGIES
-    strategies.STRATEGIES = tuple(s for s in original if not isinstance(s, strategies.Adapt))
+    strategies.STRATEGIES = tuple(s for s in original if not isinstance(s, Adapt))
     try:
         yield
     finally:

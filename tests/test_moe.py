@@ -33,10 +33,11 @@ from meshlm.model.moe import (
     router_z_loss,
     set_aux_loss_scale,
 )
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.parallel_plan import plan_for
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.plan_registry import plan_for
+from meshlm.parallel.strategies import check_layout
 
 # The `test` preset's shape with a Qwen2-MoE-style feed-forward in layers 1-3: every option on (shared expert
 # and its gate, a dense first layer) and aux coefficients large enough that a missing aux gradient shows.

@@ -26,11 +26,12 @@ from test_moe import MOE_MODEL
 from meshlm.model import Transformer
 from meshlm.model import init as element_init
 from meshlm.model.init import Normal, fill_
-from meshlm.parallel.builtin_plans import MOE_LAYER
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.mesh import Layout, LayoutError, parse_layout
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.parallel_plan import PlanError, SplitMoE, plan_for
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.parallel_plan import PlanError, SplitMoE
+from meshlm.parallel.plan_registry import MOE_LAYER, plan_for
+from meshlm.parallel.strategies import check_layout
 
 SAVED_AT = 5  # the ep=2×tp=2 checkpoint's step, resumed in one process
 

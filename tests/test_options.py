@@ -14,8 +14,8 @@ import meshlm
 from meshlm.config import LoraSection, ModelSection, ParallelSection, reference_help
 from meshlm.errors import InputError
 from meshlm.model.config import ModelConfig
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.options import LoRAOptions, ParallelOptions
-from meshlm.parallel.strategies import LayoutSpec
 from meshlm.plan.memory import Strategy
 
 OPTIONS = set(ParallelOptions.model_fields)

@@ -24,6 +24,7 @@ from meshlm.config import ParallelSection
 from meshlm.model import Transformer
 from meshlm.model.flops import part_costs
 from meshlm.model.llama import cross_entropy_loss
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
@@ -43,7 +44,7 @@ from meshlm.parallel.pp.schedules import (
     validate,
 )
 from meshlm.parallel.pp.stages import stage_layers
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.strategies import check_layout
 
 EIGHT_LAYERS = TEST_MODEL.replace(n_layers=8)
 

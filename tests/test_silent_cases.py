@@ -36,11 +36,12 @@ from torch import nn
 
 import meshlm
 from meshlm.model.config import ModelConfig
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.materialize import InitError, MetaInit
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.parallel_plan import plan_for
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.plan_registry import plan_for
+from meshlm.parallel.strategies import check_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt2 import GPT2, GPT2_PLAN

@@ -14,11 +14,12 @@ import torch
 
 from meshlm.model import Transformer, preset
 from meshlm.parallel import strategies
+from meshlm.parallel.contract import Applied, Build, LayoutSpec
 from meshlm.parallel.mesh import Layout, LayoutError
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.parallel_plan import PlanError
-from meshlm.parallel.runtime import Applied
-from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, ModelTransform, check_layout
+from meshlm.parallel.strategies import STRATEGIES, check_layout
+from meshlm.parallel.transforms.strategy import ModelTransform
 from meshlm.plan import Workload
 from meshlm.plan.memory import Strategy as PlannedStrategy
 from meshlm.plan.search import Constraints, enumerate_strategies
@@ -114,7 +115,7 @@ class NormCountedElsewhere:
     def check(self, model: object, plan: object, layout: Layout, options: ParallelOptions) -> None:
         pass
 
-    def apply(self, build: strategies.Build) -> Applied:
+    def apply(self, build: Build) -> Applied:
         build.placements.record(build.model.model.norm.weight, counted=False)
         return Applied()  # no run-time hook of its own
 
@@ -198,7 +199,7 @@ def run_time_methods() -> list[Callable]:
 def test_the_engine_names_no_parallelism_in_its_run_time_methods() -> None:
     """The step (batch split, micro-batches, gradient synchronisation), the loss, clipping, the optimizer
     interface, checkpoint shards and the full state dict run the applied strategies' hooks
-    (meshlm.parallel.runtime) and read the placement table; none names a parallelism."""
+    (meshlm.parallel.contract.Applied) and read the placement table; none names a parallelism."""
     methods = run_time_methods()
     assert {"forward_backward", "backward", "no_sync", "step", "local_batch", "clip_grad_norm_"} <= {
         m.__name__ for m in methods
@@ -245,7 +246,7 @@ class CountedChecks:
     def check(self, model: object, plan: object, layout: Layout, options: ParallelOptions) -> None:
         self.calls["model"] += 1
 
-    def apply(self, build: strategies.Build) -> Applied:
+    def apply(self, build: Build) -> Applied:
         return Applied()
 
 

@@ -28,7 +28,6 @@ from torch import nn
 from meshlm.model import ModelConfig, Transformer, cross_entropy_loss, generate
 from meshlm.parallel.mesh import LayoutError
 from meshlm.parallel.placement import Placements
-from meshlm.parallel.strategies import check_tensor_parallel
 from meshlm.parallel.tp.ops import (
     copy_to_tp,
     gather_from_tp,
@@ -43,6 +42,7 @@ from meshlm.parallel.tp.sharding import (
     unshard_state_dict,
     vocab_parallel_cross_entropy,
 )
+from meshlm.parallel.tp.sizes import check_tensor_parallel
 
 TIED = TEST_MODEL.replace(tie_embeddings=True)
 SP = {"sequence_parallel": True}

@@ -29,9 +29,11 @@ from equivalence import (
 
 from meshlm.cli import main
 from meshlm.model import Transformer
-from meshlm.parallel.parallel_plan import ParallelPlan, PipelineSplit, PlanError, check_tp_plan, plan_for
+from meshlm.parallel.parallel_plan import ParallelPlan, PipelineSplit, PlanError
 from meshlm.parallel.placement import Placements
+from meshlm.parallel.plan_registry import plan_for
 from meshlm.parallel.pp.pipeline import TiedStages, split_model
+from meshlm.parallel.tp.rules import check_tp_plan
 
 TIED = TEST_MODEL.replace(tie_embeddings=True)
 OPTIMIZERS = ("adamw", "sgd")

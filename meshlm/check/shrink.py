@@ -34,8 +34,9 @@ from meshlm.model.hf import hf_tensor_names
 from meshlm.model.hf_export import export_hf
 from meshlm.model.llama import Transformer
 from meshlm.model.pretrained import TOKENIZER_FILES, HFWeights, init_tokenizer, is_hf_directory
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.mesh import DIMS, Layout, parse_layout
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.strategies import check_layout
 from meshlm.ties import unique_state_names
 from meshlm.train.trainer import check_config, resolve_auto_layout
 

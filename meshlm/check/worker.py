@@ -143,7 +143,7 @@ def where_raised(error: BaseException, plan: object) -> str | None:
     if name is None:
         return None
     if plan is None:
-        from meshlm.parallel.parallel_plan import plan_for
+        from meshlm.parallel.plan_registry import plan_for
 
         plan = plan_for(modules[0])
     return f"{name} ({entry_line(name, plan)})"

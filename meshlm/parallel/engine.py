@@ -1,15 +1,18 @@
 """ParallelModel: a plain model as one rank holds it under a layout — what a training loop sees of parallelism.
 
-Composition: each parallelism is a strategy (meshlm.parallel.strategies) with one contract — check the layout, check
-the model against its plan, apply — and `ParallelModel` applies the transforms of the plain model (freezing and
-LoRA), runs every strategy's check, then applies the others in order (tensor parallel, the fused loss, context
-parallel, expert parallel, pipeline, data parallel / ZeRO, FP8, compile), each driven by the model's ParallelPlan
-(meshlm.parallel.parallel_plan), never by its attribute names. None touches the model code. Each applied strategy
-returns its run-time hooks (meshlm.parallel.runtime: the batch split, the micro-batches, the gradient
-synchronisation, gathering the state), and the run-time methods below keep the loss contract and run those hooks in
-order, naming no parallelism. The gradients and optimizer tensors have one owner (`grads`,
-meshlm.parallel.dp.gradients). Every gradient is correct after `forward_backward` (or `backward`) returns, so
-clipping and the optimizer are layout-agnostic, and any torch.optim optimizer steps what `parameters()` returns.
+Composition: each parallelism is a strategy in a folder of its own (listed in meshlm.parallel.strategies) with one
+contract (meshlm.parallel.contract) — check the layout, check the model against its plan, apply — and
+`ParallelModel` applies the transforms of the plain model (freezing and LoRA), runs every strategy's check, then
+applies the others in order (tensor parallel, the fused loss, context parallel, expert parallel, pipeline, data
+parallel / ZeRO, FP8, compile), each driven by the model's ParallelPlan (meshlm.parallel.parallel_plan), never by
+its attribute names. None touches the model code. Each applied strategy returns its run-time hooks (an Applied: the
+batch split, the micro-batches, the gradient synchronisation, gathering the state) and hands on its products through
+it (the pipeline's stages, data parallel's gradients' owner, tensor parallel's loss); the run-time methods below
+keep the loss contract and run those hooks in order, naming no parallelism, passing them what they act on (a batch,
+the gradients' owner, this rank's parameters), never itself. The pipeline calls back into a step through a
+StepContext (the scaled loss, autocast, the grad-sync switch). The gradients and optimizer tensors have one owner
+(`grads`, meshlm.parallel.dp.gradients). Every gradient is correct after `forward_backward` (or `backward`) returns,
+so clipping and the optimizer are layout-agnostic, and any torch.optim optimizer steps what `parameters()` returns.
 
 A model built on the `meta` device goes through the module swaps and the pipeline split as meta tensors; then
 each rank allocates only what it keeps (its tp slice of its stage, under ZeRO-3 only its flat shard), directly
@@ -19,6 +22,7 @@ in the working dtype, and initialises it element by element (meshlm.parallel.mat
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -27,16 +31,17 @@ from torch import nn
 
 from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
 from meshlm.model.moe import set_aux_loss_scale
+from meshlm.parallel.contract import Applied, Build, LayoutSpec, LossFn, StepContext
 from meshlm.parallel.dp.gradients import ShardedTensor
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
+from meshlm.parallel.meta import MetaFailure, meta_forward, meta_tokens
 from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.parallel_plan import ParallelPlan, PlanError, plan_for
+from meshlm.parallel.parallel_plan import ParallelPlan, PlanError
 from meshlm.parallel.placement import Placements
-from meshlm.parallel.runtime import Applied
-from meshlm.parallel.strategies import Build, LayoutSpec, LossFn, apply_strategies, check_layout
+from meshlm.parallel.plan_registry import plan_for
+from meshlm.parallel.strategies import apply_strategies, check_layout
 from meshlm.parallel.timers import comm
-from meshlm.parallel.tp.probe import MetaFailure, meta_forward, meta_tokens
 from meshlm.parallel.transforms.fused_loss import HeadOutput, fused_cross_entropy_sum
 from meshlm.parallel.transforms.lora import Adaptation
 from meshlm.ties import tied_aliases
@@ -66,7 +71,7 @@ def check_token_losses(losses: object, targets: torch.Tensor) -> None:
 
 def check_loss_shape(model: nn.Module, loss_fn: LossFn) -> None:
     """The loss contract checked before any work: the model and `loss_fn` run once on a meta batch
-    (meshlm.parallel.tp.probe), on every rank alike, so a scalar loss is one line, not a failure of the last
+    (meshlm.parallel.meta), on every rank alike, so a scalar loss is one line, not a failure of the last
     pipeline stage at the first step. A model or loss that the meta device cannot run is checked at the step."""
     targets = meta_tokens()
     losses = meta_forward(model, meta_tokens(), then=lambda output: loss_fn(output, targets))
@@ -127,11 +132,10 @@ class ParallelModel:
             parallel,
             plan,
             n_micro,
-            engine=self,
+            step=StepContext(self._scaled_loss, self.autocast, self.set_grad_sync),
             meta_init=None,
             device_type=self.device_type,
             autocast_dtype=autocast_dtype,
-            token_loss=loss_fn or self._cross_entropy,
             loss_fn=loss_fn,
             gather_logits=gather_logits,
             fused_loss=fused_loss,
@@ -141,7 +145,7 @@ class ParallelModel:
             adaptation=adaptation or Adaptation(),
             placements=self.placements,
         )
-        self.applied: list[Applied] = apply_strategies(build, model_transforms=True)  # freezing and LoRA first
+        self.applied: list[Applied] = apply_strategies(build, model_transforms=True).applied  # freezing, LoRA first
         layout = mesh.layout
         check_layout(LayoutSpec(None, layout, n_micro * layout.data_parallel, 1, options=parallel), model, plan)
         if layout.tp > 1 and loss_fn is not None and not gather_logits:
@@ -155,11 +159,14 @@ class ParallelModel:
         self.global_shapes = {name: p.shape for name, p in model.named_parameters()}
         self.trainable = {name for name, p in model.named_parameters() if p.requires_grad}  # global names
         self.tied_aliases = tied_aliases(model)  # a tied weight is named by its canonical name (meshlm.ties)
-        build.meta_init = MetaInit(model, mesh_device(mesh), self.placements) if meta else None
-        self.applied += apply_strategies(build)  # their run-time hooks, in composition order
-        self.chunks, self.token_loss, self.grads = build.chunks, build.token_loss, build.grads
+        meta_init = MetaInit(model, mesh_device(mesh), self.placements) if meta else None
+        done = apply_strategies(dataclasses.replace(build, meta_init=meta_init))  # in composition order
+        self.applied += done.applied  # their run-time hooks
+        self.chunks, self.grads = done.chunks, done.grads  # what the strategies handed on
+        self.token_loss = done.token_loss or loss_fn or self._cross_entropy
         self.replicas = mesh.size("data") * mesh.size("cp")  # ranks whose gradients are averaged: dp × ep × cp
-        self.pipeline, self.dp = build.pipeline, build.dp  # for inspection (tests, benchmarks): None when unused
+        # for inspection (tests, benchmarks): the schedule and the data-parallel object, None when unused
+        self.pipeline, self.dp = done.parts.get("pipeline"), done.parts.get("dp")
         for chunk in self.chunks:  # MoE aux losses: each micro-batch's share, like the loss's / n_micro
             set_aux_loss_scale(chunk, 1.0 / n_micro)
 
@@ -284,7 +291,7 @@ class ParallelModel:
         """The applied strategies' gradient hooks, last applied first (data parallel reduces before anything
         acts on the reduced gradients)."""
         for hooks in reversed(self.applied):
-            hooks.end_backward(step)
+            hooks.end_backward(step, self.grads)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -446,6 +453,7 @@ class ParallelModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded fp32 weights under the model's names, on every rank (tests, export, generation)."""
         state = self.grads.unsharded_state_dict()
+        held = {n: p for chunk in self.chunks for n, p in chunk.named_parameters(remove_duplicate=False)}
         for hooks in self.applied:  # each gathers what it split over its mesh dimension, in order
-            state = hooks.gather_state(state, self)
+            state = hooks.gather_state(state, held)
         return state

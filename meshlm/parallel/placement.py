@@ -1,6 +1,6 @@
 """Where each parameter of a parallel model lives: one table, filled by the strategies, read by every reader.
 
-A strategy that cuts a parameter records it in the build's `Placements` (meshlm.parallel.strategies.Build,
+A strategy that cuts a parameter records it in the build's `Placements` (meshlm.parallel.contract.Build,
 then `ParallelModel.placements`); nothing is stored on the tensor. The readers — data parallel / ZeRO (which
 group reduces a gradient, which weights get a flat buffer of their own), gradient-norm clipping and checkpoint
 writing (which rank counts and writes a replicated term), checkpoint boxes (meshlm.checkpoint.state),

@@ -16,8 +16,10 @@ from typing import Literal
 from meshlm.config import Config
 from meshlm.errors import InputError
 from meshlm.model.flops import param_counts
+from meshlm.parallel.contract import LayoutSpec
+from meshlm.parallel.ep.strategy import check_expert_parallel
 from meshlm.parallel.mesh import Layout, LayoutError
-from meshlm.parallel.strategies import LayoutSpec, check_expert_parallel, check_layout
+from meshlm.parallel.strategies import check_layout
 from meshlm.plan.cost import DEFAULT_COSTS, CostModel, nodes_of, rates, run_cost
 from meshlm.plan.hardware import GB, Hardware, hardware
 from meshlm.plan.memory import (

@@ -22,11 +22,12 @@ from meshlm.data.dataset import check_tokenizer, document_separator
 from meshlm.model import PRESETS, Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
 from meshlm.model.pretrained import HFWeights, init_tokenizer, is_hf_directory, keep_tokenizer
+from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.distributed import autocast_dtype
 from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, Mesh, parse_layout
-from meshlm.parallel.parallel_plan import plan_for
-from meshlm.parallel.strategies import LayoutSpec, check_layout
+from meshlm.parallel.plan_registry import plan_for
+from meshlm.parallel.strategies import check_layout
 from meshlm.parallel.transforms.lora import Adaptation
 from meshlm.train.guards import DeviceStepGuard, Watchdog
 from meshlm.train.optim import build_optimizer, skips_on_device

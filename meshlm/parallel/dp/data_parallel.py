@@ -50,9 +50,9 @@ from meshlm.parallel.dp.zero import (
     split_by_kind,
 )
 from meshlm.parallel.mesh import Mesh
-from meshlm.parallel.options import ParallelOptions
-from meshlm.parallel.parallel_plan import ParallelPlan, plan_for, zero3_unit_groups
+from meshlm.parallel.parallel_plan import ParallelPlan, zero3_unit_groups
 from meshlm.parallel.placement import Placements
+from meshlm.parallel.plan_registry import plan_for
 from meshlm.parallel.timers import comm, timed_wait
 
 # ZeRO-2/3 wait for the oldest reduction beyond this many in flight, so freed gradient buffers bound memory.
@@ -579,18 +579,6 @@ def widened(chunks: list[nn.Module], *dtypes: torch.dtype) -> tuple[torch.dtype,
     as it: masters, shards, working weights and reductions keep float64 where the model has it."""
     wide = torch.float64 if any(p.dtype == torch.float64 for c in chunks for p in c.parameters()) else torch.float32
     return (wide, *(wide if dtype == torch.float32 else dtype for dtype in dtypes))
-
-
-def zero_param_dtype(parallel: ParallelOptions, device_type: str, autocast_dtype: torch.dtype | None) -> torch.dtype:
-    """The working weights' dtype over fp32 master shards: `parallel.zero_param_dtype`, where 'auto' is bf16
-    under ZeRO ≥ 1 with bf16 autocast on CUDA (FSDP2's usual MixedPrecisionPolicy: the matmuls run in bf16
-    anyway, so gathers of bf16 weights halve the traffic and memory), else fp32 (zero 0 steps the fp32
-    weights themselves)."""
-    choice = parallel.zero_param_dtype
-    if choice == "auto":
-        cuda_bf16 = device_type == "cuda" and autocast_dtype == torch.bfloat16
-        choice = "bf16" if parallel.zero >= 1 and cuda_bf16 else "fp32"
-    return torch.bfloat16 if choice == "bf16" else torch.float32
 
 
 def replica_group(mesh: Mesh) -> dist.ProcessGroup:

@@ -23,15 +23,17 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.model.llama import cross_entropy_loss
+from meshlm.parallel.contract import LossFn
 from meshlm.parallel.mesh import Mesh
-from meshlm.parallel.parallel_plan import ParallelPlan, PipelineSplit, PlanError, check_pipeline_split, plan_for
+from meshlm.parallel.meta import MetaFailure, meta_forward, meta_hidden, meta_tokens
+from meshlm.parallel.parallel_plan import ParallelPlan, PipelineSplit, PlanError
 from meshlm.parallel.placement import Placements
+from meshlm.parallel.plan_registry import plan_for
+from meshlm.parallel.pp.rules import check_pipeline_split
 from meshlm.parallel.pp.schedules import COMPUTE, SENDS, WAITS, Action, build_schedule
 from meshlm.parallel.pp.stages import split_layers
 from meshlm.parallel.timers import bubble, comm
-from meshlm.parallel.tp.probe import MetaFailure, meta_forward, meta_hidden, meta_tokens
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Key = tuple[str, int, int]  # a message: (direction F/B, chunk, micro-batch)
 
 
@@ -171,7 +173,7 @@ def _stage_ranges(
 
 def check_stage_forwards(model: nn.Module, plan: ParallelPlan, n_stages: int) -> None:
     """Every stage's forward runs without the parts it does not hold: each stage view (as split_model cuts
-    it) runs once on a meta batch (meshlm.parallel.tp.probe), token ids into the first, activations into the
+    it) runs once on a meta batch (meshlm.parallel.meta), token ids into the first, activations into the
     others. A forward that calls a part the stage sees as None is refused in one line, before any work."""
     split = plan.pipeline
     keys = list(model.get_submodule(split.layers)._modules)

@@ -1,13 +1,6 @@
-"""Dry runs on the meta device, before any work starts: a module's forward with every parameter and buffer
-swapped, for the call only, for a meta tensor of its shape, on a meta batch of one row of two tokens. Nothing
-is computed or allocated, so a check costs milliseconds at any model size and every rank reaches the same
-verdict without communicating. The module itself is left as it was.
-
-A forward that meta tensors cannot run (a data-dependent shape such as a mixture-of-experts' token routing,
-`.item()`) proves nothing; `meta_forward` returns what it raised, as a `MetaFailure`, for the caller to judge.
-
-`probe_tensor_parallel` (below) computes for real, on the CPU: a few blocks of the model on random weights,
-whole and split as a tensor-parallel plan says, to catch an entry that disagrees with its weight's layout.
+"""Tensor parallel's build-time probe: `probe_tensor_parallel` computes for real, on the CPU, a few blocks of the
+model on random weights, whole and split as a tensor-parallel plan says, to catch an entry that disagrees with its
+weight's layout. It finds each block's inputs by a dry run on the meta device (meshlm.parallel.meta).
 """
 
 from __future__ import annotations
@@ -23,6 +16,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
+from meshlm.parallel.meta import meta_forward
 from meshlm.parallel.parallel_plan import (
     COLWISE,
     COLWISE_HEADS,
@@ -34,46 +28,9 @@ from meshlm.parallel.parallel_plan import (
     ParallelPlan,
     PlanError,
     Style,
-    check_linear_style,
-    linear_pieces,
     tp_modules,
 )
-
-PROBE_SHAPE = (1, 2)  # rows × tokens of the meta batch
-
-
-@dataclass(frozen=True)
-class MetaFailure:
-    """What a forward raised on the meta device."""
-
-    error: Exception
-
-    @property
-    def missing_part(self) -> bool:
-        """Whether it called or read a part the module holds as None (not the meta device's doing)."""
-        return isinstance(self.error, (TypeError, AttributeError)) and "NoneType" in str(self.error)
-
-
-def meta_tokens() -> torch.Tensor:
-    return torch.zeros(PROBE_SHAPE, dtype=torch.long, device="meta")
-
-
-def meta_hidden(module: nn.Module, width: int) -> torch.Tensor:
-    """The activations a pipeline stage after the first receives, in the module's floating dtype."""
-    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-    return torch.zeros((*PROBE_SHAPE, width), dtype=dtype, device="meta")
-
-
-def meta_forward(module: nn.Module, x: torch.Tensor, then: Callable[[object], object] | None = None) -> object:
-    """`module(x)`, then `then` of its output, on meta tensors under no_grad; a MetaFailure if it raised."""
-    swapped = {name: t.to("meta") for name, t in [*module.named_parameters(), *module.named_buffers()]}
-    try:
-        with torch.no_grad():
-            out = functional_call(module, swapped, (x,), tie_weights=True, strict=False)
-            return out if then is None else then(out)
-    except Exception as e:  # judged by the caller: a missing part, a bad loss, or only the meta device
-        return MetaFailure(e)
-
+from meshlm.parallel.tp.rules import check_linear_style, linear_pieces
 
 # ---- the tensor-parallel probe: each distinct planned block, split as the plan says vs whole ---------------------
 # A tp plan entry says how a Linear's output rows are laid out; the model's forward is what actually splits them

@@ -47,12 +47,10 @@ from meshlm.parallel.parallel_plan import (
     ParallelPlan,
     SplitMoE,
     Style,
-    linear_pieces,
-    moe_split_params,
-    plan_for,
     tp_modules,
 )
 from meshlm.parallel.placement import Placements, TPShard
+from meshlm.parallel.plan_registry import plan_for
 from meshlm.parallel.tp.moe import TensorParallelMoE
 from meshlm.parallel.tp.ops import (
     SeqShard,
@@ -66,6 +64,7 @@ from meshlm.parallel.tp.ops import (
     sum_over_head_replicas,
     vocab_parallel_cross_entropy,
 )
+from meshlm.parallel.tp.rules import linear_pieces, moe_split_params
 from meshlm.parallel.transforms.fused_loss import HeadOutput
 
 __all__ = [

@@ -46,7 +46,7 @@ LORA_STYLES = ("colwise", "colwise_heads", "rowwise")  # the plan's attention an
 
 def default_targets(model: nn.Module, plan: object | None = None) -> list[str]:
     """The plan's tensor-parallel patterns of attention and MLP projections (colwise and rowwise styles)."""
-    from meshlm.parallel.parallel_plan import plan_for
+    from meshlm.parallel.plan_registry import plan_for
 
     plan = plan or plan_for(model)
     return [pattern for pattern, style in plan.tensor_parallel.items() if style in LORA_STYLES]

@@ -1,4 +1,6 @@
-"""The built-in parallel plans: meshlm's Llama and the Hugging Face decoder families.
+"""The plan registry: `register_plan` and `plan_for`, which finds the registered plan of a model's class (else
+meshlm.parallel.parallel_plan.generic_plan), and the built-in plans registered in it: meshlm's Llama and the
+Hugging Face decoder families.
 
 Every family here shares Llama's module tree (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, ...,
 `model.norm`, `lm_head`); only these tables name those modules. Qwen2's q/k/v biases are split with their
@@ -8,6 +10,7 @@ weights by the colwise style; Mistral differs from Llama only in its attention w
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from torch import nn
 
@@ -25,9 +28,29 @@ from meshlm.parallel.parallel_plan import (
     PipelineSplit,
     PlanError,
     SplitMoE,
-    register_plan,
+    generic_plan,
 )
-from meshlm.parallel.strategies import check_tensor_parallel
+from meshlm.parallel.tp.sizes import check_tensor_parallel
+
+# ---- the registry ---------------------------------------------------------------------------------------
+PlanSource = ParallelPlan | Callable[[nn.Module], ParallelPlan]
+_PLANS: dict[type | str, PlanSource] = {}
+
+
+def register_plan(model_class: type | str, plan: PlanSource) -> None:
+    """Use `plan` (or `plan(model)`) for instances of `model_class` and its subclasses; a class *name* serves
+    families whose package is optional (transformers), matched without importing it."""
+    _PLANS[model_class] = plan
+
+
+def plan_for(model: nn.Module) -> ParallelPlan:
+    """The registered plan of the model's class (or nearest base), else the generic plan (DP / ZeRO only)."""
+    for cls in type(model).__mro__:
+        plan = _PLANS.get(cls) or _PLANS.get(cls.__name__)
+        if plan is not None:
+            return plan if isinstance(plan, ParallelPlan) else plan(model)
+    return generic_plan(model)
+
 
 DECODER_TP = {
     "model.embed_tokens": VOCAB_EMBEDDING,
