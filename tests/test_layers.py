@@ -283,3 +283,23 @@ def test_the_parallel_circle_check_is_sharp(tmp_path: Path) -> None:
     (root / "contract.py").write_text("def f():\n    from meshlm.parallel.tp import rules\n")
     cycle = find_cycle(set(parallel_module_edges(root)))
     assert cycle is not None and set(cycle) == {"meshlm.parallel.contract", "meshlm.parallel.tp.rules"}
+
+
+TORCH_FREE = [
+    "meshlm.parallel.contract",
+    "meshlm.parallel.strategies",
+    *(f"meshlm.parallel.{folder}.strategy" for folder in ("tp", "cp", "ep", "pp", "dp", "transforms")),
+    "meshlm.parallel.tp.sizes",
+]
+
+
+def test_the_contract_and_every_strategy_class_import_without_torch() -> None:
+    """The size rules run in `meshlm plan` and the run config's validation, which start without torch: the
+    contract, the ordered list and each folder's strategy module import none (their mechanics are imported
+    when a strategy checks a model or applies). Fails if, say, tp/strategy.py imports torch at its top."""
+    import subprocess
+    import sys
+
+    code = f"import sys; import {', '.join(TORCH_FREE)}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", f"importing {TORCH_FREE} imported torch"
