@@ -1,6 +1,6 @@
 # The two quick-start commands: `make demo` trains the tiny model on the standard-library corpus,
 # `make test` runs lint and the fast tier (a plain `pytest`: the checks marked slow are skipped, and every pair
-# of strategies keeps an equivalence run, tests/test_compositions.py). `make test-full` runs lint and every
+# of strategies keeps an equivalence run, tests/parallel/test_compositions.py). `make test-full` runs lint and every
 # check, slow ones included (`pytest --run-slow`); CI (.ci/run) runs `make test`, then
 # `make test-slow` (the slow tier alone, `pytest -m slow`, so nothing runs twice).
 # All create the virtual environment on first use.
@@ -17,9 +17,9 @@ PY := $(VENV)/bin/python
 CAPABILITY ?= default
 THREADS ?= 1
 PORTABILITY_ARGS ?=
-PARALLEL_TESTS := tests/test_tensor_parallel.py tests/test_data_parallel.py tests/test_pipeline.py \
-	tests/test_checkpoint_reshard.py tests/test_trainer_distributed.py tests/test_api.py tests/test_context_parallel.py \
-	tests/test_loss_contract.py tests/test_tied.py tests/test_expert_parallel.py tests/test_compositions.py
+PARALLEL_TESTS := $(addprefix tests/parallel/,test_tensor_parallel.py test_data_parallel.py test_pipeline.py \
+	test_checkpoint_reshard.py test_trainer_distributed.py test_api.py test_context_parallel.py test_loss_contract.py \
+	test_tied.py test_expert_parallel.py test_compositions.py)
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

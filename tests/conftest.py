@@ -1,12 +1,26 @@
+"""The suite's shared fixtures, for its three tiers by folder:
+
+- tests/unit/: in the pytest process, no ranks started and no subprocess beyond a CLI call;
+- tests/parallel/: gloo ranks started by tests/distributed.py, each layout against the single-process run
+  (equivalence, mutations, sharded checkpoints);
+- tests/integration/: meshlm run as a user or a scheduler runs it: torchrun, `meshlm launch`, Slurm, signals,
+  injected faults, exports read back by transformers and PEFT.
+
+The helper modules (distributed, equivalence, dp_helpers, check_models, shared_groups, slow_tier, slurm_cluster)
+stay in tests/ and are imported by name (`from distributed import run_shared`): tests/ is put on sys.path here.
+"""
+
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import os
-
 import pytest
 from hypothesis import settings
+
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+# A test module that imports another one's names (`from test_moe import MOE_MODEL`) finds it in any tier.
+sys.path[1:1] = [str(TESTS / tier) for tier in ("unit", "parallel", "integration")]
 
 # The suite runs the same examples on every machine (a red CI is never a draw); MESHLM_HYPOTHESIS=explore
 # searches fresh examples, as a session hunting for new bad inputs does.

@@ -31,7 +31,7 @@ from meshlm.model.init import fill_
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.parallel.plan import check_tp_plan
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt2 import GPT2, GPT2_PLAN
 
 STEPS, SGD_STEPS, BATCH, SEQ, VOCAB, DIM = 10, 4, 8, 16, 64, 32

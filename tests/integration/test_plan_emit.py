@@ -397,7 +397,7 @@ def test_no_file_has_a_path_of_the_planning_machine(tmp_path: Path, capsys: pyte
     """Neither this Python's environment nor this source tree appears in any file; without --install the Slurm
     and SkyPilot files are refused in one line."""
     base = ("--model", "test", "--gpu", "cpu", "--gpus", "2", "--data-source", "stdlib", "--top", "1")
-    here = [sys.prefix, str(Path(__file__).resolve().parents[1]), str(Path(sys.executable).parent)]
+    here = [sys.prefix, str(Path(__file__).resolve().parents[2]), str(Path(sys.executable).parent)]
     for target, extra in (("slurm", ()), ("kubernetes", ("--image", "i")), ("skypilot", ("--bucket", "s3://b"))):
         path = tmp_path / target
         flags = (*base, "--emit", target, "--emit-to", str(path), *extra)

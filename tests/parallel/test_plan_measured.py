@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # after tests/: its names win
+sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # after tests/: its names win
 
 from distributed import run_distributed
 from planner_check import Case, measure_cases, predict, stage_model_states

@@ -42,7 +42,7 @@ from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import plan_for
 from meshlm.parallel.strategies import LayoutSpec, check_layout
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt2 import GPT2, GPT2_PLAN
 from test_fused import MODELS as FUSED_MODELS
 from test_fused import MUTANT_PLAN, NEOX_PLAN, NeoX

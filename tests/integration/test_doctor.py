@@ -20,7 +20,7 @@ from meshlm.observe.doctor import default_sizes, run_doctor
 from meshlm.plan.hardware import Calibration, Link, hardware
 from meshlm.plan.network import collective_time
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bus_bandwidth_follows_nccl_tests() -> None:

@@ -26,7 +26,7 @@ SPEED_LINE = r"machine speed: 2-rank gloo all_reduce \d+\.\d\d ms, fp32 matmul \
 
 @pytest.mark.slow  # two fresh pytest processes, one starting two ranks: ~11 s
 def test_a_session_prints_the_machine_speed_only_after_using_two_ranks(pytester: pytest.Pytester) -> None:
-    tests = Path(__file__).parent
+    tests = Path(__file__).parents[1]  # the helper modules: tests/
     pytester.makeconftest(f"import sys\nsys.path.insert(0, {str(tests)!r})\npytest_plugins = ['shared_groups']\n")
     pytester.makepyfile(SUITE)
     with_ranks = pytester.runpytest_subprocess("-p", "no:cacheprovider")

@@ -23,7 +23,7 @@ from torch import nn
 import meshlm
 from meshlm.parallel.mesh import build_mesh, parse_layout
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt2 import GPT2, GPT2_PLAN
 
 STEPS, BATCH, SEQ, VOCAB = 10, 4, 16, 128

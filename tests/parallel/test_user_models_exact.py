@@ -36,7 +36,7 @@ from meshlm.parallel.plan import ParallelPlan, PipelineSplit, PlanError
 from meshlm.testing import global_batch, mask_prompts
 from meshlm.train.optim import lr_at
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt2 import GPT2, GPT2_PLAN
 
 VOCAB, BATCH, SEQ, MASKED = 128, 8, 32, 0.3

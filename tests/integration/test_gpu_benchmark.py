@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "run.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "run.py"
 TINY = ["--device", "cpu", "--model", "test", "--shape", '{"n_layers": 2, "vocab_size": 256}', "--batch", "2",
         "--seq-len", "32", "--warmup", "1", "--steps", "2", "--every", "2", "--backend", "aot_eager"]  # fmt: skip
 

@@ -22,7 +22,7 @@ from meshlm.parallel.mesh import Layout
 from meshlm.plan.cli import run_plan
 from meshlm.plan.emit import GRACE_MARGIN, grace_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([a-z]*)\n(.*?)^```", re.M | re.S)
 CHEAP = {"plan", "config"}  # run for real: no training, no processes

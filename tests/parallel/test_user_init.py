@@ -25,7 +25,7 @@ import meshlm
 from meshlm.parallel.materialize import InitError, MetaInit
 from meshlm.parallel.mesh import build_mesh, parse_layout
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt2 import GPT2, GPT2_PLAN
 
 VOCAB, SEQ, SEED = 128, 16, 7

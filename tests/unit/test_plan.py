@@ -360,7 +360,7 @@ def test_search_proposes_context_parallel_for_long_sequences():
 def test_no_context_parallel_at_short_sequences_unless_asked(capsys):
     """At 2,048 tokens a sequence (the GPT 22B question of docs/planner.md's K1) the search keeps cp = 1
     (CP_MIN_SEQ_LEN), where without the rule it split each sequence over 2 ranks; a cp the layout names stays."""
-    gpt_22b = str(Path(__file__).resolve().parents[1] / "meshlm/plan/published/megatron-gpt-22b.json")
+    gpt_22b = str(Path(__file__).resolve().parents[2] / "meshlm/plan/published/megatron-gpt-22b.json")
     question = ("--model", gpt_22b, "--gpus", "8", "--global-batch", "4",
                 "--gpu", "A100-80GB", "--seq-len", "2048", "--recompute", "selective", "--sequence-parallel",
                 "--no-flash-attention", "--runtime", "megatron", "--json", "--top", "1")  # fmt: skip

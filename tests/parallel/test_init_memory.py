@@ -36,7 +36,7 @@ from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.materialize import MetaInit
 from meshlm.parallel.mesh import Mesh, build_mesh, parse_layout
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt2 import GPT2, GPT2_PLAN
 
 WORLD = 4

@@ -14,7 +14,7 @@ from meshlm.config import (
     to_toml,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_are_valid_and_round_trip_through_toml(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from meshlm.plan.cli import add_plan_parser, run_plan
 from meshlm.plan.replay import ReplayError, _Job, check_deadline, percentile, replay
 from meshlm.plan.traces import Trace, TraceError, load_trace, poisson_trace, write_csv, write_spot_traces
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.append(str(ROOT / "benchmarks"))  # after tests/: its names win
 import spot_replay  # noqa: E402
 

@@ -20,7 +20,7 @@ import pytest
 
 from meshlm.plan.cli import add_plan_parser, run_plan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "planner.md"
 TOLERANCE = {"Throughput per GPU": 0.15, "Memory per GPU": 0.10}
 

@@ -44,7 +44,7 @@ STEPS = 24
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 INSTALL = "meshlm==0.1.0"
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PERIODIC_S = 30  # slurmctld's PERIODIC_TIMEOUT: how often it checks time limits
 
 

@@ -30,7 +30,7 @@ from meshlm.model.flops import param_counts
 from meshlm.observe.report import build_report
 from meshlm.plan.cli import resolve_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "tiny.toml"
 
 

@@ -31,7 +31,7 @@ from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.parallel.zero import FreedParameterError
 from meshlm.train.optim import lr_at
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 from gpt2 import GPT2, GPT2_PLAN  # noqa: E402
 
