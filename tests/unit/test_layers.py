@@ -28,6 +28,8 @@ Every import counts, whether at module level, inside a function or under TYPE_CH
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 import meshlm
@@ -172,27 +174,70 @@ def test_imports_are_parsed_function_local_and_relative() -> None:
 
 
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 80  # readable in one sitting; split by meaning past these
+NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+
+
+def code_lines(text: str) -> set[int]:
+    """The line numbers that hold code: a docstring (of the module, a class or a function), a comment or a
+    blank line is not code, so explaining costs nothing against the caps; any other string is, every line of
+    it (a multi-line literal is data the code carries)."""
+    tree = ast.parse(text)
+    docstrings: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(
+            node, clean=False
+        ):
+            doc = node.body[0]
+            docstrings.update(range(doc.lineno, doc.end_lineno + 1))
+    lines: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type not in NOT_CODE:
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return lines - docstrings
 
 
 def oversized(root: Path) -> list[str]:
-    """Modules over MAX_MODULE_LINES lines and functions (docstring included) over MAX_FUNCTION_LINES."""
+    """Modules over MAX_MODULE_LINES code lines and functions over MAX_FUNCTION_LINES (code_lines: docstrings,
+    comments and blank lines aside)."""
     found = []
     for path in sorted(root.rglob("*.py")):
         text = path.read_text()
-        if text.count("\n") > MAX_MODULE_LINES:
-            found.append(f"{path.relative_to(root.parent)}: {text.count(chr(10))} lines")
+        code = code_lines(text)
+        if len(code) > MAX_MODULE_LINES:
+            found.append(f"{path.relative_to(root.parent)}: {len(code)} code lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
+                lines = len([n for n in code if node.lineno <= n <= node.end_lineno])
                 if lines > MAX_FUNCTION_LINES:
-                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}: {lines} lines")
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}: {lines} code lines")
     return found
 
 
-def test_no_module_or_function_is_oversized(tmp_path: Path) -> None:
+def test_no_module_or_function_is_oversized() -> None:
     assert oversized(PACKAGE) == []
+
+
+def test_the_caps_count_code_lines(tmp_path: Path) -> None:
+    """Docstrings, comments and blank lines are free; code and multi-line string literals count. Mutations:
+    counting physical lines (as before) reports the documented function and module that fit; skipping every
+    string token lets the function whose 81st line is a literal's pass."""
+
+    def statements(n: int) -> str:  # n code lines, each followed by a blank line, one with a comment
+        return "".join(f"    x{i} = {i}  # a comment\n\n" for i in range(n))
+
+    doc = '    """' + "A docstring line.\n" * 50 + '    """\n'
+    module_doc = '"""A module docstring\n' + "of many lines.\n" * 30 + '"""\n\n'
     big = tmp_path / "meshlm"
     big.mkdir()
-    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
-    (big / "m.py").write_text(f"def f():\n{body}")
-    assert oversized(big) == [f"meshlm/m.py:1 f: {MAX_FUNCTION_LINES + 1} lines"]
+    at_cap = f"def f():\n{doc}    # only a comment\n{statements(MAX_FUNCTION_LINES - 1)}"
+    (big / "fits.py").write_text(module_doc + at_cap)
+    (big / "over.py").write_text(f"def g():\n{doc}{statements(MAX_FUNCTION_LINES)}")
+    (big / "literal.py").write_text(f'def h():\n{statements(MAX_FUNCTION_LINES - 2)}    text = """one\ntwo"""\n')
+    module = "".join(f"x{i} = {i}\n" for i in range(MAX_MODULE_LINES - 1)) + '"""not a docstring: code"""\n'
+    (big / "full.py").write_text(module_doc + "# a comment\n\n" + module)
+    (big / "long.py").write_text(module_doc + module + "x = 0\n")
+    assert oversized(big) == [
+        f"meshlm/literal.py:1 h: {MAX_FUNCTION_LINES + 1} code lines",
+        f"meshlm/long.py: {MAX_MODULE_LINES + 1} code lines",
+        f"meshlm/over.py:1 g: {MAX_FUNCTION_LINES + 1} code lines",
+    ]
