@@ -414,6 +414,15 @@ def test_no_file_has_a_path_of_the_planning_machine(tmp_path: Path, capsys: pyte
     assert "--install 'not a requirement': expected a pip requirement" in capsys.readouterr().err
 
 
+# The searches' own first plans (an unconstrained search of 405B on 1,024 GPUs cost the fast tier 32 s), fixed:
+# the grace is computed from whichever plan the launch is for.
+GRACE_LAYOUTS = {
+    "llama3-405b": Constraints(pp=32, dp=2, tp=4, cp=4, cp_attention="ring", zero=1, micro_batch=1,
+                               schedule="interleaved", virtual_stages=3, recompute="none", sequence_parallel=True),
+    "llama3-8b": Constraints(pp=1, dp=64, tp=1, cp=1, zero=3, micro_batch=1, schedule="1f1b", recompute="none"),
+}  # fmt: skip
+
+
 def test_grace_and_the_signal_lead_come_from_the_plans_checkpoint_time() -> None:
     """405B on 1,024 H100s: the checkpoint alone takes minutes at the planner's storage rate, so the grace,
     the sbatch warning and the pod's termination grace are all above it, and a small model gets less."""
@@ -421,7 +430,7 @@ def test_grace_and_the_signal_lead_come_from_the_plans_checkpoint_time() -> None
     sizes = {}
     for name, gpus in (("llama3-405b", 1024), ("llama3-8b", 64)):
         w = Workload(PRESETS[name], 8192, 1024, 1e12, name=name)
-        plan = search(w, gpus, hw, priced=1).plans[0]
+        plan = search(w, gpus, hw, constraints=GRACE_LAYOUTS[name], priced=1).plans[0]
         launch = launch_for(plan, ["--model.preset", name], 8192, 1024, 1e12, name)
         checkpoint_s = plan.checkpoint_bytes / (DEFAULT_COSTS.storage_gbps * 1e9)
         args = list(launch.train_args)
