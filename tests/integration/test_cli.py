@@ -350,7 +350,7 @@ def test_train_under_torchrun(small_run: list[str]) -> None:
 
 def test_help_lists_every_config_field_and_the_version(capsys: pytest.CaptureFixture[str]) -> None:
     """`meshlm train --help-all` (and `prepare-data`, `config show`) list every field of the config schema with its
-    default (`--help`, the common ones: tests/test_first_day.py); `generate`'s options each have a line of help;
+    default (`--help`, the common ones: tests/unit/test_first_day.py); `generate`'s options each have a line of help;
     `meshlm --version` names the package version."""
     from meshlm import __version__
     from meshlm.config import Config

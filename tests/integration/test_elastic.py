@@ -86,7 +86,7 @@ def uninterrupted(data_cache: str, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 # A rank that aborts (SIGABRT, as a C++ std::terminate) mid-training, and one SIGKILLed mid-save. (SIGKILL
-# mid-training: tests/test_preemption_peers.py, tests/test_slurm.py.)
+# mid-training: tests/integration/test_preemption_peers.py, tests/integration/test_slurm.py.)
 @pytest.mark.parametrize("fault", ["1:5:abort", "0:6:save-kill"], ids=["abort-mid-training", "kill-mid-save"])
 def test_killed_rank_restarts_and_matches_uninterrupted_run(
     small_run: list[str], tmp_path: Path, uninterrupted: dict[str, torch.Tensor], fault: str

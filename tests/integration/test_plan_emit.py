@@ -6,7 +6,7 @@ the machine that planned it; every user value that reaches a file is validated o
 quotes and spaces through every flag, the script run and parsed). The priced pool is the emitted one, and a
 spot trace can change both.
 
-The sbatch script on a real Slurm (time limit, `scancel --signal`, a killed worker) is tests/test_slurm.py.
+The sbatch script on a real Slurm (time limit, `scancel --signal`, a killed worker) is tests/integration/test_slurm.py.
 Here it also runs as two "nodes" on localhost, which a one-machine Slurm cannot start: stand-ins for `srun`
 (which, as Slurm's, turns a SIGTERM it receives into SIGKILL for its task) and `scontrol`; one node's worker
 SIGKILLed mid-run, the group restarted by the agents and resumed from the newest checkpoint. The PyTorchJob's

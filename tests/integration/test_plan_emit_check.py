@@ -5,7 +5,7 @@ stops the job with one line (on Slurm without a requeue). Without --check every 
 The files run here as written (bash for the sbatch script and SkyPilot's setup, dash for the PyTorchJob's
 container command) with a stand-in `meshlm` on PATH that records its arguments and exits as `meshlm check`
 does (0 passed, 1 a check failed) or as `meshlm launch` after training (0); Slurm's `srun` and `scontrol` are
-tests/test_plan_emit.py's stand-ins. The arguments the check gets are read by meshlm's own CLI into the same
+tests/integration/test_plan_emit.py's stand-ins. The arguments the check gets are read by meshlm's own CLI into the same
 Config the training gets. The real `meshlm check` refusing an override stops the sbatch script, and (slow)
 passing on two cpu ranks lets the run train."""
 
@@ -73,7 +73,7 @@ def test_check_is_off_by_default_and_only_adds_its_lines(tmp_path: Path, capsys:
     """--check adds the check and changes nothing else: the sbatch script and SkyPilot's task gain lines (and
     the task's install stops the setup when it fails); the PyTorchJob's container command becomes a script
     that ends by exec-ing the unchanged command. Without it the planner writes what `slurm`, `kubernetes` and
-    `skypilot` write for a Site without check (tests/test_plan_emit.py checks those files)."""
+    `skypilot` write for a Site without check (tests/integration/test_plan_emit.py checks those files)."""
     plain, checked = slurm(LAUNCH, SITE), slurm(LAUNCH, CHECKED)
     ops = difflib.SequenceMatcher(None, plain.splitlines(), checked.splitlines(), autojunk=False).get_opcodes()
     assert [op for op, *_ in ops if op != "equal"] == ["insert"]

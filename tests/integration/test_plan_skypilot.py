@@ -3,7 +3,7 @@ node count, spot with an on-demand fallback, bounded job recovery, the bucket in
 install step, and its `run` command really trains: run as two "nodes" on localhost with SkyPilot's node
 variables set, one node's worker killed mid-run (MESHLM_INJECT_FAULT: rank 1, the second node's only worker,
 SIGKILLs itself after step 5), the agents restart the group, which resumes from the newest valid checkpoint
-at the same data position. `meshlm` is this worktree's CLI (tests/test_plan_emit.py's `shims`)."""
+at the same data position. `meshlm` is this worktree's CLI (tests/integration/test_plan_emit.py's `shims`)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ from meshlm.checkpoint import list_checkpoints, verify_checkpoint
 from meshlm.checkpoint.store import read_trainer_state
 from meshlm.parallel.distributed import lost_peer
 
-DEADLINE_S = 400  # as tests/test_preemption_signals.py: each rank bounds its own waits (watchdog, collective timeout)
+# as tests/integration/test_preemption_signals.py: each rank bounds its own waits (watchdog, collective timeout)
+DEADLINE_S = 400
 CLOSED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # the dead peer's sockets
 
 

@@ -121,8 +121,8 @@ def _status(directory: Path, rank: int, word: str, pid: int) -> None:
 def test_a_second_ctrl_c_goes_on_to_the_workers_still_running(tmp_path: Path) -> None:
     """The launcher's handler: the first Ctrl-C becomes torchrun's SignalException with SIGINT to forward (one
     save); a second is sent on to the workers that have not stopped (real processes here; a worker stops at once
-    on its second SIGINT, tests/test_preemption_signals.py), not to one that already stopped; the launcher then
-    says so in one line and exits 130."""
+    on its second SIGINT, tests/integration/test_preemption_signals.py), not to one that already stopped; the
+    launcher then says so in one line and exits 130."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     running, stopped = (subprocess.Popen(["sleep", "300"]) for _ in range(2))

@@ -125,7 +125,7 @@ GPT2_CASES = [
     ("tp=2", {}, {"loss": z_loss}),
 ]
 # The other ZeRO stages × optimizers through the API (slow tier): ZeRO's stages and optimizers meet in
-# tests/test_data_parallel.py's fast matrix, and the API path is the same for each.
+# tests/parallel/test_data_parallel.py's fast matrix, and the API path is the same for each.
 GPT2_ZERO_OPTIMIZERS = [
     ("dp=2", {"zero": 1}, {}),
     ("dp=2", {"zero": 2}, {}),

@@ -46,8 +46,8 @@ TRANSFORM_OPTIONS = {"FusedLoss": {"fused_loss": True}, "Adapt": {"lora_rank": 4
 # Transforms that no equivalence run can hold to one process's result, each with the tests that cover it.
 OWN_TESTS = {
     "FP8": "each rank quantises its own operands with their own scales, so no layout is exact against one "
-    "process: tests/test_fp8.py bounds it under tp=2 and ZeRO-3 (through meshlm.parallelize)",
-    "Compile": "a compiled block computes what the eager one does: tests/test_compile.py trains compiled "
+    "process: tests/parallel/test_fp8.py bounds it under tp=2 and ZeRO-3 (through meshlm.parallelize)",
+    "Compile": "a compiled block computes what the eager one does: tests/parallel/test_compile.py trains compiled "
     "blocks (through meshlm.parallelize) as eager at world 1 and under tp=2",
 }
 
@@ -94,7 +94,7 @@ def test_every_pair_of_strategies_has_a_composition() -> None:
         and names[j] not in OWN_TESTS
         and not any(engages(case, a) and engages(case, b) for case in COMPOSITIONS.values())
     ]
-    assert not missing, f"no run in tests/test_compositions.py COMPOSITIONS composes {', '.join(missing)}"
+    assert not missing, f"no run in tests/parallel/test_compositions.py COMPOSITIONS composes {', '.join(missing)}"
     for name, case in COMPOSITIONS.items():
         assert set(case.transforms) <= set(TRANSFORM_OPTIONS), f"{name}: unknown transform in {case.transforms}"
 

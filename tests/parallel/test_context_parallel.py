@@ -284,7 +284,7 @@ RUNS_CP4 = [
 ]
 
 
-@pytest.mark.slow  # four four-rank runs; cp+dp and cp+tp are in the fast tier's tests/test_compositions.py
+@pytest.mark.slow  # four four-rank runs; cp+dp and cp+tp are in the fast tier's tests/parallel/test_compositions.py
 def test_cp4_and_cp_with_dp_zero_tp_match_one_process() -> None:
     cores = [("ring", 4, 2), ("ulysses", 4, 4)]
     out = run_shared(_checks, 4, cores, RUNS_CP4, [])

@@ -241,7 +241,7 @@ WORLD4 = [
 def _gpt2_tp2() -> dict:
     try:
         mutant = run("tp=2", "gpt2", plan=MUTANT_PLAN)
-    except meshlm.PlanError as e:  # refused by the build-time probe (tests/test_silent_cases.py)
+    except meshlm.PlanError as e:  # refused by the build-time probe (tests/parallel/test_silent_cases.py)
         mutant = str(e)
     return {"run": run("tp=2", "gpt2"), "mutant": mutant}
 

@@ -30,7 +30,7 @@ from meshlm.train.trainer import train
 
 MODEL = preset("test")
 BATCH, SEQ_LEN = 2, 32
-# The planner's standard for measured memory (tests/test_plan_measured.py): within 10 %. The formula counts
+# The planner's standard for measured memory (tests/parallel/test_plan_measured.py): within 10 %. The formula counts
 # the per-token activations of docs/planner.md and leaves out what is small or kernel-specific: the softmax
 # statistics a flash kernel keeps (n_heads floats per token, 0.2 % here) and, with the math kernel, the
 # grouped K/V it expands to every query head and its pre-softmax scores (measured 5.4 % over). A selective

@@ -360,7 +360,8 @@ def test_tp4_replicated_kv_matches_single_process() -> None:
     assert_mutations_caught(refs, [result["mutated"] for result in out], [str(run) for run in MUTATED_TP4])
 
 
-@pytest.mark.slow  # ZeRO 0-3 × SGD twins, eight four-rank runs; dp+tp is in the fast tier's tests/test_compositions.py
+# dp+tp is in the fast tier's tests/parallel/test_compositions.py
+@pytest.mark.slow  # ZeRO 0-3 × SGD twins, eight four-rank runs
 def test_dp2_tp2_with_zero_matches_single_process() -> None:
     pytest.importorskip("meshlm.parallel.data_parallel")
     runs = with_sgd_twins([("dp=2,tp=2", {"zero": zero, **(SP if zero % 2 else {})}, {}) for zero in range(4)])

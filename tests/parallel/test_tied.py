@@ -155,7 +155,7 @@ def test_a_tied_checkpoint_saved_at_pp2_resumes_in_one_process(tmp_path: Path):
 
 
 def tied_gpt2() -> torch.nn.Module:
-    """A user's model (tests/test_api.py's GPT-2 style) whose head reuses its token embedding: the tie is the
+    """A user's model (tests/parallel/test_api.py's GPT-2 style) whose head reuses its token embedding: the tie is the
     module graph's (one Parameter, two modules), there is no config field saying so."""
     from test_api import gpt2
 
