@@ -2,13 +2,11 @@
 dense and expert parameters per rank, an MoE layer's activations against what autograd saves, the all-to-all
 time of expert parallelism, the node placement of every mesh group, and a search that proposes ep for
 Mixtral on 64 H100s and nothing the runtime refuses. The bytes the runtime holds per rank under ep are
-checked in tests/test_zero_bytes.py, the published Mixtral run in tests/test_plan_published.py."""
+checked in tests/parallel/test_zero_bytes.py, the published Mixtral run in tests/unit/test_plan_published.py."""
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 
 import pytest
 import torch
@@ -20,7 +18,6 @@ from meshlm.model.llama import set_recompute
 from meshlm.observe.memory import ActivationMeter
 from meshlm.parallel.mesh import DIMS, Layout, parse_layout
 from meshlm.plan import PlanError, Workload, hardware, search
-from meshlm.plan.cli import add_plan_parser, run_plan
 from meshlm.plan.memory import (
     Strategy,
     layer_activation_bytes,
@@ -75,7 +72,7 @@ MOE_MODELS = {
     "mixtral": preset("test").replace(hf_model_type="mixtral", n_experts=8, top_k=2, moe_intermediate_size=128),
 }  # fmt: skip
 BATCH, SEQ_LEN = 2, 32
-TOLERANCE = 0.10  # the planner's standard for measured memory (tests/test_recompute.py, test_plan_measured.py)
+TOLERANCE = 0.10  # the planner's standard for measured memory (tests/parallel/test_recompute.py, test_plan_measured.py)
 
 
 def saved_bytes(cfg: object, n_layers: int, policy: str) -> int:
@@ -169,31 +166,23 @@ def test_crosses_nodes_agrees_with_every_group() -> None:
     assert any(verdicts) and not all(verdicts)
 
 
-MIXTRAL_64 = ["--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "H100-SXM", "--seq-len", "4096",
-              "--global-batch", "256"]  # fmt: skip
-
-
-@pytest.mark.slow  # a 64-GPU Mixtral search through the CLI: ~45 s under load; tiny-moe's searches below are fast
-def test_meshlm_plan_proposes_ep_for_mixtral_on_64_h100s(capsys: pytest.CaptureFixture) -> None:
-    """`meshlm plan` on Mixtral 8x7B and 64 H100s ranks expert-parallel layouts among its best (ep within a
-    node: the all-to-alls of 32 MoE layers per micro-batch on NVLink), each plan's memory counting expert
-    shards of E/ep experts."""
-    parser = argparse.ArgumentParser()
-    add_plan_parser(parser.add_subparsers())
-    assert run_plan(parser.parse_args(["plan", *MIXTRAL_64, "--json", "--top", "5"])) == 0
-    plans = json.loads(capsys.readouterr().out)["plans"]
-    with_ep = [p for p in plans if p["ep"] > 1]
-    assert with_ep and all(f"ep={p['ep']}" in p["layout"] and p["ep"] <= 8 for p in with_ep)
-    assert all(p["step_parts_s"]["ep_comm"] > 0 for p in with_ep)
-
-
+# One 64-GPU Mixtral search serves the ranking and the runtime checks (a search through the CLI cost another ~45 s; the
+# CLI runs a 64-GPU Mixtral search for real in tests/integration/test_docs_commands.py: docs/planner.md's MoE line).
 @pytest.mark.slow  # a 64-GPU search and its 89,671 plans through the runtime's checks: ~100 s; tiny-moe below is fast
 def test_every_mixtral_plan_on_64_h100s_is_one_the_runtime_runs() -> None:
     """All the layouts that fit Mixtral 8x7B on 64 H100s pass the trainer's checks, ep composed with pp and tp
     among them; at 4,096 tokens a sequence none has cp (below CP_MIN_SEQ_LEN the search leaves it out), and with
-    cp asked for, ep composes with it too."""
+    cp asked for, ep composes with it too.
+
+    The search ranks expert-parallel layouts among its five best (what `meshlm plan --json --top 5` prints:
+    ep within a node, the all-to-alls of 32 MoE layers per micro-batch on NVLink), each plan's memory counting
+    expert shards of E/ep experts and its step time their all-to-alls."""
     w = Workload(preset("mixtral-8x7b"), 4096, 256, 1e12)
-    strategies = [p.strategy for p in search(w, 64, hardware("H100-SXM"), priced=0).plans]
+    plans = search(w, 64, hardware("H100-SXM"), priced=0).plans
+    with_ep = [p.to_dict() for p in plans[:5] if p.strategy.ep > 1]
+    assert with_ep and all(f"ep={p['ep']}" in p["layout"] and p["ep"] <= 8 for p in with_ep)
+    assert all(p["step_parts_s"]["ep_comm"] > 0 for p in with_ep)
+    strategies = [p.strategy for p in plans]
     assert {s.ep for s in strategies} == {1, 2, 4, 8}
     assert all(runtime_accepts(s, w.model, w.seq_len, w.global_batch) for s in strategies)
     for dim in ("pp", "tp"):
