@@ -37,22 +37,9 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("token-cache"))
 
 
-def small_run_args(data_cache: str, run_dir: Path) -> list[str]:
-    """Overrides for a fast training run of the `test` preset on real text."""
-    return [
-        "--model.preset", "test",
-        "--data.max_chars", "1500000",
-        "--data.cache_dir", data_cache,
-        "--data.seq_len", "64",
-        "--train.global_batch", "8",
-        "--train.warmup_steps", "2",
-        "--train.eval_batches", "2",
-        "--log.run_dir", str(run_dir),
-        "--log.progress", "false",
-        "--log.tensorboard", "false",
-    ]  # fmt: skip
-
-
 @pytest.fixture
 def small_run(data_cache: str, tmp_path: Path) -> list[str]:
+    """tests/run_args.py's overrides for a short run in this test's own directory."""
+    from run_args import small_run_args  # tests/ is on sys.path (above)
+
     return small_run_args(data_cache, tmp_path / "run")

@@ -19,8 +19,8 @@ import os
 import sys
 
 import pytest
-from conftest import small_run_args
 from equivalence import dp_gradients_all_reduced_twice, tp_input_gradient_not_all_reduced
+from run_args import small_run_args
 from test_tied import TIED, tied_weight_counted_twice_in_the_norm
 
 import meshlm

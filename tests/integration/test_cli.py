@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import small_run_args
+from run_args import small_run_args
 
 from meshlm import InputError
 from meshlm.checkpoint import CheckpointError, StorageError, list_checkpoints

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import small_run_args
 from distributed import free_port, run_shared
 from equivalence import trainer_runs
+from run_args import small_run_args
 
 from meshlm.checkpoint import list_checkpoints, load_model_state
 

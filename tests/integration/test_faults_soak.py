@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import small_run_args
+from run_args import small_run_args
 
 from meshlm.checkpoint import latest_valid_checkpoint, list_checkpoints, load_model_state
 from meshlm.config import load_config, parse_overrides

@@ -15,7 +15,7 @@ import pytest
 import torch
 from distributed import run_shared
 from equivalence import trainer_runs
-from test_sft import CHATML, VOCAB, hf_tokenizer_dir, sft_cfg
+from sft_data import CHATML, VOCAB, hf_tokenizer_dir, sft_cfg
 
 from meshlm.cli import main
 from meshlm.config import load_config, parse_overrides

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import small_run_args
 from distributed import free_port
+from run_args import small_run_args
 
 from meshlm.checkpoint import list_checkpoints, verify_checkpoint
 from meshlm.checkpoint.store import read_trainer_state

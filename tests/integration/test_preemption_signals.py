@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import small_run_args
+from run_args import small_run_args
 
 from meshlm.checkpoint import list_checkpoints, verify_checkpoint
 from meshlm.checkpoint.store import read_trainer_state

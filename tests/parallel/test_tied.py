@@ -256,7 +256,7 @@ def _train_tied_at_pp2(overrides: list[str]) -> list[dict]:
 
 def test_eval_generate_and_convert_of_a_tied_run(data_cache: str, tmp_path: Path, capsys):
     transformers = pytest.importorskip("transformers")
-    from conftest import small_run_args
+    from run_args import small_run_args
 
     from meshlm.convert import load_checkpoint_model
 

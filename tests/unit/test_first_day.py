@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sft import CHATML, hf_tokenizer_dir
+from sft_data import CHATML, hf_tokenizer_dir
 from tokenizers import Tokenizer
 
 from meshlm.cli import main
@@ -47,7 +47,7 @@ def test_the_tiny_preset_is_the_demo_model(capsys: pytest.CaptureFixture[str]) -
 
 
 def _one_step(data_cache: str, run_dir: Path) -> list[str]:
-    from conftest import small_run_args
+    from run_args import small_run_args
 
     return [*small_run_args(data_cache, run_dir), "--train.steps", "1", "--train.eval_every", "0"]
 

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import small_run_args
+from run_args import small_run_args
 
 from meshlm.cli import main
 from meshlm.config import load_config
