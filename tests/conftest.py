@@ -6,8 +6,10 @@
 - tests/integration/: meshlm run as a user or a scheduler runs it: torchrun, `meshlm launch`, Slurm, signals,
   injected faults, exports read back by transformers and PEFT.
 
-The helper modules (distributed, equivalence, dp_helpers, check_models, shared_groups, slow_tier, slurm_cluster)
-stay in tests/ and are imported by name (`from distributed import run_shared`): tests/ is put on sys.path here.
+The helper modules (distributed, equivalence, dp_helpers, check_models, run_args, sft_data, shared_groups,
+slow_tier, slurm_cluster) stay in tests/ and are imported by name (`from distributed import run_shared`): tests/
+is put on sys.path here. A name two test modules share belongs in one of them, not in a test module (some
+still import another's: the tier folders are on sys.path too, so that works from any folder).
 """
 
 import os
