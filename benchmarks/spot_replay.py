@@ -5,7 +5,7 @@ Each row draws a one-year trace of its spot slots from the closed form's own mod
 exponential returns; `poisson_trace(slots, rate, 3600, 365 d, seed=1)`), replays 100 runs from seeded
 random start offsets, and prints the closed form's expected wall time and dollars against the replay's p50
 and p90, with their ratio. docs/planner.md, "Closed form against trace replay", holds the table this prints;
-tests/test_plan_replay.py checks every row (p50 within ±10 %) and that the doc shows these numbers.
+tests/unit/test_plan_replay.py checks every row (p50 within ±10 %) and that the doc shows these numbers.
 
     .venv/bin/python benchmarks/spot_replay.py        # ~20 s on one core
 """

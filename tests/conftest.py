@@ -1,12 +1,28 @@
+"""The suite's shared fixtures, for its three tiers by folder:
+
+- tests/unit/: in the pytest process, no ranks started and no subprocess beyond a CLI call;
+- tests/parallel/: gloo ranks started by tests/distributed.py, each layout against the single-process run
+  (equivalence, mutations, sharded checkpoints);
+- tests/integration/: meshlm run as a user or a scheduler runs it: torchrun, `meshlm launch`, Slurm, signals,
+  injected faults, exports read back by transformers and PEFT.
+
+The helper modules (distributed, equivalence, dp_helpers, check_models, run_args, sft_data, shared_groups,
+slow_tier, slurm_cluster) stay in tests/ and are imported by name (`from distributed import run_shared`): tests/
+is put on sys.path here. A name two test modules share belongs in one of them, not in a test module (some
+still import another's: the tier folders are on sys.path too, so that works from any folder).
+"""
+
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import os
-
 import pytest
 from hypothesis import settings
+
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+# A test module that imports another one's names (`from test_moe import MOE_MODEL`) finds it in any tier.
+sys.path[1:1] = [str(TESTS / tier) for tier in ("unit", "parallel", "integration")]
 
 # The suite runs the same examples on every machine (a red CI is never a draw); MESHLM_HYPOTHESIS=explore
 # searches fresh examples, as a session hunting for new bad inputs does.
@@ -23,22 +39,9 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("token-cache"))
 
 
-def small_run_args(data_cache: str, run_dir: Path) -> list[str]:
-    """Overrides for a fast training run of the `test` preset on real text."""
-    return [
-        "--model.preset", "test",
-        "--data.max_chars", "1500000",
-        "--data.cache_dir", data_cache,
-        "--data.seq_len", "64",
-        "--train.global_batch", "8",
-        "--train.warmup_steps", "2",
-        "--train.eval_batches", "2",
-        "--log.run_dir", str(run_dir),
-        "--log.progress", "false",
-        "--log.tensorboard", "false",
-    ]  # fmt: skip
-
-
 @pytest.fixture
 def small_run(data_cache: str, tmp_path: Path) -> list[str]:
+    """tests/run_args.py's overrides for a short run in this test's own directory."""
+    from run_args import small_run_args  # tests/ is on sys.path (above)
+
     return small_run_args(data_cache, tmp_path / "run")

@@ -1,7 +1,8 @@
 """Correctness checks that need the GPU, run by benchmarks/gpu/check.sh after the benchmark (about a minute).
 
   fp8-numerics     torch._scaled_mm against the emulated fp8 matmul (same quantisation, so equal up to the
-                   bf16 output rounding) and against the bf16 layer (within the fp8 bounds of tests/test_fp8.py)
+                   bf16 output rounding) and against the bf16 layer (within the fp8 bounds of
+                   tests/parallel/test_fp8.py)
   device-guard     a NaN injected at step 3: with `train.sync_every > 1` the update is skipped on the device
                    (fused AdamW's found_inf) with no host sync in any step (torch.cuda sync debug mode "error"),
                    the losses equal the synced path's (which reads and skips on the host)
@@ -11,7 +12,7 @@
                    steps, the device guard, fused AdamW
 
 Each check prints PASS or FAIL with its figures; `--json FILE` writes them all. `--device cpu` runs what can run
-on a CPU (the emulated parts, no sync debug mode) so tests/test_gpu_benchmark.py keeps this script honest.
+on a CPU (the emulated parts, no sync debug mode) so tests/integration/test_gpu_benchmark.py keeps this script honest.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def check_device_guard(device: torch.device) -> dict:
 
         def poisoned(inputs: torch.Tensor, targets: torch.Tensor, pm=pm, original=original, step=step) -> torch.Tensor:
             loss = original(inputs, targets)
-            if step[0] == 3:  # a NaN gradient at step 3, as tests/test_guards.py injects it
+            if step[0] == 3:  # a NaN gradient at step 3, as tests/integration/test_guards.py injects it
                 next(pm.chunks[0].parameters()).grad[0, 0] = float("nan")
             return loss
 

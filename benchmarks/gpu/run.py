@@ -19,7 +19,7 @@ Rows (`--rows` picks some, by name):
   train-loop                       `meshlm.fit` with every built-in (prefetching data loader, logging, guards)
                                    and no performance flag, 8×2048; tokens/s from its own step metrics
 
-Without a CUDA device it prints "no CUDA device" and exits 0 (tests/test_gpu_benchmark.py runs every row's
+Without a CUDA device it prints "no CUDA device" and exits 0 (tests/integration/test_gpu_benchmark.py runs every row's
 code on the CPU with `--device cpu` instead).
 
     python benchmarks/gpu/run.py
