@@ -157,7 +157,7 @@ class ParallelModel:
         build.meta_init = MetaInit(model, mesh_device(mesh), self.placements) if meta else None
         self.applied += apply_strategies(build)  # their run-time hooks, in composition order
         self.chunks, self.token_loss, self.grads = build.chunks, build.token_loss, build.grads
-        self.replicas = mesh.size("data") * mesh.size("cp")  # ranks whose gradients are averaged: dp × ep × cp
+        self.replicas = mesh.size("replicas")  # ranks whose gradients are averaged: dp × ep × cp
         self.pipeline, self.dp = build.pipeline, build.dp  # for inspection (tests, benchmarks): None when unused
         for chunk in self.chunks:  # MoE aux losses: each micro-batch's share, like the loss's / n_micro
             set_aux_loss_scale(chunk, 1.0 / n_micro)
