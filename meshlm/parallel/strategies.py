@@ -161,7 +161,7 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int, sequence_para
 
 
 class TensorParallel:
-    """meshlm.parallel.tensor_parallel: the plan's Linear/Embedding modules sharded over `tp` (a TPShard each)."""
+    """meshlm.parallel.tensor_parallel: the plan's Linear/Embedding modules sharded over `tp` (a Shard each)."""
 
     dim = "tp"
 
