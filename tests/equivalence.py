@@ -147,7 +147,7 @@ def train_layout(
         set_optimizer_steps(opt, start)
         pm.after_load()
         out["resumed_state"] = pm.full_state_dict()
-    dp_rank, dp = mesh.rank("data"), mesh.size("data")  # dp × ep ranks get rows of their own
+    dp_rank, dp = mesh.rank("batch"), mesh.size("batch")  # dp × ep ranks get rows of their own
     losses, norms = [], []
     stop = steps if stop is None else stop
     for step in range(start, stop):

@@ -83,7 +83,7 @@ def counted_wrongly(got_norm: float, ref_norm: float, grads: dict) -> tuple[str,
 def assembled(records: list[dict], shape: tuple[int, ...], key: str) -> list[torch.Tensor]:
     """The copies of a module's input or output (`key`) the layout's ranks hold as one process would: each rank's
     whole copy of that shape, and the one the tp ranks' column shards make together, each shard placed where
-    its plan's pieces say (TPShard.pieces of the Linear's weight; a shard of another kind, such as a sequence
+    its plan's pieces say (Shard.pieces of the Linear's weight; a shard of another kind, such as a sequence
     shard, has another shape and is left out)."""
     held, full, covered = [], None, None
     for record in records:

@@ -31,7 +31,7 @@ from meshlm.errors import InputError
 from meshlm.observe.metrics import load_metrics
 from meshlm.parallel.dp.zero import resident
 from meshlm.parallel.mesh import Layout
-from meshlm.parallel.placement import Placement
+from meshlm.parallel.placement import REPLICAS, Placement
 from meshlm.train.parts import Callback, IterableBatches
 from meshlm.train.trainer import Trainer, fit
 
@@ -54,18 +54,15 @@ class CopyGradient(torch.optim.Optimizer):
 
 
 def placement_line(place: Placement, layout: Layout) -> str:
-    """How this rank holds a parameter of placement `place` ('sharded tp dim 0 per-head; reduced over dp')."""
-    parts = []
-    if place.ep is not None:
-        parts.append("experts sharded over ep")
-    if place.tp is not None:
-        parts.append(f"sharded tp dim {place.tp.dim}" + (" per-head" if len(place.tp.pieces) > 1 else ""))
-    elif layout.tp > 1:
+    """How this rank holds a parameter of placement `place` ('sharded tp dim 0 per-head; reduced over dp'): each
+    mesh dimension that cuts it, tp if it holds it whole, tied stages, and the group that reduces its gradient."""
+    parts = [f"sharded {s.mesh_dim} dim {s.dim}" + (" per-head" if len(s.pieces) > 1 else "") for s in place.shards]
+    if place.on("tp") is None and layout.tp > 1:
         parts.append("replicated over tp")
     if place.pp_tied:
         parts.append("tied over the first and last pipeline stages")
     if layout.dp * layout.cp > 1:
-        parts.append("reduced over the expert's dp group" if place.expert else "reduced over dp")
+        parts.append("reduced over dp" if place.grad_group == REPLICAS else f"reduced over {place.grad_group}")
     return "; ".join(parts) or "whole on one rank"
 
 
@@ -92,14 +89,14 @@ class Outputs:
 
     def named(self, chunks: list[nn.Module], placements: object) -> dict[str, dict]:
         """Per module name: its input and output and, for a tp-sharded Linear, where this rank's columns of
-        its output (weight split on dim 0) or of its input (dim 1) sit in the full tensor (TPShard.pieces)."""
+        its output (weight split on dim 0) or of its input (dim 1) sit in the full tensor (Shard.pieces)."""
         names = {module: name for chunk in chunks for name, module in chunk.named_modules() if name}
         out = {}
         for module, (given, output) in self.first.items():
             if module not in names:
                 continue
             weight = getattr(module, "weight", None)
-            shard = placements[weight].tp if isinstance(weight, torch.Tensor) else None
+            shard = placements[weight].on("tp") if isinstance(weight, torch.Tensor) else None
             linear = (  # a Linear's shapes: (.., in) -> (.., out) with a weight (out, in); not an embedding's
                 shard is not None
                 and given is not None
@@ -193,9 +190,7 @@ class Record(Callback):
         mine = {name: placement_line(model.placements[p], trainer.layout) for name, p in params.items()}
         mine = {name: line for name, line in mine.items() if name in self.weights}
         whole = {
-            name: p.detach().clone()
-            for name, p in params.items()
-            if model.placements[p].tp is None and model.placements[p].ep is None and resident(p)
+            name: p.detach().clone() for name, p in params.items() if not model.placements[p].shards and resident(p)
         }
         outputs = {}
         if self.outputs is not None and trainer.dp_rank == 0:

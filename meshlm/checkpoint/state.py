@@ -3,9 +3,10 @@
 Keys are layout-free (`model/<name>`, `optim/<state>/<name>` for each per-element optimizer state, e.g.
 AdamW's exp_avg and exp_avg_sq, each of the full model's shape), so any layout can load what any other
 layout saved. This rank contributes the boxes it
-holds: ZeRO flat pieces cut into row boxes (shards.flat_range_boxes), placed by the slices the model's
-placement table records for the parameter (meshlm.parallel.placement): its tp slice (one box per run) and,
-for an expert-parallel rank's slice of stacked experts, its ep slice (dim 0; under ep × tp both).
+holds: ZeRO flat pieces cut into row boxes (shards.flat_range_boxes), placed by the shards the model's
+placement table records for the parameter (meshlm.parallel.placement), one per mesh dimension that cuts it,
+each along its tensor dim (one box per run: a fused projection's slice is several), whichever strategy cut it
+(tp's slices, ep's slice of stacked experts along dim 0; under ep × tp both).
 """
 
 from __future__ import annotations

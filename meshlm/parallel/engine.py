@@ -164,7 +164,7 @@ class ParallelModel:
         self.applied += done.applied  # their run-time hooks
         self.chunks, self.grads = done.chunks, done.grads  # what the strategies handed on
         self.token_loss = done.token_loss or loss_fn or self._cross_entropy
-        self.replicas = mesh.size("data") * mesh.size("cp")  # ranks whose gradients are averaged: dp × ep × cp
+        self.replicas = mesh.size("replicas")  # ranks whose gradients are averaged: dp × ep × cp
         # for inspection (tests, benchmarks): the schedule and the data-parallel object, None when unused
         self.pipeline, self.dp = done.parts.get("pipeline"), done.parts.get("dp")
         for chunk in self.chunks:  # MoE aux losses: each micro-batch's share, like the loss's / n_micro

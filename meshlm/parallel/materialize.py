@@ -1,7 +1,7 @@
 """Set-up of a model built on the `meta` device: each rank allocates and initialises only what it keeps.
 
 The engine applies tensor and pipeline parallelism to the meta model (slices of meta tensors are meta, their
-TPShards recorded in the build's placement table, meshlm.parallel.placement), then
+Shards recorded in the build's placement table, meshlm.parallel.placement), then
 `MetaInit.replace_params` swaps every meta parameter of this rank's chunks for a real one on the device:
 allocated and filled at once when the rank keeps it whole, or a storage-less placeholder when data
 parallelism / ZeRO will pack it, whose FlatBuffer then fills only what the rank holds
@@ -42,7 +42,7 @@ from torch import nn
 
 from meshlm.errors import InputError
 from meshlm.model.init import InitRule, TensorSlice, block_seed, fill_
-from meshlm.parallel.placement import Placements, TPShard
+from meshlm.parallel.placement import Placements, Shard
 from meshlm.ties import tied_aliases
 
 
@@ -219,7 +219,7 @@ class MetaInit:
         shard) into `out`; `name` defaults to the placeholder's."""
         name = self.pending[id(param)] if name is None else name
         name = self.aliases.get(name, name)
-        shards = self.placements[param].shards  # an expert-parallel slice of stacked experts (dim 0), its tp slice
+        shards = self.placements[param].shards  # one per mesh dim that cuts it (ep: dim 0 of stacked experts; tp)
         if self.source is not None or self.rules is not None:
             for tp_slice, shape, first, part in _flat_runs(shards, param.shape, start, out):
                 if self.source is not None:
@@ -336,7 +336,7 @@ class MetaInit:
 
 
 def _flat_runs(
-    shards: tuple[TPShard, ...], local_shape: torch.Size, start: int, out: torch.Tensor
+    shards: tuple[Shard, ...], local_shape: torch.Size, start: int, out: torch.Tensor
 ) -> list[tuple[TensorSlice | None, tuple[int, ...], int, torch.Tensor]]:
     """Elements [start, start + out.numel()) of a tp-local tensor as pieces of contiguous slices of the full
     tensor: (tp_slice (dim, full offset), or one such pair per dim for an expert weight sliced over ep and tp,

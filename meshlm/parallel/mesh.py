@@ -13,6 +13,7 @@ meshlm.parallel.strategies); `build_mesh` imports it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,13 +87,23 @@ def product(sizes: dict[str, int], *dims: str) -> str:
     return "×".join(d for d in dims if d != "ep" or d in sizes)
 
 
+# The flattened mesh groups, each one meaning, named by what its ranks share (dp-major, in mesh order):
+FLAT_GROUPS = {
+    "batch": ("dp", "ep"),  # the ranks the global batch is split over: each gets rows of its own
+    "replicas": ("dp", "ep", "cp"),  # the ranks holding the same whole weights: they average those gradients
+    "expert_replicas": ("dp", "cp"),  # the ranks holding the same expert shard: they average its gradients
+}
+
+
 @dataclass
 class Mesh:
-    """The layout plus this rank's process groups, one per named dimension, and flattened ones:
-    "dp_cp"     the ranks that hold the same expert shard (the expert-data-parallel group): dp × cp;
-    "replicas"  the ranks that hold the same dense weights and average their gradients: dp × ep × cp;
-    "data"      the ranks that get rows of their own: dp × ep.
-    Without ep the first two are the same ranks; without ep and cp all three are dp."""
+    """The layout plus this rank's process groups, one per named dimension, and the flattened ones (FLAT_GROUPS):
+    "batch"            dp × ep: the ranks that get rows of their own (an ep rank is a data replica for the
+                       dense layers), over which the global batch is split;
+    "replicas"         dp × ep × cp: the ranks that hold the same whole (dense) weights and average their
+                       gradients, and whose per-token loss terms make the global mean;
+    "expert_replicas"  dp × cp: the ranks that hold the same expert shard and average its gradients.
+    Without ep, "replicas" and "expert_replicas" are the same ranks; without ep and cp all three are dp."""
 
     layout: Layout
     device_mesh: DeviceMesh
@@ -100,27 +111,33 @@ class Mesh:
 
     def group(self, dim: str) -> dist.ProcessGroup:
         """A named dimension's group, or one of the flattened groups (see the class docstring)."""
-        if dim in ("dp_cp", "replicas", "data"):
+        if dim in FLAT_GROUPS:
             return (self.flat.get(dim) or self.device_mesh["dp"]).get_group()
         return self.device_mesh[dim].get_group()
 
     def rank(self, dim: str) -> int:
-        if dim == "data":  # dp-major: the rows of ep rank e of dp rank d follow those of (d, e - 1)
-            return self.rank("dp") * self.layout.ep + self.rank("ep")
+        """This rank's index in a dimension's group; in a flattened group dp-major (the rows of ep rank e of dp
+        rank d follow those of (d, e - 1))."""
+        if dim in FLAT_GROUPS:
+            rank = 0
+            for d in FLAT_GROUPS[dim]:
+                rank = rank * self.size(d) + self.rank(d)
+            return rank
         return self.device_mesh[dim].get_local_rank()
 
     def size(self, dim: str) -> int:
-        if dim == "data":
-            return self.layout.data_parallel
+        if dim in FLAT_GROUPS:
+            return math.prod(getattr(self.layout, d) for d in FLAT_GROUPS[dim])
         return getattr(self.layout, dim)
 
 
 def build_mesh(layout: Layout, device_type: str) -> Mesh:
-    """Create the (pp, dp, ep, cp, tp) DeviceMesh over the already-initialised default process group. Under
-    cp the dp and cp dimensions are also flattened into "dp_cp": cp ranks hold the same weights and their
-    gradients are partial sums over their tokens, so they reduce gradients (and shard ZeRO state) with dp.
-    Under ep, "replicas" (dp × ep × cp) reduces the dense weights' gradients and "data" (dp × ep) splits the
-    batch; the experts' gradients stay on "dp_cp"."""
+    """Create the (pp, dp, ep, cp, tp) DeviceMesh over the already-initialised default process group, and the
+    flattened groups (FLAT_GROUPS) where they are more than dp. Under cp, "expert_replicas" flattens dp and cp:
+    cp ranks hold the same weights and their gradients are partial sums over their tokens, so they reduce
+    gradients (and shard ZeRO state) with dp; without ep it is also "replicas". Under ep, "replicas" (dp × ep ×
+    cp) reduces the whole weights' gradients and "batch" (dp × ep) splits the batch; the experts' gradients
+    stay on "expert_replicas"."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -130,10 +147,10 @@ def build_mesh(layout: Layout, device_type: str) -> Mesh:
     device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
     flat = {}
     if layout.cp > 1:
-        flat["dp_cp"] = device_mesh["dp", "cp"]._flatten("dp_cp")
+        flat["expert_replicas"] = device_mesh["dp", "cp"]._flatten("expert_replicas")
     if layout.ep > 1:
-        flat["data"] = device_mesh["dp", "ep"]._flatten("data")
-        flat["replicas"] = device_mesh["dp", "ep", "cp"]._flatten("replicas") if layout.cp > 1 else flat["data"]
+        flat["batch"] = device_mesh["dp", "ep"]._flatten("batch")
+        flat["replicas"] = device_mesh["dp", "ep", "cp"]._flatten("replicas") if layout.cp > 1 else flat["batch"]
     elif layout.cp > 1:
-        flat["replicas"] = flat["dp_cp"]
+        flat["replicas"] = flat["expert_replicas"]
     return Mesh(layout, device_mesh, flat)

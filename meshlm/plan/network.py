@@ -8,7 +8,7 @@ import math
 from functools import lru_cache
 from typing import NamedTuple
 
-from meshlm.parallel.mesh import DIMS, Layout
+from meshlm.parallel.mesh import DIMS, FLAT_GROUPS, Layout
 from meshlm.plan.hardware import RING_OPS, Hardware, Link
 
 
@@ -98,21 +98,16 @@ def group_time(hw: Hardware, dim: str, crosses: bool, op: str, nbytes: float, n:
     return nccl_pick(op, nbytes, n, per_node if crosses else n, hw.intra, inter, hw.nvls).seconds
 
 
-# Flattened groups of several mesh dims (meshlm.parallel.mesh.Mesh): the expert-data-parallel group that
-# reduces expert gradients, and the data replicas that reduce dense ones.
-GROUPS = {"dp_cp": ("dp", "cp"), "replicas": ("dp", "ep", "cp")}
-
-
 @lru_cache(maxsize=65536)
 def crosses_nodes(mesh: Layout, dim: str, gpus_per_node: int) -> bool:
-    """Whether some group of mesh dim `dim` (or flattened group, `GROUPS`) spans two nodes. Ranks are numbered
+    """Whether some group of mesh dim `dim` (or flattened group, `FLAT_GROUPS`) spans two nodes. Ranks are numbered
     pp outermost, then dp, ep, cp, tp innermost (rank = (((i_pp·dp + i_dp)·ep + i_ep)·cp + i_cp)·tp + i_tp)
     and fill nodes in order. A group's members are its first rank plus offsets up to `span`; it crosses when
     the first rank's offset within its node plus the span reaches the next node, which depends only on that
     offset. The first ranks are the sums of the other dims' coordinates times their strides; their offsets
     (mod the node size, at most that many) are built one dim at a time, and a dim's coordinates repeat their
     offsets after the node size, so each dim adds at most that many."""
-    dims = GROUPS.get(dim, (dim,))
+    dims = FLAT_GROUPS.get(dim, (dim,))
     strides, stride = {}, 1
     for d in reversed(DIMS):
         strides[d] = stride
@@ -128,10 +123,10 @@ def crosses_nodes(mesh: Layout, dim: str, gpus_per_node: int) -> bool:
 
 @lru_cache(maxsize=4096)
 def rails(mesh: Layout, dim: str, gpus_per_node: int) -> int:
-    """The fewest members that a group of mesh dim `dim` (or flattened group, `GROUPS`) has in one of the
+    """The fewest members that a group of mesh dim `dim` (or flattened group, `FLAT_GROUPS`) has in one of the
     nodes it spans, for the group of rank 0 (every group of a dim has the same stride pattern): how many
     NICs per node its ring collectives drive (`Hardware.link`)."""
-    dims = GROUPS.get(dim, (dim,))
+    dims = FLAT_GROUPS.get(dim, (dim,))
     strides, stride = {}, 1
     for d in reversed(DIMS):
         strides[d] = stride

@@ -239,9 +239,9 @@ def _dp_exposed(
     collective and pays the latency term again (`dp_collectives`). Of the `psi` weights only `trainable`
     (default all; LoRA: the adapters) are reduced and, under ZeRO-1/2, gathered after the step; ZeRO-3
     gathers all of them. `group` is the reducing group: "replicas" (dp × ep × cp, the dense weights) or
-    "dp_cp" (the expert shards). `share`: the stage's fraction of fully recomputed layers
+    "expert_replicas" (dp × cp, the expert shards). `share`: the stage's fraction of fully recomputed layers
     (`train.recompute_layers`)."""
-    n = s.expert_replicas if group == "dp_cp" else s.replicas
+    n = s.expert_replicas if group == "expert_replicas" else s.replicas
     if n == 1 or psi == 0:
         return 0.0
     m = s.micro_batches(w.global_batch)
@@ -273,7 +273,7 @@ def dp_collectives(
 ) -> tuple[float, float, float]:
     """Seconds of a stage's data-parallel collectives per step (`_dp_exposed`), whatever the compute they hide
     behind: (after the optimizer step, never hidden; those that backward can hide; the tail that it cannot)."""
-    n = mesh.dp * mesh.cp if group == "dp_cp" else mesh.dp * mesh.ep * mesh.cp
+    n = mesh.dp * mesh.cp if group == "expert_replicas" else mesh.dp * mesh.ep * mesh.cp
     w_bytes, g_bytes, _, _ = BYTES[w.precision]
     cross = crosses_nodes(mesh, group, hw.gpus_per_node)
     nics = rails(mesh, group, hw.gpus_per_node) if cross else 1
@@ -533,7 +533,7 @@ def stage_tail(
         if model.n_experts:  # dense weights reduced over dp × ep × cp, expert shards over dp × cp
             dense, experts = moe_stage_params(model, s.tp, s.ep, layers, moe, i == 0, last)
             stage_dp = _dp_exposed(w, s, hw, a, dense, layers, compute_mb, share=share)
-            stage_dp += _dp_exposed(w, s, hw, a, experts, layers, compute_mb, group="dp_cp", share=share)
+            stage_dp += _dp_exposed(w, s, hw, a, experts, layers, compute_mb, group="expert_replicas", share=share)
             states = moe_state_bytes(dense, experts, s, w.precision, a.runtime)
         elif w.lora_rank:
             psi_lora = layers * layer_lora_params(model, s.tp, w.lora_rank)

@@ -194,7 +194,7 @@ class Trainer:
         shapes = self.model.global_shapes  # the whole model's counts, LoRA adapters included, trainable or not
         self.param_counts = (sum(s.numel() for s in shapes.values()),
                              sum(shapes[name].numel() for name in self.model.trainable))  # fmt: skip
-        self.dp_rank, self.dp = self.mesh.rank("data"), layout.data_parallel  # ep ranks get rows of their own
+        self.dp_rank, self.dp = self.mesh.rank("batch"), layout.data_parallel  # ep ranks get rows of their own
         self.optimizer = build_run_optimizer(cfg, parts, device, self.model)
         self.sync_every, self.device_guard = resolve_sync(cfg, self.optimizer, device)
         init_optimizer_state(self.optimizer)  # so checkpoints and rollbacks can fill it in place

@@ -4,7 +4,6 @@ combine, per-parameter gradient reduction groups, checkpoints that reshard acros
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -123,26 +122,25 @@ def combined_in_expert_order() -> Iterator[list]:
 
 @contextlib.contextmanager
 def expert_grads_over_all_replicas() -> Iterator[list]:
-    """The bug: expert shards are bucketed with the dense weights, so their gradients are reduced over every
-    data replica (dp × ep), summing different experts' gradients."""
-    from meshlm.parallel.placement import Placement
+    """The bug: data parallel ignores the gradient group the experts' placements name ("expert_replicas") and
+    buckets them with the whole weights, so their gradients are reduced over every data replica (dp × ep),
+    summing different experts' gradients."""
+    from meshlm.parallel import data_parallel
+    from meshlm.parallel.placement import REPLICAS
 
     fired: list = []
-    original = Placement.expert
+    original = data_parallel.by_grad_group
 
-    def never(self: Placement) -> bool:
-        """False where data parallel asks (unsharding for full_state_dict still sees the experts)."""
-        expert = original.fget(self)
-        if sys._getframe(1).f_globals["__name__"] != "meshlm.parallel.dp.data_parallel":
-            return expert
-        fired.append(expert)
-        return False
+    def one_group(params: list, placements: object) -> dict:
+        groups = original(params, placements)
+        fired.append(len(groups) > 1)
+        return {REPLICAS: [p for members in groups.values() for p in members]}
 
-    Placement.expert = property(never)
+    data_parallel.by_grad_group = one_group
     try:
         yield fired
     finally:
-        Placement.expert = original
+        data_parallel.by_grad_group = original
 
 
 @contextlib.contextmanager

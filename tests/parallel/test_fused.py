@@ -6,7 +6,7 @@ Linear, equal blocks), a Phi-3-style model (qkv_proj with unequal Q / K / V bloc
 attention, gate_up_proj = [gate | up], sequence-parallel norms) and a GPT-NeoX-style one (query_key_value
 interleaved per head). Each trains under tp=2 (Phi-3 also with sequence parallel) and dp=2×tp=2 (ZeRO-1 or 3)
 as in one process (tests/equivalence.py: per-step loss and grad norm within 1e-5 relative over 10 AdamW
-steps; final weights of SGD runs through `full_state_dict`, which unshards by each parameter's TPShard).
+steps; final weights of SGD runs through `full_state_dict`, which unshards by each parameter's Shard over tp).
 A checkpoint saved at dp=2×tp=2 ZeRO-3 loads at world 1 bit for bit; a meta-built model with an init_rule
 starts from the one-process weights at tp=2 ZeRO-3. The mutation (c_attn split as a plain colwise) is refused
 before step 1 by the build-time probe; a wrong block spec is a one-line PlanError.

@@ -167,9 +167,174 @@ def _toy_strategy_runs() -> tuple[tuple, tuple]:
     return _norms_and_saved_names(False), _norms_and_saved_names(True)
 
 
+class _GatherRows(torch.autograd.Function):
+    """This rank's rows of a tensor every rank of `group` uses whole: all-gathered forward; backward keeps this
+    rank's rows of the (identical on every rank) gradient."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, part: torch.Tensor, group: object) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, part.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        rows = grad.shape[0] // dist.get_world_size(ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return grad[rank * rows : (rank + 1) * rows].contiguous(), None
+
+
+class _CutNorm(torch.nn.Module):
+    """An RMSNorm (meshlm.model.llama) holding only this rank's rows of its weight, gathered for each forward."""
+
+    def __init__(self, eps: float, weight: torch.nn.Parameter, group: object) -> None:
+        super().__init__()
+        self.eps, self.weight, self.group = eps, weight, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from types import SimpleNamespace
+
+        from meshlm.model.llama import RMSNorm
+
+        return RMSNorm.forward(SimpleNamespace(eps=self.eps, weight=_GatherRows.apply(self.weight, self.group)), x)
+
+
+class CutNormOverTp:
+    """A strategy of one's own that cuts a parameter: each tp rank keeps its half of the final norm weight
+    (which tensor parallel leaves whole on every tp rank, counted on tp rank 0 only), gathers it for the forward,
+    and records the cut in the placement table: a Shard over mesh dim "tp" along tensor dim 0, counted here."""
+
+    dim = ""
+
+    def enabled(self, layout: Layout, options: ParallelOptions) -> bool:
+        return True
+
+    def check_layout(self, spec: LayoutSpec) -> None:
+        pass
+
+    def check(self, model: object, plan: object, layout: Layout, options: ParallelOptions) -> None:
+        pass
+
+    def apply(self, build: strategies.Build) -> Applied:
+        from meshlm.parallel.placement import Shard
+
+        mesh, norm = build.mesh, build.model.model.norm
+        rows = norm.weight.shape[0] // mesh.size("tp")
+        start = mesh.rank("tp") * rows
+        half = torch.nn.Parameter(norm.weight.detach()[start : start + rows].clone(), norm.weight.requires_grad)
+        build.placements.move(norm.weight, half, Shard("tp", 0, ((start, rows),)), counted=True)
+        build.model.model.norm = _CutNorm(norm.eps, half, mesh.group("tp"))
+        return Applied()
+
+
+def _cut_run(toy: bool) -> dict:
+    """At tp=2, with or without CutNormOverTp before data parallel: the loss, the clipped gradient norm, the full
+    state dict, every tensor as the ranks' written checkpoint boxes put it together (with how many boxes cover
+    each element), and the final norm weight as this rank holds it. The final norm weight starts at distinct
+    values, so a box at the wrong offset shows."""
+    import torch.distributed as dist
+
+    from meshlm.checkpoint.state import training_entries
+    from meshlm.config import ParallelSection
+    from meshlm.parallel.engine import ParallelModel
+    from meshlm.parallel.mesh import build_mesh
+
+    torch.manual_seed(0)
+    model = Transformer(MODEL)
+    with torch.no_grad():
+        model.model.norm.weight.copy_(torch.linspace(0.5, 1.5, MODEL.dim))
+    original = strategies.STRATEGIES
+    if toy:
+        data_parallel = [type(s).__name__ for s in original].index("DataParallelism")
+        strategies.STRATEGIES = (*original[:data_parallel], CutNormOverTp(), *original[data_parallel:])
+    try:
+        pm = ParallelModel(model, build_mesh(Layout(tp=2), "cpu"), ParallelSection(), n_micro=1)
+    finally:
+        strategies.STRATEGIES = original
+    x = torch.randint(0, MODEL.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    loss = float(pm.forward_backward(x[:, :-1], x[:, 1:]))
+    boxes = [
+        (key, offsets, view.detach().clone())
+        for key, chunks in training_entries(pm, writer=True).items()
+        for view, offsets in zip(chunks.views, chunks.offsets, strict=True)
+    ]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, boxes)
+    saved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, offsets, view in (box for part in every for box in part):
+        shape = pm.global_shapes[key.removeprefix("model/")]
+        values, covered = saved.setdefault(key, (torch.zeros(shape), torch.zeros(shape, dtype=torch.int64)))
+        where = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape, strict=True))
+        values[where] += view
+        covered[where] += 1
+    held = dict(pm.named_parameters())["model.norm.weight"].detach().clone()
+    norm = float(pm.clip_grad_norm_(0.0))
+    return {"loss": loss, "norm": norm, "full": pm.full_state_dict(), "saved": saved, "held": held}
+
+
+def _cut_runs() -> tuple[dict, dict, tuple[float, float]]:
+    """The plain and the toy tp=2 runs, and the one-process loss and gradient norm of the same batch."""
+    from meshlm.model import cross_entropy_loss
+
+    plain, toy = _cut_run(False), _cut_run(True)
+    torch.manual_seed(0)
+    ref = Transformer(MODEL)
+    with torch.no_grad():
+        ref.model.norm.weight.copy_(torch.linspace(0.5, 1.5, MODEL.dim))
+    x = torch.randint(0, MODEL.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    loss = cross_entropy_loss(ref(x[:, :-1]), x[:, 1:])
+    loss.backward()
+    norm = float(torch.stack([p.grad.double().norm() for p in ref.parameters()]).norm())
+    return plain, toy, (float(loss), norm)
+
+
+def test_a_strategy_that_cuts_a_parameter_is_read_by_clipping_checkpoints_and_unsharding() -> None:
+    """A toy strategy that cuts a parameter touches its own class and the ordered list only: CutNormOverTp
+    keeps half of the final norm weight on each tp rank and records a Shard over "tp" in the placement table.
+    Every reader then gets it right from the table alone: the gradient norm counts both halves once (the
+    one-process norm), each rank writes its half to a checkpoint at its own offset (the written boxes put
+    together cover every element of every tensor once and equal the full weights), and full_state_dict
+    gathers it (tensor parallel's unsharding is by the table's shards over "tp", whoever cut them).
+
+    Fails under each of these mutations of a reader that bypasses the table (each tried): checkpoint boxes
+    ignoring the recorded shards (meshlm.checkpoint.state.training_entries with `shards = ()`: the toy's second
+    half is written over its first, and every tp slice at offset 0); clipping deciding who counts by a rule of
+    its own instead of `Placement.counted` (ParallelModel._not_counted as `p.ndim == 1 and tp rank > 0`, "a
+    vector is whole over tp": the second half's term is lost), or ignoring it (`return False`: tp rank 1's
+    whole weights count twice); unsharding only what tensor parallel sliced (placement.unshard skipping
+    parameters of 1 dim: the gathered norm weight is half long).
+    Tolerances: the loss and norm of the tp=2 runs differ from one process's by fp32 summation order over tp
+    shards (rel 1e-5, the project's bound); the toy moves only where values live, so against the plain tp=2
+    run its loss is equal and its norm differs only in that each half's fp32 norm is rounded apart (rel 2^-24
+    each: 1e-6)."""
+    from distributed import run_shared
+
+    plain, toy, (ref_loss, ref_norm) = run_shared(_cut_runs, 2)[0]
+    assert toy["held"].shape == (MODEL.dim // 2,)  # the toy did cut it
+    assert abs(plain["loss"] - ref_loss) <= 1e-5 * ref_loss and toy["loss"] == plain["loss"]
+    assert abs(plain["norm"] - ref_norm) <= 1e-5 * ref_norm, (plain["norm"], ref_norm)
+    assert abs(toy["norm"] - plain["norm"]) <= 1e-6 * plain["norm"], (toy["norm"], plain["norm"])
+    assert toy["full"].keys() == plain["full"].keys()
+    for name, value in plain["full"].items():
+        assert torch.equal(toy["full"][name], value), name
+    assert torch.equal(toy["full"]["model.norm.weight"], torch.linspace(0.5, 1.5, MODEL.dim))
+    values, covered = toy["saved"]["model/model.norm.weight"]  # the toy's cut, then every tensor of both runs
+    assert bool((covered == 1).all()) and torch.equal(values, torch.linspace(0.5, 1.5, MODEL.dim)), covered
+    for run in (plain, toy):
+        assert run["saved"].keys() == {f"model/{name}" for name in run["full"]}
+        for key, (values, covered) in run["saved"].items():
+            assert bool((covered == 1).all()), key
+            assert torch.equal(values, run["full"][key.removeprefix("model/")]), key
+
+
 # A parallelism named in code: a mesh dimension or group, a strategy's module or object, a ZeRO stage.
 PARALLELISM = re.compile(
-    r"'(tp|ep|pp|dp|cp|data|dp_cp)'|\b(pipeline|tensor_parallel|context_parallel|expert\w*|data_parallel|zero|tied"
+    r"'(tp|ep|pp|dp|cp|batch|expert_replicas)'|\b(pipeline|tensor_parallel|context_parallel|expert\w*|data_parallel|zero|tied"
     r"|dp|cp|DataParallel\w*|PipelineSchedule|TiedStages)\b",
     re.IGNORECASE,
 )
@@ -218,14 +383,14 @@ def test_the_parallelism_check_is_sharp() -> None:
 
     def local_batch(self, batch):
         """This replica's rows."""
-        dp, rank = self.mesh.size("data"), self.mesh.rank("data")
+        dp, rank = self.mesh.size("batch"), self.mesh.rank("batch")
         return batch[rank::dp]
 
     def sum_tied(self):
         return self.tied is None
 
     assert _named_parallelism(forward_backward) == ["pipeline", "pipeline"]
-    assert _named_parallelism(local_batch) == ["dp", "'data'", "'data'", "dp"]
+    assert _named_parallelism(local_batch) == ["dp", "'batch'", "'batch'", "dp"]
     assert _named_parallelism(sum_tied) == ["tied"]
 
 

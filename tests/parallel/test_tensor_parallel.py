@@ -27,7 +27,7 @@ from torch import nn
 
 from meshlm.model import ModelConfig, Transformer, cross_entropy_loss, generate
 from meshlm.parallel.mesh import LayoutError
-from meshlm.parallel.placement import Placements
+from meshlm.parallel.placement import Placements, unshard
 from meshlm.parallel.tp.ops import (
     copy_to_tp,
     gather_from_tp,
@@ -39,7 +39,6 @@ from meshlm.parallel.tp.ops import (
 from meshlm.parallel.tp.sharding import (
     apply_tensor_parallel,
     gathered_logits,
-    unshard_state_dict,
     vocab_parallel_cross_entropy,
 )
 from meshlm.parallel.tp.sizes import check_tensor_parallel
@@ -152,7 +151,7 @@ def _check_gradients(cfg: ModelConfig, sp: bool, checkpointing: bool) -> None:
     apply_tensor_parallel(model, group, placements, sequence_parallel=sp)
     model.activation_checkpointing = checkpointing
     vocab_parallel_cross_entropy(model(x), y, group).mean().backward()
-    grads = unshard_state_dict({n: p.grad for n, p in model.named_parameters()}, model, placements, group)
+    grads = unshard({n: p.grad for n, p in model.named_parameters()}, model, placements, "tp", group)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=2e-7, msg=lambda m, n=name: f"{n}: {m}")
 

@@ -57,7 +57,7 @@ def measure(
 ) -> dict[str, int]:
     world = dist.get_world_size()
     mesh = build_mesh(parse_layout(layout, world), "cpu")
-    rank, replicas = mesh.rank("data"), mesh.size("data")  # dp × ep ranks get rows of their own
+    rank, replicas = mesh.rank("batch"), mesh.size("batch")  # dp × ep ranks get rows of their own
     parallel = ParallelSection(zero=zero, zero_param_dtype=param_dtype, zero_reduce_dtype=reduce_dtype)
     torch.manual_seed(0)
     pm = ParallelModel(Transformer(model), mesh, parallel, n_micro=1)

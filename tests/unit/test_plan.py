@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from meshlm.config import load_config
 from meshlm.model.config import PRESETS, ModelConfig
 from meshlm.model.flops import param_counts
-from meshlm.parallel.mesh import DIMS, Layout
+from meshlm.parallel.mesh import DIMS, FLAT_GROUPS, Layout
 from meshlm.parallel.pp.schedules import compute_order, theoretical_bubble
 from meshlm.plan import (
     Assumptions,
@@ -51,7 +51,7 @@ from meshlm.plan.memory import (
     model_state_bytes,
     stage_params,
 )
-from meshlm.plan.network import GROUPS, crosses_nodes
+from meshlm.plan.network import crosses_nodes
 from meshlm.plan.pipeline_split import chunk_layers, held_layers, rank_chunks, rank_layers
 from meshlm.plan.search import layout_problem
 from meshlm.plan.spot import expected_wall_time
@@ -243,7 +243,7 @@ def test_node_placement_pp_outer_dp_tp_inner():
 
 @given(
     sizes=st.lists(st.sampled_from([1, 1, 2, 3, 4, 5, 8]), min_size=len(DIMS), max_size=len(DIMS)),
-    dim=st.sampled_from([*DIMS, *GROUPS]),
+    dim=st.sampled_from([*DIMS, *FLAT_GROUPS]),
     gpus_per_node=st.sampled_from([1, 2, 3, 4, 6, 8]),
 )
 def test_crosses_nodes_is_whether_some_group_spans_two_nodes(sizes: list[int], dim: str, gpus_per_node: int):
@@ -251,7 +251,7 @@ def test_crosses_nodes_is_whether_some_group_spans_two_nodes(sizes: list[int], d
     whether one holds ranks of two nodes."""
     lay = Layout(**dict(zip(DIMS, sizes, strict=True)))
     rank = dict(zip(DIMS, range(len(DIMS)), strict=True))
-    grouped = GROUPS.get(dim, (dim,))
+    grouped = FLAT_GROUPS.get(dim, (dim,))
     groups: dict[tuple, set[int]] = {}
     for coords in itertools.product(*(range(n) for n in sizes)):
         r = 0

@@ -16,7 +16,7 @@ from meshlm.config import load_config, parse_overrides
 from meshlm.model import Transformer, cross_entropy_loss, param_counts, preset
 from meshlm.model.llama import set_recompute
 from meshlm.observe.memory import ActivationMeter
-from meshlm.parallel.mesh import DIMS, Layout, parse_layout
+from meshlm.parallel.mesh import DIMS, FLAT_GROUPS, Layout, parse_layout
 from meshlm.plan import PlanError, Workload, hardware, search
 from meshlm.plan.memory import (
     Strategy,
@@ -25,7 +25,7 @@ from meshlm.plan.memory import (
     moe_stage_params,
     rank_moe_layers,
 )
-from meshlm.plan.network import GROUPS, collective_time, crosses_nodes
+from meshlm.plan.network import collective_time, crosses_nodes
 from meshlm.plan.search import Constraints, plan_for_config
 from meshlm.plan.step_time import ep_layer_time, step_time
 
@@ -146,7 +146,7 @@ def meshes(world: int) -> list[Layout]:
 def crosses_by_enumeration(mesh: Layout, dim: str, gpus_per_node: int) -> bool:
     """Every rank's coordinates (pp, dp, ep, cp, tp; tp fastest), its group the ranks that share its
     coordinates outside the group's dims: does any group hold ranks of two nodes?"""
-    dims = GROUPS.get(dim, (dim,))
+    dims = FLAT_GROUPS.get(dim, (dim,))
     groups: dict[tuple, set[int]] = {}
     for rank, coords in enumerate(itertools.product(*(range(getattr(mesh, d)) for d in DIMS))):
         key = tuple(c for c, d in zip(coords, DIMS, strict=True) if d not in dims)
@@ -159,7 +159,7 @@ def test_crosses_nodes_agrees_with_every_group() -> None:
     crosses_nodes says what enumerating the groups' ranks says, and both verdicts occur."""
     verdicts = []
     for g, mesh_ in ((g, m) for w in (8, 12, 16, 24) for g in (2, 4, 8) for m in meshes(w)):
-        for dim in (*DIMS, *GROUPS):
+        for dim in (*DIMS, *FLAT_GROUPS):
             verdict = crosses_nodes(mesh_, dim, g)
             assert verdict == crosses_by_enumeration(mesh_, dim, g), (mesh_, dim, g)
             verdicts.append(verdict)

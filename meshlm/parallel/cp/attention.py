@@ -23,7 +23,7 @@ pre-hook hands them the tokens' global positions instead.
 
 Everything outside attention is per token, so it runs unchanged on the local tokens; the loss of each cp
 rank is the mean over its (equally many) tokens, and cp ranks reduce gradients and losses together with
-dp (the flattened "dp_cp" group, meshlm.parallel.mesh.build_mesh), which makes the mean over ranks the
+dp (the flattened "replicas" group, meshlm.parallel.mesh.build_mesh), which makes the mean over ranks the
 global-token mean. The one per-sequence quantity, the mixture-of-experts balancing loss, sums its statistics
 over the cp group (meshlm.model.moe.set_sequence_group).
 """

@@ -10,11 +10,10 @@ Frozen parameters (requires_grad False: a LoRA base, train.freeze) get no gradie
 no optimizer state under any stage: stages 0-2 leave them as they are (replicated, in their own dtype, e.g.
 bf16); ZeRO-3 shards them too, in their own dtype (no fp32 master), gathered with their unit's trainable
 buffers and never reduced (`frozen_buffers`).
-Under expert parallelism (meshlm.parallel.ep.experts) each parameter has its reduction groups: the
-experts' shards are bucketed apart and reduced (and ZeRO-sharded) over `expert_group`, the ranks holding the
-same experts, the rest over `group`; both are divided by the size of `group`, the data replicas. Under hybrid
-sharding the experts are sharded over the ranks of their group inside this rank's dense shard block and
-replicated across blocks (zero.nested_shard_groups).
+Parameters are bucketed by the mesh group their placement names (`Placement.grad_group`: `group`, else one of
+`grad_groups`, e.g. expert parallelism's "expert_replicas"), each reduced (and ZeRO-sharded) over it and divided
+by the size of `group`, the data replicas. Under hybrid sharding another group is sharded over its ranks inside
+this rank's shard block of `group` and replicated across blocks (zero.nested_shard_groups).
 Inner micro-batches of gradient accumulation (set_grad_sync False) never communicate: gradients accumulate in
 the full buffers and are reduced once on the last micro-batch. Under ZeRO-2/3 this keeps full gradients for
 the accumulation window (reducing every micro-batch would keep only shards, for n_micro times the traffic).
@@ -27,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +41,7 @@ from meshlm.parallel.dp.zero import (
     Zero3Hooks,
     all_gather_flat,
     bucket_params,
+    by_grad_group,
     decays,
     direct_params,
     hybrid_shard_groups,
@@ -51,7 +51,7 @@ from meshlm.parallel.dp.zero import (
 )
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.parallel_plan import ParallelPlan, zero3_unit_groups
-from meshlm.parallel.placement import Placements
+from meshlm.parallel.placement import REPLICAS, Placements
 from meshlm.parallel.plan_registry import plan_for
 from meshlm.parallel.timers import comm, timed_wait
 
@@ -106,8 +106,8 @@ class DataParallel:
     replicate across blocks. param_dtype is the working (gathered) weight dtype, e.g. bf16, over fp32 master
     shards (zero >= 1); reduce_dtype is the dtype gradients are summed in. `source` initialises the
     placeholders of a meta-built model (meshlm.parallel.materialize): each rank fills only what it holds.
-    `placements` (the build's table, meshlm.parallel.placement) says which gradients `expert_group` reduces
-    and which weights both pipeline ends hold.
+    `placements` (the build's table, meshlm.parallel.placement) says which mesh group reduces each gradient
+    ("replicas": `group`, or one of `grad_groups`) and which weights get a flat buffer of their own.
     """
 
     def __init__(
@@ -121,7 +121,7 @@ class DataParallel:
         reduce_dtype: torch.dtype = torch.float32,
         plan: ParallelPlan | None = None,
         source: ParamSource | None = None,
-        expert_group: dist.ProcessGroup | None = None,
+        grad_groups: Mapping[str, dist.ProcessGroup] | None = None,
         placements: Placements | None = None,
     ) -> None:
         if zero not in (0, 1, 2, 3):
@@ -138,15 +138,17 @@ class DataParallel:
         self.reduce_dtype = reduce_dtype
         self.dp_size = dist.get_world_size(group)  # the data replicas: every gradient is divided by their count
         self.dense = ReduceGroups.build(group, zero, shard_group_size)
-        self.expert = None
-        if expert_group is not None and self.dense.replicate is not None and self.dense.shard is not None:
-            self.expert = ReduceGroups(expert_group, *nested_shard_groups(expert_group, self.dense.shard))
-        elif expert_group is not None:
-            self.expert = ReduceGroups.build(expert_group, zero, None)
+        self.reduce_groups = {REPLICAS: self.dense}  # gradient group (Placement.grad_group) -> its groups
+        for name, other in (grad_groups or {}).items():
+            if name != REPLICAS and self.dense.replicate is not None and self.dense.shard is not None:
+                self.reduce_groups[name] = ReduceGroups(other, *nested_shard_groups(other, self.dense.shard))
+            elif name != REPLICAS:
+                self.reduce_groups[name] = ReduceGroups.build(other, zero, None)
+        if missing := sorted(set(placements.grad_groups()) - set(self.reduce_groups)):
+            raise ValueError(f"the placements name gradient groups {missing} that grad_groups does not give")
         self.shard_group, self.replicate_group = self.dense.shard, self.dense.replicate
         self.shard_size, self.shard_rank = self.dense.shard_size, self.dense.shard_rank
-        self.primary_replica = self.dense.primary
-        self.groups_of: dict[int, ReduceGroups] = {}  # id(buffer) -> its groups (expert buffers: self.expert)
+        self.groups_of: dict[int, ReduceGroups] = {}  # id(buffer) -> its groups
 
         self.chunk_params: list[list[nn.Parameter]] = []
         self.chunk_frozen: list[list[nn.Parameter]] = []
@@ -169,12 +171,9 @@ class DataParallel:
                 self.units += units
                 self.chunk_buffers.append([buf for unit in reversed(units) for buf in unit.buffers[: unit.trainable]])
             else:
-                dense = [p for p in params if not placements[p].expert]
-                experts = [p for p in params if placements[p].expert]
-                self.chunk_buffers.append(
-                    [self._make_buffer(b) for b in bucket_params(dense, bucket_mb * 2**20, placements)]
-                    + [self._make_buffer(b, self.expert) for b in bucket_params(experts, bucket_mb * 2**20, placements)]
-                )
+                by_group = self._by_grad_group(params)
+                buckets = [(g, b) for g, ps in by_group for b in bucket_params(ps, bucket_mb * 2**20, placements)]
+                self.chunk_buffers.append([self._make_buffer(b, g) for g, b in buckets])
         self.buffers = [buf for bufs in self.chunk_buffers for buf in bufs]
         self.unit_of_buffer = {id(buf): unit for unit in self.units for buf in unit.buffers}
         self._setup_stage()
@@ -190,8 +189,11 @@ class DataParallel:
                     p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, c, buf, i))
 
     # ---- construction ---------------------------------------------------------------------------------------
-    def _make_buffer(self, params: list[nn.Parameter], groups: ReduceGroups | None = None) -> FlatBuffer:
-        groups = groups or self.dense
+    def _by_grad_group(self, params: list[nn.Parameter]) -> list[tuple[ReduceGroups, list[nn.Parameter]]]:
+        """`params` by the mesh group that reduces their gradients (zero.by_grad_group), with its ReduceGroups."""
+        return [(self.reduce_groups[name], ps) for name, ps in by_grad_group(params, self.placements).items() if ps]
+
+    def _make_buffer(self, params: list[nn.Parameter], groups: ReduceGroups) -> FlatBuffer:
         buf = FlatBuffer(
             params, groups.shard_size, groups.shard_rank, self.param_dtype, self.source, shard_only=self.stage == 3
         )
@@ -218,12 +220,10 @@ class DataParallel:
             if mine:
                 trainable = [p for p in mine if p.requires_grad]
                 placements = self.placements
-                if any(placements[p].expert and not p.requires_grad for p in mine):
-                    raise ValueError("frozen expert shards under expert parallelism and ZeRO-3 are not supported")
-                dense = [p for p in trainable if not placements[p].expert]
-                experts = [p for p in trainable if placements[p].expert]
-                buffers = [self._make_buffer(kind) for kind in split_by_kind(dense, placements)]
-                buffers += [self._make_buffer(kind, self.expert) for kind in split_by_kind(experts, placements)]
+                if any(placements[p].grad_group != REPLICAS and not p.requires_grad for p in mine):
+                    raise ValueError("ZeRO-3 does not support frozen parameters with a gradient group of their own")
+                by_group = self._by_grad_group(trainable)
+                buffers = [self._make_buffer(k, g) for g, ps in by_group for k in split_by_kind(ps, placements)]
                 n_trainable = len(buffers)
                 for dtype in dict.fromkeys(p.dtype for p in mine if not p.requires_grad):
                     buf = FlatBuffer(
@@ -346,7 +346,7 @@ class DataParallel:
         if groups.shard is not None and groups.replicate is not None:
             with comm("all_reduce"):  # hybrid: sum the shard across replicas too
                 dist.all_reduce(out, group=groups.replicate)
-        out.div_(self.dp_size)  # experts too: their gradient sums every data replica's loss term
+        out.div_(self.dp_size)  # whatever its group: each gradient sums every data replica's loss term
         if out.data_ptr() != buf.grad_shard.data_ptr():
             buf.grad_shard.copy_(out)
         if self.stage >= 2:
@@ -439,7 +439,7 @@ class DataParallel:
         total = torch.zeros((), dtype=torch.float64, device=device)
         grads = []
         for buf in self.buffers:
-            if not self.groups(buf).primary:  # each expert shard counts once, on its own primary replica
+            if not self.groups(buf).primary:  # each buffer counts once, on the primary replica of its group
                 continue
             kept = [buf.grad_shard[lo:hi] for p, _, lo, hi in buf.pieces if not skip(p)]
             grads += [buf.grad_shard] if len(kept) == len(buf.pieces) else kept  # whole shard: padding grad is 0
@@ -520,7 +520,7 @@ class DataParallel:
         keys = ["model"] + (optimizer_state_keys(optimizer) if optimizer is not None else [])
         out: dict[str, list[ShardedTensor]] = {key: [] for key in keys}
         mine = []
-        for groups in dict.fromkeys(self.groups(buf) for buf in self.buffers):  # dense, then experts (under ep)
+        for groups in dict.fromkeys(self.groups(buf) for buf in self.buffers):  # by gradient group, "replicas" first
             if replicas == "primary" and not groups.primary:
                 continue
             n_replicas, replica = 1, 0
@@ -582,7 +582,7 @@ def widened(chunks: list[nn.Module], *dtypes: torch.dtype) -> tuple[torch.dtype,
 
 
 def replica_group(mesh: Mesh) -> dist.ProcessGroup:
-    """The ranks that hold the same (dense) weights and reduce gradients together: dp, and under context
-    parallel dp × cp (each cp rank's gradient covers only its tokens of the sequences), under expert parallel
-    dp × ep × cp (the experts' gradients are reduced over dp × cp only: meshlm.parallel.ep.experts)."""
-    return mesh.group("replicas")
+    """The ranks that hold the same (whole) weights and reduce gradients together ("replicas"): dp, and under
+    context parallel dp × cp (each cp rank's gradient covers only its tokens of the sequences), under expert
+    parallel dp × ep × cp (the experts record "expert_replicas", dp × cp: meshlm.parallel.ep.experts)."""
+    return mesh.group(REPLICAS)

@@ -27,7 +27,7 @@ class DataParallelHooks(Applied):
         self.batch_checked = False
 
     def local_rows(self, batch: torch.Tensor) -> torch.Tensor:
-        dp, rank = self.mesh.size("data"), self.mesh.rank("data")
+        dp, rank = self.mesh.size("batch"), self.mesh.rank("batch")
         if batch.shape[0] % dp:
             raise ValueError(f"global batch of {batch.shape[0]} rows does not split over dp={dp}")
         rows = batch.shape[0] // dp
@@ -36,14 +36,14 @@ class DataParallelHooks(Applied):
     def check_batch(self, inputs: torch.Tensor) -> None:
         """Once: each replica got rows of its own (the same rows on every replica is a global batch passed where
         a local one belongs)."""
-        dp = self.mesh.size("data")
+        dp = self.mesh.size("batch")
         if self.batch_checked or dp == 1:
             return
         positions = torch.arange(1, inputs.numel() + 1, dtype=torch.float64, device=inputs.device)
         fingerprint = (inputs.double().flatten() * positions).sum()  # order-sensitive: equal only for equal rows
         seen = [torch.zeros_like(fingerprint) for _ in range(dp)]
         with comm("all_gather"):
-            dist.all_gather(seen, fingerprint, group=self.mesh.group("data"))
+            dist.all_gather(seen, fingerprint, group=self.mesh.group("batch"))
         if all(torch.equal(seen[0], f) for f in seen[1:]):
             raise PlanError(
                 f"forward_backward: every one of the {dp} dp ranks got the same {inputs.shape[0]} rows; pass each "

@@ -46,8 +46,7 @@ class DataParallelism:
         from meshlm.parallel.dp.hooks import DataParallelHooks
 
         mesh, options, chunks = build.mesh, build.options, list(build.chunks)
-        replicas = mesh.size("data") * mesh.size("cp")
-        packed = replicas > 1 or options.zero > 0  # data parallel / ZeRO lays the parameters out
+        packed = mesh.size("replicas") > 1 or options.zero > 0  # data parallel / ZeRO lays the parameters out
         if build.meta_init is not None:
             build.meta_init.replace_params(build.model, chunks, packed, packs_frozen=options.zero == 3)
         dp = None
@@ -62,7 +61,7 @@ class DataParallelism:
                 reduce_dtype=torch.bfloat16 if options.zero_reduce_dtype == "bf16" else torch.float32,
                 plan=build.plan,
                 source=build.meta_init,
-                expert_group=mesh.group("dp_cp") if mesh.layout.ep > 1 else None,
+                grad_groups={name: mesh.group(name) for name in build.placements.grad_groups()},
                 placements=build.placements,
             )
         if build.meta_init is not None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.parallel.placement import Placements
+from meshlm.parallel.placement import REPLICAS, Placements
 from meshlm.parallel.timers import timed_wait
 from meshlm.parallel.transforms.fused_loss import HeadOutput
 
@@ -539,3 +539,12 @@ def split_by_kind(params: list[nn.Parameter], placements: Placements) -> list[li
     alone = [[p] for p in params if placements[p].pp_tied]
     rest = [p for p in params if not placements[p].pp_tied]
     return alone + [group for group in ([p for p in rest if decays(p)], [p for p in rest if not decays(p)]) if group]
+
+
+def by_grad_group(params: list[nn.Parameter], placements: Placements) -> dict[str, list[nn.Parameter]]:
+    """`params` by the mesh group that reduces their gradients (Placement.grad_group): "replicas" first, then
+    the others in order of appearance. Data parallel buckets each group apart, so no bucket mixes groups."""
+    members: dict[str, list[nn.Parameter]] = {REPLICAS: []}
+    for p in params:
+        members.setdefault(placements[p].grad_group, []).append(p)
+    return members

@@ -13,15 +13,16 @@ rows by expert and hands them to the experts with the rows per expert; `ShardedE
 
 so the rows come back in exactly the order they left, and `combine` sums them over the k slots as in one
 process. Backward runs the same exchanges in reverse (`AllToAll`). Each rank's expert gradients are sums over
-the tokens of every ep rank; data parallel reduces them over the ranks that hold the same experts (dp × cp,
-mesh group "dp_cp"), the dense gradients over all data replicas (dp × ep × cp), and divides both by dp × ep
-× cp, the number of per-replica loss terms (meshlm.parallel.dp.data_parallel).
+the tokens of every ep rank; they must be averaged over the ranks that hold the same experts (dp × cp, mesh
+group "expert_replicas"), not over all data replicas (dp × ep × cp, "replicas"), like the whole weights' are.
 
-Each sharded weight's record in the placement table (meshlm.parallel.placement) gets its `ep` slice (a
-TPShard along dim 0, apart from its `tp` one, so tensor parallelism's readers never mistake it for theirs):
-checkpoints write it as a box of the full stacked tensor, so a checkpoint saved at one ep size loads at any
-other (meshlm.checkpoint.state). Under ep × tp (meshlm.parallel.tp.moe) an expert weight also keeps its tp
-slice along its hidden dim (`Placement.shards` gives both), and the ep group is the ranks with the same tp
+Each sharded weight's record in the placement table (meshlm.parallel.placement) gets its Shard over "ep" (dim
+0, apart from its shard over "tp", so tensor parallelism's readers never mistake it for theirs) and its
+gradient group, "expert_replicas": data parallel reduces (and ZeRO shards) it over that group and divides it,
+like every gradient, by the number of per-replica loss terms (meshlm.parallel.dp.data_parallel), without knowing
+experts. Checkpoints write it as a box of the full stacked tensor, so a checkpoint saved at one ep size loads
+at any other (meshlm.checkpoint.state). Under ep × tp (meshlm.parallel.tp.moe) an expert weight also keeps its
+tp slice along its hidden dim (`Placement.shards` gives both), and the ep group is the ranks with the same tp
 rank, each exchanging its identical rows.
 """
 
@@ -35,7 +36,7 @@ from meshlm.model.moe import GroupedExperts, MoE
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.parallel_plan import PlanError
-from meshlm.parallel.placement import Placements, TPShard
+from meshlm.parallel.placement import Placements, Shard
 from meshlm.parallel.timers import comm
 
 
@@ -92,7 +93,7 @@ class ShardedExperts(GroupedExperts):
         for name, weight in weights.items():
             local = nn.Parameter(weight.detach()[start : start + self.n_local].clone(), weight.requires_grad)
             # Under ep × tp the record keeps this tp rank's hidden units of each expert.
-            placements.move(weight, local, ep=TPShard(0, ((start, self.n_local),)))
+            placements.move(weight, local, Shard("ep", 0, ((start, self.n_local),)), grad_group="expert_replicas")
             self.register_parameter(name, local)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -137,17 +138,3 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, placements
     for moe in layers:
         moe.experts = ShardedExperts(moe.experts, group, placements)
     return len(layers)
-
-
-@torch.no_grad()
-def unshard_experts(
-    state: dict[str, torch.Tensor], params: dict[str, nn.Parameter], placements: Placements, group: dist.ProcessGroup
-) -> dict[str, torch.Tensor]:
-    """Full stacked expert weights from every ep rank's slice (all-gathered along dim 0), on every rank."""
-    out = dict(state)
-    for name in sorted(state):
-        if name in params and placements[params[name]].expert:
-            parts = [torch.empty_like(state[name]) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, state[name].contiguous(), group=group)
-            out[name] = torch.cat(parts)
-    return out

@@ -9,8 +9,7 @@ from torch import nn
 
 from meshlm.parallel.contract import Applied
 from meshlm.parallel.mesh import Mesh
-from meshlm.parallel.placement import Placements
-from meshlm.parallel.tp.sharding import unshard_state_dict
+from meshlm.parallel.placement import Placements, unshard
 
 
 class TensorParallelHooks(Applied):
@@ -22,4 +21,4 @@ class TensorParallelHooks(Applied):
     def gather_state(
         self, state: dict[str, torch.Tensor], params: Mapping[str, nn.Parameter]
     ) -> dict[str, torch.Tensor]:
-        return unshard_state_dict(state, params, self.placements, self.mesh.group("tp"))
+        return unshard(state, params, self.placements, "tp", self.mesh.group("tp"))

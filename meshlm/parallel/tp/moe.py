@@ -6,7 +6,7 @@ stream: attention's row-parallel output is already summed over tp). Each rank ke
 hidden units, so each expert is a column-parallel up-projection pair and a row-parallel down-projection, as
 the dense MLP is: the plan names each split parameter and the dim that indexes its hidden units (dim 1 of
 the stacked (E, hidden, dim) weights, dim 2 of the stacked (E, dim, hidden) one, and the shared expert's rows
-and columns). Each slice has its TPShard recorded in the placement table (meshlm.parallel.placement), so
+and columns). Each slice has its Shard over "tp" recorded in the placement table (meshlm.parallel.placement), so
 checkpoints, materialisation, clipping and ZeRO read it like any tp-sharded weight. The layer opens the tensor-parallel
 region once on its input (copy_to_tp; under sequence parallelism an all-gather of the sequence) and closes
 it once on its output: the routed and shared outputs are partial sums over hidden units, summed by one
@@ -58,7 +58,9 @@ class TensorParallelMoE(MoE):
             width = full.shape[dim] // tp.size
             owner.register_parameter(attr, shard(full, dim, ((tp.rank * width, width),)))
         for param in self.parameters():
-            if placements[param].tp is None and param.requires_grad:  # whole: its gradient here is this rank's share
+            if (
+                placements[param].on("tp") is None and param.requires_grad
+            ):  # whole: its gradient here is this rank's share
                 param.register_hook(lambda grad: _all_reduce(grad, tp.group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ the same per-element init, so any tp gives the single-process initial weights ei
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +49,7 @@ from meshlm.parallel.parallel_plan import (
     Style,
     tp_modules,
 )
-from meshlm.parallel.placement import Placements, TPShard
+from meshlm.parallel.placement import Placements, Shard
 from meshlm.parallel.plan_registry import plan_for
 from meshlm.parallel.tp.moe import TensorParallelMoE
 from meshlm.parallel.tp.ops import (
@@ -74,7 +74,6 @@ __all__ = [
     "VocabParallelEmbedding",
     "apply_tensor_parallel",
     "gathered_logits",
-    "unshard_state_dict",
     "vocab_parallel_cross_entropy",
 ]
 
@@ -209,13 +208,13 @@ class VocabParallelEmbedding(nn.Module):
 # ---- applying it to a model --------------------------------------------------------------------------
 def _shard(w: torch.Tensor, dim: int, pieces: tuple[tuple[int, int], ...], placements: Placements) -> nn.Parameter:
     """The runs `pieces` ((full start, length) along `dim`) of `w`, concatenated, as a new Parameter whose
-    TPShard is recorded in `placements` (meshlm.parallel.placement). On a meta `w` (a model built on the meta
+    Shard over "tp" is recorded in `placements` (meshlm.parallel.placement). On a meta `w` (a model built on the meta
     device) the result is meta too: only its shape and record exist yet. (An explicit memory format: a
     strided meta clone would load PyTorch's Python meta kernels, ~35 MiB.)"""
     parts = [w.detach().narrow(dim, start, length) for start, length in pieces]
     piece = (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).clone(memory_format=torch.contiguous_format)
     param = nn.Parameter(piece, requires_grad=w.requires_grad)
-    placements.record(param, tp=TPShard(dim, pieces))
+    placements.record(param, Shard("tp", dim, pieces))
     return param
 
 
@@ -248,7 +247,7 @@ class _Sharder:
 
     def attach_adapter(self, plain: LoRALinear, parallel: nn.Module, style: str) -> None:
         """Shard a LoRA adapter with its base: under a column-parallel base (plain, fused or a KV head) A
-        (rank × in) is replicated and B (out × rank) keeps exactly the base's output rows (its TPShard pieces);
+        (rank × in) is replicated and B (out × rank) keeps exactly the base's output rows (its Shard's pieces);
         under a row-parallel base A keeps the base's input columns and B is replicated. The replicated
         factor's gradient is a partial sum on each rank (its output gradient, or its input, covers this
         rank's slice only), so it is summed over tp by a hook."""
@@ -261,10 +260,10 @@ class _Sharder:
         else:
             lora_A = plain.lora_A
             _sum_grad_over_tp(lora_A, tp)
-            base = self.placements[parallel.weight].tp
-            lora_B = self.shard(plain.lora_B, 0, base.pieces)
+            base = self.placements[parallel.weight]
+            lora_B = self.shard(plain.lora_B, 0, base.on("tp").pieces)
             if not base.counted:  # a KV head replicated over ranks: B's rows of that head, counted once
-                self.placements.record(lora_B, tp=TPShard(0, base.pieces, counted=False))
+                self.placements.record(lora_B, counted=False)
         parallel.lora_A, parallel.lora_B = lora_A, lora_B
         parallel.lora_dropout, parallel.lora_scaling = plain.lora_dropout, plain.lora_scaling
         parallel.adapted = True
@@ -295,7 +294,7 @@ class _Sharder:
             if tp.rank % replicas:
                 for p in (weight, bias):
                     if p is not None:
-                        self.placements.record(p, tp=TPShard(0, self.placements[p].tp.pieces, counted=False))
+                        self.placements.record(p, counted=False)
             return ColumnParallelLinear(weight, bias, tp, kv_head=tp.rank // replicas, n_kv_heads=heads)
         if style == ROWWISE:
             _, pieces = linear_pieces(self.plan, self.model, name, module, style, tp.size, tp.rank)
@@ -324,7 +323,7 @@ def apply_tensor_parallel(
     plan: ParallelPlan | None = None,
 ) -> TPState:
     """Keep this rank's shards of `model` (built whole from the same seed on every rank, or on the meta
-    device) in place, as the model's plan (or `plan`) says, recording each one's TPShard in `placements` (and
+    device) in place, as the model's plan (or `plan`) says, recording each one's Shard in `placements` (and
     on tp ranks > 0, what tp rank 0 counts). The plan was checked against the model before anything changed
     (meshlm.parallel.strategies.check_layout, once per build)."""
     plan = plan or plan_for(model)
@@ -335,10 +334,9 @@ def apply_tensor_parallel(
         if parallel is not module:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, parallel)
-    if tp.rank > 0:  # what every tp rank holds (a whole weight, a replicated KV head) counts on tp rank 0
+    if tp.rank > 0:  # what every tp rank holds whole counts on tp rank 0 (a replicated KV head: recorded above)
         for p in model.parameters():
-            shard = placements[p].tp
-            if shard is None or not shard.counted:
+            if placements[p].on("tp") is None:
                 placements.record(p, counted=False)
     return tp
 
@@ -361,43 +359,3 @@ def gathered_logits(model: nn.Module) -> Iterator[nn.Module]:
             tp.sequence_parallel = saved[key]
         for head in heads:
             head.gather_output = False
-
-
-# ---- gathering the full model -------------------------------------------------------------------------
-def _comm_device(group: dist.ProcessGroup) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-@torch.no_grad()
-def unshard_state_dict(
-    state: dict[str, torch.Tensor],
-    params: Mapping[str, torch.Tensor] | nn.Module,
-    placements: Placements,
-    group: dist.ProcessGroup,
-) -> dict[str, torch.Tensor]:
-    """This rank's shards -> the full tensors, on every tp rank, each run placed where its TPShard (in
-    `placements`) says. `params` (or a module's named parameters) tells which names are shards. Collective:
-    every rank of `group` must call it with the same names. Replicated KV heads (the same runs on several
-    ranks) are kept once."""
-    if isinstance(params, nn.Module):
-        params = dict(params.named_parameters(remove_duplicate=False))
-    size = dist.get_world_size(group)
-    device = _comm_device(group)
-    sliced = sorted(n for n in state if n in params and placements[params[n]].tp is not None)
-    every: list[dict | None] = [None] * size
-    dist.all_gather_object(every, {n: placements[params[n]].tp for n in sliced}, group=group)
-    full = dict(state)
-    for name in sliced:
-        t = state[name]
-        dim = placements[params[name]].tp.dim
-        parts = [torch.empty_like(t, device=device) for _ in range(size)]
-        dist.all_gather(parts, t.to(device).contiguous(), group=group)
-        runs = {}  # full start -> the run's values
-        for rank in range(size):
-            shard = every[rank][name]
-            for local, start, length in shard.runs(0, parts[rank].shape[dim]):
-                runs[start] = parts[rank].narrow(dim, local, length)
-        full[name] = torch.cat([runs[s] for s in sorted(runs)], dim=dim).to(t.device)
-    return full

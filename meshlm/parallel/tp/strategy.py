@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class TensorParallel:
-    """meshlm.parallel.tp.sharding: the plan's Linear/Embedding modules sharded over `tp` (a TPShard each)."""
+    """meshlm.parallel.tp.sharding: the plan's Linear/Embedding modules sharded over `tp` (a Shard each)."""
 
     dim = "tp"
 
