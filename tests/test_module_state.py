@@ -1,0 +1,71 @@
+"""meshlm keeps its state off the user's modules (issue #50 item 4): adapting and parallelizing a model adds no
+attribute to any module the model had. What meshlm needs to know about a module is a constructor argument of
+one of its own modules (Transformer's `init_source`, LoRALinear's `spec`, MoE's run settings), or is read off
+the model (`lora_spec`).
+
+Mutation: with `model.lora_spec = spec` put back at the end of apply_lora, both tests fail naming the root
+module and `lora_spec`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import meshlm
+from meshlm.model import Transformer, preset
+from meshlm.model.lora import LoRAError, LoRALinear, LoRASpec, lora_spec
+from meshlm.model.moe import MoE
+from meshlm.parallel.lora import apply_lora, merge_lora
+from meshlm.parallel.mesh import build_mesh, parse_layout
+
+MOE = preset("test").replace(hf_model_type="mixtral", n_experts=4, top_k=2, moe_intermediate_size=32)
+
+
+def _attributes(model: nn.Module) -> dict[int, tuple[str, set[str]]]:
+    """Each module of `model` (by identity) with its name and the names in its __dict__."""
+    return {id(m): (name, set(vars(m))) for name, m in model.named_modules()}
+
+
+def _gained(before: dict[int, tuple[str, set[str]]], model: nn.Module) -> dict[str, set[str]]:
+    """The attributes each module that was in `model` before has gained since (modules replaced aside)."""
+    after = _attributes(model)
+    return {
+        name: after[key][1] - names for key, (name, names) in before.items() if key in after and after[key][1] > names
+    }
+
+
+def test_apply_lora_sets_no_attribute_and_its_spec_is_read_off_the_adapters() -> None:
+    torch.manual_seed(0)
+    model = Transformer(preset("test"))
+    before = _attributes(model)
+    chosen = apply_lora(model, rank=4, alpha=8.0, dropout=0.1)
+    assert chosen and _gained(before, model) == {}
+    assert lora_spec(model) == LoRASpec(4, 8.0, 0.1)
+    assert lora_spec(merge_lora(model)) is None
+
+    torch.manual_seed(0)
+    mixed = Transformer(preset("test"))
+    apply_lora(mixed, rank=4, targets=["*.q_proj"])
+    first = next(m for m in mixed.modules() if isinstance(m, LoRALinear))
+    apply_lora(mixed, rank=2, targets=["*.v_proj"])  # adapters of two ranks: no one PEFT adapter holds both
+    assert first.spec == LoRASpec(4, 4.0)
+    with pytest.raises(LoRAError, match="2 different specs"):
+        lora_spec(mixed)
+
+
+def test_parallelizing_sets_no_attribute_on_the_users_modules() -> None:
+    """In one process (dp=1, two micro-batches: the engine sets the MoE layers' aux-loss scale), a MoE model
+    adapted with LoRA by hand, then parallelized: every module the model had keeps the attribute names it had
+    (a module replaced, as LoRA replaces the Linear layers it adapts, is no longer the model's)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = Transformer(MOE)
+    before = _attributes(model)
+    apply_lora(model, rank=4)
+    pm = meshlm.parallelize(model, build_mesh(parse_layout("dp=1", 1), "cpu"), micro_batches=2)
+    assert _gained(before, model) == {}
+    moe = [m for chunk in pm.chunks for m in chunk.modules() if isinstance(m, MoE)]
+    assert moe and {m.aux_loss_scale for m in moe} == {0.5}  # the engine's setting reached its own layers
