@@ -3,8 +3,9 @@ attribute to any module the model had. What meshlm needs to know about a module 
 one of its own modules (Transformer's `init_source`, LoRALinear's `spec`, MoE's run settings), or is read off
 the model (`lora_spec`).
 
-Mutation: with `model.lora_spec = spec` put back at the end of apply_lora, both tests fail naming the root
-module and `lora_spec`."""
+Mutations: with `model.lora_spec = spec` put back at the end of apply_lora, both tests fail naming the root
+module and `lora_spec`; with swap_to_fp8 setting `module.fp8_emulate = emulate` on each Linear it swaps (instead
+of choosing EmulatedFloat8Linear), the third fails naming those layers and `fp8_emulate`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import meshlm
 from meshlm.model import Transformer, preset
 from meshlm.model.lora import LoRAError, LoRALinear, LoRASpec, lora_spec
 from meshlm.model.moe import MoE
+from meshlm.parallel.fp8 import EmulatedFloat8Linear
 from meshlm.parallel.lora import apply_lora, merge_lora
 from meshlm.parallel.mesh import build_mesh, parse_layout
 
@@ -69,3 +71,16 @@ def test_parallelizing_sets_no_attribute_on_the_users_modules() -> None:
     assert _gained(before, model) == {}
     moe = [m for chunk in pm.chunks for m in chunk.modules() if isinstance(m, MoE)]
     assert moe and {m.aux_loss_scale for m in moe} == {0.5}  # the engine's setting reached its own layers
+
+
+def test_fp8_sets_no_attribute_on_the_layers_it_swaps() -> None:
+    """Emulated FP8 gives the blocks' Linear layers meshlm's fp8 class (EmulatedFloat8Linear: the emulation is
+    the class's, not an attribute of the layer)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = Transformer(preset("test"))
+    before = _attributes(model)
+    pm = meshlm.parallelize(model, build_mesh(parse_layout("dp=1", 1), "cpu"), fp8="emulate")
+    assert _gained(before, model) == {}
+    assert any(isinstance(m, EmulatedFloat8Linear) for chunk in pm.chunks for m in chunk.modules())
