@@ -3,8 +3,8 @@ attribute to any module the model had. What meshlm needs to know about a module 
 one of its own modules (Transformer's `init_source`, LoRALinear's `spec`, MoE's run settings), or is read off
 the model (`lora_spec`).
 
-Mutations: with `model.lora_spec = spec` put back at the end of apply_lora, both tests fail naming the root
-module and `lora_spec`; with swap_to_fp8 setting `module.fp8_emulate = emulate` on each Linear it swaps (instead
+Mutations: with `model.lora_spec = spec` put back at the end of apply_lora, the first two tests fail naming the
+root module and `lora_spec`; with swap_to_fp8 setting `module.fp8_emulate = emulate` on each Linear it swaps (instead
 of choosing EmulatedFloat8Linear), the third fails naming those layers and `fp8_emulate`."""
 
 from __future__ import annotations
@@ -25,17 +25,16 @@ from meshlm.parallel.mesh import build_mesh, parse_layout
 MOE = preset("test").replace(hf_model_type="mixtral", n_experts=4, top_k=2, moe_intermediate_size=32)
 
 
-def _attributes(model: nn.Module) -> dict[int, tuple[str, set[str]]]:
-    """Each module of `model` (by identity) with its name and the names in its __dict__."""
-    return {id(m): (name, set(vars(m))) for name, m in model.named_modules()}
+def _attributes(model: nn.Module) -> list[tuple[str, nn.Module, set[str]]]:
+    """Each module of `model` with its name and the names in its __dict__ (holding the module, so that the id
+    of one the model drops is not reused by a new one)."""
+    return [(name, m, set(vars(m))) for name, m in model.named_modules()]
 
 
-def _gained(before: dict[int, tuple[str, set[str]]], model: nn.Module) -> dict[str, set[str]]:
+def _gained(before: list[tuple[str, nn.Module, set[str]]], model: nn.Module) -> dict[str, set[str]]:
     """The attributes each module that was in `model` before has gained since (modules replaced aside)."""
-    after = _attributes(model)
-    return {
-        name: after[key][1] - names for key, (name, names) in before.items() if key in after and after[key][1] > names
-    }
+    now = {id(m) for m in model.modules()}
+    return {name: set(vars(m)) - names for name, m, names in before if id(m) in now and set(vars(m)) - names}
 
 
 def test_apply_lora_sets_no_attribute_and_its_spec_is_read_off_the_adapters() -> None:
