@@ -46,6 +46,7 @@ from meshlm.parallel.transforms.lora import (
     apply_lora,
     export_peft,
     freeze_patterns_match,
+    lora_spec,
     merge_lora,
 )
 from meshlm.ties import canonical_state, load_state, unique_state_names
@@ -184,7 +185,7 @@ def rebuild_run_model(checkpoint: Path, state: dict[str, torch.Tensor]) -> tuple
     if cfg.lora.rank:
         lora = cfg.lora
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets or None, seed=cfg.train.seed)
-        spec = model.lora_spec
+        spec = lora_spec(model)
     params = dict(model.named_parameters())
     unknown = sorted(set(state) - set(params))
     if unknown:

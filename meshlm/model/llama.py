@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from torch.utils.checkpoint import checkpoint
 from meshlm.model.config import ModelConfig
 from meshlm.model.init import Constant, InitRule, Normal, fill_
 from meshlm.model.moe import MoE
+
+if TYPE_CHECKING:
+    from meshlm.model.pretrained import HFWeights
 
 
 class RMSNorm(nn.Module):
@@ -184,12 +188,15 @@ class Transformer(nn.Module):
     Weights are a function of `init_seed` (default: `torch.initial_seed()`, i.e. the last
     `torch.manual_seed`) and of each element's name and index (meshlm.model.init), not of the global RNG
     stream: built on the `meta` device, the parallel engine initialises only each rank's shard of them, and
-    every layout gets the weights `Transformer(cfg)` has in one process."""
+    every layout gets the weights `Transformer(cfg)` has in one process. With `init_source` (a checkpoint's
+    files, meshlm.model.pretrained.HFWeights; `model.init_from`) built on `meta`, the engine reads each rank's
+    region of them instead."""
 
-    def __init__(self, cfg: ModelConfig, init_seed: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, init_seed: int | None = None, init_source: HFWeights | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.init_seed = torch.initial_seed() if init_seed is None else init_seed
+        self.init_source = init_source  # read by meshlm.parallel.materialize.MetaInit (the init protocol)
         self.model = Decoder(cfg)
         self.lm_head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

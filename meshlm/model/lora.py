@@ -51,6 +51,17 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, spec.rank, device=device))
         self.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
         self.lora_scaling = spec.scaling
+        self.spec = spec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) + lora_delta(self, x)
+
+
+def lora_spec(model: nn.Module) -> LoRASpec | None:
+    """The rank, alpha and dropout of `model`'s adapters (meshlm.parallel.transforms.lora.apply_lora), read off its
+    LoRALinear modules; None without any. Adapters of two specs are a one-line LoRAError: one PEFT adapter
+    has one rank and alpha."""
+    specs = {m.spec for m in model.modules() if isinstance(m, LoRALinear)}
+    if len(specs) > 1:
+        raise LoRAError(f"the model's adapters have {len(specs)} different specs ({sorted(map(repr, specs))[:2]})")
+    return next(iter(specs), None)

@@ -159,9 +159,24 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     """A token-choice top-k MoE feed-forward (see the module docstring). Parameter names follow Hugging Face
     Qwen2-MoE: `gate` is the router (n_experts, dim), `experts.{gate,up,down}_proj` the stacked experts,
-    `shared_expert` and `shared_expert_gate` the optional shared expert."""
+    `shared_expert` and `shared_expert_gate` the optional shared expert.
 
-    def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None) -> None:
+    How the layer's aux losses enter a parallel run are its settings, given here (default: one process) and
+    changed only by meshlm's setters of them: `sequence_group`, the ranks holding other shards of the same
+    sequences (context parallel, set_sequence_group); `aux_loss_scale`, the gradient scale of this
+    micro-batch's aux losses (1/n_micro, set_aux_loss_scale); `aux_loss_split`, the ranks that each measure
+    the same aux losses and sum their router gradients (tensor parallel: tp, meshlm.parallel.tp.moe), each
+    adding 1/aux_loss_split of the aux gradient."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        shared_expert: nn.Module | None = None,
+        *,
+        sequence_group: dist.ProcessGroup | None = None,
+        aux_loss_scale: float = 1.0,
+        aux_loss_split: int = 1,
+    ) -> None:
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.score, self.norm_topk = cfg.moe_score, cfg.norm_topk
@@ -170,11 +185,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.moe_intermediate_size)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False) if cfg.shared_expert_gate else None
-        self.sequence_group: dist.ProcessGroup | None = None  # cp: ranks holding shards of the same sequences
-        self.aux_loss_scale = 1.0  # gradient scale of this micro-batch's aux losses: 1/n_micro (set_aux_loss_scale)
-        # Ranks that each measure this layer's aux losses from the same routing and whose router gradients are
-        # summed (tensor parallel: tp, meshlm.parallel.tp.moe): each adds 1/aux_loss_split of the aux gradient.
-        self.aux_loss_split = 1
+        self.sequence_group, self.aux_loss_scale, self.aux_loss_split = sequence_group, aux_loss_scale, aux_loss_split
         self.last_aux_loss: torch.Tensor | None = None  # measured in the last training forward (detached)
         self.last_z_loss: torch.Tensor | None = None
 

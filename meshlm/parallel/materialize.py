@@ -9,8 +9,8 @@ parallelism / ZeRO will pack it, whose FlatBuffer then fills only what the rank 
 
 Values come from the first of these the model offers (the init protocol, docs/api.md); under every layout
 each rank gets its slices of exactly the tensors the protocol gives the whole model in one process:
-  * `init_source` (meshlm.model.pretrained.HFWeights, set by `model.init_from`): each rank's region read
-    from a checkpoint's files, nothing else read;
+  * `init_source` (meshlm.model.pretrained.HFWeights, given to meshlm's Transformer by `model.init_from`):
+    each rank's region read from a checkpoint's files, nothing else read;
   * `init_rule(name, param)` -> meshlm.Normal(std) | meshlm.Constant(value), with `init_seed` (meshlm's
     Transformer): every element from meshlm.model.init, a function of (seed, name, index), so nothing beyond
     the rank's shard is ever generated. Set-up memory: the shard;

@@ -213,8 +213,8 @@ def build_model(
         model_cfg = cfg.model.build()
         torch.manual_seed(cfg.train.seed)
         with torch.device("meta"):  # ParallelModel materialises only this rank's shard, seeded per element
-            model = Transformer(model_cfg, init_seed=cfg.train.seed)
-        model.init_source = init_source  # model.init_from: each rank reads its shard from the checkpoint
+            # model.init_from: each rank reads its shard from the checkpoint (init_source)
+            model = Transformer(model_cfg, init_seed=cfg.train.seed, init_source=init_source)
         set_recompute(model, cfg.train.recompute, cfg.train.recompute_layers)
         identity = model_cfg.to_dict()
         flops_per_tok = flops_per_token(model_cfg, cfg.data.seq_len)

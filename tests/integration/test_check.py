@@ -324,7 +324,7 @@ def test_the_export_logits_tolerance_is_sharp(tmp_path, monkeypatch) -> None:
     import meshlm.model.hf_export as hf_export
     from meshlm.check.export import LOGITS_RTOL, hf_logits, logits_rel
     from meshlm.model.hf_export import export_hf
-    from meshlm.parallel.transforms.lora import LoRALinear, LoRASpec, apply_lora, export_peft, merge_lora
+    from meshlm.parallel.transforms.lora import LoRALinear, LoRASpec, apply_lora, export_peft, lora_spec, merge_lora
 
     pytest.importorskip("peft")
     model = Transformer(MODEL, init_seed=0).eval()
@@ -336,7 +336,7 @@ def test_the_export_logits_tolerance_is_sharp(tmp_path, monkeypatch) -> None:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 1e-3)
         tokens = batches()[0][0]
         ref = model(tokens)
-    export_peft(model.state_dict(), model.lora_spec, tmp_path / "peft", str(tmp_path / "base"))
+    export_peft(model.state_dict(), lora_spec(model), tmp_path / "peft", str(tmp_path / "base"))
     merged = merge_lora(copy.deepcopy(model))
     export_hf(merged, tmp_path / "merged")
     assert logits_rel(hf_logits(tmp_path / "merged", tokens), ref) <= LOGITS_RTOL

@@ -20,6 +20,7 @@ from meshlm.parallel.transforms.lora import (
     apply_lora,
     export_peft,
     load_adapter,
+    lora_spec,
     merge_lora,
     merged_state_dict,
 )
@@ -57,7 +58,7 @@ def test_peft_export_of_meshlm_llama_loads_in_peft_with_equal_logits(tmp_path: P
     apply_lora(model, 4, 8.0, seed=2)
     randomize_adapters(model)
     want = model(tokens())
-    export_peft(model.state_dict(), model.lora_spec, tmp_path / "adapter", str(tmp_path / "base"))
+    export_peft(model.state_dict(), lora_spec(model), tmp_path / "adapter", str(tmp_path / "base"))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and len(config["target_modules"]) == 7 * MODEL.n_layers
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager")
@@ -79,7 +80,7 @@ def test_peft_export_of_an_hf_llama_object_loads_in_peft_with_equal_logits(tmp_p
     apply_lora(model, 2, 4.0, seed=3)
     randomize_adapters(model)
     want = model(tokens()).logits
-    export_peft(model.state_dict(), model.lora_spec, tmp_path / "adapter")
+    export_peft(model.state_dict(), lora_spec(model), tmp_path / "adapter")
     fresh = transformers.LlamaForCausalLM(config).eval()
     fresh.load_state_dict(base_state)
     adapted = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
@@ -109,7 +110,7 @@ def test_adapter_round_trip_and_a_different_base_is_one_line(tmp_path: Path) -> 
     model = Transformer(MODEL, init_seed=0)
     apply_lora(model, 4, 8.0, seed=2)
     randomize_adapters(model)
-    export_peft(model.state_dict(), model.lora_spec, tmp_path / "adapter")
+    export_peft(model.state_dict(), lora_spec(model), tmp_path / "adapter")
     again = Transformer(MODEL, init_seed=0)
     apply_lora(again, 4, 8.0, seed=9)
     load_adapter(again, tmp_path / "adapter")

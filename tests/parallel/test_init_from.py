@@ -141,9 +141,9 @@ def set_up(directory: str, layout: str, zero: int = 0, mutation: str | None = No
     cfg = read_hf_config(directory)
     lay = parse_layout(layout, dist.get_world_size())
     n_micro = check_layout(LayoutSpec(cfg, lay, BATCH, 2 if lay.pp > 1 else 0, SEQ))
+    source = RecordingWeights(directory, mutation)
     with torch.device("meta"):
-        model = Transformer(cfg, init_seed=0)
-    model.init_source = source = RecordingWeights(directory, mutation)
+        model = Transformer(cfg, init_seed=0, init_source=source)
     pm = ParallelModel(model, build_mesh(lay, "cpu"), ParallelSection(layout=layout, zero=zero), n_micro)
     held = pm.local_shards()["model"] if zero == 3 else [p for c in pm.chunks for p in c.parameters()]
     kept = sum(piece.local.numel() for piece in held) if zero == 3 else sum(p.numel() for p in held)

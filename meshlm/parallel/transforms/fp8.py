@@ -118,6 +118,12 @@ class Float8Linear(nn.Linear):
         return fp8_linear(x, self.weight, self.bias, self.fp8_emulate)
 
 
+class EmulatedFloat8Linear(Float8Linear):
+    """A Float8Linear whose fp8 matmul is emulated (fp8 rounding, fp32 matmul): for devices without fp8."""
+
+    fp8_emulate = True
+
+
 def fp8_capable(module: nn.Module) -> bool:
     """_scaled_mm needs both matrix dimensions of the (local) weight to be multiples of 16."""
     weight = getattr(module, "weight", None)
@@ -135,8 +141,7 @@ def swap_to_fp8(blocks: list[nn.Module], emulate: bool = False) -> list[str]:
             if not fp8_capable(module):
                 continue
             if type(module) is nn.Linear:
-                module.__class__ = Float8Linear
-                module.fp8_emulate = emulate
+                module.__class__ = EmulatedFloat8Linear if emulate else Float8Linear
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.linear = lambda x, w, b=None: fp8_linear(x, w, b, emulate)
             else:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from meshlm.files import atomic_write
-from meshlm.model.lora import LoRAError, LoRALinear, LoRASpec
+from meshlm.model.lora import LoRAError, LoRALinear, LoRASpec, lora_spec
 from meshlm.parallel.options import LoRAOptions
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -95,7 +95,6 @@ def apply_lora(
     for name in chosen:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, LoRALinear(linears[name], spec, generator))
-    model.lora_spec = spec
     return chosen
 
 
@@ -275,7 +274,7 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
     """Copy a PEFT adapter directory's weights into `model`'s adapters (after apply_lora, before parallelize).
     Its rank, alpha and adapted modules must be the model's: another base is named in one line."""
     spec, adapters = read_peft(directory)
-    own = getattr(model, "lora_spec", None)
+    own = lora_spec(model)
     if own is None:
         raise LoRAError(f"lora.init_from: {directory}: the model has no adapters; set lora.rank = {spec.rank}")
     if (spec.rank, spec.alpha) != (own.rank, own.alpha):
@@ -311,5 +310,4 @@ def merge_lora(model: nn.Module) -> nn.Module:
             plain.bias = module.bias
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, plain)
-    model.__dict__.pop("lora_spec", None)
     return model
