@@ -26,7 +26,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from meshlm.config import DataSection
-from meshlm.data.shards import SHARD_TOKENS, TokenShards, check_shards, open_split, write_shards
+from meshlm.data.shards import SHARD_TOKENS, SPLITS, TokenShards, check_shards, open_split, write_shards
 from meshlm.data.sources import DataError, describe_source, iter_documents, source_files, source_fingerprint
 from meshlm.data.tokenizer import EOT, eot_id, train_tokenizer
 from meshlm.files import atomic_write
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from meshlm.data.sft import SFTData
 
 FORMAT_VERSION = 2
-SPLITS = ("train", "val")
 PREPARED = "prepare-data"  # the manifest's `builder` for caches `meshlm prepare-data` made (else "inline")
 INLINE_LIMIT_BYTES = 1 << 26  # above this much text, tokenizing inline behind a barrier deserves a warning
 PROGRESS_CHARS = 1 << 24  # while tokenizing, a line per this much text encoded (a silent log looks hung)
