@@ -47,7 +47,6 @@ from tokenizers import Encoding, Tokenizer
 from meshlm.config import DataSection
 from meshlm.data.dataset import (
     _install,
-    _sha256,
     cache_tokenizer,
     cached_manifest,
     check_tokenizer,
@@ -59,7 +58,7 @@ from meshlm.data.sampler import GlobalBatchSampler, eval_windows
 from meshlm.data.shards import SPLITS
 from meshlm.data.sources import DataError, _walk
 from meshlm.errors import InputError
-from meshlm.files import atomic_write
+from meshlm.files import atomic_write, sha256_file
 from meshlm.model.llama import IGNORE_INDEX
 
 FORMAT = "sft-1"
@@ -298,8 +297,8 @@ def sft_cache_key(cfg: DataSection, vocab_size: int, tokenizer_file: Path | None
         "vocab_size": vocab_size,
     }
     if tokenizer_file is not None:
-        inputs["tokenizer_sha256"] = _sha256(tokenizer_file)
-        inputs["template_sha256"] = [_sha256(p) for p in chat_template_files(tokenizer_file)]
+        inputs["tokenizer_sha256"] = sha256_file(tokenizer_file)
+        inputs["template_sha256"] = [sha256_file(p) for p in chat_template_files(tokenizer_file)]
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -495,9 +494,9 @@ def _read_sft_manifest(directory: Path, key: str) -> dict:
                 raise DataError(
                     f"data: {path} is missing or does not have the {record['bytes']} bytes of manifest.json"
                 )
-            if _sha256(path) != record["sha256"]:
+            if sha256_file(path) != record["sha256"]:
                 raise DataError(f"data: {path} does not match its sha256 in manifest.json")
-    if _sha256(directory / "tokenizer.json") != manifest["tokenizer_sha256"]:
+    if sha256_file(directory / "tokenizer.json") != manifest["tokenizer_sha256"]:
         raise ValueError("tokenizer.json does not match the manifest's sha256")
     return manifest
 
@@ -557,7 +556,7 @@ def _build_into(
         "source": cfg.source,
         "template": template.name,
         "vocab_size": vocab_size,
-        "tokenizer_sha256": _sha256(out / "tokenizer.json"),
+        "tokenizer_sha256": sha256_file(out / "tokenizer.json"),
         "eos_id": eos,
         "dtype": dtype.name,
         "examples": counts,
