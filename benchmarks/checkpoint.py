@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from meshlm.checkpoint import Checkpointer, training_entries
+from meshlm.checkpoint import CheckpointIO, training_entries
 from meshlm.config import ParallelSection, TrainSection
 from meshlm.model import Transformer, cross_entropy_loss, preset
 from meshlm.parallel.engine import ParallelModel
@@ -73,11 +73,11 @@ def meshlm_case(name: str, model_name: str, root: Path, repeats: int) -> dict:
     out: dict[str, list[float]] = {"blocking": [], "held": [], "total": []}
     for kind in ("blocking", "async"):
         run = root / f"{name}-{kind}".replace(" ", "_")
-        ckpt = Checkpointer(run, keep=1, async_save=kind == "async", timeout_s=600)
+        ckpt = CheckpointIO(run, keep=1, async_save=kind == "async", timeout_s=600)
         for step in range(1, repeats + 1):
             held: list[float] = []
 
-            def save(ckpt: Checkpointer = ckpt, step: int = step, held: list = held) -> None:
+            def save(ckpt: CheckpointIO = ckpt, step: int = step, held: list = held) -> None:
                 held.append(ckpt.save(step, training_entries(pm, opt, writer=True), {"step": step}))
                 ckpt.wait()
 

@@ -10,7 +10,7 @@ Calibration, then trains every layout of that world size in turn. Per layout it 
     parameters excluded), against the planner's activations + logits;
   * step time: the median of `--steps` optimizer steps after `--warmup`, each timed between barriers, the
     cases of a world size taking turns step by step.
-The planner (`meshlm.plan.evaluate`, fp32, the measured calibration) predicts each for the same layout; memory
+The planner (`meshlm.plan.plan_strategy`, fp32, the measured calibration) predicts each for the same layout; memory
 is the worst rank against the planner's fullest stage. Pass: memory within 10 %, step time within 25 %.
 Layouts: one rank; dp=2 with ZeRO 0-3; tp=2; pp=2 (1F1B, GPipe); dp=2,tp=2; pp=2,dp=2; pp=2,tp=2; and
 pp=2,dp=2,tp=2 on 8 ranks. Results and their reading: docs/benchmarks.md, "Planner vs measured".
@@ -44,7 +44,7 @@ from meshlm.parallel.engine import ParallelModel
 from meshlm.parallel.mesh import Layout, build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.strategies import check_layout
-from meshlm.plan import Strategy, Workload, evaluate, hardware
+from meshlm.plan import Strategy, Workload, hardware, plan_strategy
 from meshlm.plan.memory import model_state_bytes, stage_params
 from meshlm.plan.pipeline_split import rank_layers
 from meshlm.testing import global_batch, run_distributed
@@ -170,7 +170,7 @@ def doctor_layout(cases: list[Case]) -> str:
 def predict(case: Case, model_cfg: ModelConfig, batch: int, micro_batch: int, seq_len: int, cal: dict | None):
     layout = Strategy(Layout(**case.sizes()), zero=case.zero, micro_batch=micro_batch, schedule=case.schedule)
     w = Workload(model_cfg, seq_len, batch, train_tokens=1e9, precision="fp32")
-    return layout, evaluate(w, layout, hardware("cpu", cal))
+    return layout, plan_strategy(w, layout, hardware("cpu", cal))
 
 
 def stage_model_states(model_cfg: ModelConfig, layout: Strategy, stage: int) -> float:

@@ -11,7 +11,7 @@ import dataclasses
 import sys
 
 import meshlm
-from meshlm.check.run import render
+from meshlm.check.run import print_verdict
 from meshlm.model import Transformer, preset
 from meshlm.parallel.plan_registry import LLAMA
 from meshlm.testing import global_batch
@@ -32,5 +32,5 @@ if __name__ == "__main__":
     plan = LLAMA if "--correct" in sys.argv else WRONG
     batches = [global_batch(step, 8, 32, MODEL.vocab_size) for step in range(5)]
     report = meshlm.check(make_model, batches, "tp=2", plan=plan, sequence_parallel=True, say=print)
-    render(report)
+    print_verdict(report)
     sys.exit(0 if report.passed else 1)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.checkpoint import (
-    Checkpointer,
+    CheckpointIO,
     finish_saves,
     init_optimizer_state,
     load_step_counts,
@@ -143,7 +143,7 @@ class Checkpoints:
 
     def __init__(self, run_dir: str | Path, keep: int = 3, async_save: bool = True, timeout_s: float = 300.0) -> None:
         self.run_dir = Path(run_dir)
-        self.checkpointer = Checkpointer(self.run_dir, keep, async_save, timeout_s)
+        self.checkpointer = CheckpointIO(self.run_dir, keep, async_save, timeout_s)
 
     def save(self, step: int, model: ParallelModel, optimizer: torch.optim.Optimizer, **state: Any) -> float:
         """Save step `step`; returns the seconds training was held (the rest is written in the background)."""

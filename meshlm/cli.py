@@ -140,7 +140,7 @@ def _load_run_model(run_dir: Path, cfg: Config) -> tuple[Transformer, Path]:
 
 
 # `meshlm eval` runs the trainer's own evaluation on one process: these override the run's layout.
-SINGLE_PROCESS = [
+EVAL_OVERRIDES = [
     ("parallel.layout", ""),
     ("parallel.zero", 0),
     ("parallel.zero_shard_size", None),
@@ -162,7 +162,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from meshlm.train.evaluation import evaluate
 
     batches = [] if args.batches is None else [("train.eval_batches", args.batches)]
-    cfg = _run_config(args.run_dir, [*SINGLE_PROCESS, *batches])
+    cfg = _run_config(args.run_dir, [*EVAL_OVERRIDES, *batches])
     model, checkpoint = _load_run_model(args.run_dir, cfg)
     device = resolve_device(cfg.train.device)
     data = prepare_data(cfg.data, model.cfg.vocab_size, init_tokenizer(cfg.model.init_from))
@@ -221,17 +221,17 @@ def cmd_check(args: argparse.Namespace, extra: list[str]) -> int:
     check_source(cfg.data)
     if args.steps < 2:
         raise ConfigError(f"--steps {args.steps}: the check needs at least 2 (one before and one after the resume)")
-    from meshlm.check.run import check_config, render
+    from meshlm.check.run import check_run, print_verdict
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="meshlm-check-"))
     say = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():  # stdout: the JSON only
-        report, replica = check_config(cfg, steps=args.steps, world=args.world, max_ranks=args.max_ranks,
+        report, replica = check_run(cfg, steps=args.steps, world=args.world, max_ranks=args.max_ranks,
                                        workdir=workdir, export=args.export, say=say)  # fmt: skip
     if args.json:
         print(json.dumps({**report.as_dict(), "kept": replica.kept, "shrunk": replica.shrunk}, indent=1))
     else:
-        render(report, replica.kept, replica.shrunk)
+        print_verdict(report, replica.kept, replica.shrunk)
     return 0 if report.passed else 1
 
 
@@ -272,7 +272,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
 
 
-def _integer(low: int, high: int = 2**63 - 1) -> Callable[[str], int]:
+def _int_arg(low: int, high: int = 2**63 - 1) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -329,7 +329,7 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     to_hf.add_argument("out", type=Path, metavar="OUT_HF_DIR")
     to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     to_hf.add_argument(
-        "--max-shard-bytes", type=_integer(1), default=None, help="split weights into shards of at most this size"
+        "--max-shard-bytes", type=_int_arg(1), default=None, help="split weights into shards of at most this size"
     )
     to_hf.add_argument(
         "--lora",
@@ -397,14 +397,14 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", type=Path, help="a meshlm run directory (log.run_dir of the run)")
     p.add_argument("--prompt", type=_prompt, default="def ", help="text to continue (default: %(default)r)")
     p.add_argument(
-        "--max-new-tokens", type=_integer(0), default=100, help="most tokens to add; generation also stops at the "
+        "--max-new-tokens", type=_int_arg(0), default=100, help="most tokens to add; generation also stops at the "
         "tokenizer's end-of-text / end-of-turn token (default: %(default)s)",
     )  # fmt: skip
     p.add_argument(
         "--temperature", type=_temperature, default=0.8, help="sampling temperature; 0 = greedy (default: %(default)s)"
     )
-    p.add_argument("--top-k", type=_integer(1), default=50, help="sample among the k likeliest tokens (default: 50)")
-    p.add_argument("--seed", type=_integer(0), default=0, help="random seed of the sampling (default: 0)")
+    p.add_argument("--top-k", type=_int_arg(1), default=50, help="sample among the k likeliest tokens (default: 50)")
+    p.add_argument("--seed", type=_int_arg(0), default=0, help="random seed of the sampling (default: 0)")
     p.add_argument(
         "--chat", action="store_true", help="the prompt is a user turn of the run's chat template (a fine-tuned chat "
         "model; meshlm's plain template without one), and the reply is printed, ended at the end-of-turn token",
@@ -487,8 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     p.add_argument("--config", help="TOML config file (the [data] and [model] sections matter; overrides too)")
-    p.add_argument("--workers", type=_integer(1, 4096), default=os.cpu_count() or 1, help="tokenizer processes")
-    p.add_argument("--shard-tokens", type=_integer(1), default=SHARD_TOKENS, help="tokens per shard file")
+    p.add_argument("--workers", type=_int_arg(1, 4096), default=os.cpu_count() or 1, help="tokenizer processes")
+    p.add_argument("--shard-tokens", type=_int_arg(1), default=SHARD_TOKENS, help="tokens per shard file")
     p.set_defaults(func=cmd_prepare_data)
 
     p = sub.add_parser("config", help="configuration tools")

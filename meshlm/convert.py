@@ -32,8 +32,8 @@ from meshlm.model import Transformer
 from meshlm.model.hf import (
     MESHLM_CONFIG_KEY,
     _check_shapes,
+    _error_line,
     _expected_shapes,
-    _first_line,
     _open_safetensors,
     load_hf_into_model,
     tied_names,
@@ -93,7 +93,7 @@ def _load_meshlm_file(path: Path) -> Transformer:
     try:
         fields = json.loads(metadata[MESHLM_CONFIG_KEY])
     except ValueError as e:
-        raise ValueError(f"{path}: metadata {MESHLM_CONFIG_KEY} is not JSON ({_first_line(e)})") from None
+        raise ValueError(f"{path}: metadata {MESHLM_CONFIG_KEY} is not JSON ({_error_line(e)})") from None
     cfg = model_config_from_dict(fields, f"{path}: metadata {MESHLM_CONFIG_KEY}")
     aliases = tied_names(cfg)  # save_model stores a tied weight under one of its names
     shapes = {aliases.get(name, name): shape for name, shape in shapes.items()}

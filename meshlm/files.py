@@ -1,8 +1,10 @@
 """Files a resume reads, written whole or not at all (run config, trainer state, manifests, tokenizer copies,
-export configs): the one helper every layer uses, so it sits at the bottom with the errors."""
+export configs), and the sha256 their manifests record: the helpers every layer uses, so they sit at the bottom
+with the errors."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -42,3 +44,13 @@ def _fsync_directory(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def sha256_file(path: Path, block: int = 1 << 24) -> str:
+    """The hex sha256 of the file at `path`, read `block` bytes at a time (the manifests of checkpoints and of
+    data caches record it)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while data := f.read(block):
+            h.update(data)
+    return h.hexdigest()

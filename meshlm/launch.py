@@ -15,9 +15,9 @@ rendezvous, restarts and worker supervision), and differs only in how it ends:
   same notice: one save, exit 0. A signal that comes after the workers finished (teardown), or before any
   worker started (from the first line of `meshlm launch`, before torch is imported), exits 0 too: the work
   is committed, or there was none to save.
-- `MESHLM_STOP_EXIT=CODE` (the Kubernetes and SkyPilot files set 143, `STOP_EXIT`): a run a signal stopped
-  with steps left exits CODE instead of 0, so a scheduler that counts exit 0 as "succeeded" restarts it
-  (docs/clusters.md, "Exit codes"); a run that trained to its last step still exits 0.
+- `MESHLM_STOP_EXIT=CODE` (the Kubernetes and SkyPilot files set 143, meshlm.plan.emit.STOP_EXIT): a run a
+  signal stopped with steps left exits CODE instead of 0, so a scheduler that counts exit 0 as "succeeded"
+  restarts it (docs/clusters.md, "Exit codes"); a run that trained to its last step still exits 0.
 - `MESHLM_STOP_AFTER=SECONDS`: the launcher stops its own run that long after it started, as a SIGTERM
   would (one save, then MESHLM_STOP_EXIT's code): a self-timed stop before a wall limit that sends no
   signal, or one that comes too late for the save.
@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from meshlm.train.signals import release_hung_up_terminal
+from meshlm.train.signals import INTERRUPTED_EXIT, release_hung_up_terminal
 
 LAUNCH_DIR = "MESHLM_LAUNCH_DIR"
 STOPPED_FILE = "MESHLM_STOPPED_FILE"
@@ -62,8 +62,6 @@ STOP_AFTER_VAR = "MESHLM_STOP_AFTER"
 HOST_NODE_VAR = "MESHLM_RDZV_HOST_NODE"  # under Slurm: the node (SLURMD_NODENAME) that hosts the rendezvous store
 STARTED, STOPPED, FINISHED = "started", "stopped", "finished"
 SIGTERM_EXIT = 128 + signal.SIGTERM
-STOP_EXIT = SIGTERM_EXIT  # what the launch files ask for: a scheduler restarts a run that exits with it
-INTERRUPTED_EXIT = 128 + signal.SIGINT
 BAD_INPUT_EXIT = 2
 SAVE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # each asks for one save
 TIME_UP = "MESHLM_STOP_AFTER"  # the name the lines give a self-timed stop (SIGALRM)

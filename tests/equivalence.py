@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.checkpoint import (
-    Checkpointer,
+    CheckpointIO,
     init_optimizer_state,
     latest_valid_checkpoint,
     set_optimizer_steps,
@@ -140,7 +140,7 @@ def train_layout(
         opt = build_optimizer(pm, train)
     out: dict = {}
     if resume_from or save_to:
-        checkpointer = Checkpointer(resume_from or save_to, keep=2, async_save=False, timeout_s=60)
+        checkpointer = CheckpointIO(resume_from or save_to, keep=2, async_save=False, timeout_s=60)
     if resume_from:
         init_optimizer_state(opt)
         checkpointer.load(latest_valid_checkpoint(resume_from), training_entries(pm, opt))

@@ -32,7 +32,7 @@ from meshlm.model.hf_export import hf_config_from_model
 from meshlm.model.pretrained import is_hf_directory
 
 LOGITS_RTOL = 1e-5
-WHY = "fp32: transformers' kernel order moves logits by ~1e-7 rel; a wrong export by ~1e-3 or more"
+LOGITS_WHY = "fp32: transformers' kernel order moves logits by ~1e-7 rel; a wrong export by ~1e-3 or more"
 
 
 def peft_base(cfg: Config) -> str | None:
@@ -111,7 +111,7 @@ def add_export_rows(cfg: Config, workdir: Path, tokens: torch.Tensor, report: Ch
             continue
         got = hf_logits(base, tokens, out) if base else hf_logits(out, tokens)
         d = logits_rel(got, ref)
-        tolerance = f"logits <= {LOGITS_RTOL:g} ({WHY})"
+        tolerance = f"logits <= {LOGITS_RTOL:g} ({LOGITS_WHY})"
         seconds = time.monotonic() - start
         note = no_peft * (lora == "merged")
         report.rows.append(Row(name, None, None, None, tolerance, seconds, d <= LOGITS_RTOL, note, d))

@@ -282,7 +282,7 @@ def world_of(layout: str) -> int:
     return n
 
 
-def check(cfg: Config, batches: list, workdir: Path, *, steps: int = 5, parts: dict | None = None,
+def check_replica(cfg: Config, batches: list, workdir: Path, *, steps: int = 5, parts: dict | None = None,
           export: bool = False, say=lambda line: None) -> CheckReport:  # fmt: skip
     """Train `cfg` (a replica: CPU, fp32, an explicit layout) for `steps` steps at world 1 and at its layout on
     `batches`, resume the layout's middle checkpoint at world 1, with `export` (meshlm's model, no user parts)
@@ -420,7 +420,7 @@ def check_model(
     parts = {"model": model, "plan": plan, "loss_fn": loss_fn, "gather_logits": gather_logits}
     if workdir is None:
         workdir = Path(tempfile.mkdtemp(prefix="meshlm-check-"))
-    return check(cfg, batches, Path(workdir), steps=steps, parts=parts, say=say)
+    return check_replica(cfg, batches, Path(workdir), steps=steps, parts=parts, say=say)
 
 
 def short(tolerance: str) -> str:
@@ -430,7 +430,7 @@ def short(tolerance: str) -> str:
     return tolerance
 
 
-def render(report: CheckReport, kept: tuple[str, ...] = (), shrunk: tuple[str, ...] = ()) -> None:
+def print_verdict(report: CheckReport, kept: tuple[str, ...] = (), shrunk: tuple[str, ...] = ()) -> None:
     """The verdict table, the replica's kept and shrunk lines and each phase's time, on stdout."""
     from rich.console import Console
     from rich.table import Table
@@ -464,9 +464,9 @@ def render(report: CheckReport, kept: tuple[str, ...] = (), shrunk: tuple[str, .
     console.print("PASS: the layout reproduces one process" if report.passed else "FAIL", highlight=False)
 
 
-def check_config(cfg: Config, *, steps: int, world: int | None, max_ranks: int, workdir: Path, export: bool = False,
+def check_run(cfg: Config, *, steps: int, world: int | None, max_ranks: int, workdir: Path, export: bool = False,
                  say=lambda line: None) -> tuple[CheckReport, object]:  # fmt: skip
-    """`meshlm check`: the run's replica (meshlm.check.shrink), its first batches, and `check`; with `export`
+    """`meshlm check`: the run's replica (meshlm.check.shrink), its first batches, and `check_replica`; with `export`
     the export round trip too (bad input for it refused first, on the run's model and on the replica's)."""
     from meshlm.check.export import check_export_input
     from meshlm.check.shrink import shrink
@@ -481,6 +481,6 @@ def check_config(cfg: Config, *, steps: int, world: int | None, max_ranks: int, 
     start = time.monotonic()
     batches = first_batches(cfg, replica.config, steps)
     data_s = time.monotonic() - start
-    report = check(replica.config, batches, workdir, steps=steps, export=export, say=say)
+    report = check_replica(replica.config, batches, workdir, steps=steps, export=export, say=say)
     report.phases = {"shrink": round(shrunk_s, 2), "data": round(data_s, 2), **report.phases}
     return report, replica

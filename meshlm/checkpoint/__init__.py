@@ -1,6 +1,6 @@
 """Checkpoints: sharded (DCP) and resharding, atomic and checksummed, loaded without unpickling code."""
 
-from meshlm.checkpoint.checkpointer import Checkpointer, finish_saves
+from meshlm.checkpoint.checkpointer import CheckpointIO, finish_saves
 from meshlm.checkpoint.state import (
     init_optimizer_state,
     load_step_counts,
@@ -11,7 +11,7 @@ from meshlm.checkpoint.state import (
 )
 from meshlm.checkpoint.store import (
     CheckpointError,
-    RunCheckpoints,
+    CheckpointFolders,
     StorageError,
     latest_valid_checkpoint,
     list_checkpoints,
@@ -24,8 +24,8 @@ from meshlm.checkpoint.store import (
 
 __all__ = [
     "CheckpointError",
-    "Checkpointer",
-    "RunCheckpoints",
+    "CheckpointFolders",
+    "CheckpointIO",
     "StorageError",
     "finish_saves",
     "init_optimizer_state",

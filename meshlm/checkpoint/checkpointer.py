@@ -36,8 +36,8 @@ from meshlm.checkpoint.shards import ChunkLoadPlanner, Chunks, ChunkSavePlanner
 from meshlm.checkpoint.store import (
     LOAD_ERRORS,
     CheckpointError,
+    CheckpointFolders,
     MetadataOnceReader,
-    RunCheckpoints,
     StorageError,
     file_record,
     staging_folder,
@@ -46,7 +46,7 @@ from meshlm.checkpoint.store import (
 )
 
 Entries = dict[str, Any]  # key -> Chunks or a plain tensor
-_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # for finish_saves
+_OPEN: weakref.WeakSet[CheckpointIO] = weakref.WeakSet()  # for finish_saves
 ALIGN = 64  # staging offsets stay aligned for every dtype
 
 
@@ -65,8 +65,10 @@ def _nbytes(entries: Entries) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class Checkpointer:
-    """Saves `Entries` to `run_dir/checkpoints/step_N` and loads them back under any layout. Collective."""
+class CheckpointIO:
+    """The collective reads and writes of checkpoints: saves `Entries` to `run_dir/checkpoints/step_N` and loads
+    them back under any layout. `meshlm.Checkpoints` (api.py) is the library's door to it for a ParallelModel and
+    its optimizer; rank 0 keeps the folders themselves with a `CheckpointFolders` (store.py)."""
 
     def __init__(
         self,
@@ -88,7 +90,7 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.say = say if self.rank == 0 else (lambda _message: None)
         self.record = record or (lambda _step, _values: None)
-        self.store = RunCheckpoints(self.run_dir, self.say)
+        self.store = CheckpointFolders(self.run_dir, self.say)
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.async_save = async_save
         self.pending: tuple[int, float, Future, threading.Thread] | None = None  # step, held_s, result, writer
@@ -98,7 +100,7 @@ class Checkpointer:
 
     # ---- finding checkpoints ----------------------------------------------------------------------------
     def resume_point(self, resume: bool, allow_fresh_start: bool) -> Path | None:
-        """Start-up: rank 0 refuses entries it did not write (RunCheckpoints.refuse_foreign), removes staging
+        """Start-up: rank 0 refuses entries it did not write (CheckpointFolders.refuse_foreign), removes staging
         folders of failed or interrupted saves, moves corrupt checkpoints aside and picks the newest valid one
         (`resume`), or refuses to start over corrupt ones; every rank gets the same answer."""
 

@@ -7,7 +7,7 @@ manifest last and renames the folder, so a checkpoint is visible only when compl
 leaves the previous one valid. The folder must be on storage every rank can reach (one node, or a shared
 file system across nodes).
 
-`RunCheckpoints` is rank 0's keeper of those folders during training: a corrupt checkpoint is moved aside
+`CheckpointFolders` is rank 0's keeper of those folders during training: a corrupt checkpoint is moved aside
 (`corrupt-step_00000100/`), never counted by retention and never deleted; staging folders of failed or
 interrupted saves are removed at start-up.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import pickle
@@ -35,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from meshlm.checkpoint.shards import ChunkLoadPlanner, SafeReader
 from meshlm.errors import InputError
-from meshlm.files import atomic_write
+from meshlm.files import atomic_write, sha256_file
 
 MANIFEST = "manifest.json"
 TRAINER = "trainer.json"
@@ -106,14 +105,6 @@ def run_dir_problem(run_dir: Path, error: OSError) -> str:
     return f"log.run_dir {run_dir}: {words}; give a directory this process can create and write"
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def file_record(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
@@ -166,7 +157,7 @@ def verify_checkpoint(path: Path) -> None:
 
 def latest_valid_checkpoint(run_dir: Path, warn: Callable[[str], Any] = print) -> Path | None:
     """The newest checkpoint that verifies; corrupt or partial ones are reported by name and skipped (left in
-    place: this is for readers such as `meshlm eval`; training moves them aside with RunCheckpoints)."""
+    place: this is for readers such as `meshlm eval`; training moves them aside with CheckpointFolders)."""
     for path in reversed(list_checkpoints(run_dir)):
         try:
             verify_checkpoint(path)
@@ -185,7 +176,7 @@ def checkpoint_bytes(path: Path) -> int:
         return 0
 
 
-class RunCheckpoints:
+class CheckpointFolders:
     """Rank 0's view of a run's checkpoint folders. Each folder is hashed at most once per process (the ones
     this process committed count as verified), so retention can count only valid checkpoints cheaply."""
 

@@ -18,15 +18,6 @@ if TYPE_CHECKING:
     from meshlm.data.sources import DataError, iter_documents
     from meshlm.data.tokenizer import EOT, decode, encode, eot_id, train_tokenizer
 
-_MODULE_OF = {
-    **dict.fromkeys(("TokenData", "prepare_data", "prepare_data_shared"), "meshlm.data.dataset"),
-    **dict.fromkeys(("GlobalBatchSampler", "eval_batches"), "meshlm.data.sampler"),
-    "TokenShards": "meshlm.data.shards",
-    **dict.fromkeys(("IGNORE", "SFTData", "iter_examples"), "meshlm.data.sft"),
-    **dict.fromkeys(("DataError", "iter_documents"), "meshlm.data.sources"),
-    **dict.fromkeys(("EOT", "decode", "encode", "eot_id", "train_tokenizer"), "meshlm.data.tokenizer"),
-}
-
 __all__ = [
     "EOT",
     "IGNORE",
@@ -46,4 +37,14 @@ __all__ = [
     "train_tokenizer",
 ]
 
-__getattr__ = lazy_attributes(__name__, _MODULE_OF)
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        **dict.fromkeys(("TokenData", "prepare_data", "prepare_data_shared"), "meshlm.data.dataset"),
+        **dict.fromkeys(("GlobalBatchSampler", "eval_batches"), "meshlm.data.sampler"),
+        "TokenShards": "meshlm.data.shards",
+        **dict.fromkeys(("IGNORE", "SFTData", "iter_examples"), "meshlm.data.sft"),
+        **dict.fromkeys(("DataError", "iter_documents"), "meshlm.data.sources"),
+        **dict.fromkeys(("EOT", "decode", "encode", "eot_id", "train_tokenizer"), "meshlm.data.tokenizer"),
+    },
+)

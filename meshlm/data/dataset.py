@@ -26,10 +26,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from meshlm.config import DataSection
-from meshlm.data.shards import SHARD_TOKENS, TokenShards, check_shards, open_split, write_shards
+from meshlm.data.shards import SHARD_TOKENS, SPLITS, TokenShards, check_shards, open_split, write_shards
 from meshlm.data.sources import DataError, describe_source, iter_documents, source_files, source_fingerprint
 from meshlm.data.tokenizer import EOT, eot_id, train_tokenizer
-from meshlm.files import atomic_write
+from meshlm.files import atomic_write, sha256_file
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from meshlm.data.sft import SFTData
 
 FORMAT_VERSION = 2
-SPLITS = ("train", "val")
 PREPARED = "prepare-data"  # the manifest's `builder` for caches `meshlm prepare-data` made (else "inline")
 INLINE_LIMIT_BYTES = 1 << 26  # above this much text, tokenizing inline behind a barrier deserves a warning
 PROGRESS_CHARS = 1 << 24  # while tokenizing, a line per this much text encoded (a silent log looks hung)
@@ -85,7 +84,7 @@ def cache_key(cfg: DataSection, vocab_size: int, tokenizer_file: Path | None = N
         "val_fraction": cfg.val_fraction,
     }
     if tokenizer_file is not None:
-        inputs["tokenizer_sha256"] = _sha256(tokenizer_file)
+        inputs["tokenizer_sha256"] = sha256_file(tokenizer_file)
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -216,10 +215,6 @@ def is_val_document(index: int, val_fraction: float) -> bool:
     return int((index + 1) * val_fraction) > int(index * val_fraction)
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _read_manifest(directory: Path, key: str, part: tuple[int, int] = (0, 1)) -> dict:
     """The manifest of a complete cache directory; raises if any file disagrees with it (of the shards' sha256,
     only this `part` = (rank, world) share is checked)."""
@@ -227,7 +222,7 @@ def _read_manifest(directory: Path, key: str, part: tuple[int, int] = (0, 1)) ->
     if manifest["key"] != key or manifest["format"] != FORMAT_VERSION:
         raise ValueError(f"manifest.json is for key {manifest['key']} format {manifest['format']}")
     check_shards(directory, manifest, part)
-    if _sha256(directory / "tokenizer.json") != manifest["tokenizer_sha256"]:
+    if sha256_file(directory / "tokenizer.json") != manifest["tokenizer_sha256"]:
         raise ValueError("tokenizer.json does not match the manifest's sha256")
     return manifest
 
@@ -320,7 +315,7 @@ def _tokenize_into(
         "max_chars": cfg.max_chars,
         "val_fraction": cfg.val_fraction,
         "vocab_size": vocab_size,
-        "tokenizer_sha256": _sha256(out / "tokenizer.json"),
+        "tokenizer_sha256": sha256_file(out / "tokenizer.json"),
         "eot_id": eot,
         "dtype": dtype.name,
         "tokens": tokens,

@@ -47,7 +47,6 @@ from tokenizers import Encoding, Tokenizer
 from meshlm.config import DataSection
 from meshlm.data.dataset import (
     _install,
-    _sha256,
     cache_tokenizer,
     cached_manifest,
     check_tokenizer,
@@ -56,17 +55,17 @@ from meshlm.data.dataset import (
     token_dtype,
 )
 from meshlm.data.sampler import GlobalBatchSampler, eval_windows
+from meshlm.data.shards import SPLITS
 from meshlm.data.sources import DataError, _walk
 from meshlm.errors import InputError
-from meshlm.files import atomic_write
+from meshlm.files import atomic_write, sha256_file
 from meshlm.model.llama import IGNORE_INDEX
 
 FORMAT = "sft-1"
-SPLITS = ("train", "val")
 ROLES = ("system", "user", "assistant")
 IGNORE = IGNORE_INDEX  # the label of a position that is not trained on (prompt, padding), as in Hugging Face
-KINDS = {"tokens": None, "keep": np.uint8, "lengths": np.int64}  # None: the token dtype of the vocabulary
-log = logging.getLogger(__name__)
+# The arrays each split of the cache holds, with their dtypes (None: the token dtype of the vocabulary).
+SPLIT_ARRAYS = {"tokens": None, "keep": np.uint8, "lengths": np.int64}
 
 Message = tuple[str, str]  # (role, content)
 
@@ -298,8 +297,8 @@ def sft_cache_key(cfg: DataSection, vocab_size: int, tokenizer_file: Path | None
         "vocab_size": vocab_size,
     }
     if tokenizer_file is not None:
-        inputs["tokenizer_sha256"] = _sha256(tokenizer_file)
-        inputs["template_sha256"] = [_sha256(p) for p in chat_template_files(tokenizer_file)]
+        inputs["tokenizer_sha256"] = sha256_file(tokenizer_file)
+        inputs["template_sha256"] = [sha256_file(p) for p in chat_template_files(tokenizer_file)]
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -333,7 +332,7 @@ class PackedRows:
         self.examples = np.flatnonzero(kept > 0)  # an example truncated to no label is dropped
         truncated = int(np.sum(split.lengths > width))
         if truncated:
-            log.warning(
+            logging.getLogger(__name__).warning(
                 "data: %d of %d %s examples are longer than data.seq_len + 1 = %d tokens (the longest has %d) "
                 "and were truncated; %d left without a response token were dropped",
                 truncated, len(split), name, width, int(split.lengths.max()), len(split) - len(self.examples),
@@ -446,7 +445,7 @@ def prepare_sft(
         check_tokenizer(tokenizer_file, vocab_size)
     key = sft_cache_key(cfg, vocab_size, tokenizer_file)
     directory = Path(cfg.cache_dir) / key
-    manifest = cached_manifest(directory, key, builder, _read_manifest)
+    manifest = cached_manifest(directory, key, builder, _read_sft_manifest)
     if manifest is None:
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = staging_dir(directory.parent, key)
@@ -455,7 +454,7 @@ def prepare_sft(
             _install(tmp, directory, key)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        manifest = _read_manifest(directory, key)
+        manifest = _read_sft_manifest(directory, key)
     splits = {split: _open_split(directory, manifest, split) for split in SPLITS}
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     return SFTData(splits["train"], splits["val"], tokenizer, directory, manifest, cfg.sft_packing)
@@ -483,7 +482,7 @@ def _file_name(split: str, kind: str) -> str:
     return f"{split}-{kind}.bin"
 
 
-def _read_manifest(directory: Path, key: str) -> dict:
+def _read_sft_manifest(directory: Path, key: str) -> dict:
     """The manifest of a complete cache; raises if a file disagrees with it (size or sha256)."""
     manifest = json.loads((directory / "manifest.json").read_text())
     if manifest["key"] != key or manifest["format"] != FORMAT:
@@ -495,16 +494,16 @@ def _read_manifest(directory: Path, key: str) -> dict:
                 raise DataError(
                     f"data: {path} is missing or does not have the {record['bytes']} bytes of manifest.json"
                 )
-            if _sha256(path) != record["sha256"]:
+            if sha256_file(path) != record["sha256"]:
                 raise DataError(f"data: {path} does not match its sha256 in manifest.json")
-    if _sha256(directory / "tokenizer.json") != manifest["tokenizer_sha256"]:
+    if sha256_file(directory / "tokenizer.json") != manifest["tokenizer_sha256"]:
         raise ValueError("tokenizer.json does not match the manifest's sha256")
     return manifest
 
 
 def _open_split(directory: Path, manifest: dict, split: str) -> SFTSplit:
     arrays = {}
-    for kind, dtype in KINDS.items():
+    for kind, dtype in SPLIT_ARRAYS.items():
         path = directory / manifest["files"][split][kind]["file"]
         arrays[kind] = np.fromfile(path, dtype=np.dtype(dtype or manifest["dtype"]))
     return SFTSplit(**arrays)
@@ -525,7 +524,7 @@ def _build_into(
     template = ChatTemplate(tokenizer_file, tokenizer) if has_template else PlainTemplate(tokenizer, eos)
 
     dtype = token_dtype(vocab_size)
-    parts: dict[str, dict[str, list]] = {split: {kind: [] for kind in KINDS} for split in SPLITS}
+    parts: dict[str, dict[str, list]] = {split: {kind: [] for kind in SPLIT_ARRAYS} for split in SPLITS}
     for i, (where, messages) in enumerate(iter_examples(cfg)):
         ids, keep = template.encode(messages, where)
         keep[0] = False  # no context within the example to predict it from
@@ -542,7 +541,7 @@ def _build_into(
 
     files: dict[str, dict] = {split: {} for split in SPLITS}
     for split in SPLITS:
-        for kind, kind_dtype in KINDS.items():
+        for kind, kind_dtype in SPLIT_ARRAYS.items():
             values = parts[split][kind]
             array = np.asarray(values, np.int64) if kind == "lengths" else np.concatenate(values)
             name = _file_name(split, kind)
@@ -557,7 +556,7 @@ def _build_into(
         "source": cfg.source,
         "template": template.name,
         "vocab_size": vocab_size,
-        "tokenizer_sha256": _sha256(out / "tokenizer.json"),
+        "tokenizer_sha256": sha256_file(out / "tokenizer.json"),
         "eos_id": eos,
         "dtype": dtype.name,
         "examples": counts,
@@ -568,7 +567,7 @@ def _build_into(
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     atomic_write(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")  # last: the cache's commit
-    log.info(
+    logging.getLogger(__name__).info(
         "tokenized %d + %d examples of %s (%s) in %.1fs",
         counts["train"], counts["val"], cfg.source, template.name, time.perf_counter() - start,
     )  # fmt: skip

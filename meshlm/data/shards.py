@@ -20,6 +20,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from meshlm.data.sources import DataError
+from meshlm.files import sha256_file
 
 SPLITS = ("train", "val")
 SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 tokens a file: few files, each small enough to copy or re-hash
@@ -213,14 +214,6 @@ def write_shards(
             tokens[split] += len(ids)
             counts[split] += n_documents
     return {"tokens": tokens, "documents": counts, "shards": {split: writers[split].close() for split in SPLITS}}
-
-
-def sha256_file(path: Path, block: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while data := f.read(block):
-            h.update(data)
-    return h.hexdigest()
 
 
 def check_shards(directory: Path, manifest: dict, part: tuple[int, int] = (0, 1)) -> None:

@@ -109,10 +109,6 @@ def source_fingerprint(cfg: DataSection) -> str:
     return h.hexdigest()
 
 
-def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
 def iter_documents(cfg: DataSection) -> Iterator[str]:
     """All documents of the source in a fixed order, capped at cfg.max_chars characters in total."""
     docs = _hf_documents(cfg) if cfg.source.startswith("hf:") else _file_documents(cfg)
@@ -126,7 +122,9 @@ def iter_documents(cfg: DataSection) -> Iterator[str]:
             budget -= len(doc)
         found = True
         yield doc
-        fault_point("tokenize", env_rank(), 0)  # tests: a SIGTERM while the corpus is being read
+        # tests: a SIGTERM while the corpus is being read, on the global rank torchrun announces (read here as
+        # meshlm.parallel.distributed.env_rank does: that module imports torch, which reading text does not need)
+        fault_point("tokenize", int(os.environ.get("RANK", "0")), 0)
         if budget == 0:
             return
     if not found:

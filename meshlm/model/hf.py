@@ -74,7 +74,7 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _first_line(error: BaseException) -> str:
+def _error_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
@@ -395,7 +395,7 @@ def _read_json(path: Path) -> object:
     try:
         return json.loads(path.read_bytes())
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{path}: invalid JSON ({_first_line(e)})") from None
+        raise ValueError(f"{path}: invalid JSON ({_error_line(e)})") from None
 
 
 @contextlib.contextmanager
@@ -405,7 +405,7 @@ def _open_safetensors(path: Path) -> Iterator[Any]:
         with safe_open(path, framework="pt") as f:
             yield f
     except SafetensorError as e:
-        raise ValueError(f"{path}: not a valid safetensors file ({_first_line(e)})") from None
+        raise ValueError(f"{path}: not a valid safetensors file ({_error_line(e)})") from None
 
 
 def _tensor_files(directory: Path) -> tuple[dict[str, Path], Path]:

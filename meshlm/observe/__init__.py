@@ -26,13 +26,6 @@ if TYPE_CHECKING:
     from meshlm.observe.step import StepObserver, breakdown, mfu
     from meshlm.parallel.timers import TIMERS, Timers, bubble, comm, data_wait, timed_wait
 
-_MODULE_OF = {
-    **dict.fromkeys(("ActivationMeter", "MemoryProbe", "tensor_bytes"), "meshlm.observe.memory"),
-    "peak_flops": "meshlm.observe.peak",
-    **dict.fromkeys(("StepObserver", "breakdown", "mfu"), "meshlm.observe.step"),
-    **dict.fromkeys(("TIMERS", "Timers", "bubble", "comm", "data_wait", "timed_wait"), "meshlm.parallel.timers"),
-}
-
 __all__ = [
     "TIMERS",
     "ActivationMeter",
@@ -51,4 +44,12 @@ __all__ = [
     "timed_wait",
 ]
 
-__getattr__ = lazy_attributes(__name__, _MODULE_OF)
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        **dict.fromkeys(("ActivationMeter", "MemoryProbe", "tensor_bytes"), "meshlm.observe.memory"),
+        "peak_flops": "meshlm.observe.peak",
+        **dict.fromkeys(("StepObserver", "breakdown", "mfu"), "meshlm.observe.step"),
+        **dict.fromkeys(("TIMERS", "Timers", "bubble", "comm", "data_wait", "timed_wait"), "meshlm.parallel.timers"),
+    },
+)

@@ -11,6 +11,7 @@ of one ring step and β the bus bandwidth. A least-squares line t = a + b·nbyte
 
 from __future__ import annotations
 
+KiB, MiB, GiB = 2**10, 2**20, 2**30
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 

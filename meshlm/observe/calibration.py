@@ -5,9 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from meshlm.observe.bandwidth import OPS
-
-GiB = 2**30
+from meshlm.observe.bandwidth import OPS, GiB
 
 
 def planner_device(report: dict) -> str:

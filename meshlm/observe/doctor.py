@@ -26,16 +26,15 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from meshlm.observe.bandwidth import OPS, busbw, fit_link
+from meshlm.observe.bandwidth import OPS, GiB, KiB, MiB, busbw, fit_link
 from meshlm.observe.calibration import calibration
 from meshlm.observe.memory import process_memory
 from meshlm.observe.peak import copy_bandwidth, cpu_cores, matmul_flops
 from meshlm.parallel.distributed import init_distributed, resolve_device
 from meshlm.parallel.mesh import DIMS, build_mesh, parse_layout
 
-KiB, MiB, GiB = 2**10, 2**20, 2**30
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def default_sizes(device_type: str, min_bytes: int = 4 * KiB, max_bytes: int | None = None) -> list[int]:
@@ -61,11 +60,11 @@ def _operation(op: str, nbytes: int, n: int, group: dist.ProcessGroup, device: t
     if op == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     if op == "all_gather":
-        return lambda: _all_gather(full, part, group=group)
-    return lambda: _reduce_scatter(part, full, group=group)
+        return lambda: _all_gather_into_tensor(full, part, group=group)
+    return lambda: _reduce_scatter_tensor(part, full, group=group)
 
 
-def _exchange(nbytes: int, peer: int, group: dist.ProcessGroup, device: torch.device) -> Callable[[], None]:
+def _send_recv(nbytes: int, peer: int, group: dist.ProcessGroup, device: torch.device) -> Callable[[], None]:
     """Send `nbytes` to `peer` and receive as many from it at the same time."""
     out, into = torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
 
@@ -153,7 +152,7 @@ def _measure_dim(
         pair = (i, (i + 1) % n)
         seconds = []
         for size in sizes:
-            call = _exchange(size, ranks[sum(pair) - me], group, device) if me in pair else _idle
+            call = _send_recv(size, ranks[sum(pair) - me], group, device) if me in pair else _idle
             seconds.append(_time(call, group, device, iters, budget_s, burst))
         if me in pair:
             rows.append({"dim": dim, "op": "send_recv", "group": [ranks[r] for r in pair], "seconds": seconds})

@@ -36,7 +36,7 @@ from meshlm.plan.emit_k8s import kubernetes, kubernetes_job
 from meshlm.plan.hardware import GPUS, Hardware, hardware
 from meshlm.plan.memory import Assumptions, Workload
 from meshlm.plan.replay import RUNS, Replay, Replays, check_deadline, replay_offerings
-from meshlm.plan.search import Constraints, Plan, PlanError, SearchResult, elastic_shrink, no_fit_message, search
+from meshlm.plan.search import Constraints, Plan, PlannerError, SearchResult, elastic_shrink, no_fit_message, search
 from meshlm.plan.spot import Estimate, duration_text
 from meshlm.plan.table import COLUMNS, expert_parallel_note, fitted_table, legend, offer, row, si, why_first
 from meshlm.plan.traces import FORMATS, Trace, load_trace
@@ -92,13 +92,13 @@ def gpu_counts(text: str) -> list[int]:
     return counts
 
 
-def parse_layout(text: str) -> dict[str, int]:
+def fixed_dims(text: str) -> dict[str, int]:
     """'tp=8,pp=16,dp=8' -> {'tp': 8, 'pp': 16, 'dp': 8}; dims left out (of pp, dp, ep, cp, tp) are searched."""
     dims: dict[str, int] = {}
     for part in filter(None, text.replace(" ", "").split(",")):
         name, _, value = part.partition("=")
         if name not in ("pp", "dp", "ep", "cp", "tp") or not value.isdigit() or int(value) < 1 or name in dims:
-            raise PlanError(f"layout {text!r}: expected comma-separated pp=N, dp=N, ep=N, cp=N, tp=N")
+            raise PlannerError(f"layout {text!r}: expected comma-separated pp=N, dp=N, ep=N, cp=N, tp=N")
         dims[name] = int(value)
     return dims
 
@@ -135,12 +135,12 @@ def resolve_model(text: str) -> ModelSource:
     if path.is_dir():
         path = path / "config.json"
     if path.suffix not in (".toml", ".json"):
-        raise PlanError(
+        raise PlannerError(
             f"--model {text!r}: not a preset ({', '.join(PRESETS)}), a meshlm .toml run config, or a Hugging Face "
             "config.json (file or folder)"
         )
     if not path.is_file():
-        raise PlanError(f"--model {text}: file {path} not found")
+        raise PlannerError(f"--model {text}: file {path} not found")
     if path.suffix == ".toml":
         cfg = load_config(path)
         tokens = cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
@@ -160,13 +160,13 @@ def resolve_model(text: str) -> ModelSource:
     try:
         hf = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PlanError(f"--model {path}: not readable JSON ({e})") from None
+        raise PlannerError(f"--model {path}: not readable JSON ({e})") from None
     if not isinstance(hf, dict):
-        raise PlanError(f"--model {path}: expected a JSON object (a Hugging Face config.json)")
+        raise PlannerError(f"--model {path}: expected a JSON object (a Hugging Face config.json)")
     try:
         model = model_config_from_hf(hf)
     except ValueError as e:
-        raise PlanError(f"--model {path}: {str(e).removeprefix('config.json: ')}") from None
+        raise PlannerError(f"--model {path}: {str(e).removeprefix('config.json: ')}") from None
     name = str(hf.get("_name_or_path") or path.parent.name or path.stem).rstrip("/").split("/")[-1]
     return ModelSource(model, name, _shape_args(model))
 
@@ -308,15 +308,15 @@ def _request(args: argparse.Namespace) -> Request:
         try:
             calibration = json.loads(args.calibration.read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise PlanError(f"calibration {args.calibration}: {e}") from None
+            raise PlannerError(f"calibration {args.calibration}: {e}") from None
     hw = hardware(args.gpu or (None if calibration else "H100-SXM"), calibration)
     source = resolve_model(args.model)
     model = source.model
     seq_len = args.seq_len or source.seq_len or model.max_seq_len
     if seq_len > model.max_seq_len:
-        raise PlanError(f"--seq-len {seq_len} exceeds {source.name}'s max_seq_len {model.max_seq_len}")
+        raise PlannerError(f"--seq-len {seq_len} exceeds {source.name}'s max_seq_len {model.max_seq_len}")
     if model.sliding_window and seq_len > model.sliding_window:
-        raise PlanError(
+        raise PlannerError(
             f"--seq-len {seq_len} exceeds {source.name}'s sliding_window {model.sliding_window} (meshlm trains "
             "full causal attention, equal to the window only up to its length)"
         )
@@ -327,15 +327,15 @@ def _request(args: argparse.Namespace) -> Request:
     precision = args.precision or source.precision or ("fp32" if hw.shared_node else "bf16")
     w = Workload(model, seq_len, global_batch, train_tokens, precision, source.name, args.lora_rank or 0)
     if args.check and not args.emit:
-        raise PlanError("--check goes into a launch file: it needs --emit slurm, kubernetes or skypilot")
+        raise PlannerError("--check goes into a launch file: it needs --emit slurm, kubernetes or skypilot")
     if args.emit:
         args.install = emit_flags(args.emit, args.image, args.bucket, args.data_source or source.data_source,
                                   args.install)  # fmt: skip
     if args.emit in KUBERNETES_TARGETS and "=" not in args.spot_selector:
-        raise PlanError(f"--spot-selector {args.spot_selector!r}: expected a node label KEY=VALUE")
+        raise PlannerError(f"--spot-selector {args.spot_selector!r}: expected a node label KEY=VALUE")
     trace = load_trace(args.spot_trace, args.trace_format) if args.spot_trace is not None else None
     c = Constraints(
-        **parse_layout(args.layout),
+        **fixed_dims(args.layout),
         zero=args.zero,
         micro_batch=args.micro_batch,
         schedule=args.schedule,
@@ -372,18 +372,18 @@ def run_plan(args: argparse.Namespace) -> int:
             r.workload, args.gpus, r.hw, args.objective, r.constraints, r.assumptions, r.costs, priced=args.top
         )
         if not result.plans:
-            raise PlanError(no_fit_message(r.workload, args.gpus, r.hw, r.constraints, r.assumptions, result))
+            raise PlannerError(no_fit_message(r.workload, args.gpus, r.hw, r.constraints, r.assumptions, result))
         if r.costs.deadline_s is not None:  # not even the fastest plan on demand meets it: one line, no table
             fastest = min(result.plans, key=lambda p: p.on_demand.wall_s)
             check_deadline(r.costs.deadline_s, fastest.on_demand, f" of the fastest plan ({fastest.strategy.layout})")
         replays = _replay(args, r, result.plans[0]) if r.trace is not None else None
         if args.emit:
             _emit(args, r, result.plans[0], replays.recommended.closed if replays is not None else None)
-    except (ValueError, OSError) as e:  # PlanError, ConfigError, unknown gpu / preset, bad calibration, unwritable
+    except (ValueError, OSError) as e:  # PlannerError, ConfigError, unknown gpu / preset, bad calibration, unwritable
         print(f"meshlm plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        summary = _summary(r, args, result)
+        summary = _request_summary(r, args, result)
         if replays is not None:
             summary["replay"] = {"trace": r.trace.source, "runs": args.replay_runs, **replays.to_dict()}
         print(json.dumps(summary, indent=2, ensure_ascii=False))
@@ -470,7 +470,7 @@ def _mfu_basis(hw: Hardware, args: argparse.Namespace) -> str:
     return MEASURED_MATMUL if args.calibration is not None else ASSUMED_MATMUL
 
 
-def _summary(r: Request, args: argparse.Namespace, result: SearchResult) -> dict:
+def _request_summary(r: Request, args: argparse.Namespace, result: SearchResult) -> dict:
     w = r.workload
     return {
         "model": w.name,

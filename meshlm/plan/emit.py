@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from meshlm.plan.cost import DEFAULT_COSTS
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.memory import Strategy
-from meshlm.plan.search import Plan, PlanError
+from meshlm.plan.search import Plan, PlannerError
 from meshlm.plan.spot import Estimate, Pool, Shapes, duration_text
 
 RDZV_PORT = 29500
@@ -42,10 +42,11 @@ MAX_RESTARTS = (3, 50)  # torchrun restarts allowed per allocation: at least / a
 ERROR_RELAUNCHES = 3  # SkyPilot: whole-cluster relaunches after a non-preemption failure (a crash loops)
 SHM_GB_PER_GPU = 8  # /dev/shm for data workers and NCCL's shared-memory transport (Kubernetes' default: 64 MB)
 CPUS_PER_GPU = 8
-# `meshlm launch`'s code for a run a signal stopped with steps left, under MESHLM_STOP_EXIT (meshlm.launch.STOP_EXIT;
-# plan does not import launch): 128 + SIGTERM, a code each scheduler here restarts: Kubeflow's ExitCode policy
-# retries codes >= 128 (training-operator pkg/util/train/train_util.go, IsRetryableExitCode), OnFailure any
-# non-zero; a Job's podFailurePolicy ignores it; SkyPilot recovers on it (`recover_on_exit_codes`)
+# `meshlm launch`'s code for a run a signal stopped with steps left, under MESHLM_STOP_EXIT: 128 + SIGTERM (what
+# launch exits with when a worker did not stop cleanly, meshlm.launch.SIGTERM_EXIT), a code each scheduler here
+# restarts: Kubeflow's ExitCode policy retries codes >= 128 (training-operator pkg/util/train/train_util.go,
+# IsRetryableExitCode), OnFailure any non-zero; a Job's podFailurePolicy ignores it; SkyPilot recovers on it
+# (`recover_on_exit_codes`)
 STOP_EXIT = 143
 SLURM_MAX_WARN_S = 65535  # sbatch --signal's largest lead time
 TIME_LIMIT_S = 24 * 3600.0  # Slurm's --time: a common partition limit; the job requeues itself at its end
@@ -211,7 +212,7 @@ REQUIREMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?\s*"
 def slurm_name(flag: str, text: str) -> str:
     """A `--partition` / `--account` value: Slurm's name characters only, one line otherwise."""
     if not SLURM_NAME.fullmatch(text):
-        raise PlanError(f"{flag} {text!r}: expected a Slurm name (letters, digits, '_', '.', '-'; a comma between "
+        raise PlannerError(f"{flag} {text!r}: expected a Slurm name (letters, digits, '_', '.', '-'; a comma between "
                         "several)")  # fmt: skip
     return text
 
@@ -221,7 +222,7 @@ def install_spec(text: str) -> str:
     cluster's side ending in .whl), written as given; one line otherwise."""
     if (text.endswith(".whl") and "\n" not in text) or REQUIREMENT.fullmatch(text.strip()):
         return text.strip()
-    raise PlanError(f"--install {text!r}: expected a pip requirement such as 'meshlm==0.1.0' or a meshlm wheel "
+    raise PlannerError(f"--install {text!r}: expected a pip requirement such as 'meshlm==0.1.0' or a meshlm wheel "
                     "(a path or URL ending in .whl)")  # fmt: skip
 
 
@@ -244,11 +245,11 @@ def emit_flags(target: str, image: str, bucket: str, data_source: str, install: 
         missing.append("--install (a pip requirement such as 'meshlm==0.1.0', or a meshlm wheel: a path or URL "
                        "ending in .whl)")  # fmt: skip
     if missing:
-        raise PlanError(f"--emit {target} needs " + ", ".join(missing[:-1]) + (" and " if len(missing) > 1 else "")
+        raise PlannerError(f"--emit {target} needs " + ", ".join(missing[:-1]) + (" and " if len(missing) > 1 else "")
                         + missing[-1])  # fmt: skip
     if target in KUBERNETES_TARGETS:
         if install:
-            raise PlanError(f"--install {install!r}: --emit {target} runs --image, which must have meshlm installed "
+            raise PlannerError(f"--install {install!r}: --emit {target} runs --image, which must have meshlm installed "
                             "(pip install meshlm in its Dockerfile); drop --install")  # fmt: skip
         return ""
     return install_spec(install)
@@ -372,7 +373,7 @@ def slurm(launch: Launch, site: Site) -> str:
     MESHLM_INSTALL can be set from outside; extra arguments go to `meshlm train`. Every user value is quoted
     or validated."""
     if not site.install:
-        raise PlanError("--emit slurm needs --install (a pip requirement such as 'meshlm==0.1.0', or a meshlm "
+        raise PlannerError("--emit slurm needs --install (a pip requirement such as 'meshlm==0.1.0', or a meshlm "
                         "wheel on the cluster), which every job installs into MESHLM_VENV")  # fmt: skip
     rdzv = '--rdzv-endpoint="$HEAD_ADDR:$RDZV_PORT" --rdzv-id="$RDZV_ID" --rdzv-conf=join_timeout="$RDZV_JOIN_TIMEOUT"'
     train = shlex.join(["-m", "meshlm.cli", "train", *launch.train_args])
@@ -385,7 +386,7 @@ def slurm(launch: Launch, site: Site) -> str:
     warn = math.ceil(launch.grace_s + TEARDOWN_S)
     window = min(site.time_limit_s, 365 * 86400.0)
     if warn > min(window / 2, SLURM_MAX_WARN_S):  # warned at once, every allocation would stop before training
-        raise PlanError(f"--time-limit {_duration(window)}: the save before the limit needs {_duration(warn)} "
+        raise PlannerError(f"--time-limit {_duration(window)}: the save before the limit needs {_duration(warn)} "
                         f"(fault.grace_s {launch.grace_s:g} s + {TEARDOWN_S} s); give at least twice that, "
                         f"and at most {SLURM_MAX_WARN_S} s of it")  # fmt: skip
     allocations = math.ceil(launch.wall_s / window) if math.isfinite(launch.wall_s) and launch.wall_s else 1
@@ -476,7 +477,7 @@ def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
     resources = _sky_resources(launch, site, pool, hw)
     mounts = [f"  {RUN_MOUNT}:", f"    source: {json.dumps(site.bucket)}", "    mode: MOUNT_CACHED"]
     if not site.install:
-        raise PlanError("--emit skypilot needs --install (a pip requirement such as 'meshlm==0.1.0', or a meshlm "
+        raise PlannerError("--emit skypilot needs --install (a pip requirement such as 'meshlm==0.1.0', or a meshlm "
                         "wheel: a path SkyPilot uploads or a URL)")  # fmt: skip
     wheel = site.install.rsplit("/", 1)[-1]
     if site.install.endswith(".whl") and "://" not in site.install:  # a local wheel: SkyPilot uploads it

@@ -19,7 +19,6 @@ from meshlm.observe.peak import cpu_cores
 
 GB = 2**30  # memory sizes are GiB, the unit the product names (A100-40GB, ...) and nvidia-smi use
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
 RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -188,7 +187,7 @@ class Calibration(BaseModel):
     dims: dict[Literal["pp", "dp", "tp"], dict[Op, LinkFit]] = {}
 
 
-def _key(name: str) -> str:
+def _device_key(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
@@ -205,11 +204,11 @@ def hardware(name: str | None = None, calibration: dict | None = None) -> Hardwa
             where = ".".join(str(p) for p in first["loc"])
             raise ValueError(f"calibration: {where}: {first['msg']}") from None
     name = name or (cal.device if cal else "cpu")
-    table = {_key(k): v for k, v in GPUS.items()} | {k: GPUS[v] for k, v in ALIASES.items()}
-    if _key(name) == "cpu":
+    table = {_device_key(k): v for k, v in GPUS.items()} | {k: GPUS[v] for k, v in ALIASES.items()}
+    if _device_key(name) == "cpu":
         hw = cpu_hardware()
-    elif _key(name) in table:
-        hw = table[_key(name)]
+    elif _device_key(name) in table:
+        hw = table[_device_key(name)]
     elif cal and cal.device == name and (measured := _measured(cal)):
         hw = measured
     else:

@@ -20,7 +20,7 @@ from meshlm.parallel.options import ParallelOptions
 from meshlm.plan.hardware import GB, Hardware
 from meshlm.plan.pipeline_split import (
     Runtime,
-    Schedule,
+    ScheduleName,
     chunk_layers,
     held_layers,
     rank_chunks,
@@ -61,7 +61,7 @@ class Strategy:
     mesh: Layout = field(default_factory=Layout)
     zero: int = 0
     micro_batch: int = 1
-    schedule: Schedule = "1f1b"
+    schedule: ScheduleName = "1f1b"
     virtual_stages: int = 1
     recompute: Recompute = "none"
     sequence_parallel: bool = False

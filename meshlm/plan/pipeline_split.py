@@ -13,7 +13,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.parallel.pp.schedules import compute_order
 from meshlm.parallel.pp.stages import stage_layers
 
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb1"]
 # Whose kernels and pipeline split run the step: meshlm's eager PyTorch layer (unfused RMSNorm and SwiGLU,
 # at least one layer per pipeline chunk), or a Megatron-style production stack with fused norm and SwiGLU
 # kernels that also allows Llama 3's empty first and last chunks (the published runs of docs/planner.md).
@@ -61,7 +61,7 @@ def chunk_full_layers(chunks: tuple[int, ...], recompute_layers: int) -> tuple[i
 
 
 @lru_cache(maxsize=4096)
-def _held_steps(schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int) -> tuple:
+def _held_steps(schedule: ScheduleName, pp: int, micro_batches: int, virtual_stages: int) -> tuple:
     """Per pipeline rank, the runtime's order of what stores or frees activations, as indices into a rank's
     chunks followed by their negatives (`held_layers`): chunk c for its forward, n_chunks + c for its free (its
     B, or its W under zero-bubble). Actions that neither store nor free change nothing held, and are left out."""
@@ -75,7 +75,7 @@ def _held_steps(schedule: Schedule, pp: int, micro_batches: int, virtual_stages:
 
 @lru_cache(maxsize=8192)
 def held_layers(
-    schedule: Schedule, pp: int, micro_batches: int, virtual_stages: int, stage: int, chunks: tuple
+    schedule: ScheduleName, pp: int, micro_batches: int, virtual_stages: int, stage: int, chunks: tuple
 ) -> float:
     """Peak layer-activations (one micro-batch through one layer = 1) that pipeline rank `stage` holds, with
     `chunks` the layers of each of its chunks (or each chunk's bytes per micro-batch: then bytes),
@@ -96,7 +96,7 @@ def held_layers(
 
 @lru_cache(maxsize=32768)
 def recomputed_activations(
-    schedule: Schedule,
+    schedule: ScheduleName,
     pp: int,
     micro_batches: int,
     virtual_stages: int,

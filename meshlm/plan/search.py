@@ -34,7 +34,7 @@ from meshlm.plan.memory import (
     memory_floor,
     memory_key,
 )
-from meshlm.plan.pipeline_split import Runtime, Schedule, chunk_layers, max_chunks
+from meshlm.plan.pipeline_split import Runtime, ScheduleName, chunk_layers, max_chunks
 from meshlm.plan.spot import Estimate, Offerings, Pool, estimate
 from meshlm.plan.step_time import StepTime, bubble_fraction, step_time
 
@@ -43,7 +43,7 @@ MAX_GPUS = 2**17  # how far `does not fit` looks for a device count that would
 CP_MIN_SEQ_LEN = 8192  # shorter sequences: no context parallelism unless asked for or nothing fits without it
 
 
-class PlanError(InputError):
+class PlannerError(InputError):
     """A request the planner cannot satisfy, phrased as one line that says what would work."""
 
 
@@ -58,7 +58,7 @@ class Constraints:
     ep: int | None = None
     zero: int | None = None
     micro_batch: int | None = None
-    schedule: Schedule | None = None
+    schedule: ScheduleName | None = None
     virtual_stages: int | None = None
     recompute: Recompute | None = None
     recompute_layers: int | None = None  # None: 0, or the fewest that make a layout fit (`fill_memory`)
@@ -278,14 +278,14 @@ def _sized(
     return mem, mem, s.recompute_layers
 
 
-def _schedules(pp: int, c: Constraints, chunks: int = 8) -> list[tuple[Schedule, int]]:
+def _schedules(pp: int, c: Constraints, chunks: int = 8) -> list[tuple[ScheduleName, int]]:
     """(schedule, virtual stages) pairs to try: interleaved with v from 2 to 8 (past the layers, the runtime's
     check rejects them with its reason) and, as far as `chunks` (the most the runtime splits the layers into)
     allows, every larger v that splits a stage's layers evenly (Nemotron-4 340B's 96 layers run as pp 8 × v
     12); without a pipeline the schedule is moot. zb1 only when asked
     for: meshlm's executor has no split-backward kernels (its W pass re-walks the graph, `ZB1_REWALK`, which
     is measured on CPU only), and the Megatron-style runtime of the published runs has no such schedule."""
-    out: list[tuple[Schedule, int]] = []
+    out: list[tuple[ScheduleName, int]] = []
     names = [c.schedule] if c.schedule else (["1f1b"] if pp == 1 else ["gpipe", "1f1b", "interleaved"])
     for name in names:
         if name == "interleaved":
@@ -301,13 +301,13 @@ def _virtual_stages(per_stage: int) -> list[int]:
 
 
 @cache
-def checkpoint_bytes(w: Workload) -> float:
+def predicted_checkpoint_bytes(w: Workload) -> float:
     """Bytes of one checkpoint: every parameter's weight and optimizer state."""
     w_bytes, _, o_bytes, _ = BYTES[w.precision]
     return param_counts(w.model)["total"] * (w_bytes + o_bytes)
 
 
-def evaluate(
+def plan_strategy(
     w: Workload,
     strategy: Strategy,
     hw: Hardware,
@@ -318,7 +318,7 @@ def evaluate(
     """Memory (`mem` when the caller has it), step time and on-demand cost of one strategy (whether or not
     it fits)."""
     step = step_time(w, strategy, hw, a)
-    ckpt = checkpoint_bytes(w)
+    ckpt = predicted_checkpoint_bytes(w)
     nodes = nodes_of(strategy.gpus, hw.gpus_per_node)
     pool = Pool(nodes, strategy.gpus / nodes)
     cost = estimate(step.train_days * 86400, pool, rates(strategy.gpus, ckpt, hw, costs))
@@ -419,12 +419,12 @@ def search(
         if result.plans:
             return result
     if w.model.n_experts and w.lora_rank:  # LoRA's formulas count a dense layer's projections
-        raise PlanError(
+        raise PlannerError(
             f"the planner does not model LoRA on mixture-of-experts layers (model.n_experts={w.model.n_experts}, "
             f"lora rank {w.lora_rank}); plan full training, or choose the layout yourself (docs/moe.md)"
         )
     if constraints.recompute == "full" and constraints.recompute_layers:
-        raise PlanError(
+        raise PlannerError(
             f"--recompute-layers {constraints.recompute_layers} recomputes some blocks fully, but --recompute full "
             "already recomputes all of them: use none, selective or mlp"
         )
@@ -452,7 +452,7 @@ def search(
             elif memory_only:
                 result.plans.append(Plan(item, item.micro_batches(w.global_batch), mem, None, None))
             else:
-                result.plans.append(evaluate(w, item, hw, a, costs, mem))
+                result.plans.append(plan_strategy(w, item, hw, a, costs, mem))
     if memory_only:
         result.plans.sort(key=lambda p: p.memory.total)
         return result
@@ -472,10 +472,10 @@ def best(
     a: Assumptions = DEFAULTS,
     costs: CostModel = DEFAULT_COSTS,
 ) -> Plan:
-    """The top-ranked plan, or PlanError saying why nothing works and what would."""
+    """The top-ranked plan, or PlannerError saying why nothing works and what would."""
     result = search(w, gpus, hw, objective, constraints, a, costs, priced=1 if objective == "throughput" else 10)
     if not result.plans:
-        raise PlanError(no_fit_message(w, gpus, hw, constraints, a, result))
+        raise PlannerError(no_fit_message(w, gpus, hw, constraints, a, result))
     return result.plans[0]
 
 
@@ -552,4 +552,4 @@ def _local_device(cfg: Config) -> str:
             return key
     if "A100" in name:
         return "A100-80GB" if gib > 60 else "A100-40GB"
-    raise PlanError(f"no planner figures for GPU {name!r}; pass a calibration from `meshlm doctor`")
+    raise PlannerError(f"no planner figures for GPU {name!r}; pass a calibration from `meshlm doctor`")

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.checkpoint import (
-    Checkpointer,
     CheckpointError,
+    CheckpointIO,
     init_optimizer_state,
     list_checkpoints,
     load_step_counts,
@@ -214,9 +214,9 @@ class Trainer:
         self.pending: list[tuple[int, object, object, float, bool | None]] = []
         self.vetoed_run, self.save_deferred = 0, False  # updates vetoed in a row; a due save waits for a sound one
 
-    def open_checkpointer(self) -> Checkpointer:
+    def open_checkpointer(self) -> CheckpointIO:
         cfg = self.cfg
-        return Checkpointer(
+        return CheckpointIO(
             self.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.parallel.timeout_s,
             on_shard_written=lambda step: fault_point("save", self.rank, step), say=self.say,
             record=lambda step, outcome: self.log(step, "checkpoint", **outcome),

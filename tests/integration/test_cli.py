@@ -15,14 +15,14 @@ from run_args import small_run_args
 
 from meshlm import InputError
 from meshlm.checkpoint import CheckpointError, StorageError, list_checkpoints
-from meshlm.checkpoint.store import sha256_file
 from meshlm.cli import main, validation_line
 from meshlm.config import ConfigError, load_config
 from meshlm.data import DataError
+from meshlm.files import sha256_file
 from meshlm.observe.metrics import read_metrics
 from meshlm.parallel.mesh import LayoutError
-from meshlm.parallel.parallel_plan import PlanError as ModelPlanError
-from meshlm.plan import PlanError
+from meshlm.parallel.parallel_plan import PlanError
+from meshlm.plan import PlannerError
 
 
 def meshlm(*args: str, cwd: Path | None = None, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -78,7 +78,7 @@ def test_bad_input_is_one_line_and_exit_code_2(
 
 
 @pytest.mark.parametrize(
-    "error", [ConfigError, LayoutError, ModelPlanError, PlanError, DataError, CheckpointError, StorageError]
+    "error", [ConfigError, LayoutError, PlanError, PlannerError, DataError, CheckpointError, StorageError]
 )
 def test_every_bad_input_error_is_an_input_error_the_cli_prints_as_one_line(
     error: type[Exception], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

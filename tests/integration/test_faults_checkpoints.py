@@ -18,9 +18,9 @@ import torch.distributed as dist
 from distributed import run_shared
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from meshlm.checkpoint import Checkpointer, StorageError, list_checkpoints, storage_cause
+from meshlm.checkpoint import CheckpointIO, StorageError, list_checkpoints, storage_cause
 from meshlm.checkpoint.shards import Chunks
-from meshlm.checkpoint.store import RunCheckpoints
+from meshlm.checkpoint.store import CheckpointFolders
 from meshlm.cli import main
 from meshlm.config import load_config, parse_overrides
 from meshlm.observe.metrics import read_metrics
@@ -90,12 +90,12 @@ def test_retention_counts_only_verified_checkpoints(tmp_path: Path) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     entries = {"model/w": Chunks(torch.Size([2, 2]), [(0, 0)], [torch.zeros(2, 2)])}
-    first = Checkpointer(tmp_path, keep=2, async_save=False, timeout_s=30)
+    first = CheckpointIO(tmp_path, keep=2, async_save=False, timeout_s=30)
     for step in (1, 2, 3):
         first.save(step, entries, {"step": step})
     _flip_byte(tmp_path / "checkpoints" / "step_00000003" / "trainer.json")  # by another process, later
     said: list[str] = []
-    Checkpointer(tmp_path, keep=2, async_save=False, timeout_s=30, say=said.append).save(4, entries, {"step": 4})
+    CheckpointIO(tmp_path, keep=2, async_save=False, timeout_s=30, say=said.append).save(4, entries, {"step": 4})
     assert _names(tmp_path) == ["corrupt-step_00000003", "step_00000002", "step_00000004"]
     assert len(said) == 1 and "step_00000003/trainer.json fails its sha256 check" in said[0]
 
@@ -138,14 +138,14 @@ class _Disk:
 
 def _wait_for_background_saves(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make each step boundary find the save in flight finished, so where the failure surfaces is exact."""
-    poll = Checkpointer.poll
+    poll = CheckpointIO.poll
 
-    def finished_then_poll(self: Checkpointer, device: Any) -> None:
+    def finished_then_poll(self: CheckpointIO, device: Any) -> None:
         if self.pending is not None:
             self.pending[3].join()
         poll(self, device)
 
-    monkeypatch.setattr(Checkpointer, "poll", finished_then_poll)
+    monkeypatch.setattr(CheckpointIO, "poll", finished_then_poll)
 
 
 def test_full_disk_stops_at_the_next_step_with_one_line_and_resumes_later(
@@ -178,7 +178,7 @@ def test_blocking_save_on_a_full_disk_fails_in_the_save(tmp_path: Path, monkeypa
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     entries = {"model/w": Chunks(torch.Size([64, 64]), [(0, 0)], [torch.zeros(64, 64)])}
     outcomes: list[tuple[int, str]] = []
-    ckpt = Checkpointer(tmp_path, keep=2, async_save=False, timeout_s=30,
+    ckpt = CheckpointIO(tmp_path, keep=2, async_save=False, timeout_s=30,
                         record=lambda step, values: outcomes.append((step, values["status"])))  # fmt: skip
     ckpt.save(1, entries, {"step": 1})
     _Disk(monkeypatch, full_at=2, room=1000)
@@ -188,7 +188,7 @@ def test_blocking_save_on_a_full_disk_fails_in_the_save(tmp_path: Path, monkeypa
     assert _names(tmp_path) == ["step_00000001"]
 
 
-def _poll_until_failure(ckpt: Checkpointer) -> str:
+def _poll_until_failure(ckpt: CheckpointIO) -> str:
     """Step boundaries until the save in flight fails: 'boundaries:message' (collective, ranks in lockstep)."""
     for boundary in range(100_000):
         try:
@@ -207,7 +207,7 @@ def _one_rank_fails_job(root: str) -> list[str]:
     stop at the same step boundary with the same line (no rank left waiting in a collective)."""
     rank, run = dist.get_rank(), Path(root)
     entries = {"model/w": Chunks(torch.Size([2, 64]), [(rank, 0)], [torch.zeros(1, 64)])}
-    ckpt = Checkpointer(run, keep=2, async_save=True, timeout_s=30)
+    ckpt = CheckpointIO(run, keep=2, async_save=True, timeout_s=30)
     ckpt.save(1, entries, {"step": 1})
     ckpt.wait()
     patch = pytest.MonkeyPatch()  # undone before returning: these ranks serve other tests too
@@ -217,7 +217,7 @@ def _one_rank_fails_job(root: str) -> list[str]:
         results = [_poll_until_failure(ckpt)]
         patch.undo()
         if rank == 0:
-            patch.setattr(RunCheckpoints, "commit", _io_error)
+            patch.setattr(CheckpointFolders, "commit", _io_error)
         ckpt.save(3, entries, {"step": 3})
         results.append(_poll_until_failure(ckpt))
     finally:
@@ -253,7 +253,7 @@ def test_start_up_removes_staging_folders_saying_what(tmp_path: Path) -> None:
         folder.mkdir(parents=True)
         (folder / "__0_0.distcp").write_bytes(b"x" * 2**20)
     said: list[str] = []
-    store = RunCheckpoints(tmp_path, say=said.append)
+    store = CheckpointFolders(tmp_path, say=said.append)
     store.remove_staging()
     assert list((tmp_path / "checkpoints").iterdir()) == []
     assert said == [

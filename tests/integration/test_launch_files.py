@@ -312,5 +312,6 @@ def test_sigterm_mid_run_recovers_under_skypilot_rules(data_cache: str, tmp_path
 
 
 def test_the_files_stop_code_is_the_launchers() -> None:
-    """emit (the plan package, which may not import launch) writes launch's own code."""
-    assert STOP_EXIT == launch.STOP_EXIT
+    """emit (the plan package, which may not import launch) asks for the code launch exits with when a worker did
+    not stop cleanly, so a scheduler treats both alike (restarts them)."""
+    assert STOP_EXIT == launch.SIGTERM_EXIT

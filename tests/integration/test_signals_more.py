@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from test_preemption_signals import LAUNCHER, LAYOUT, _args, _finish, _newest_intact, _start, _wait_for_train_record
 
-from meshlm import launch
+from meshlm.plan.emit import STOP_EXIT
 
 TOTAL = 100_000  # steps: a run the signal always stops mid-way
 
@@ -170,7 +170,7 @@ def test_launch_stops_itself_after_meshlm_stop_after_with_the_stop_code(data_cac
     exits MESHLM_STOP_EXIT's code, naming MESHLM_STOP_AFTER in its line. 40 s: past torch's import and the
     first steps on a loaded machine (the test then waits for a step before the timer can have fired)."""
     run_dir = tmp_path / "run"
-    env = {"MESHLM_STOP_AFTER": "40", "MESHLM_STOP_EXIT": str(launch.STOP_EXIT)}
+    env = {"MESHLM_STOP_AFTER": "40", "MESHLM_STOP_EXIT": str(STOP_EXIT)}
     os.environ.update(env)
     try:
         proc = _start([*LAUNCHER, *_args(data_cache, run_dir, *LAYOUT, steps=TOTAL)])
@@ -179,9 +179,9 @@ def test_launch_stops_itself_after_meshlm_stop_after_with_the_stop_code(data_cac
             del os.environ[key]
     _wait_for_train_record(proc, run_dir / "metrics.jsonl", timeout=39)
     out, err = _finish(proc)
-    assert proc.returncode == launch.STOP_EXIT, err[-3000:]
+    assert proc.returncode == STOP_EXIT, err[-3000:]
     assert err.strip().splitlines()[-1] == (
-        f"meshlm launch: MESHLM_STOP_AFTER: every worker stopped cleanly; exiting {launch.STOP_EXIT}"
+        f"meshlm launch: MESHLM_STOP_AFTER: every worker stopped cleanly; exiting {STOP_EXIT}"
     )
     assert out.count("SIGTERM: saved step") == 1
     assert _newest_intact(run_dir) == int(out.split("SIGTERM: saved step")[1].split(",")[0])

@@ -417,11 +417,11 @@ def test_bad_lora_config_stops_meshlm_train_in_one_line_before_any_work(
 # ---- the planner's LoRA terms ------------------------------------------------------------------------------
 def test_planner_fits_a_70b_lora_job_where_a_full_fine_tune_does_not() -> None:
     from meshlm.model import preset
-    from meshlm.plan import PlanError, Strategy, Workload, best, hardware, memory, step_time
+    from meshlm.plan import PlannerError, Strategy, Workload, best, hardware, memory, step_time
     from meshlm.plan.step_time import lora_flops_per_token
 
     model, h100 = preset("llama3-70b"), hardware("H100-SXM")
-    with pytest.raises(PlanError):
+    with pytest.raises(PlannerError):
         best(Workload(model, 4096, 64, 1e9), 8, h100)
     lora = Workload(model, 4096, 64, 1e9, lora_rank=16)
     plan = best(lora, 8, h100)

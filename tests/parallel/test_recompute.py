@@ -24,7 +24,7 @@ from meshlm.observe.memory import ActivationMeter
 from meshlm.parallel.mesh import Layout
 from meshlm.plan.hardware import GB, hardware
 from meshlm.plan.memory import Assumptions, Strategy, Workload, layer_activation_bytes, memory
-from meshlm.plan.search import Constraints, PlanError, capacity, fill_memory, search
+from meshlm.plan.search import Constraints, PlannerError, capacity, fill_memory, search
 from meshlm.plan.step_time import step_time
 from meshlm.train.trainer import train
 
@@ -226,7 +226,7 @@ def test_op_level_and_partial_recompute_train_as_the_single_process_run(small_ru
 
 
 def test_partial_recompute_on_top_of_full_is_refused_in_one_line() -> None:
-    with pytest.raises(PlanError, match=r"--recompute-layers 4 recomputes some blocks fully, but --recompute full"):
+    with pytest.raises(PlannerError, match=r"--recompute-layers 4 recomputes some blocks fully, but --recompute full"):
         search(FSDP_8B, 16, A100_40, constraints=Constraints(recompute="full", recompute_layers=4))
     with pytest.raises(ValueError, match=r"train.recompute_layers \(4\) recomputes some blocks fully"):
         load_config(None, parse_overrides(["--train.recompute", "full", "--train.recompute_layers", "4"]))

@@ -15,7 +15,7 @@ import pytest
 from check_models import KBIAS_PLAN, batches
 
 import meshlm
-from meshlm.check.run import CheckError, CheckReport, Row, render
+from meshlm.check.run import CheckError, CheckReport, Row, print_verdict
 from meshlm.check.shrink import shrink
 from meshlm.config import load_config
 from meshlm.parallel.parallel_plan import ParallelPlan
@@ -40,7 +40,7 @@ def test_to_json_is_json_text() -> None:
 
 def test_the_table_fits_80_columns(monkeypatch, capsys) -> None:
     monkeypatch.setenv("COLUMNS", "80")
-    render(report(), ("family llama",), ("hidden 8192 -> 64",))
+    print_verdict(report(), ("family llama",), ("hidden 8192 -> 64",))
     lines = capsys.readouterr().out.splitlines()
     assert max(len(line) for line in lines) <= 80, "\n".join(lines)
     assert len(lines) <= 30, "\n".join(lines)  # was 70 at 80 columns (issue 49): the reasons wrapped in a column

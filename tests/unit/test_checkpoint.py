@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshlm.checkpoint import (
-    Checkpointer,
     CheckpointError,
+    CheckpointIO,
     latest_valid_checkpoint,
     list_checkpoints,
     load_model_state,
@@ -52,7 +52,7 @@ def _entries(value: float) -> dict:
 
 
 def _save(run: Path, step: int, keep: int = 3, async_save: bool = False) -> Path:
-    ckpt = Checkpointer(run, keep=keep, async_save=async_save, timeout_s=30)
+    ckpt = CheckpointIO(run, keep=keep, async_save=async_save, timeout_s=30)
     ckpt.save(step, _entries(float(step)), {"step": step})
     ckpt.wait()
     return run / "checkpoints" / f"step_{step:08d}"
@@ -66,12 +66,12 @@ def test_round_trip_and_retention(tmp_path: Path) -> None:
     assert torch.equal(load_model_state(newest)["w"], torch.full((6, 4), 4.0))
     assert json.loads((newest / "trainer.json").read_text()) == {"step": 4}
     target = _entries(0.0)
-    Checkpointer(tmp_path, keep=2, async_save=False, timeout_s=30).load(newest, target)
+    CheckpointIO(tmp_path, keep=2, async_save=False, timeout_s=30).load(newest, target)
     assert all(torch.equal(v, torch.full_like(v, 4.0)) for v in target["model/w"].views)
 
 
 def test_async_save_copies_state_into_one_reused_staging_buffer(tmp_path: Path) -> None:
-    ckpt = Checkpointer(tmp_path, keep=3, async_save=True, timeout_s=30)
+    ckpt = CheckpointIO(tmp_path, keep=3, async_save=True, timeout_s=30)
     live = _entries(1.0)
     ckpt.save(1, live, {"step": 1})
     buffer = ckpt.staging.data_ptr()
@@ -138,14 +138,14 @@ def test_metadata_is_read_without_unpickling_code(tmp_path: Path, monkeypatch: p
 def test_pickled_entries_are_refused(tmp_path: Path) -> None:
     dcp.save({"w": torch.zeros(2), "extra": "any object"}, checkpoint_id=str(tmp_path), no_dist=True)
     with pytest.raises(CheckpointError, match="extra is a pickled object; refused"):
-        Checkpointer(tmp_path, keep=3, async_save=False, timeout_s=30).load(tmp_path, {"extra": ""})
+        CheckpointIO(tmp_path, keep=3, async_save=False, timeout_s=30).load(tmp_path, {"extra": ""})
 
 
 def test_missing_entry_is_a_clear_error(tmp_path: Path) -> None:
     path = _save(tmp_path, 1)
     wanted = {**_entries(0.0), "model/other": Chunks(torch.Size([2]), [(0,)], [torch.zeros(2)])}
     with pytest.raises(CheckpointError, match=r"step_00000001 lacks entry model/other"):
-        Checkpointer(tmp_path, keep=3, async_save=False, timeout_s=30).load(path, wanted)
+        CheckpointIO(tmp_path, keep=3, async_save=False, timeout_s=30).load(path, wanted)
 
 
 def test_metadata_is_read_once_per_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,7 +160,7 @@ def test_metadata_is_read_once_per_load(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(SafeReader, "read_metadata", counted)
     target = _entries(0.0)
-    Checkpointer(tmp_path, keep=3, async_save=False, timeout_s=30).load(path, target)
+    CheckpointIO(tmp_path, keep=3, async_save=False, timeout_s=30).load(path, target)
     assert reads == [path] and torch.equal(target["model/w"].views[0], torch.ones(2, 4))
     load_model_state(path)
     assert reads == [path, path]

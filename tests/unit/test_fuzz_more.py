@@ -3,7 +3,7 @@
 Mutations (each measured): without meshlm.data.sources.check_cache_dir the cache_dir cases end in a
 FileExistsError / NotADirectoryError traceback; without special_kind the FIFO is "not found", and a FIFO
 inside a source folder blocks the read forever (the folder test then times out); without refuse_bool
-`zero = true` trains ZeRO-1 and every number field takes true as 1; without RunCheckpoints.refuse_foreign
+`zero = true` trains ZeRO-1 and every number field takes true as 1; without CheckpointFolders.refuse_foreign
 the symlinked step_N is moved aside as a corrupt checkpoint and the run trains on (the foreign link renamed);
 without the "nothing to do" line the resume past train.steps prints nothing about it; convert returned 1
 for bad input.

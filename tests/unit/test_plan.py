@@ -25,7 +25,7 @@ from meshlm.plan import (
     Assumptions,
     Constraints,
     Link,
-    PlanError,
+    PlannerError,
     Workload,
     best,
     bubble_fraction,
@@ -328,7 +328,7 @@ def test_search_rejects_memory_misfits_with_sizes():
     result = search(w, 1, hardware("A100-40GB"))
     assert not result.plans and set(result.reasons()) == {"out of memory"}
     assert all("GiB > 38.4 GiB" in r.detail for r in result.rejected)  # 40 GiB less the 4 % allocator reserve
-    with pytest.raises(PlanError, match=r"does not fit on 1× A100-40GB.*needs ≥ \d+ GPUs"):
+    with pytest.raises(PlannerError, match=r"does not fit on 1× A100-40GB.*needs ≥ \d+ GPUs"):
         best(w, 1, hardware("A100-40GB"))
 
 

@@ -12,7 +12,7 @@ import pytest
 from meshlm.config import load_config, parse_overrides
 from meshlm.model.config import PRESETS
 from meshlm.model.hf_export import hf_config_from_model
-from meshlm.plan import PlanError
+from meshlm.plan import PlannerError
 from meshlm.plan.cli import add_plan_parser, resolve_model, run_plan
 
 
@@ -67,14 +67,16 @@ def test_a_bad_model_file_is_one_line_naming_the_file(tmp_path: Path, content: s
         content = json.dumps(hf_config_from_model(PRESETS["test"]) | {"hidden_act": "gelu"})
     if content is not None:
         path.write_text(content)
-    with pytest.raises(PlanError) as error:
+    with pytest.raises(PlannerError) as error:
         resolve_model(str(path))
     text = str(error.value)
     assert text.startswith(f"--model {path}") and message.format(path=path) in text and "\n" not in text
 
 
 def test_anything_else_lists_what_model_accepts() -> None:
-    with pytest.raises(PlanError, match=r"not a preset \(tiny, test, .*\), a meshlm \.toml run config, or a Hugging"):
+    with pytest.raises(
+        PlannerError, match=r"not a preset \(tiny, test, .*\), a meshlm \.toml run config, or a Hugging"
+    ):
         resolve_model("README.md")
 
 

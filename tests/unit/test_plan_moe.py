@@ -17,7 +17,7 @@ from meshlm.model import Transformer, cross_entropy_loss, param_counts, preset
 from meshlm.model.llama import set_recompute
 from meshlm.observe.memory import ActivationMeter
 from meshlm.parallel.mesh import DIMS, FLAT_GROUPS, Layout, parse_layout
-from meshlm.plan import PlanError, Workload, hardware, search
+from meshlm.plan import PlannerError, Workload, hardware, search
 from meshlm.plan.memory import (
     Strategy,
     layer_activation_bytes,
@@ -220,5 +220,5 @@ def test_auto_layout_of_tiny_moe_is_one_the_trainer_runs(world: int) -> None:
 def test_lora_on_an_moe_model_is_refused_in_one_line() -> None:
     """LoRA's formulas count a dense layer's projections: planning it on MoE layers would be silently wrong."""
     w = Workload(preset("mixtral-8x7b"), 4096, 256, 1e12, lora_rank=16)
-    with pytest.raises(PlanError, match=r"^the planner does not model LoRA on mixture-of-experts layers"):
+    with pytest.raises(PlannerError, match=r"^the planner does not model LoRA on mixture-of-experts layers"):
         search(w, 64, hardware("H100-SXM"))

@@ -88,10 +88,10 @@ def ring_shift(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return received
 
 
-Block = tuple[slice, slice, bool]  # query rows, key columns, whether the causal mask cuts through them
+BlockPlan = tuple[slice, slice, bool]  # query rows, key columns, whether the causal mask cuts through them
 
 
-def _block_plan(q_pos: torch.Tensor, k_pos: torch.Tensor) -> Block | None:
+def _block_plan(q_pos: torch.Tensor, k_pos: torch.Tensor) -> BlockPlan | None:
     """Which query rows attend to which keys of one K/V block under the causal mask, from the global
     positions (host tensors, so planning never waits on the device): the smallest row and column ranges
     holding every visible pair, and whether the mask is needed inside them (None: nothing visible). In the

@@ -52,7 +52,9 @@ class HeadOutput:
         return torch.Size((*self.hidden.shape[:-1], self.weight.shape[0]))
 
 
-def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+def _all_reduce_in_place(
+    x: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM
+) -> None:
     if group is not None:
         with comm("all_reduce"):
             dist.all_reduce(x, op=op, group=group)
@@ -75,7 +77,7 @@ class _FusedLinearCrossEntropy(Function):
             hc, tc = h[lo : lo + step].to(dtype), flat[lo : lo + step]
             logits = (hc @ w.t()).float()
             shift = logits.max(dim=-1).values
-            _all_reduce(shift, group, dist.ReduceOp.MAX)
+            _all_reduce_in_place(shift, group, dist.ReduceOp.MAX)
             logits -= shift.unsqueeze(-1)
             kept = tc != ignore_index
             local = tc - start
@@ -85,7 +87,7 @@ class _FusedLinearCrossEntropy(Function):
             target_logit = logits.gather(1, local.unsqueeze(1)).squeeze(1) * mine
             exp = logits.exp_()
             sums = torch.stack([exp.sum(dim=-1), target_logit])
-            _all_reduce(sums, group)
+            _all_reduce_in_place(sums, group)
             sum_exp, target_logit = sums
             total += ((sum_exp.log() - target_logit) * kept).sum()
             # d loss / d logits = softmax - onehot(target) on this rank's slice, 0 for ignored tokens.
