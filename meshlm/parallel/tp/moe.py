@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from meshlm.parallel.placement import Placements
     from meshlm.parallel.tp.sharding import TPState
 
-Shard = Callable[[torch.Tensor, int, tuple[tuple[int, int], ...]], nn.Parameter]
+ShardFn = Callable[[torch.Tensor, int, tuple[tuple[int, int], ...]], nn.Parameter]
 
 
 class TensorParallelMoE(MoE):
@@ -45,7 +45,7 @@ class TensorParallelMoE(MoE):
     and settings, with its experts' hidden units split and its output reduced over tp."""
 
     def __init__(
-        self, moe: MoE, tp: TPState, shard: Shard, splits: list[tuple[nn.Module, str, int]], placements: Placements
+        self, moe: MoE, tp: TPState, shard: ShardFn, splits: list[tuple[nn.Module, str, int]], placements: Placements
     ) -> None:
         """`splits`: (owning module, attribute, dim of its hidden units) of each parameter to split (`shard`
         records each slice in `placements`)."""
