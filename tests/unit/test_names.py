@@ -26,7 +26,6 @@ PACKAGE = Path(meshlm.__file__).parent
 ALLOWED = {
     "Strategy",  # helper `options`: plan/memory.py's candidate becomes a holder of ParallelOptions
     "parallelize",  # helper `options`: one door into ParallelModel (api.py's; train/startup.py's goes)
-    "LossFn",  # helper `rooms`: the pipeline's and the strategies' loss type, moved with the strategy rooms
 }
 
 
