@@ -39,7 +39,7 @@ from meshlm.model import ModelConfig, Transformer, preset
 from meshlm.observe.calibration import calibration
 from meshlm.observe.doctor import doctor
 from meshlm.observe.memory import ActivationMeter, MemoryProbe
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import ParallelModel, parallelize
 from meshlm.parallel.mesh import Layout, build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.strategies import LayoutSpec, check_layout
@@ -112,7 +112,7 @@ def build_case(
     )
     mesh = build_mesh(lay, "cpu")
     torch.manual_seed(0)
-    pm = ParallelModel(Transformer(model_cfg), mesh, par, n_micro)
+    pm = parallelize(Transformer(model_cfg), mesh, {**par.options().model_dump(), "micro_batches": n_micro})
     opt = build_optimizer(pm, train)
     rows = slice(mesh.rank("dp") * batch // lay.dp, (mesh.rank("dp") + 1) * batch // lay.dp)
     x, y = global_batch(0, batch, seq_len, model_cfg.vocab_size)

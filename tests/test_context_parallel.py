@@ -29,7 +29,7 @@ from equivalence import (
     trainer_runs,
 )
 
-from meshlm.config import ParallelSection, load_config, parse_overrides
+from meshlm.config import load_config, parse_overrides
 from meshlm.data import prepare_data
 from meshlm.errors import InputError
 from meshlm.model import Transformer, preset
@@ -38,7 +38,7 @@ from meshlm.model.llama import causal_attention, rotary_tables
 from meshlm.observe.memory import ActivationMeter
 from meshlm.parallel import context_parallel as cpm
 from meshlm.parallel import data_parallel
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import ParallelPlan, PlanError
@@ -314,7 +314,7 @@ def _activation_peak(seq_len: int, attention: str) -> int:
     layout = f"cp={cp}" if cp > 1 else ""
     mesh = build_mesh(parse_layout(layout, cp), "cpu")
     torch.manual_seed(0)
-    model = ParallelModel(Transformer(MHA_MODEL), mesh, ParallelSection(layout=layout, cp_attention=attention), 1)
+    model = parallelize(Transformer(MHA_MODEL), mesh, {"cp_attention": attention})
     x, y = global_batch(0, 1, seq_len, MHA_MODEL.vocab_size)
     with ActivationMeter(model) as meter:
         loss = model.loss_fn(model(model.seq_shard(x)), model.seq_shard(y))

@@ -95,7 +95,7 @@ def lora_run(
     initial = {n: t.detach().clone() for n, t in whole.state_dict().items()}
     micro = 2 if "pp" in layout else 1
     lora = {"rank": RANK, "alpha": ALPHA} if by_transform else None
-    pm = meshlm.parallelize(model, mesh, parallel, micro_batches=micro, lora=lora, lora_seed=1)
+    pm = meshlm.parallelize(model, mesh, {**(parallel or {}), "micro_batches": micro}, lora=lora, lora_seed=1)
     steps = 4 if optimizer == "sgd" else 10
     if optimizer == "sgd":
         opt = torch.optim.SGD(pm.parameters(), lr=0.2)
@@ -369,7 +369,7 @@ def _autocast_losses(bf16_base: bool, zero: int) -> tuple[list[float], object]:
     apply_lora(model, RANK, ALPHA, seed=1)
     if bf16_base:
         assert cast_frozen_linears(model, torch.bfloat16) == 7 * TEST_MODEL.n_layers + 1  # and the head
-    pm = meshlm.parallelize(model, mesh, {"zero": zero}, autocast_dtype=torch.bfloat16)
+    pm = meshlm.parallelize(model, mesh, {"zero": zero, "autocast_dtype": "bf16"})
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     losses = []
     for step in range(3):

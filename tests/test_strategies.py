@@ -123,8 +123,7 @@ def _norms_and_saved_names(toy: bool) -> tuple[float, float, list[str], list[str
     """At world 1 (ZeRO-0), with or without the toy strategy before data parallel: the clipped gradient
     norm, the norm weight's own gradient norm, and the names a checkpoint writes and loads."""
     from meshlm.checkpoint.state import training_entries
-    from meshlm.config import ParallelSection
-    from meshlm.parallel.engine import ParallelModel
+    from meshlm.parallel.engine import parallelize
     from meshlm.parallel.mesh import build_mesh
 
     original = strategies.STRATEGIES
@@ -132,7 +131,7 @@ def _norms_and_saved_names(toy: bool) -> tuple[float, float, list[str], list[str
         strategies.STRATEGIES = (*original[:-1], NormCountedElsewhere(), original[-1])
     try:
         torch.manual_seed(0)
-        pm = ParallelModel(Transformer(MODEL), build_mesh(Layout(), "cpu"), ParallelSection(), n_micro=1)
+        pm = parallelize(Transformer(MODEL), build_mesh(Layout(), "cpu"))
     finally:
         strategies.STRATEGIES = original
     tagged = [(name, key) for name, p in pm.named_parameters() for key in vars(p) if "meshlm" in key]

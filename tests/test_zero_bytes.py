@@ -22,11 +22,12 @@ import torch.distributed as dist
 from distributed import run_shared
 from equivalence import global_batch
 
-from meshlm.config import ParallelSection, TrainSection
+from meshlm.config import TrainSection
 from meshlm.model import ModelConfig, Transformer
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import ParallelModel, parallelize
 from meshlm.parallel.gradients import unique_storage_bytes
 from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.plan.memory import Strategy, model_state_bytes, moe_stage_params, moe_state_bytes
 from meshlm.train.optim import build_optimizer, train_step
 
@@ -58,9 +59,9 @@ def measure(
     world = dist.get_world_size()
     mesh = build_mesh(parse_layout(layout, world), "cpu")
     rank, replicas = mesh.rank("data"), mesh.size("data")  # dp × ep ranks get rows of their own
-    parallel = ParallelSection(zero=zero, zero_param_dtype=param_dtype, zero_reduce_dtype=reduce_dtype)
+    parallel = ParallelOptions(zero=zero, zero_param_dtype=param_dtype, zero_reduce_dtype=reduce_dtype)
     torch.manual_seed(0)
-    pm = ParallelModel(Transformer(model), mesh, parallel, n_micro=1)
+    pm = parallelize(Transformer(model), mesh, parallel)
     train = TrainSection(steps=4, global_batch=4, warmup_steps=0)
     opt = build_optimizer(pm, train)
     x, y = global_batch(0, 4, 16, model.vocab_size)

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.mesh import Layout, LayoutError
-from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.options import Loss, ParallelOptions
 
 if TYPE_CHECKING:
     import torch
@@ -108,20 +108,13 @@ class Build:
 
     model: nn.Module
     mesh: Mesh
-    options: ParallelOptions
+    options: ParallelOptions  # the strategies' and transforms' options, the micro-batches and the autocast dtype
     plan: ParallelPlan
-    n_micro: int
     engine: ParallelModel  # the pipeline schedule's callbacks: the scaled loss, autocast, the grad-sync switch
     meta_init: MetaInit | None  # set by the engine after the model transforms (Adapt), before the rest
     device_type: str
-    autocast_dtype: torch.dtype | None
     token_loss: LossFn  # per-token losses; tensor parallel makes it vocabulary-parallel
-    loss_fn: LossFn | None = None  # the user's, if any
-    gather_logits: bool = False
-    fused_loss: bool = False
-    ignore_index: int = -100
-    fp8: bool | str = False  # True, or "emulate" (the same quantisation through an fp32 matmul: CPU tests)
-    compile_backend: str | None = None  # torch.compile each block with this backend; None: eager
+    loss: Loss = field(default_factory=Loss)  # the user's function if any, ignore_index, gather_logits, fused
     adaptation: Adaptation = field(default_factory=_adaptation)  # train.freeze and LoRA (meshlm.parallel.lora)
     placements: Placements = field(default_factory=_placements)  # where each parameter lives (readers' table)
     chunks: list[nn.Module] = field(default_factory=list)
@@ -188,9 +181,9 @@ class TensorParallel:
         )
         for m in build.model.modules():
             if getattr(m, "vocab_head", False):
-                m.gather_output = build.gather_logits
-        if build.loss_fn is None and not build.gather_logits:
-            ignore_index = build.ignore_index
+                m.gather_output = build.loss.gather_logits
+        if build.loss.fn is None and not build.loss.gather_logits:
+            ignore_index = build.loss.ignore_index
 
             def tp_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
                 logits = getattr(output, "logits", output)
@@ -244,7 +237,7 @@ class Adapt(ModelTransform):
         from meshlm.parallel.lora import cast_frozen_linears
 
         build.adaptation.apply(build.model, build.plan)
-        if build.autocast_dtype == torch.bfloat16:
+        if build.options.autocast_dtype == "bf16":
             cast_frozen_linears(build.model, torch.bfloat16)
 
 
@@ -256,7 +249,7 @@ class FusedLoss(Transform):
     def transform(self, build: Build) -> None:
         from meshlm.parallel.fused_loss import apply_fused_loss
 
-        if build.fused_loss and build.loss_fn is None and not build.gather_logits:
+        if build.loss.fused and build.loss.fn is None and not build.loss.gather_logits:
             apply_fused_loss(build.model, build.plan)
 
 
@@ -411,7 +404,7 @@ class PipelineParallel:
             build.chunks,
             mesh.group("pp"),
             schedule=options.schedule,
-            n_micro=build.n_micro,
+            n_micro=options.micro_batches,
             loss_fn=engine._scaled_loss,
             autocast=engine.autocast,
             set_grad_sync=engine.set_grad_sync,
@@ -464,6 +457,7 @@ class DataParallelism:
         import torch
 
         from meshlm.parallel.data_parallel import DataParallel, replica_group, zero_param_dtype
+        from meshlm.parallel.distributed import AUTOCAST_DTYPES
         from meshlm.parallel.gradients import LocalGradients
         from meshlm.parallel.runtime import DataParallelHooks
 
@@ -479,7 +473,7 @@ class DataParallelism:
                 zero=options.zero,
                 bucket_mb=options.bucket_mb,
                 shard_group_size=options.zero_shard_size,
-                param_dtype=zero_param_dtype(options, build.device_type, build.autocast_dtype),
+                param_dtype=zero_param_dtype(options, build.device_type, AUTOCAST_DTYPES.get(options.autocast_dtype)),
                 reduce_dtype=torch.bfloat16 if options.zero_reduce_dtype == "bf16" else torch.float32,
                 plan=build.plan,
                 source=build.meta_init,
@@ -501,8 +495,8 @@ class FP8(Transform):
     def transform(self, build: Build) -> None:
         from meshlm.parallel.fp8 import apply_fp8
 
-        if build.fp8:
-            apply_fp8(build.chunks, build.plan, emulate=build.fp8 == "emulate")
+        if build.options.fp8:
+            apply_fp8(build.chunks, build.plan, emulate=build.options.fp8 == "emulate")
 
 
 class Compile(Transform):
@@ -512,8 +506,8 @@ class Compile(Transform):
     def transform(self, build: Build) -> None:
         from meshlm.parallel.compile import compile_blocks
 
-        if build.compile_backend:
-            compile_blocks(build.chunks, build.plan, build.compile_backend)
+        if build.options.compile:
+            compile_blocks(build.chunks, build.plan, build.options.compile_backend)
 
 
 STRATEGIES: tuple[Strategy, ...] = (
