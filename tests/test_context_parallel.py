@@ -10,7 +10,6 @@ rotary side only, the cp gradient reduction left out — must fail the loss crit
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +43,7 @@ from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.plan import ParallelPlan, PlanError
 from meshlm.parallel.strategies import LayoutSpec, check_layout
 from meshlm.plan.hardware import hardware
-from meshlm.plan.memory import Strategy, Workload, layer_activation_bytes, logits_bytes
+from meshlm.plan.memory import Candidate, Workload, layer_activation_bytes, logits_bytes
 from meshlm.plan.step_time import cp_attention_factor, cp_layer_time, step_time
 from meshlm.testing import global_batch
 from meshlm.train.startup import check_config
@@ -325,7 +324,7 @@ def _activation_peak(seq_len: int, attention: str) -> int:
 def _planned_activations(seq_len: int, cp: int) -> float:
     w = Workload(MHA_MODEL, seq_len, 1, 1.0, precision="fp32")
     layer = layer_activation_bytes(MHA_MODEL, seq_len, 1, 1, False, "none", "fp32", True, "meshlm", cp)
-    return MHA_MODEL.n_layers * layer + logits_bytes(w, Strategy(parse_layout(f"cp={cp}", cp)))
+    return MHA_MODEL.n_layers * layer + logits_bytes(w, Candidate(parse_layout(f"cp={cp}", cp)))
 
 
 def test_planner_activation_memory_falls_as_one_over_cp_like_the_measured() -> None:
@@ -349,7 +348,7 @@ def test_planner_cp_communication_counts_the_runtimes_hops() -> None:
     w = Workload(TEST_MODEL, 4096, 8, 1e9)
     kv = TEST_MODEL.n_kv_heads * TEST_MODEL.head_dim
     for cp in (2, 4):
-        ring = Strategy(Layout(cp=cp, dp=8 // cp), micro_batch=1)
+        ring = Candidate(Layout(cp=cp, dp=8 // cp), micro_batch=1)
         tokens = 4096 / cp
         link = hw.link("cp", False, "send_recv")
         hop = 2 * tokens * kv * 2 / link.beta + link.alpha  # K and V, bf16, one send/recv
@@ -359,7 +358,7 @@ def test_planner_cp_communication_counts_the_runtimes_hops() -> None:
         m = ring.micro_batches(w.global_batch)
         assert t.cp_comm == pytest.approx(m * TEST_MODEL.n_layers * cp_layer_time(TEST_MODEL, tokens, ring, hw, 2))
         assert "cp_comm" in t.parts() and t.total == pytest.approx(sum(v for k, v in t.parts().items() if k != "total"))
-        ulysses = dataclasses.replace(ring, cp_attention="ulysses")
+        ulysses = ring.with_options(cp_attention="ulysses")
         a2a = hw.link("cp", False, "all_to_all")
         nbytes = 2 * tokens * (TEST_MODEL.dim + kv) * 2
         want = 2 * ((cp - 1) / cp * nbytes / a2a.beta + (cp - 1) * a2a.alpha)
@@ -369,8 +368,8 @@ def test_planner_cp_communication_counts_the_runtimes_hops() -> None:
         big = Workload(preset("llama3-8b"), 8192, 16, 1e9)  # attention-bound enough to show past overheads
         ratio = step_time(big, ring, hw).compute / step_time(big, ulysses, hw).compute
         assert 1.05 < ratio < (cp + 1) / cp
-    assert cp_layer_time(TEST_MODEL, 4096, Strategy(Layout(dp=8)), hw, 2) == 0.0
-    assert "cp_comm" not in step_time(w, Strategy(Layout(dp=8)), hw).parts()
+    assert cp_layer_time(TEST_MODEL, 4096, Candidate(Layout(dp=8)), hw, 2) == 0.0
+    assert "cp_comm" not in step_time(w, Candidate(Layout(dp=8)), hw).parts()
 
 
 # ---- `meshlm train` -----------------------------------------------------------------------------------------

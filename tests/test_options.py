@@ -17,7 +17,7 @@ from meshlm.errors import InputError
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.options import DERIVED, PARALLEL_SECTION, TRAIN_SECTION, LoRAOptions, Loss, ParallelOptions
 from meshlm.parallel.strategies import LayoutSpec
-from meshlm.plan.memory import Strategy
+from meshlm.plan.memory import Candidate
 
 OPTIONS = set(ParallelOptions.model_fields)
 
@@ -95,15 +95,20 @@ def test_the_lora_section_is_the_lora_options() -> None:
 
 
 def test_the_layout_spec_and_the_planner_carry_the_options() -> None:
+    """The planner's candidate holds a ParallelOptions (it re-declared five of them: issue #50); its other
+    fields are the run config's [train] choices, none an option."""
     spec_fields = {f.name: f for f in dataclasses.fields(LayoutSpec)}
     assert not OPTIONS & set(spec_fields)
     assert get_type_hints(LayoutSpec)["options"] is ParallelOptions
-    hints = get_type_hints(Strategy)
-    for name in OPTIONS & set(hints):  # the candidate's choices: the same values as the option allows
-        declared = ParallelOptions.model_fields[name].annotation
-        assert get_args(hints[name]) == get_args(declared), name
-    candidate = Strategy(zero=2, schedule="zb1", virtual_stages=1, sequence_parallel=True, cp_attention="ulysses")
-    assert candidate.options == ParallelOptions(zero=2, schedule="zb1", sequence_parallel=True, cp_attention="ulysses")
+    hints = get_type_hints(Candidate)
+    assert hints["options"] is ParallelOptions
+    assert not OPTIONS & set(hints)
+    chosen = ParallelOptions(zero=2, schedule="zb1", sequence_parallel=True, cp_attention="ulysses")
+    candidate = Candidate(options=chosen)
+    assert (candidate.zero, candidate.schedule, candidate.cp_attention) == (2, "zb1", "ulysses")
+    assert candidate.with_options(cp_attention="ring").options == chosen.model_copy(update={"cp_attention": "ring"})
+    with pytest.raises(InputError, match=r"^parallel\.zero"):
+        candidate.with_options(zero=4)
 
 
 def test_options_refuse_bad_values_in_one_line() -> None:

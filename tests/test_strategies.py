@@ -20,7 +20,7 @@ from meshlm.parallel.plan import PlanError
 from meshlm.parallel.runtime import Applied
 from meshlm.parallel.strategies import STRATEGIES, LayoutSpec, ModelTransform, check_layout
 from meshlm.plan import Workload
-from meshlm.plan.memory import Strategy as PlannedStrategy
+from meshlm.plan.memory import Candidate
 from meshlm.plan.search import Constraints, enumerate_strategies
 
 MODEL = preset("test")
@@ -73,7 +73,7 @@ def test_a_new_strategy_is_checked_by_the_runtime_and_the_planner_alike(monkeypa
     def offered(dp: int) -> bool:
         c = Constraints(pp=1, dp=dp, tp=1, cp=1, zero=0, micro_batch=1, schedule="1f1b", recompute="none")
         found = enumerate_strategies(Workload(MODEL, 32, 6, 1e6), dp, dp, c)
-        return any(isinstance(x, PlannedStrategy) for x in found)
+        return any(isinstance(x, Candidate) for x in found)
 
     assert offered(3) and offered(2)
     check_layout(LayoutSpec(MODEL, Layout(dp=3), 6))
