@@ -17,17 +17,25 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     create_model,
     field_validator,
     model_validator,
 )
-from pydantic.fields import FieldInfo
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import FAMILY_FIELDS, PRESETS, ModelConfig
-from meshlm.parallel.options import PARALLEL_SECTION, TRAIN_SECTION, LoRAOptions, Loss, ParallelOptions, refuse_bool
+from meshlm.parallel.options import (
+    PARALLEL_SECTION,
+    TRAIN_SECTION,
+    LoRAOptions,
+    ParallelOptions,
+    loss_field,
+    option_fields,
+    refuse_bool,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -73,14 +81,20 @@ class _PresetSection(Section):
             raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
         return name
 
+    _init_from_model: tuple[str, ModelConfig] | None = PrivateAttr(None)  # init_from and the model it defines
+
     def build(self) -> ModelConfig:
+        """The model: the preset with the fields set here, or the model `init_from` defines (read once per
+        section and kept: every step of a start asks for it), which the fields set here must equal."""
         overrides = {k: v for k, v in self.model_dump().items() if k not in ("preset", "init_from") and v is not None}
         if self.init_from is None:
             return PRESETS[self.preset].replace(**overrides)
-        try:
-            cfg = init_from_config(self.init_from)
-        except ValueError as e:
-            raise ValueError(f"model.init_from: {e}") from None
+        if self._init_from_model is None or self._init_from_model[0] != self.init_from:
+            try:
+                self._init_from_model = (self.init_from, init_from_config(self.init_from))
+            except ValueError as e:
+                raise ValueError(f"model.init_from: {e}") from None
+        cfg = self._init_from_model[1]
         for name, value in overrides.items():
             if getattr(cfg, name) != value:
                 raise ValueError(
@@ -175,24 +189,6 @@ class _TrainFields(Section):
     )
 
 
-def declared(source: type[BaseModel], names: tuple[str, ...]) -> dict[str, Any]:
-    """Fields of another declaration (meshlm.parallel.options), as create_model takes them: the same type,
-    default, bounds and description."""
-    return {name: (source.model_fields[name].annotation, copy.copy(source.model_fields[name])) for name in names}
-
-
-LOSS_TYPES = get_type_hints(Loss)
-
-
-def loss_option(name: str, **config_default: Any) -> tuple[Any, FieldInfo]:
-    """A field of the Loss (meshlm.parallel.options) as a [train] field: its type, default and description,
-    with the run config's own default where it has one (`meshlm train` fuses the loss: its loop never reads
-    the logits)."""
-    declared_field = Loss.__dataclass_fields__[name]
-    default = config_default.get("default", declared_field.default)
-    return LOSS_TYPES[name], Field(default, description=declared_field.metadata["description"])
-
-
 def _with_engine_fields(own: type[BaseModel], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """`own`'s fields in order, with the engine's fields of `after[name]` placed after its field `name`."""
     fields: dict[str, Any] = {}
@@ -211,10 +207,10 @@ TrainSection = create_model(
         _TrainFields,
         {
             "recompute_layers": {
-                "fused_loss": loss_option("fused", default=True),
-                "ignore_index": loss_option("ignore_index"),
+                "fused_loss": loss_field("fused", default=True),
+                "ignore_index": loss_field("ignore_index"),
             },
-            "compile": declared(ParallelOptions, TRAIN_SECTION),
+            "compile": option_fields(TRAIN_SECTION),
         },
     ),
 )
@@ -241,7 +237,7 @@ ParallelSection = create_model(
     __base__=_ParallelSectionBase,
     __doc__="The engine's [parallel] options (meshlm.parallel.options, declared there once), plus the layout, "
     "which builds the mesh, and the timeout, which sets up the process group.",
-    **declared(ParallelOptions, PARALLEL_SECTION),
+    **option_fields(PARALLEL_SECTION),
     layout=(
         str,
         Field(

@@ -14,11 +14,13 @@ below it in meshlm's layers (tests/test_layers.py); this module needs no torch.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, get_args, get_origin
+from typing import Any, ClassVar, Literal, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic.fields import FieldInfo
 
 from meshlm.errors import InputError
 
@@ -142,6 +144,13 @@ DERIVED = {
 """The options the trainer derives from the run config, and from what."""
 
 
+def option_fields(names: tuple[str, ...]) -> dict[str, tuple[Any, FieldInfo]]:
+    """ParallelOptions' fields `names` as pydantic's create_model takes them, for the run config's sections
+    (meshlm.config): the same type, default, bounds and description."""
+    fields = ParallelOptions.model_fields
+    return {name: (fields[name].annotation, copy.copy(fields[name])) for name in names}
+
+
 class LoRAOptions(OneLineOptions):
     """LoRA adapters on a frozen base (meshlm.parallel.lora; the run config's `[lora]` section is one). Bad values
     raise a one-line InputError naming the field."""
@@ -179,6 +188,14 @@ class Loss:
         default=False,
         metadata={"description": "output projection + cross-entropy in token chunks, never materialising the logits"},
     )
+
+
+def loss_field(name: str, **default: Any) -> tuple[Any, FieldInfo]:
+    """The Loss's field `name` as a run config field (train.ignore_index, train.fused_loss): its type, default
+    and description, or the config's own `default` where it has one (`meshlm train` fuses the loss: its loop
+    never reads the logits)."""
+    declared = Loss.__dataclass_fields__[name]
+    return get_type_hints(Loss)[name], Field(default.get("default", declared.default), **declared.metadata)
 
 
 __all__ = ["LoRAOptions", "Loss", "ParallelOptions"]

@@ -19,7 +19,7 @@ from meshlm.checkpoint.store import RunDirInUse, RunLock, StorageError, atomic_w
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import SFTData, TokenData, prepare_data_shared
 from meshlm.data.dataset import check_tokenizer, document_separator
-from meshlm.model import PRESETS, Transformer, flops_per_token
+from meshlm.model import PRESETS, ModelConfig, Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
 from meshlm.model.pretrained import HFWeights, init_tokenizer, is_hf_directory, keep_tokenizer
 from meshlm.parallel.distributed import resolve_autocast
@@ -100,18 +100,19 @@ def resolve_auto_layout(cfg: Config, world_size: int) -> Config:
     for key, value in choice.overrides().items():
         section, name = key.split(".")
         data[section][name] = value
-    return Config.model_validate(data)
+    return Config.model_validate(data | {"model": cfg.model})  # the [model] section whole: init_from read once
 
 
-def open_init_from(init_from: str, vocab_size: int) -> HFWeights | None:
+def open_init_from(init_from: str, vocab_size: int, model: ModelConfig | None = None) -> HFWeights | None:
     """`model.init_from`'s HF weights (None for a meshlm checkpoint, which the trainer loads through its
     checkpointer) and tokenizer, checked (names, shapes, every listed shard present; the tokenizer loads, fits
     the vocabulary and has a document separator) on every rank before any work starts; a problem is one
-    ConfigError or DataError line naming the file."""
+    ConfigError or DataError line naming the file. `model`: the model init_from defines, where the caller has
+    it (`cfg.model.build()`), so its config.json is not read again."""
     weights = None
     if is_hf_directory(init_from):
         try:
-            weights = HFWeights(init_from)
+            weights = HFWeights(init_from, model)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.init_from: {e}") from None
     tokenizer_file = init_tokenizer(init_from)

@@ -184,7 +184,8 @@ class Trainer:
         self.run_dir = Path(cfg.log.run_dir)
         self.say = print if self.rank == 0 else (lambda *_, **__: None)
         init_from = cfg.model.init_from if model is None else None  # fine-tuning meshlm's own model
-        init_source = open_init_from(init_from, cfg.model.build().vocab_size) if init_from else None
+        model_cfg = cfg.model.build()  # init_from's model, read once (meshlm.config.ModelSection.build)
+        init_source = open_init_from(init_from, model_cfg.vocab_size, model_cfg) if init_from else None
         given_tokenizer = init_tokenizer(cfg.model.init_from)  # None: trained from the corpus
         self.data, self.sampler = open_batches(cfg, parts, device, watchdog, given_tokenizer, self.say)
         model, self.model_identity, flops_per_tok = build_model(cfg, parts, device, model, init_source)
