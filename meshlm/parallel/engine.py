@@ -108,7 +108,7 @@ class ParallelModel:
     ) -> None:
         loss = loss or Loss()
         self.mesh = mesh
-        self.options = options
+        self.options, self.loss = options, loss
         self.n_micro = n_micro = options.micro_batches
         self.ignore_index = loss.ignore_index
         self._tokens_scale: torch.Tensor | None = None  # replicas / global kept tokens, set per step
@@ -229,13 +229,24 @@ class ParallelModel:
         self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn | None = None
     ) -> torch.Tensor:
         """Run every micro-batch of this replica's batch (any layout, pipeline included); return the
-        global-batch mean loss on every rank. `loss_fn` replaces the model's loss for this call."""
+        global-batch mean loss on every rank. `loss_fn` replaces the model's per-token loss for this call
+        (under tp it needs `Loss(gather_logits=True)`; a head fused with meshlm's loss computes no other)."""
         if loss_fn is not None:
-            previous, self.loss_fn = self.loss_fn, loss_fn
+            if self.loss.fused and self.loss.fn is None and not self.loss.gather_logits:
+                raise PlanError(
+                    "forward_backward(loss_fn): the head computes meshlm's cross-entropy fused (Loss(fused=True)) "
+                    "and returns no logits; give the loss to parallelize instead (loss=meshlm.Loss(fn))"
+                )
+            if self.mesh.layout.tp > 1 and not self.loss.gather_logits:
+                raise PlanError(
+                    "forward_backward(loss_fn): under tp the model's logits are sharded over the vocabulary; a "
+                    "loss of one's own needs meshlm.Loss(gather_logits=True) given to parallelize"
+                )
+            previous, self.token_loss = self.token_loss, loss_fn
             try:
                 return self.forward_backward(inputs, targets)
             finally:
-                self.loss_fn = previous
+                self.token_loss = previous
         self._start_backward()
         self.train(True)
         self._check_batch(inputs)

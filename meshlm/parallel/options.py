@@ -67,7 +67,9 @@ class OneLineOptions(BaseModel):
 
 
 class ParallelOptions(OneLineOptions):
-    """How each strategy runs on the mesh. Bad values raise a one-line InputError naming the field."""
+    """The engine's options: how each strategy runs on the mesh, how a step runs (its micro-batches, its autocast
+    dtype) and the transforms after the strategies (FP8, compile). Bad values raise a one-line InputError naming
+    the field."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     section: ClassVar[str] = "parallel"
@@ -116,8 +118,8 @@ class ParallelOptions(OneLineOptions):
 
     @classmethod
     def of(cls, source: ParallelOptions | dict[str, Any] | None) -> ParallelOptions:
-        """`source` itself (a ParallelOptions, or the config's ParallelSection, which is one), the options a
-        dict of its fields names, or the defaults for None."""
+        """`source` itself (a ParallelOptions), the options a dict of its fields names, or the defaults for None
+        (the run config's ParallelSection is not one: its `options()` are)."""
         if isinstance(source, cls):
             return source
         if source is None:
