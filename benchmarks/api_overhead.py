@@ -18,9 +18,8 @@ import torch.distributed as dist
 from side_by_side import one_process, print_ratio_table, step_arguments, take_turns
 
 import meshlm
-from meshlm.config import ParallelSection
 from meshlm.model import Transformer
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.train.optim import build_optimizer, train_step
 
 
@@ -31,7 +30,7 @@ def main() -> None:
     cfg, train, mesh = one_process(args)
 
     torch.manual_seed(0)
-    builtin = ParallelModel(Transformer(cfg), mesh, ParallelSection(zero=args.zero), n_micro=1)
+    builtin = parallelize(Transformer(cfg), mesh, {"zero": args.zero})
     builtin_opt = build_optimizer(builtin, train)
     torch.manual_seed(0)
     api = meshlm.parallelize(Transformer(cfg), mesh, {"zero": args.zero})

@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from meshlm.checkpoint import CheckpointIO, training_entries
-from meshlm.config import ParallelSection, TrainSection
+from meshlm.config import TrainSection
 from meshlm.model import Transformer, cross_entropy_loss, preset
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.testing import run_distributed
 from meshlm.train.optim import build_optimizer
@@ -64,7 +64,7 @@ def meshlm_case(name: str, model_name: str, root: Path, repeats: int) -> dict:
     cfg = preset(model_name)
     layout = parse_layout(layout_text.format(world=world), world)
     torch.manual_seed(0)
-    pm = ParallelModel(Transformer(cfg), build_mesh(layout, "cpu"), ParallelSection(zero=zero), n_micro=layout.pp)
+    pm = parallelize(Transformer(cfg), build_mesh(layout, "cpu"), {"zero": zero, "micro_batches": layout.pp})
     opt = build_optimizer(pm, TrainSection())
     x, y = batch(cfg, 2 * layout.pp, 64)
     pm.forward_backward(x, y)

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 from side_by_side import one_process, step_arguments
 
-from meshlm.config import ParallelSection
 from meshlm.model import Transformer
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.transforms.compile import compile_blocks
 from meshlm.train.optim import build_optimizer, train_step
 
@@ -33,7 +32,7 @@ def main() -> None:
     models, optimizers = {}, {}
     for name in ("eager", "compiled"):
         torch.manual_seed(0)
-        models[name] = ParallelModel(Transformer(cfg), mesh, ParallelSection(), n_micro=1)
+        models[name] = parallelize(Transformer(cfg), mesh)
         optimizers[name] = build_optimizer(models[name], train)
     compile_blocks(models["compiled"].chunks, models["compiled"].plan, args.backend)
 

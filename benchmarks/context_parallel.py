@@ -16,12 +16,11 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from meshlm.config import ParallelSection
 from meshlm.model import Transformer, preset
 from meshlm.observe.memory import ActivationMeter
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
-from meshlm.plan.memory import Strategy, Workload, layer_activation_bytes, logits_bytes
+from meshlm.plan.memory import Candidate, Workload, layer_activation_bytes, logits_bytes
 from meshlm.testing import global_batch, run_distributed
 
 MODEL = preset("test").replace(max_seq_len=1024, n_kv_heads=4)  # 4 KV heads: Ulysses runs at cp = 4 too
@@ -34,7 +33,7 @@ def measure(seq_len: int, attention: str) -> int:
     layout = f"cp={cp}" if cp > 1 else ""
     mesh = build_mesh(parse_layout(layout, cp), "cpu")
     torch.manual_seed(0)
-    model = ParallelModel(Transformer(MODEL), mesh, ParallelSection(layout=layout, cp_attention=attention), 1)
+    model = parallelize(Transformer(MODEL), mesh, {"cp_attention": attention})
     x, y = global_batch(0, 1, seq_len, MODEL.vocab_size)
     with ActivationMeter(model) as meter:
         loss = model.loss_fn(model(model.seq_shard(x)), model.seq_shard(y))
@@ -45,7 +44,7 @@ def measure(seq_len: int, attention: str) -> int:
 def predicted(seq_len: int, cp: int) -> float:
     """The planner's activations + loss buffers per rank for the same run."""
     w = Workload(MODEL, seq_len, 1, 1.0, precision="fp32")
-    s = Strategy(parse_layout(f"cp={cp}", cp), micro_batch=1)
+    s = Candidate(parse_layout(f"cp={cp}", cp), micro_batch=1)
     layer = layer_activation_bytes(MODEL, seq_len, 1, 1, False, "none", "fp32", True, "meshlm", cp)
     return MODEL.n_layers * layer + logits_bytes(w, s)
 

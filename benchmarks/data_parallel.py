@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshlm.config import ParallelSection, TrainSection
+from meshlm.config import TrainSection
 from meshlm.model import Transformer, cross_entropy_loss, preset
 from meshlm.parallel.dp.gradients import unique_storage_bytes
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.testing import run_distributed
 from meshlm.train.optim import build_optimizer
@@ -90,7 +90,7 @@ def torch_trainer(system: str, model: Transformer, train: TrainSection) -> tuple
 def meshlm_trainer(system: str, model: Transformer, train: TrainSection) -> tuple[Step, dict[str, int]]:
     """meshlm's train_step, spelled out to take the memory report between the optimizer step and zero_grad."""
     mesh = build_mesh(parse_layout("", dist.get_world_size()), "cpu")
-    pm = ParallelModel(model, mesh, ParallelSection(zero=int(system[-1])), n_micro=1)
+    pm = parallelize(model, mesh, {"zero": int(system[-1])})
     opt = build_optimizer(pm, train)
     memory: dict[str, int] = {}
 

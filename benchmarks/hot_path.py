@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 from side_by_side import one_process, print_ratio_table, step_arguments, take_turns
 
-from meshlm.config import ParallelSection
 from meshlm.data import GlobalBatchSampler
 from meshlm.model import Transformer
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.train.optim import build_optimizer, device_train_step, train_step
 from meshlm.train.prefetch import Prefetcher
 
@@ -37,7 +36,7 @@ def main() -> None:
     models, optimizers = {}, {}
     for name in ("sync", "deferred"):
         torch.manual_seed(0)
-        models[name] = ParallelModel(Transformer(cfg), mesh, ParallelSection(), n_micro=1)
+        models[name] = parallelize(Transformer(cfg), mesh)
         optimizers[name] = build_optimizer(models[name], train)
     sync_source = GlobalBatchSampler(tokens, args.seq_len, args.batch, seed=0)
     prefetcher = Prefetcher(GlobalBatchSampler(tokens, args.seq_len, args.batch, seed=0), args.steps)

@@ -32,10 +32,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshlm.config import ParallelSection
 from meshlm.model import ModelConfig, Transformer, param_counts, preset
 from meshlm.observe.memory import tensor_bytes
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import ParallelModel, parallelize
 from meshlm.parallel.mesh import Mesh, build_mesh, parse_layout
 from meshlm.testing import run_distributed
 
@@ -76,8 +75,7 @@ def _set_up(cfg: ModelConfig, mesh: Mesh, zero: int, meta: bool) -> dict:
             model = Transformer(cfg)
     else:
         model = Transformer(cfg)
-    parallel = ParallelSection(layout=str(mesh.layout), zero=zero)
-    pm = ParallelModel(model, mesh, parallel, n_micro=mesh.size("pp"))
+    pm = parallelize(model, mesh, {"zero": zero, "micro_batches": mesh.size("pp")})
     del model
     seconds = time.perf_counter() - start
     peak = _status("VmHWM") - base

@@ -23,9 +23,10 @@ import torch
 import meshlm
 from meshlm.model import Transformer, preset
 from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.transforms.lora import apply_lora
 from meshlm.plan.hardware import hardware
-from meshlm.plan.memory import Strategy, Workload, memory
+from meshlm.plan.memory import Candidate, Workload, memory
 from meshlm.testing import global_batch, run_distributed
 
 MIB = 2**20
@@ -52,7 +53,7 @@ def measure(model_name: str, layout: str, zero: int, rank: int, seq_len: int) ->
 
 def predict(model_name: str, layout: str, zero: int, rank: int, seq_len: int, world: int) -> dict[str, float]:
     w = Workload(preset(model_name), seq_len, 2 * world, 1.0, "fp32", model_name, rank)
-    mem = memory(w, Strategy(mesh=parse_layout(layout, world), zero=zero), hardware("cpu"))
+    mem = memory(w, Candidate(mesh=parse_layout(layout, world), options=ParallelOptions(zero=zero)), hardware("cpu"))
     return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer}
 
 

@@ -40,11 +40,11 @@ from meshlm.observe.calibration import calibration
 from meshlm.observe.doctor import doctor
 from meshlm.observe.memory import ActivationMeter, MemoryProbe
 from meshlm.parallel.contract import LayoutSpec
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import ParallelModel, parallelize
 from meshlm.parallel.mesh import Layout, build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.strategies import check_layout
-from meshlm.plan import Strategy, Workload, hardware, plan_strategy
+from meshlm.plan import Candidate, Workload, hardware, plan_strategy
 from meshlm.plan.memory import model_state_bytes, stage_params
 from meshlm.plan.pipeline_split import rank_layers
 from meshlm.testing import global_batch, run_distributed
@@ -113,7 +113,7 @@ def build_case(
     )
     mesh = build_mesh(lay, "cpu")
     torch.manual_seed(0)
-    pm = ParallelModel(Transformer(model_cfg), mesh, par, n_micro)
+    pm = parallelize(Transformer(model_cfg), mesh, {**par.options().model_dump(), "micro_batches": n_micro})
     opt = build_optimizer(pm, train)
     rows = slice(mesh.rank("dp") * batch // lay.dp, (mesh.rank("dp") + 1) * batch // lay.dp)
     x, y = global_batch(0, batch, seq_len, model_cfg.vocab_size)
@@ -168,12 +168,14 @@ def doctor_layout(cases: list[Case]) -> str:
 
 
 def predict(case: Case, model_cfg: ModelConfig, batch: int, micro_batch: int, seq_len: int, cal: dict | None):
-    layout = Strategy(Layout(**case.sizes()), zero=case.zero, micro_batch=micro_batch, schedule=case.schedule)
+    layout = Candidate(
+        Layout(**case.sizes()), ParallelOptions(zero=case.zero, schedule=case.schedule), micro_batch=micro_batch
+    )
     w = Workload(model_cfg, seq_len, batch, train_tokens=1e9, precision="fp32")
     return layout, plan_strategy(w, layout, hardware("cpu", cal))
 
 
-def stage_model_states(model_cfg: ModelConfig, layout: Strategy, stage: int) -> float:
+def stage_model_states(model_cfg: ModelConfig, layout: Candidate, stage: int) -> float:
     """The planner's params + grads + optimizer bytes of one pipeline stage's ranks."""
     layers = rank_layers(model_cfg, layout.pp, layout.virtual_stages)
     psi = stage_params(model_cfg, layout.tp, layers[stage], stage == 0, stage == layout.pp - 1)

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.config import ParallelSection, TrainSection
+from meshlm.config import TrainSection
 from meshlm.model import Transformer, preset
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.testing import run_distributed
 from meshlm.train.optim import build_optimizer, train_step
@@ -183,7 +183,7 @@ def torch_trainer(model: Transformer, train: TrainSection, sp: bool):
 
 def meshlm_trainer(model: Transformer, train: TrainSection, sp: bool):
     mesh = build_mesh(parse_layout(f"tp={dist.get_world_size()}", dist.get_world_size()), "cpu")
-    pm = ParallelModel(model, mesh, ParallelSection(layout=f"tp={dist.get_world_size()}", sequence_parallel=sp), 1)
+    pm = parallelize(model, mesh, {"sequence_parallel": sp})
     opt = build_optimizer(pm, train)
     params = [p for _, p in pm.named_parameters()]
 

@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "init_mesh": "meshlm.api",
-    "parallelize": "meshlm.api",
+    "parallelize": "meshlm.parallel.engine",
     "shutdown": "meshlm.api",
     "Checkpoints": "meshlm.api",
     "ParallelModel": "meshlm.parallel.engine",

@@ -10,7 +10,8 @@
         model.step(optimizer)                                # + ZeRO's gather of the new weights
     meshlm.shutdown()                                        # barrier + destroy_process_group
 
-`parallelize` returns a `ParallelModel` (meshlm.parallel.engine); under pipeline parallelism the loop calls
+`parallelize` (meshlm.parallel.engine.parallelize, the one door into a ParallelModel, which meshlm's trainer goes
+through too) returns a `ParallelModel`; under pipeline parallelism the loop calls
 `model.forward_backward(x, y, loss_fn)` instead of forward + backward. `Checkpoints` saves and loads the
 model, the optimizer and any JSON state (the data position) as sharded checkpoints that reshard to any
 other layout. meshlm's own trainer is built on exactly these calls (meshlm.train.trainer).
@@ -18,13 +19,11 @@ other layout. meshlm's own trainer is built on exactly these calls (meshlm.train
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from meshlm.checkpoint import (
     CheckpointIO,
@@ -36,15 +35,10 @@ from meshlm.checkpoint import (
     training_entries,
 )
 from meshlm.parallel.distributed import end_process_group, init_distributed, resolve_device
-from meshlm.parallel.engine import ParallelModel
-from meshlm.parallel.materialize import is_meta_model
+from meshlm.parallel.engine import ParallelModel, parallelize
 from meshlm.parallel.mesh import Mesh, build_mesh, parse_layout
-from meshlm.parallel.options import LoRAOptions, Loss, ParallelOptions
-from meshlm.parallel.parallel_plan import ParallelPlan
-from meshlm.parallel.transforms.fp8 import check_fp8_device
-from meshlm.parallel.transforms.lora import Adaptation
 
-__all__ = ["Checkpoints", "init_mesh", "parallelize", "shutdown"]
+__all__ = ["Checkpoints", "init_mesh", "parallelize", "shutdown"]  # parallelize: meshlm.parallel.engine's
 
 RESERVED = ("step", "optimizer_steps", "skipped_steps", "layout", "world_size")
 
@@ -68,70 +62,6 @@ def shutdown() -> None:
     if dist.is_initialized():
         finish_saves()
         end_process_group()
-
-
-def parallelize(
-    model: nn.Module,
-    mesh: Mesh,
-    options: ParallelOptions | dict[str, Any] | None = None,
-    *,
-    plan: ParallelPlan | None = None,
-    loss: Loss | None = None,
-    micro_batches: int = 1,
-    autocast_dtype: torch.dtype | None = None,
-    fp8: bool | Literal["emulate"] = False,
-    compile_backend: str | None = None,
-    lora: LoRAOptions | dict[str, Any] | None = None,
-    freeze: Sequence[str] = (),
-    lora_seed: int = 0,
-) -> ParallelModel:
-    """Apply the mesh's layout to `model` in place, as `plan` (default: the plan registered for the model's
-    class, else DP/ZeRO only) says: tensor parallel, then pipeline stages, then data parallel / ZeRO.
-
-    `options` are the `[parallel]` options of a run config (ZeRO stage, pipeline schedule, sequence
-    parallelism, context-parallel attention...): a ParallelOptions, or a dict of its fields
-    (`{"zero": 1}`), validated with one-line InputErrors naming the field; None is the defaults.
-    Every rank must build `model` with the same weights (same seed) before calling this, or build it on the
-    `meta` device (`with torch.device("meta"): model = MyModel()`): then each rank allocates and initialises
-    only its own shard, from the model's `init_rule` (meshlm's Llama: the weights of a one-process build,
-    bit for bit) or else each module's `reset_parameters()` (see meshlm.parallel.materialize). The plan is
-    checked first; a mismatch raises a one-line PlanError naming the module, with the model untouched.
-    `micro_batches` is how many micro-batches `forward_backward` cuts this replica's batch into (gradient
-    accumulation; under pp the pipeline's micro-batches). `loss` (a Loss; default: token cross-entropy)
-    is what `forward_backward` averages over the targets that are not `loss.ignore_index` in the whole global
-    batch; `Loss(gather_logits=True)` gives a tp model full logits for a loss of one's own, `Loss(fused=True)`
-    computes the default loss with the vocabulary head, chunk by chunk. Under a `cp` mesh dimension
-    `forward_backward` takes full rows, the model itself `seq_shard` of them. `fp8=True` makes the blocks'
-    Linear layers multiply in fp8 (an FP8 GPU; "emulate" runs the same quantisation anywhere) and
-    `compile_backend` ("inductor", "aot_eager") torch.compiles each block, both after the parallel transforms,
-    as `train.fp8` and `train.compile` do. `freeze` (parameter-name patterns) and `lora` (a LoRAOptions, or a
-    dict of its fields: `{"rank": 8}`, the adapters' A drawn from `lora_seed`) freeze and adapt the model first,
-    as `train.freeze` and `[lora]` do (docs/lora.md)."""
-    parallel = ParallelOptions.of(options)
-    if isinstance(lora, dict):
-        lora = LoRAOptions(**lora)
-    adaptation = Adaptation(tuple(freeze), lora or LoRAOptions(), lora_seed)
-    loss = loss or Loss()
-    device = torch.device(mesh.device_mesh.device_type)
-    if fp8 is True:
-        check_fp8_device(torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device)
-    if device.type == "cuda" and not is_meta_model(model):
-        model.to(torch.device("cuda", torch.cuda.current_device()))
-    return ParallelModel(
-        model,
-        mesh,
-        parallel,
-        micro_batches,
-        autocast_dtype,
-        plan,
-        loss.fn,
-        loss.gather_logits,
-        loss.ignore_index,
-        loss.fused,
-        fp8,
-        compile_backend,
-        adaptation,
-    )
 
 
 class Checkpoints:

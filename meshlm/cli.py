@@ -156,8 +156,8 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
     from meshlm.data import prepare_data
     from meshlm.model.pretrained import init_tokenizer
-    from meshlm.parallel.distributed import autocast_dtype, init_distributed, resolve_device
-    from meshlm.parallel.engine import ParallelModel
+    from meshlm.parallel.distributed import init_distributed, resolve_autocast, resolve_device
+    from meshlm.parallel.engine import parallelize
     from meshlm.parallel.mesh import build_mesh, parse_layout
     from meshlm.train.evaluation import evaluate
 
@@ -169,9 +169,8 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     created_group = init_distributed(device, cfg.parallel.timeout_s)
     try:
         mesh = build_mesh(parse_layout(cfg.parallel.layout, 1), device.type)
-        parallel = ParallelModel(
-            model.to(device), mesh, cfg.parallel.options(), 1, autocast_dtype(cfg.train.dtype, device)
-        )
+        options = {**cfg.parallel.options().model_dump(), "autocast_dtype": resolve_autocast(cfg.train.dtype, device)}
+        parallel = parallelize(model.to(device), mesh, options)
         loss = evaluate(parallel, data, cfg, dp_rank=0, dp=1)
     finally:
         if created_group:

@@ -6,6 +6,7 @@ with a one-line message that names the field (`ConfigError`), before any work st
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import sys
@@ -16,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     create_model,
@@ -25,7 +27,15 @@ from pydantic import (
 
 from meshlm.errors import ConfigError
 from meshlm.model.config import FAMILY_FIELDS, PRESETS, ModelConfig
-from meshlm.parallel.options import LoRAOptions, ParallelOptions, refuse_bool
+from meshlm.parallel.options import (
+    PARALLEL_SECTION,
+    TRAIN_SECTION,
+    LoRAOptions,
+    ParallelOptions,
+    loss_field,
+    option_fields,
+    refuse_bool,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -71,14 +81,20 @@ class _PresetSection(Section):
             raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
         return name
 
+    _init_from_model: tuple[str, ModelConfig] | None = PrivateAttr(None)  # init_from and the model it defines
+
     def build(self) -> ModelConfig:
+        """The model: the preset with the fields set here, or the model `init_from` defines (read once per
+        section and kept: every step of a start asks for it), which the fields set here must equal."""
         overrides = {k: v for k, v in self.model_dump().items() if k not in ("preset", "init_from") and v is not None}
         if self.init_from is None:
             return PRESETS[self.preset].replace(**overrides)
-        try:
-            cfg = init_from_config(self.init_from)
-        except ValueError as e:
-            raise ValueError(f"model.init_from: {e}") from None
+        if self._init_from_model is None or self._init_from_model[0] != self.init_from:
+            try:
+                self._init_from_model = (self.init_from, init_from_config(self.init_from))
+            except ValueError as e:
+                raise ValueError(f"model.init_from: {e}") from None
+        cfg = self._init_from_model[1]
         for name, value in overrides.items():
             if getattr(cfg, name) != value:
                 raise ValueError(
@@ -127,7 +143,10 @@ class DataSection(Section):
     )
 
 
-class TrainSection(Section):
+class _TrainFields(Section):
+    """The [train] fields that are the trainer's own; TrainSection adds the engine's (declared in
+    meshlm.parallel.options) where they belong in the section."""
+
     steps: int = Field(200, gt=0, description="optimizer steps")
     global_batch: int = Field(16, gt=0, description="sequences per optimizer step, over all replicas")
     micro_batch: int = Field(0, ge=0, description="sequences per forward/backward per replica; 0 = no accumulation")
@@ -152,20 +171,8 @@ class TrainSection(Section):
         description="the first N blocks of each pipeline chunk are fully recomputed and the rest follow "
         "`recompute` (Megatron's --recompute-num-layers); 0: every block follows `recompute`",
     )
-    fused_loss: bool = Field(
-        True, description="output projection + cross-entropy in token chunks, never materialising the logits"
-    )
-    ignore_index: int = Field(-100, description="target id that carries no loss (prompt and padding labels)")
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each transformer block (after parallelization); auto: on CUDA only"
-    )
-    fp8: bool = Field(
-        False,
-        description="FP8 matmuls (e4m3 forward, e5m2 gradients, tensorwise dynamic scales) in the blocks' Linear "
-        "layers; needs an FP8 GPU (Ada, Hopper or later)",
-    )
-    compile_backend: Literal["inductor", "aot_eager"] = Field(
-        "inductor", description="torch.compile backend: inductor generates kernels; aot_eager only traces (tests)"
     )
     sync_every: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
         "auto",
@@ -182,33 +189,66 @@ class TrainSection(Section):
     )
 
 
+def _with_engine_fields(own: type[BaseModel], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`own`'s fields in order, with the engine's fields of `after[name]` placed after its field `name`."""
+    fields: dict[str, Any] = {}
+    for name, info in own.model_fields.items():
+        fields[name] = (info.annotation, copy.copy(info))
+        fields.update(after.get(name, {}))
+    return fields
+
+
+TrainSection = create_model(
+    "TrainSection",
+    __base__=Section,
+    __doc__="The step loop: the batch, the optimizer, the dtype, and the engine's step options (the loss's "
+    "ignore_index and fusing, FP8, the compile backend: meshlm.parallel.options declares them).",
+    **_with_engine_fields(
+        _TrainFields,
+        {
+            "recompute_layers": {
+                "fused_loss": loss_field("fused", default=True),
+                "ignore_index": loss_field("ignore_index"),
+            },
+            "compile": option_fields(TRAIN_SECTION),
+        },
+    ),
+)
+
+
 class LoraSection(LoRAOptions, Section):
     """LoRA's options (meshlm.parallel.options, declared there once)."""
 
     model_config = ConfigDict(frozen=False)
-    __init__ = BaseModel.__init__  # pydantic's own, as ParallelSection's
-
-
-class ParallelSection(ParallelOptions, Section):
-    """The engine's options (meshlm.parallel.options, declared there once), plus the layout, which builds the
-    mesh, and the timeout, which sets up the process group."""
-
-    model_config = ConfigDict(frozen=False)
-    # pydantic's own: errors are ValidationErrors that Config names by section (ParallelOptions' one-line
+    # pydantic's own: errors are ValidationErrors that Config names by section (LoRAOptions' one-line
     # InputError is for the library, where the options are built alone; pydantic would nest it here).
     __init__ = BaseModel.__init__
 
-    layout: str = Field(
-        "",
-        description=(
-            "e.g. 'dp=4', 'pp=2,dp=2,tp=2' or 'dp=2,ep=2'; empty = all ranks data parallel; 'auto' = planner's pick"
-        ),
-    )
-    timeout_s: float = Field(300.0, gt=0, le=7 * 24 * 3600, description="collective timeout before a rank gives up")
 
+class _ParallelSectionBase(Section):
     def options(self) -> ParallelOptions:
-        """The engine's options alone (without the layout and the timeout)."""
-        return ParallelOptions(**self.model_dump(include=set(ParallelOptions.model_fields)))
+        """The engine's options this section sets (without the layout and the timeout; the rest at their
+        defaults: the trainer sets the step's from [train], meshlm.train.startup.engine_options)."""
+        return ParallelOptions(**self.model_dump(include=set(PARALLEL_SECTION)))
+
+
+ParallelSection = create_model(
+    "ParallelSection",
+    __base__=_ParallelSectionBase,
+    __doc__="The engine's [parallel] options (meshlm.parallel.options, declared there once), plus the layout, "
+    "which builds the mesh, and the timeout, which sets up the process group.",
+    **option_fields(PARALLEL_SECTION),
+    layout=(
+        str,
+        Field(
+            "",
+            description=(
+                "e.g. 'dp=4', 'pp=2,dp=2,tp=2' or 'dp=2,ep=2'; empty = all ranks data parallel; 'auto' = planner's pick"
+            ),
+        ),
+    ),
+    timeout_s=(float, Field(300.0, gt=0, le=7 * 24 * 3600, description="collective timeout before a rank gives up")),
+)
 
 
 class CheckpointSection(Section):

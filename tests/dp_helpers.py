@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from meshlm.config import ParallelSection, TrainSection
+from meshlm.config import TrainSection
 from meshlm.model import ModelConfig, Transformer
 from meshlm.parallel.dp import data_parallel
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import ParallelModel, parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.train.optim import build_optimizer
 
@@ -41,6 +41,6 @@ def build(
     mesh = build_mesh(parse_layout("", dist.get_world_size()), "cpu")
     torch.manual_seed(0)
     with dp_options(**options):
-        pm = ParallelModel(Transformer(model_cfg), mesh, ParallelSection(zero=zero, bucket_mb=bucket_mb), n_micro)
+        pm = parallelize(Transformer(model_cfg), mesh, {"zero": zero, "bucket_mb": bucket_mb, "micro_batches": n_micro})
     train = TrainSection(steps=10, global_batch=8, lr=3e-3, eps=1e-6, warmup_steps=2)
     return pm, build_optimizer(pm, train), train

@@ -55,11 +55,10 @@ from meshlm.checkpoint import (
 from meshlm.config import ParallelSection, TrainSection, load_config, parse_overrides
 from meshlm.model import ModelConfig, Transformer, preset
 from meshlm.parallel.contract import LayoutSpec
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
-from meshlm.parallel.options import LoRAOptions
+from meshlm.parallel.options import LoRAOptions, Loss
 from meshlm.parallel.strategies import check_layout
-from meshlm.parallel.transforms.lora import Adaptation
 from meshlm.testing import global_batch, mask_prompts, rank_threads
 from meshlm.train.optim import build_optimizer, lr_at, train_step
 from meshlm.train.trainer import train
@@ -130,8 +129,9 @@ def train_layout(
     torch.manual_seed(seed)
     model = Transformer(model_cfg)
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    adaptation = Adaptation(lora=LoRAOptions(rank=lora_rank, alpha=8.0), seed=seed + 1)
-    pm = ParallelModel(model, mesh, par, n_micro, fused_loss=fused_loss, adaptation=adaptation)
+    options = {**par.options().model_dump(), "micro_batches": n_micro}
+    lora = LoRAOptions(rank=lora_rank, alpha=8.0)
+    pm = parallelize(model, mesh, options, loss=Loss(fused=fused_loss), lora=lora, lora_seed=seed + 1)
     tagged = [(name, key) for name, p in pm.named_parameters() for key in vars(p) if "meshlm" in key]
     assert not tagged, tagged  # placement lives in pm.placements (meshlm.parallel.placement), not on tensors
     if optimizer == "sgd":

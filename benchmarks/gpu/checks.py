@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.config import ParallelSection, TrainSection
+from meshlm.config import TrainSection
 from meshlm.model import ModelConfig, Transformer
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import ParallelModel, parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
 
 MODEL = ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=256, max_seq_len=64)
@@ -77,12 +77,11 @@ def check_fp8(device: torch.device) -> dict:
     return {"ok": ok, **figures}
 
 
-def build(device: torch.device, parallel: ParallelSection) -> ParallelModel:
+def build(device: torch.device, parallel: dict) -> ParallelModel:
     mesh = build_mesh(parse_layout("", 1), device.type)
     with torch.device("meta"):
         model = Transformer(MODEL, init_seed=0)
-    autocast = torch.bfloat16 if device.type == "cuda" else None
-    return ParallelModel(model, mesh, parallel, n_micro=1, autocast_dtype=autocast)
+    return parallelize(model, mesh, {**parallel, "autocast_dtype": "bf16" if device.type == "cuda" else None})
 
 
 def batches(device: torch.device, n: int) -> list[torch.Tensor]:
@@ -98,7 +97,7 @@ def check_device_guard(device: torch.device) -> dict:
     data = batches(device, 8)
     runs = {}
     for mode in ("synced", "device"):
-        pm = build(device, ParallelSection())
+        pm = build(device, {})
         opt = build_optimizer(pm, train, fused=True)
         host, guard = StepGuard("skip", 0.0), DeviceStepGuard(0.0, device)
         losses, verdicts, snapshot, step = [], [], None, [0]
@@ -153,7 +152,7 @@ def check_bf16_gathers(device: torch.device) -> dict:
     data = batches(device, 6)
     losses, figures = {}, {}
     for zero in (0, 3):
-        pm = build(device, ParallelSection(zero=zero))
+        pm = build(device, {"zero": zero})
         opt = build_optimizer(pm, train, fused=device.type == "cuda")
         losses[zero] = [train_step(pm, opt, t[:, :-1], t[:, 1:], 1e-3, 1.0)[0] for t in data]
         if zero == 3:

@@ -78,9 +78,9 @@ def rows_for(batch: int, seq_len: int) -> dict[str, Row]:
 def meshlm_system(cfg, row: Row, device: torch.device, backend: str, emulate_fp8: bool = False) -> Step:
     """meshlm's hot path as the trainer runs it on CUDA: meta build materialised on the device, fused AdamW,
     optional FP8 swap and per-block compile, `device_train_step` (no host sync)."""
-    from meshlm.config import ParallelSection, TrainSection
+    from meshlm.config import TrainSection
     from meshlm.model import Transformer
-    from meshlm.parallel.engine import ParallelModel
+    from meshlm.parallel.engine import parallelize
     from meshlm.parallel.mesh import build_mesh, parse_layout
     from meshlm.train.optim import build_optimizer, device_train_step
 
@@ -88,12 +88,10 @@ def meshlm_system(cfg, row: Row, device: torch.device, backend: str, emulate_fp8
     mesh = build_mesh(parse_layout("", 1), device.type)
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=0)
-    autocast = torch.bfloat16 if device.type == "cuda" else None
+    autocast = "bf16" if device.type == "cuda" else None
     fp8 = ("emulate" if emulate_fp8 else True) if row.fp8 else False
-    pm = ParallelModel(
-        model, mesh, ParallelSection(), n_micro=1, autocast_dtype=autocast, fp8=fp8,
-        compile_backend=backend if row.compiled else None,
-    )  # fmt: skip
+    options = {"autocast_dtype": autocast, "fp8": fp8, "compile": row.compiled, "compile_backend": backend}
+    pm = parallelize(model, mesh, options)
     opt = build_optimizer(pm, train, fused=device.type == "cuda")
     return lambda x, y: device_train_step(pm, opt, x, y, train.lr, train.grad_clip)[0]
 

@@ -435,12 +435,15 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
         raise ValueError(f"{directory}: {e}") from None
 
 
-def check_hf_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict[Path, list[str]]]:
-    """An HF checkpoint directory's meshlm config, and each safetensors file with the tensors it holds, after
-    checking every name and shape against the config from the headers alone (no tensor data is read)."""
+def check_hf_checkpoint(
+    directory: str | Path, cfg: ModelConfig | None = None
+) -> tuple[ModelConfig, dict[Path, list[str]]]:
+    """An HF checkpoint directory's meshlm config (`cfg` if the caller has read it: `read_hf_config`), and each
+    safetensors file with the tensors it holds, after checking every name and shape against the config from the
+    headers alone (no tensor data is read)."""
     directory = Path(directory)
     config_path = directory / CONFIG_NAME
-    cfg = read_hf_config(directory)
+    cfg = cfg or read_hf_config(directory)
     files, listing = _tensor_files(directory)
     stored_layers = {int(m[1]) for name in files if (m := re.match(r"model\.layers\.(\d+)\.", name))}
     if len(stored_layers) != cfg.n_layers:  # checked first: a huge claimed depth would take long to build

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from meshlm.files import atomic_copy
+from meshlm.model.config import ModelConfig
 from meshlm.model.hf import CONFIG_NAME, check_hf_checkpoint, hf_tensor_names, tied_names
 from meshlm.model.init import TensorSlice, slice_offsets
 
@@ -40,9 +41,10 @@ class HFWeights:
     """Where each meshlm parameter of an HF checkpoint directory lies (file and tensor name), checked against
     the config from the headers when opened; `fill` reads only the requested region."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, cfg: ModelConfig | None = None) -> None:
+        """`cfg`: the model the directory's config.json defines, if the caller has read it already."""
         self.directory = Path(directory)
-        self.cfg, by_file = check_hf_checkpoint(self.directory)
+        self.cfg, by_file = check_hf_checkpoint(self.directory, cfg)
         self.files = {name: path for path, names in by_file.items() for name in names}
         self.aliases = tied_names(self.cfg)  # HF stores a tied head once, as the embedding
         self._open: dict[Path, Any] = {}

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.mesh import Layout, LayoutError
-from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.options import Loss, ParallelOptions
 
 if TYPE_CHECKING:
     import torch
@@ -115,19 +115,12 @@ class Build:
 
     model: nn.Module
     mesh: Mesh
-    options: ParallelOptions
+    options: ParallelOptions  # the strategies' and transforms' options, the micro-batches and the autocast dtype
     plan: ParallelPlan
-    n_micro: int
     step: StepContext  # the pipeline schedule's callbacks into the step
     meta_init: MetaInit | None  # given by the engine after the model transforms (Adapt), before the rest
     device_type: str
-    autocast_dtype: torch.dtype | None
-    loss_fn: LossFn | None = None  # the user's, if any
-    gather_logits: bool = False
-    fused_loss: bool = False
-    ignore_index: int = -100
-    fp8: bool | str = False  # True, or "emulate" (the same quantisation through an fp32 matmul: CPU tests)
-    compile_backend: str | None = None  # torch.compile each block with this backend; None: eager
+    loss: Loss = field(default_factory=Loss)  # the user's function if any, ignore_index, gather_logits, fused
     adaptation: Adaptation | None = None  # train.freeze and LoRA (meshlm.parallel.transforms.lora); None: neither
     placements: Placements = field(default_factory=_placements)  # where each parameter lives (readers' table)
     chunks: tuple[nn.Module, ...] = ()  # this rank's modules as the strategies applied before this one left them

@@ -9,6 +9,7 @@ import datetime
 import gc
 import os
 import warnings
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -60,10 +61,14 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast on GPU by default; fp32 (no autocast) on CPU unless asked."""
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # ParallelOptions.autocast_dtype's values
+
+
+def resolve_autocast(choice: str, device: torch.device) -> Literal["bf16"] | None:
+    """train.dtype as the engine's `autocast_dtype` option: bf16 autocast on GPU by default; fp32 (no autocast)
+    on CPU unless asked."""
     if choice == "bf16" or (choice == "auto" and device.type == "cuda"):
-        return torch.bfloat16
+        return "bf16"
     return None
 
 

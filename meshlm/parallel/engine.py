@@ -23,25 +23,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.model.llama import IGNORE_INDEX, token_cross_entropy
+from meshlm.model.llama import token_cross_entropy
 from meshlm.model.moe import set_aux_loss_scale
 from meshlm.parallel.contract import Applied, Build, LayoutSpec, LossFn, StepContext
+from meshlm.parallel.distributed import AUTOCAST_DTYPES
 from meshlm.parallel.dp.gradients import ShardedTensor
 from meshlm.parallel.materialize import MetaInit, is_meta_model
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.meta import MetaFailure, meta_forward, meta_tokens
-from meshlm.parallel.options import ParallelOptions
+from meshlm.parallel.options import LoRAOptions, Loss, ParallelOptions
 from meshlm.parallel.parallel_plan import ParallelPlan, PlanError
 from meshlm.parallel.placement import Placements
 from meshlm.parallel.plan_registry import plan_for
 from meshlm.parallel.strategies import apply_strategies, check_layout
 from meshlm.parallel.timers import comm
+from meshlm.parallel.transforms.fp8 import check_fp8_device
 from meshlm.parallel.transforms.fused_loss import HeadOutput, fused_cross_entropy_sum
 from meshlm.parallel.transforms.lora import Adaptation
 from meshlm.ties import tied_aliases
@@ -82,46 +85,39 @@ def check_loss_shape(model: nn.Module, loss_fn: LossFn) -> None:
 class ParallelModel:
     """This rank's model chunks plus the collectives that make them behave like the single-process model.
 
-    `plan` defaults to the registered plan of the model's class (meshlm.parallel.parallel_plan.plan_for).
+    Built by `parallelize` below, the one door for the library (`meshlm.parallelize`) and meshlm's trainer alike.
+    `options` are the engine's options (meshlm.parallel.options.ParallelOptions: the strategies', the step's
+    micro-batches and autocast dtype, FP8 and compile after the parallel transforms); `plan` defaults to the
+    registered plan of the model's class (meshlm.parallel.parallel_plan.plan_for); `adaptation` (train.freeze and LoRA,
+    meshlm.parallel.transforms.lora) is applied to the plain model before anything else.
 
-    The loss contract: `loss_fn(output, targets)` returns per-token losses shaped like `targets` (as
-    `F.cross_entropy(..., reduction="none")` does); meshlm zeroes those whose target is `ignore_index`, sums
-    them and divides by the number of kept tokens in the *global* batch (every replica and micro-batch), so
-    the loss and gradients equal one process's `sum(loss over kept tokens) / count(kept tokens)` under any
-    layout and accumulation. The default is token cross-entropy, vocabulary-parallel under tp (the logits
-    stay sharded). A loss of one's own under tp needs `gather_logits=True` (the model then returns full
-    logits, at the cost of gathering them). `fused_loss` computes meshlm's cross-entropy together with the
-    vocabulary head, chunk by chunk, never materialising the logits (meshlm.parallel.transforms.fused_loss; the head
-    returns them again in eval). `model` may be built on the `meta` device: each rank then
-    materialises only its shard (see the module docstring), on the mesh's device. `parallel` is a
-    ParallelOptions (the run config's ParallelSection is one) or a dict of its fields. `fp8` (True, or
-    "emulate" off FP8 GPUs) swaps the blocks' Linear layers to fp8 matmuls and `compile_backend` compiles each
-    block, both after the parallel transforms (meshlm.parallel.transforms.fp8,
-    meshlm.parallel.transforms.compile); `adaptation`
-    (train.freeze and LoRA, meshlm.parallel.transforms.lora) is applied to the plain model before anything else."""
+    The loss contract (`loss`, a meshlm.parallel.options.Loss): `loss.fn(output, targets)` returns per-token
+    losses shaped like `targets` (as `F.cross_entropy(..., reduction="none")` does); meshlm zeroes those whose
+    target is `loss.ignore_index`, sums them and divides by the number of kept tokens in the *global* batch
+    (every replica and micro-batch), so the loss and gradients equal one process's `sum(loss over kept tokens) /
+    count(kept tokens)` under any layout and accumulation. The default is token cross-entropy,
+    vocabulary-parallel under tp (the logits stay sharded). A loss of one's own under tp needs
+    `loss.gather_logits` (the model then returns full logits, at the cost of gathering them). `loss.fused`
+    computes meshlm's cross-entropy together with the vocabulary head, chunk by chunk, never materialising the
+    logits (meshlm.parallel.transforms.fused_loss; the head returns them again in eval). `model` may be built on
+    the `meta` device: each rank then materialises only its shard (see the module docstring), on the mesh's device."""
 
     def __init__(
         self,
         model: nn.Module,
         mesh: Mesh,
-        parallel: ParallelOptions,
-        n_micro: int,
-        autocast_dtype: torch.dtype | None = None,
+        options: ParallelOptions,
         plan: ParallelPlan | None = None,
-        loss_fn: LossFn | None = None,
-        gather_logits: bool = False,
-        ignore_index: int = IGNORE_INDEX,
-        fused_loss: bool = False,
-        fp8: bool | str = False,
-        compile_backend: str | None = None,
+        loss: Loss | None = None,
         adaptation: Adaptation | None = None,
     ) -> None:
-        parallel = ParallelOptions.of(parallel)
+        loss = loss or Loss()
         self.mesh = mesh
-        self.n_micro = n_micro
-        self.ignore_index = ignore_index
+        self.options, self.loss = options, loss
+        self.n_micro = n_micro = options.micro_batches
+        self.ignore_index = loss.ignore_index
         self._tokens_scale: torch.Tensor | None = None  # replicas / global kept tokens, set per step
-        self.autocast_dtype = autocast_dtype
+        self.autocast_dtype = AUTOCAST_DTYPES.get(options.autocast_dtype)
         self.plan = plan = plan or plan_for(model)
         self.placements = Placements()  # filled by the strategies (meshlm.parallel.placement)
         meta = is_meta_model(model)
@@ -129,33 +125,26 @@ class ParallelModel:
         build = Build(
             model,
             mesh,
-            parallel,
+            options,
             plan,
-            n_micro,
             step=StepContext(self._scaled_loss, self.autocast, self.set_grad_sync),
             meta_init=None,
             device_type=self.device_type,
-            autocast_dtype=autocast_dtype,
-            loss_fn=loss_fn,
-            gather_logits=gather_logits,
-            fused_loss=fused_loss,
-            ignore_index=ignore_index,
-            fp8=fp8,
-            compile_backend=compile_backend,
+            loss=loss,
             adaptation=adaptation or Adaptation(),
             placements=self.placements,
         )
         self.applied: list[Applied] = apply_strategies(build, model_transforms=True).applied  # freezing, LoRA first
         layout = mesh.layout
-        check_layout(LayoutSpec(None, layout, n_micro * layout.data_parallel, 1, options=parallel), model, plan)
-        if layout.tp > 1 and loss_fn is not None and not gather_logits:
+        check_layout(LayoutSpec(None, layout, n_micro * layout.data_parallel, 1, options=options), model, plan)
+        if layout.tp > 1 and loss.fn is not None and not loss.gather_logits:
             raise PlanError(
                 "loss_fn: under tp the model's logits are sharded over the vocabulary; a loss of one's own needs "
                 "gather_logits=True (meshlm.Loss(fn, gather_logits=True) for meshlm.parallelize, gather_logits=True "
                 "for meshlm.fit), or leave loss_fn unset for meshlm's vocabulary-parallel cross-entropy"
             )
-        if loss_fn is not None and not fused_loss:
-            check_loss_shape(model, loss_fn)
+        if loss.fn is not None and not loss.fused:
+            check_loss_shape(model, loss.fn)
         self.global_shapes = {name: p.shape for name, p in model.named_parameters()}
         self.trainable = {name for name, p in model.named_parameters() if p.requires_grad}  # global names
         self.tied_aliases = tied_aliases(model)  # a tied weight is named by its canonical name (meshlm.ties)
@@ -163,7 +152,7 @@ class ParallelModel:
         done = apply_strategies(dataclasses.replace(build, meta_init=meta_init))  # in composition order
         self.applied += done.applied  # their run-time hooks
         self.chunks, self.grads = done.chunks, done.grads  # what the strategies handed on
-        self.token_loss = done.token_loss or loss_fn or self._cross_entropy
+        self.token_loss = done.token_loss or loss.fn or self._cross_entropy
         self.replicas = mesh.size("replicas")  # ranks whose gradients are averaged: dp × ep × cp
         # for inspection (tests, benchmarks): the schedule and the data-parallel object, None when unused
         self.pipeline, self.dp = done.parts.get("pipeline"), done.parts.get("dp")
@@ -247,13 +236,24 @@ class ParallelModel:
         self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn | None = None
     ) -> torch.Tensor:
         """Run every micro-batch of this replica's batch (any layout, pipeline included); return the
-        global-batch mean loss on every rank. `loss_fn` replaces the model's loss for this call."""
+        global-batch mean loss on every rank. `loss_fn` replaces the model's per-token loss for this call
+        (under tp it needs `Loss(gather_logits=True)`; a head fused with meshlm's loss computes no other)."""
         if loss_fn is not None:
-            previous, self.loss_fn = self.loss_fn, loss_fn
+            if self.loss.fused and self.loss.fn is None and not self.loss.gather_logits:
+                raise PlanError(
+                    "forward_backward(loss_fn): the head computes meshlm's cross-entropy fused (Loss(fused=True)) "
+                    "and returns no logits; give the loss to parallelize instead (loss=meshlm.Loss(fn))"
+                )
+            if self.mesh.layout.tp > 1 and not self.loss.gather_logits:
+                raise PlanError(
+                    "forward_backward(loss_fn): under tp the model's logits are sharded over the vocabulary; a "
+                    "loss of one's own needs meshlm.Loss(gather_logits=True) given to parallelize"
+                )
+            previous, self.token_loss = self.token_loss, loss_fn
             try:
                 return self.forward_backward(inputs, targets)
             finally:
-                self.loss_fn = previous
+                self.token_loss = previous
         self._start_backward()
         self.train(True)
         self._check_batch(inputs)
@@ -457,3 +457,51 @@ class ParallelModel:
         for hooks in self.applied:  # each gathers what it split over its mesh dimension, in order
             state = hooks.gather_state(state, held)
         return state
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    options: ParallelOptions | dict[str, Any] | None = None,
+    *,
+    plan: ParallelPlan | None = None,
+    loss: Loss | None = None,
+    lora: LoRAOptions | dict[str, Any] | None = None,
+    freeze: Sequence[str] = (),
+    lora_seed: int = 0,
+) -> ParallelModel:
+    """Apply the mesh's layout to `model` in place, as `plan` (default: the plan registered for the model's
+    class, else DP/ZeRO only) says: tensor parallel, then pipeline stages, then data parallel / ZeRO. The one
+    door into ParallelModel: `meshlm.parallelize` is this function, and meshlm's trainer calls it too
+    (meshlm.train.startup.build_parallel_model), with the options its run config sets.
+
+    `options` are the engine's options (meshlm.parallel.options.ParallelOptions, or a dict of its fields,
+    `{"zero": 1, "micro_batches": 4}`, validated with one-line InputErrors naming the field; None is the
+    defaults): the run config's `[parallel]` options (ZeRO stage, pipeline schedule, sequence parallelism,
+    context-parallel attention...), `micro_batches` (how many micro-batches `forward_backward` cuts this
+    replica's batch into: gradient accumulation; under pp the pipeline's micro-batches), `autocast_dtype`
+    ("bf16", "fp16"; None: fp32), `fp8` (True: the blocks' Linear layers multiply in fp8 on an FP8 GPU;
+    "emulate" runs the same quantisation anywhere) and `compile` (torch.compile each block with
+    `compile_backend`), both after the parallel transforms, as `train.fp8` and `train.compile` do.
+    Every rank must build `model` with the same weights (same seed) before calling this, or build it on the
+    `meta` device (`with torch.device("meta"): model = MyModel()`): then each rank allocates and initialises
+    only its own shard, from the model's `init_rule` (meshlm's Llama: the weights of a one-process build,
+    bit for bit) or else each module's `reset_parameters()` (see meshlm.parallel.materialize). The plan is
+    checked first; a mismatch raises a one-line PlanError naming the module, with the model untouched.
+    `loss` (a Loss; default: token cross-entropy) is what `forward_backward` averages over the targets that
+    are not `loss.ignore_index` in the whole global batch; `Loss(gather_logits=True)` gives a tp model full
+    logits for a loss of one's own, `Loss(fused=True)` computes the default loss with the vocabulary head,
+    chunk by chunk. Under a `cp` mesh dimension `forward_backward` takes full rows, the model itself
+    `seq_shard` of them. `freeze` (parameter-name patterns) and `lora` (a LoRAOptions, or a dict of its fields:
+    `{"rank": 8}`, the adapters' A drawn from `lora_seed`) freeze and adapt the model first, as `train.freeze`
+    and `[lora]` do (docs/lora.md)."""
+    options = ParallelOptions.of(options)
+    if isinstance(lora, dict):
+        lora = LoRAOptions(**lora)
+    adaptation = Adaptation(tuple(freeze), lora or LoRAOptions(), lora_seed)
+    device = mesh_device(mesh)
+    if options.fp8 is True:
+        check_fp8_device(device)
+    if device.type == "cuda" and not is_meta_model(model):
+        model.to(device)
+    return ParallelModel(model, mesh, options, plan, loss, adaptation)

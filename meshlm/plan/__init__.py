@@ -8,7 +8,7 @@ Formulas, sources, the calibration schema and a comparison with published runs: 
 
 from meshlm.plan.cost import CostModel, run_cost
 from meshlm.plan.hardware import GPUS, Calibration, Hardware, Link, hardware
-from meshlm.plan.memory import Assumptions, Memory, Strategy, Workload, memory
+from meshlm.plan.memory import Assumptions, Candidate, Memory, Workload, memory
 from meshlm.plan.network import collective_time
 from meshlm.plan.search import (
     Constraints,
@@ -27,6 +27,7 @@ __all__ = [
     "GPUS",
     "Assumptions",
     "Calibration",
+    "Candidate",
     "Constraints",
     "CostModel",
     "Estimate",
@@ -40,7 +41,6 @@ __all__ = [
     "Rates",
     "SearchResult",
     "StepTime",
-    "Strategy",
     "Workload",
     "best",
     "bubble_fraction",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from meshlm.plan.cost import DEFAULT_COSTS
 from meshlm.plan.hardware import Hardware
-from meshlm.plan.memory import Strategy
+from meshlm.plan.memory import Candidate
 from meshlm.plan.search import Plan, PlannerError
 from meshlm.plan.spot import Estimate, Pool, Shapes, duration_text
 
@@ -114,7 +114,7 @@ def node_cpus(launch: Launch, cpus_per_gpu: int) -> int:
     return cpus_per_gpu * launch.nproc_per_node if launch.gpu else launch.nproc_per_node
 
 
-def _mesh_override(s: Strategy, elastic: bool) -> str:
+def _mesh_override(s: Candidate, elastic: bool) -> str:
     """The `parallel.layout` value: the full mesh, or without dp for an elastic job, whose dp is whatever
     the world it restarts with leaves."""
     if not elastic:

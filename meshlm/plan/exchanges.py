@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from meshlm.model.config import ModelConfig
 from meshlm.plan.hardware import Hardware
-from meshlm.plan.memory import Strategy
+from meshlm.plan.memory import Candidate
 from meshlm.plan.network import collective_time, crosses_nodes, group_time
 from meshlm.plan.pipeline_split import Runtime
 
 
-def cp_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int) -> float:
+def cp_layer_time(model: ModelConfig, tokens: float, s: Candidate, hw: Hardware, act: int) -> float:
     """Context-parallel communication of one layer for one micro-batch of `tokens` local tokens, as
     meshlm.parallel.cp.attention runs it (blocking, not overlapped). Ring: forward passes the K/V
     block cp − 1 hops; backward passes it cp − 1 hops again and its fp32 (or wider) gradient cp hops (the
@@ -34,7 +34,7 @@ def cp_layer_time(model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, 
 
 
 def ep_layer_time(
-    model: ModelConfig, tokens: float, s: Strategy, hw: Hardware, act: int, runtime: Runtime = "meshlm"
+    model: ModelConfig, tokens: float, s: Candidate, hw: Hardware, act: int, runtime: Runtime = "meshlm"
 ) -> float:
     """Expert-parallel communication of one MoE layer for one micro-batch of `tokens` local tokens, blocking,
     not overlapped: the rows-per-expert counts (E int64, once per forward), then the dispatch and the combine

@@ -54,30 +54,42 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Strategy:
-    """How to run a workload: the runtime's device mesh (pp outer, dp, ep, cp, tp inner) plus every per-rank
-    choice the planner makes beside it."""
+class Candidate:
+    """How to run a workload: the runtime's device mesh (pp outer, dp, ep, cp, tp inner), the engine's options it
+    sets (meshlm.parallel.options.ParallelOptions: the ZeRO stage, the pipeline schedule and virtual stages,
+    sequence parallelism, the context-parallel attention; the rest at their defaults), and the choices that are
+    the run config's [train] fields (the micro-batch, activation recomputation)."""
 
     mesh: Layout = field(default_factory=Layout)
-    zero: int = 0
+    options: ParallelOptions = field(default_factory=ParallelOptions)
     micro_batch: int = 1
-    schedule: ScheduleName = "1f1b"
-    virtual_stages: int = 1
     recompute: Recompute = "none"
-    sequence_parallel: bool = False
-    cp_attention: Literal["ring", "ulysses"] = "ring"  # under mesh.cp > 1 (meshlm.parallel.cp.attention)
     recompute_layers: int = 0  # the first N layers of each pipeline chunk fully recomputed, the rest `recompute`
 
+    # The options the planner reads, named as in the formulas (read-only: a candidate's options are its `options`).
     @property
-    def options(self) -> ParallelOptions:
-        """The runtime's parallel options this candidate sets (the rest at their defaults)."""
-        return ParallelOptions(
-            zero=self.zero,
-            schedule=self.schedule,
-            virtual_stages=self.virtual_stages,
-            sequence_parallel=self.sequence_parallel,
-            cp_attention=self.cp_attention,
-        )
+    def zero(self) -> int:
+        return self.options.zero
+
+    @property
+    def schedule(self) -> ScheduleName:
+        return self.options.schedule
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.options.virtual_stages
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.options.sequence_parallel
+
+    @property
+    def cp_attention(self) -> Literal["ring", "ulysses"]:
+        return self.options.cp_attention
+
+    def with_options(self, **changes: object) -> Candidate:
+        """This candidate with some of its options changed (validated as ParallelOptions are)."""
+        return dataclasses.replace(self, options=ParallelOptions(**{**self.options.model_dump(), **changes}))
 
     @property
     def pp(self) -> int:
@@ -308,7 +320,7 @@ def layer_activation_bytes(
     return tokens * per_token * act
 
 
-def logits_bytes(w: Workload, strategy: Strategy, fused: bool = False) -> float:
+def logits_bytes(w: Workload, strategy: Candidate, fused: bool = False) -> float:
     """The last stage's loss buffers: what one micro-batch keeps for backward (all m under GPipe) and what its
     loss holds while it runs. Unfused: logits in the activation dtype and their fp32 copy (bf16 only), the
     fp32 log-softmax kept. Fused (train.fused_loss, meshlm.parallel.transforms.fused_loss): no logits kept, but the
@@ -323,7 +335,7 @@ def logits_bytes(w: Workload, strategy: Strategy, fused: bool = False) -> float:
     return tokens * vocab * (act + (4 if act < 4 else 0) + 4 * saved)
 
 
-def loss_chunk_bytes(w: Workload, strategy: Strategy) -> float:
+def loss_chunk_bytes(w: Workload, strategy: Candidate) -> float:
     """What the fused loss holds only while it runs (not kept for backward): one chunk's fp32 logits and their
     gradient in the activation dtype."""
     tokens = w.seq_len / strategy.cp * strategy.micro_batch
@@ -352,7 +364,7 @@ class Memory:
         return {name: getattr(self, name) / GB for name in parts}
 
 
-def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS) -> Memory:
+def memory(w: Workload, strategy: Candidate, hw: Hardware, a: Assumptions = DEFAULTS) -> Memory:
     """Peak memory per device: the maximum over pipeline stages. An MoE model's stages hold their dense and
     expert parameters apart (`moe_stage_params`, `moe_state_bytes`) and a mixture of dense and MoE
     layer-activations (`moe_layer_activation_bytes`). The parts that many strategies share are computed once
@@ -401,20 +413,20 @@ def memory(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAU
     return Memory(*worst)
 
 
-def memory_key(s: Strategy) -> Strategy:
+def memory_key(s: Candidate) -> Candidate:
     """`s` as far as `memory` can tell: strategies with the same key have the same memory. Its only field that
     no memory term reads is cp_attention (ring and Ulysses attention store the same bytes per token,
     `layer_activation_bytes`)."""
-    return s if s.cp_attention == "ring" else dataclasses.replace(s, cp_attention="ring")
+    return s if s.cp_attention == "ring" else s.with_options(cp_attention="ring")
 
 
-def zero3_buffer(w: Workload, s: Strategy) -> float:
+def zero3_buffer(w: Workload, s: Candidate) -> float:
     """ZeRO-3's gathered weights: the current and the prefetched layer (the larger of a dense and an MoE one)."""
     model = w.model
     return 2 * max(layer_params(model, s.tp), sum(moe_layer_params(model, s.tp, s.ep))) * BYTES[w.precision][0]
 
 
-def memory_floor(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS) -> float:
+def memory_floor(w: Workload, strategy: Candidate, hw: Hardware, a: Assumptions = DEFAULTS) -> float:
     """A lower bound of `memory(...).total` for `strategy` with any `recompute_layers`: the fullest stage without
     its activations and without the buffer of a recomputed layer. Every term left out is ≥ 0 and a rounded
     sum never falls when a term grows, so no `recompute_layers` brings a strategy below its floor."""
@@ -446,7 +458,7 @@ def stage_states(
     """Per representative pipeline stage (`representative_stages`): (stage, its layers, of them MoE, its chunks'
     layers, (weights, gradients, optimizer) bytes). What `memory` needs that no per-micro-batch choice
     changes."""
-    s = Strategy(mesh, zero, virtual_stages=virtual_stages)
+    s = Candidate(mesh, ParallelOptions(zero=zero, virtual_stages=virtual_stages))
     chunks = rank_chunks(model, s.pp, virtual_stages, runtime)
     moe = rank_moe_layers(model, s.pp, virtual_stages, runtime)
     out = []
@@ -533,7 +545,7 @@ def moe_stage_params(
 
 
 def moe_state_bytes(
-    dense: float, experts: float, s: Strategy, precision: Precision, runtime: Runtime = "meshlm"
+    dense: float, experts: float, s: Candidate, precision: Precision, runtime: Runtime = "meshlm"
 ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of a rank holding `dense` and `experts` parameters: data
     parallel reduces (and ZeRO shards) the dense ones over all data replicas dp × ep × cp and the expert shards

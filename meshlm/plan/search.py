@@ -19,6 +19,7 @@ from meshlm.model.flops import param_counts
 from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.ep.strategy import check_expert_parallel
 from meshlm.parallel.mesh import Layout, LayoutError
+from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.strategies import check_layout
 from meshlm.plan.cost import DEFAULT_COSTS, CostModel, nodes_of, rates, run_cost
 from meshlm.plan.hardware import GB, Hardware, hardware
@@ -26,9 +27,9 @@ from meshlm.plan.memory import (
     BYTES,
     DEFAULTS,
     Assumptions,
+    Candidate,
     Memory,
     Recompute,
-    Strategy,
     Workload,
     memory,
     memory_floor,
@@ -83,7 +84,7 @@ class Plan:
     """One strategy with its predicted memory, speed and cost. `on_demand` prices every evaluated plan;
     `offerings` (spot, mixed, spares, elastic shrink) only those a search returns first (`price`)."""
 
-    strategy: Strategy
+    strategy: Candidate
     micro_batches: int
     memory: Memory
     step: StepTime | None  # None only in memory-only searches
@@ -155,15 +156,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _loosest(mesh: Layout, micro_batch: int | None) -> Strategy:
+def _loosest(mesh: Layout, micro_batch: int | None) -> Candidate:
     """`mesh` with the choices that pass the most runtime checks: no sequence parallelism, ring attention,
     gpipe without virtual stages, the fixed micro-batch or else the whole replica batch as one (0). A mesh
     this fails fails with every choice, so it is rejected once."""
-    return Strategy(mesh, micro_batch=micro_batch or 0, schedule="gpipe")
+    return Candidate(mesh, ParallelOptions(schedule="gpipe"), micro_batch=micro_batch or 0)
 
 
 def layout_problem(
-    w: Workload, s: Strategy, chunks: int, uneven: bool = True, runtime: Runtime = "meshlm"
+    w: Workload, s: Candidate, chunks: int, uneven: bool = True, runtime: Runtime = "meshlm"
 ) -> tuple[str, str] | None:
     """Why the runtime would refuse strategy `s` for this workload, as (reason, detail), or None. These are
     the trainer's own checks (every strategy's check_layout, meshlm.parallel.strategies; `chunks`, the most
@@ -190,8 +191,8 @@ def layout_problem(
 
 def enumerate_strategies(
     w: Workload, gpus: int, gpus_per_node: int, c: Constraints, a: Assumptions = DEFAULTS
-) -> Iterator[Strategy | Rejection]:
-    """Every combination the constraints allow, each either a Strategy the runtime accepts or a Rejection
+) -> Iterator[Candidate | Rejection]:
+    """Every combination the constraints allow, each either a Candidate the runtime accepts or a Rejection
     saying why it would not (`layout_problem`). tp stays within a node. Selective recompute is skipped with
     flash attention, where it recomputes nothing; a fixed `recompute_layers` > 0 skips full recompute. ep is
     searched for MoE models only (every divisor of the device count; the checks keep those that divide
@@ -233,15 +234,19 @@ def enumerate_strategies(
         )
         checked: dict[tuple, tuple[str, str] | None] = {}  # the runtime's checks do not read the recompute policy
         for b, (schedule, v), zero, recompute, sp, attention in choices:
-            lay = Strategy(mesh, zero, b, schedule, v, recompute, sp, attention, c.recompute_layers or 0)
-            options = (b, schedule, v, zero, sp, attention)
-            if options not in checked:
-                checked[options] = layout_problem(w, lay, chunks, c.uneven_layers, a.runtime)
-            problem = checked[options]
+            chosen = ParallelOptions(
+                zero=zero, schedule=schedule, virtual_stages=v, sequence_parallel=sp, cp_attention=attention
+            )
+            lay = Candidate(mesh, chosen, b, recompute, c.recompute_layers or 0)
+            if (b, chosen) not in checked:
+                checked[b, chosen] = layout_problem(w, lay, chunks, c.uneven_layers, a.runtime)
+            problem = checked[b, chosen]
             yield Rejection(str(lay), *problem) if problem else lay
 
 
-def fill_memory(w: Workload, s: Strategy, hw: Hardware, a: Assumptions, limit: float) -> tuple[Strategy, Memory] | None:
+def fill_memory(
+    w: Workload, s: Candidate, hw: Hardware, a: Assumptions, limit: float
+) -> tuple[Candidate, Memory] | None:
     """`s` with the fewest fully recomputed layers per pipeline chunk (`train.recompute_layers`, Megatron's
     `--recompute-num-layers`) that bring it within `limit` bytes, and its memory; None if even all but one
     layer of each chunk do not (all of them is `recompute = full`, searched on its own). Memory falls and
@@ -266,7 +271,7 @@ def fill_memory(w: Workload, s: Strategy, hw: Hardware, a: Assumptions, limit: f
 
 
 def _sized(
-    w: Workload, s: Strategy, hw: Hardware, a: Assumptions, limit: float, c: Constraints
+    w: Workload, s: Candidate, hw: Hardware, a: Assumptions, limit: float, c: Constraints
 ) -> tuple[Memory, Memory, int]:
     """(memory of `s`, memory of what the search keeps, its recompute_layers): `s` itself, or where it does not
     fit and the constraints leave recompute_layers free, `s` with the fewest that fit (`fill_memory`)."""
@@ -309,7 +314,7 @@ def predicted_checkpoint_bytes(w: Workload) -> float:
 
 def plan_strategy(
     w: Workload,
-    strategy: Strategy,
+    strategy: Candidate,
     hw: Hardware,
     a: Assumptions = DEFAULTS,
     costs: CostModel = DEFAULT_COSTS,
@@ -341,7 +346,7 @@ def capacity(hw: Hardware, gpus: int, c: Constraints) -> float:
 
 
 def elastic_shrink(
-    w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS, c: Constraints = Constraints()
+    w: Workload, strategy: Candidate, hw: Hardware, a: Assumptions = DEFAULTS, c: Constraints = Constraints()
 ) -> tuple[Callable[[int], float], int | None]:
     """What an elastic job keeps after losing nodes: (throughput on n nodes relative to the full strategy, the
     fewest nodes of the range it can run on). On n nodes torchrun starts n × gpus_per_node ranks and
@@ -429,10 +434,10 @@ def search(
             "already recomputes all of them: use none, selective or mlp"
         )
     result = SearchResult()
-    fits: dict[Strategy, bool] = {}  # whether each strategy as enumerated fits
+    fits: dict[Candidate, bool] = {}  # whether each strategy as enumerated fits
     for n in [gpus] if isinstance(gpus, int) else gpus:
         limit = capacity(hw, n, constraints)
-        sized: dict[Strategy, tuple[Memory, Memory, int]] = {}  # `_sized` by `memory_key`
+        sized: dict[Candidate, tuple[Memory, Memory, int]] = {}  # `_sized` by `memory_key`
         for item in enumerate_strategies(w, n, hw.gpus_per_node, constraints, a):
             if isinstance(item, Rejection):
                 result.rejected.append(item)
@@ -485,7 +490,7 @@ def fits_somehow(w: Workload, gpus: int, hw: Hardware, c: Constraints, a: Assump
     limit = capacity(hw, gpus, c)
     ring = c if c.cp_attention else dataclasses.replace(c, cp_attention="ring")
     strategies = enumerate_strategies(w, gpus, hw.gpus_per_node, ring, a)
-    return any(memory(w, s, hw, a).total <= limit for s in strategies if isinstance(s, Strategy))
+    return any(memory(w, s, hw, a).total <= limit for s in strategies if isinstance(s, Candidate))
 
 
 def no_fit_message(
@@ -516,7 +521,7 @@ def no_fit_message(
     return f"{msg}; nothing fits on up to {MAX_GPUS} GPUs" if oom else msg
 
 
-def plan_for_config(cfg: Config, world_size: int, calibration: dict | None = None) -> Strategy:
+def plan_for_config(cfg: Config, world_size: int, calibration: dict | None = None) -> Candidate:
     """The fastest strategy for a meshlm run config on `world_size` ranks, for `--parallel.layout auto`.
 
     The device comes from the calibration (its `device`), else cpu, or the local GPU's table entry.

@@ -16,13 +16,14 @@ from typing import NamedTuple
 from meshlm.model.config import ModelConfig
 from meshlm.model.flops import flops_per_token, matmul_params
 from meshlm.parallel.mesh import Layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.plan.exchanges import cp_layer_time, ep_layer_time
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.memory import (
     BYTES,
     DEFAULTS,
     Assumptions,
-    Strategy,
+    Candidate,
     Workload,
     layer_lora_params,
     model_state_bytes,
@@ -220,7 +221,7 @@ def micro_batch_time(work_s: float, layers: int, hw: Hardware, busy: float) -> f
 
 def _dp_exposed(
     w: Workload,
-    s: Strategy,
+    s: Candidate,
     hw: Hardware,
     a: Assumptions,
     psi: float,
@@ -303,7 +304,7 @@ def dp_collectives(
     return after, overlapped, tail
 
 
-def cp_attention_factor(s: Strategy) -> float:
+def cp_attention_factor(s: Candidate) -> float:
     """Attention FLOPs the context-parallel core computes over the causal ones. The ring computes each
     rank's own block whole under its mask (4c² for chunks of c) and the visible half of every other block
     (2c² each): 2c²(cp + 1) against the 2c²·cp a causal kernel does. Ulysses runs causal SDPA: 1."""
@@ -320,7 +321,7 @@ def lora_flops_per_token(model: ModelConfig, seq_len: int, lora_rank: int = 0) -
     return full - 2.0 * matmul_params(model) + 6.0 * model.n_layers * layer_lora_params(model, 1, lora_rank)
 
 
-def step_time(w: Workload, strategy: Strategy, hw: Hardware, a: Assumptions = DEFAULTS) -> StepTime:
+def step_time(w: Workload, strategy: Candidate, hw: Hardware, a: Assumptions = DEFAULTS) -> StepTime:
     """Predicted step time. The pipeline runs at its slowest stage: m slots of (compute + TP + p2p) plus
     the bubble; data-parallel tails and the optimizer step follow (the worst stage's). On a shared node every
     rank computes during the m slots and on average half of them during fill and drain; the step is then the
@@ -388,7 +389,7 @@ class Slots(NamedTuple):
     recomputed: float  # FLOPs per token spent recomputing, over the model (hardware, not model, FLOPs)
 
 
-def _layer_works(w: Workload, s: Strategy, a: Assumptions) -> tuple[list[LayerWork], float]:
+def _layer_works(w: Workload, s: Candidate, a: Assumptions) -> tuple[list[LayerWork], float]:
     """Per-token work of a layer under the strategy's recompute policy and, with recompute_layers, of a fully
     recomputed one (else the policy's again, last), and the head's FLOPs on one tensor-parallel rank."""
     model, act = w.model, BYTES[w.precision][3]
@@ -406,7 +407,7 @@ def _layer_works(w: Workload, s: Strategy, a: Assumptions) -> tuple[list[LayerWo
     return works, head_f
 
 
-def _tp_times(w: Workload, s: Strategy, hw: Hardware, a: Assumptions) -> tuple[float, float, float, float]:
+def _tp_times(w: Workload, s: Candidate, hw: Hardware, a: Assumptions) -> tuple[float, float, float, float]:
     """Exposed tensor-parallel seconds per micro-batch: of a layer under the policy, of a fully recomputed
     layer, of the stage edge (the vocab-parallel embedding's output on the first stage, the head input's
     gradient on the last), and of the vocab-parallel loss's all-reduces (fp32 row max, then sum-exp stacked
@@ -425,7 +426,7 @@ def _tp_times(w: Workload, s: Strategy, hw: Hardware, a: Assumptions) -> tuple[f
     return tp_layer, tp_full_layer, tp_edge, tp_loss
 
 
-def _p2p_time(w: Workload, s: Strategy, hw: Hardware) -> float:
+def _p2p_time(w: Workload, s: Candidate, hw: Hardware) -> float:
     """Pipeline send/recv per micro-batch: activations forward and gradients back, split over tp
     (scatter/gather), once per virtual stage."""
     if s.pp == 1:
@@ -444,10 +445,11 @@ def _strategy(
     cp_attention: str,
     recompute_layers: int,
     zero: int = 0,
-) -> Strategy:
+) -> Candidate:
     """The strategy of these fields; its schedule (and, unless given, ZeRO stage) is a placeholder that the
     callers do not read."""
-    return Strategy(mesh, zero, micro_batch, "1f1b", virtual_stages, recompute, sp, cp_attention, recompute_layers)
+    options = ParallelOptions(zero=zero, virtual_stages=virtual_stages, sequence_parallel=sp, cp_attention=cp_attention)
+    return Candidate(mesh, options, micro_batch, recompute, recompute_layers)
 
 
 @lru_cache(maxsize=16384)

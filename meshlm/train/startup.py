@@ -19,13 +19,14 @@ from meshlm.checkpoint.store import RunDirInUse, RunLock, StorageError, atomic_w
 from meshlm.config import Config, ConfigError, to_toml
 from meshlm.data import SFTData, TokenData, prepare_data_shared
 from meshlm.data.dataset import check_tokenizer, document_separator
-from meshlm.model import PRESETS, Transformer, flops_per_token
+from meshlm.model import PRESETS, ModelConfig, Transformer, flops_per_token
 from meshlm.model.llama import set_recompute
 from meshlm.model.pretrained import HFWeights, init_tokenizer, is_hf_directory, keep_tokenizer
 from meshlm.parallel.contract import LayoutSpec
-from meshlm.parallel.distributed import autocast_dtype
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.distributed import resolve_autocast
+from meshlm.parallel.engine import ParallelModel, parallelize
 from meshlm.parallel.mesh import Layout, Mesh, parse_layout
+from meshlm.parallel.options import PARALLEL_SECTION, TRAIN_SECTION, Loss, ParallelOptions
 from meshlm.parallel.plan_registry import plan_for
 from meshlm.parallel.strategies import check_layout
 from meshlm.parallel.transforms.lora import Adaptation
@@ -100,18 +101,19 @@ def resolve_auto_layout(cfg: Config, world_size: int) -> Config:
     for key, value in choice.overrides().items():
         section, name = key.split(".")
         data[section][name] = value
-    return Config.model_validate(data)
+    return Config.model_validate(data | {"model": cfg.model})  # the [model] section whole: init_from read once
 
 
-def open_init_from(init_from: str, vocab_size: int) -> HFWeights | None:
+def open_init_from(init_from: str, vocab_size: int, model: ModelConfig | None = None) -> HFWeights | None:
     """`model.init_from`'s HF weights (None for a meshlm checkpoint, which the trainer loads through its
     checkpointer) and tokenizer, checked (names, shapes, every listed shard present; the tokenizer loads, fits
     the vocabulary and has a document separator) on every rank before any work starts; a problem is one
-    ConfigError or DataError line naming the file."""
+    ConfigError or DataError line naming the file. `model`: the model init_from defines, where the caller has
+    it (`cfg.model.build()`), so its config.json is not read again."""
     weights = None
     if is_hf_directory(init_from):
         try:
-            weights = HFWeights(init_from)
+            weights = HFWeights(init_from, model)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.init_from: {e}") from None
     tokenizer_file = init_tokenizer(init_from)
@@ -229,19 +231,37 @@ def build_model(
     return model, identity, flops_per_tok
 
 
-def parallelize(
+def engine_options(cfg: Config, device: torch.device, n_micro: int, compiled: bool) -> ParallelOptions:
+    """The engine's options a run config sets: its `[parallel]` ones, train.fp8 and train.compile_backend, and
+    those derived from it (meshlm.parallel.options.DERIVED): the micro-batches per replica, train.dtype's
+    autocast on `device`, and whether the blocks are compiled (train.compile on `device`)."""
+    return ParallelOptions(
+        **cfg.parallel.model_dump(include=set(PARALLEL_SECTION)),
+        **cfg.train.model_dump(include=set(TRAIN_SECTION)),
+        micro_batches=n_micro,
+        autocast_dtype=resolve_autocast(cfg.train.dtype, device),
+        compile=compiled,
+    )
+
+
+def build_parallel_model(
     cfg: Config, parts: TrainParts, device: torch.device, model: nn.Module, mesh: Mesh, n_micro: int, compiled: bool
 ) -> ParallelModel:
-    """This rank's part of `model` under the mesh's layout (meshlm.parallel.engine), frozen and LoRA-adapted
-    first, FP8 and compiled blocks last, when asked (the transforms of meshlm.parallel.strategies)."""
-    if not any(p.is_meta for p in model.parameters()):  # a meta model is materialised on the mesh's device
-        model.to(device)
-    autocast = autocast_dtype(cfg.train.dtype, device)
-    return ParallelModel(
-        model, mesh, cfg.parallel.options(), n_micro, autocast, parts.plan, parts.loss_fn, parts.gather_logits,
-        cfg.train.ignore_index, cfg.train.fused_loss, cfg.train.fp8, cfg.train.compile_backend if compiled else None,
-        adaptation(cfg),
-    )  # fmt: skip
+    """This rank's part of `model` under the mesh's layout, through the library's own door
+    (meshlm.parallel.engine.parallelize, which `meshlm.parallelize` is): frozen and LoRA-adapted first, FP8 and
+    compiled blocks last, when asked (the transforms of meshlm.parallel.strategies). A model built on the
+    device moves to the mesh's device there; a meta-built one is materialised on it."""
+    loss = Loss(parts.loss_fn, cfg.train.ignore_index, parts.gather_logits, cfg.train.fused_loss)
+    return parallelize(
+        model,
+        mesh,
+        engine_options(cfg, device, n_micro, compiled),
+        plan=parts.plan,
+        loss=loss,
+        lora=cfg.lora,
+        freeze=cfg.train.freeze,
+        lora_seed=cfg.train.seed,
+    )
 
 
 def build_run_optimizer(

@@ -43,7 +43,7 @@ from meshlm.observe.env import environment
 from meshlm.observe.metrics import MetricsLogger, TrainProgress, trackers
 from meshlm.observe.profile import StepProfiler
 from meshlm.parallel import distributed
-from meshlm.parallel.distributed import autocast_dtype, env_rank, env_world_size, init_distributed, resolve_device
+from meshlm.parallel.distributed import env_rank, env_world_size, init_distributed, resolve_device
 from meshlm.parallel.mesh import Layout, build_mesh
 from meshlm.parallel.transforms.fp8 import check_fp8_device
 from meshlm.train import signals
@@ -55,6 +55,7 @@ from meshlm.train.startup import (
     LORA_KEYS,
     another_model,
     build_model,
+    build_parallel_model,
     build_run_optimizer,
     check_config,
     check_user_layout,
@@ -62,7 +63,6 @@ from meshlm.train.startup import (
     model_name,
     open_batches,
     open_init_from,
-    parallelize,
     resolve_auto_layout,
     resolve_sync,
     take_run_lock,
@@ -118,7 +118,7 @@ def _fit(cfg: Config, parts: TrainParts) -> TrainResult:
     else:
         layout, n_micro = check_user_layout(cfg, world_size, model, parts)
     device = resolve_device(cfg.train.device)
-    if cfg.train.fp8:
+    if cfg.train.fp8 is True:  # 'emulate' runs anywhere
         check_fp8_device(device)
     # Armed before the process group exists: a restarted rank can hang in rendezvous or set-up too.
     watchdog = Watchdog(Path(cfg.log.run_dir), env_rank(), cfg.fault.watchdog_s)
@@ -184,13 +184,14 @@ class Trainer:
         self.run_dir = Path(cfg.log.run_dir)
         self.say = print if self.rank == 0 else (lambda *_, **__: None)
         init_from = cfg.model.init_from if model is None else None  # fine-tuning meshlm's own model
-        init_source = open_init_from(init_from, cfg.model.build().vocab_size) if init_from else None
+        model_cfg = cfg.model.build()  # init_from's model, read once (meshlm.config.ModelSection.build)
+        init_source = open_init_from(init_from, model_cfg.vocab_size, model_cfg) if init_from else None
         given_tokenizer = init_tokenizer(cfg.model.init_from)  # None: trained from the corpus
         self.data, self.sampler = open_batches(cfg, parts, device, watchdog, given_tokenizer, self.say)
         model, self.model_identity, flops_per_tok = build_model(cfg, parts, device, model, init_source)
         self.compiled = cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda")
         self.mesh = build_mesh(layout, device.type)
-        self.model = parallelize(cfg, parts, device, model, self.mesh, n_micro, self.compiled)
+        self.model = build_parallel_model(cfg, parts, device, model, self.mesh, n_micro, self.compiled)
         shapes = self.model.global_shapes  # the whole model's counts, LoRA adapters included, trainable or not
         self.param_counts = (sum(s.numel() for s in shapes.values()),
                              sum(shapes[name].numel() for name in self.model.trainable))  # fmt: skip
@@ -255,7 +256,7 @@ class Trainer:
         model = self.model_identity.get("class") or model_name(cfg)
         tokens = cfg.train.global_batch * cfg.data.seq_len
         recompute = cfg.train.recompute + (f" (+ {k} blocks full)" if (k := cfg.train.recompute_layers) else "")
-        dtype = "bf16 autocast" if autocast_dtype(cfg.train.dtype, self.device) else "fp32"
+        dtype = "bf16 autocast" if self.model.autocast_dtype is not None else "fp32"
         start = (f"resumed from {self.resumed_from} at step {self.sampler.step}" if self.resumed_from
                  else "fresh start at step 0")  # fmt: skip
         every = f"every {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "at the end only"

@@ -17,9 +17,9 @@ from distributed import run_shared
 
 from meshlm.checkpoint import list_checkpoints, load_model_state
 from meshlm.cli import main as cli_main
-from meshlm.config import ParallelSection, load_config, parse_overrides
+from meshlm.config import load_config, parse_overrides
 from meshlm.model import Transformer, preset
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import ParallelModel, parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.train import trainer as trainer_module
 from meshlm.train.guards import StepGuard, TrainingFault, check_replicas_in_sync
@@ -128,7 +128,7 @@ def test_rollback_restores_the_newest_checkpoint_and_keeps_the_data_position(sma
 def _desync_worker() -> str:
     torch.manual_seed(0)
     mesh = build_mesh(parse_layout("dp=2", 2), "cpu")
-    model = ParallelModel(Transformer(preset("test")), mesh, ParallelSection(), n_micro=1)
+    model = parallelize(Transformer(preset("test")), mesh)
     check_replicas_in_sync(model)  # identical replicas pass
     if mesh.rank("dp") == 1:
         with torch.no_grad():

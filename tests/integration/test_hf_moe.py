@@ -225,15 +225,14 @@ def train_hf(family: str, layout: str, zero: int) -> list[float]:
     """Ten AdamW steps of the HF model (its own forward, meshlm's ParallelModel around it) on fixed batches."""
     import torch.distributed as dist
 
-    from meshlm.config import ParallelSection
-    from meshlm.parallel.engine import ParallelModel
+    from meshlm.parallel.engine import parallelize
     from meshlm.parallel.mesh import build_mesh, parse_layout
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     lay = parse_layout(layout, dist.get_world_size())
     model = make_hf_model(family).train()
-    pm = ParallelModel(model, build_mesh(lay, "cpu"), ParallelSection(layout=layout, zero=zero), n_micro=1)
+    pm = parallelize(model, build_mesh(lay, "cpu"), {"zero": zero})
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3, foreach=True)
     gen = torch.Generator().manual_seed(1)
     losses = []

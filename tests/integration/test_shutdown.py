@@ -49,7 +49,7 @@ else:  # a loop of one's own that ends right after an async save, never waiting 
     mesh = meshlm.init_mesh(layout, device="cpu")
     with torch.device("meta"):
         model = Transformer(preset("test"), init_seed=0)
-    model = meshlm.parallelize(model, mesh, {"zero": 1}, micro_batches=2)
+    model = meshlm.parallelize(model, mesh, {"zero": 1, "micro_batches": 2})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for x, y in batches:
         loss = model.forward_backward(model.local_batch(x), model.local_batch(y))

@@ -90,7 +90,9 @@ def api_run(
     mesh = build_mesh(parse_layout(layout, world), "cpu")
     torch.manual_seed(0)
     own_loss = meshlm.Loss(loss, gather_logits=True) if loss is not None else None
-    model = meshlm.parallelize(model_fn(), mesh, parallel, plan=plan, loss=own_loss, micro_batches=micro_batches)
+    model = meshlm.parallelize(
+        model_fn(), mesh, {**(parallel or {}), "micro_batches": micro_batches}, plan=plan, loss=own_loss
+    )
     opt = OPTIMIZERS[optimizer](model.parameters())
     saves = meshlm.Checkpoints(checkpoints, async_save=False) if checkpoints else None
     if saves is not None and (saved := saves.load_latest(model, opt)) is not None:
@@ -380,7 +382,9 @@ def _bad_plans() -> list[tuple[str, bool]]:
         modules = [type(m) for m in model.modules()]
         plan = meshlm.ParallelPlan(**{**vars(GPT2_PLAN), **change})
         try:
-            meshlm.parallelize(model, mesh, {"zero": 3 if "zero3_units" in change else 0}, plan=plan, micro_batches=2)
+            meshlm.parallelize(
+                model, mesh, {"zero": 3 if "zero3_units" in change else 0, "micro_batches": 2}, plan=plan
+            )
             message = "no error"
         except meshlm.PlanError as e:
             message = str(e)

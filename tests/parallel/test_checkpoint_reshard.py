@@ -25,9 +25,9 @@ from equivalence import (
 )
 
 from meshlm.checkpoint import init_optimizer_state, training_entries
-from meshlm.config import ParallelSection, TrainSection
+from meshlm.config import TrainSection
 from meshlm.model import Transformer
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.train.optim import build_optimizer
 
@@ -147,7 +147,7 @@ def writer_share_job(cases: list) -> list[tuple[int, int]]:
         world = dist.get_world_size()
         lay = parse_layout(layout, world)
         torch.manual_seed(0)
-        pm = ParallelModel(Transformer(TEST_MODEL), build_mesh(lay, "cpu"), ParallelSection(**parallel), n_micro=1)
+        pm = parallelize(Transformer(TEST_MODEL), build_mesh(lay, "cpu"), parallel)
         opt = build_optimizer(pm, TrainSection())
         init_optimizer_state(opt)
         written = sum(v.numel() for e in training_entries(pm, opt, writer=True).values() for v in e.views)

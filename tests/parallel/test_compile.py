@@ -19,10 +19,10 @@ from equivalence import LOSS_RTOL
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 import meshlm
-from meshlm.config import ParallelSection, load_config, parse_overrides
+from meshlm.config import load_config, parse_overrides
 from meshlm.model import Transformer, preset
 from meshlm.model.llama import Attention
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.parallel.transforms.compile import compile_blocks
 from meshlm.train import trainer as trainer_module
@@ -33,7 +33,7 @@ from meshlm.train.parts import Callback
 def _losses(layout: str, compiled: bool, backend: str = "aot_eager") -> list[float]:
     torch.manual_seed(0)
     mesh = build_mesh(parse_layout(layout, torch.distributed.get_world_size()), "cpu")
-    pm = meshlm.parallelize(Transformer(preset("test")), mesh, compile_backend=backend if compiled else None)
+    pm = meshlm.parallelize(Transformer(preset("test")), mesh, {"compile": compiled, "compile_backend": backend})
     blocks = pm.chunks[0].model.layers.values()
     assert sum(block._compiled_call_impl is not None for block in blocks) == (
         preset("test").n_layers if compiled else 0
@@ -77,7 +77,7 @@ def _inductor_cache_folder(capability: str | None, folder_before: str | None) ->
         given = {"ATEN_CPU_CAPABILITY": capability, "TORCHINDUCTOR_CACHE_DIR": folder_before}
         os.environ.update({key: value for key, value in given.items() if value is not None})
         mesh = build_mesh(parse_layout("dp=1", 1), "cpu")
-        pm = ParallelModel(Transformer(preset("test")), mesh, ParallelSection(), n_micro=1)
+        pm = parallelize(Transformer(preset("test")), mesh)
         compile_blocks(pm.chunks, pm.plan, "inductor")
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 

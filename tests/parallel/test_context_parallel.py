@@ -10,7 +10,6 @@ rotary side only, the cp gradient reduction left out — must fail the loss crit
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +28,7 @@ from equivalence import (
     trainer_runs,
 )
 
-from meshlm.config import ParallelSection, load_config, parse_overrides
+from meshlm.config import load_config, parse_overrides
 from meshlm.data import prepare_data
 from meshlm.errors import InputError
 from meshlm.model import Transformer, preset
@@ -39,13 +38,13 @@ from meshlm.observe.memory import ActivationMeter
 from meshlm.parallel.contract import LayoutSpec
 from meshlm.parallel.cp import attention as cpm
 from meshlm.parallel.dp import data_parallel
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.parallel_plan import ParallelPlan, PlanError
 from meshlm.parallel.strategies import check_layout
 from meshlm.plan.hardware import hardware
-from meshlm.plan.memory import Strategy, Workload, layer_activation_bytes, logits_bytes
+from meshlm.plan.memory import Candidate, Workload, layer_activation_bytes, logits_bytes
 from meshlm.plan.step_time import cp_attention_factor, cp_layer_time, step_time
 from meshlm.testing import global_batch
 from meshlm.train.startup import check_config
@@ -315,7 +314,7 @@ def _activation_peak(seq_len: int, attention: str) -> int:
     layout = f"cp={cp}" if cp > 1 else ""
     mesh = build_mesh(parse_layout(layout, cp), "cpu")
     torch.manual_seed(0)
-    model = ParallelModel(Transformer(MHA_MODEL), mesh, ParallelSection(layout=layout, cp_attention=attention), 1)
+    model = parallelize(Transformer(MHA_MODEL), mesh, {"cp_attention": attention})
     x, y = global_batch(0, 1, seq_len, MHA_MODEL.vocab_size)
     with ActivationMeter(model) as meter:
         loss = model.loss_fn(model(model.seq_shard(x)), model.seq_shard(y))
@@ -326,7 +325,7 @@ def _activation_peak(seq_len: int, attention: str) -> int:
 def _planned_activations(seq_len: int, cp: int) -> float:
     w = Workload(MHA_MODEL, seq_len, 1, 1.0, precision="fp32")
     layer = layer_activation_bytes(MHA_MODEL, seq_len, 1, 1, False, "none", "fp32", True, "meshlm", cp)
-    return MHA_MODEL.n_layers * layer + logits_bytes(w, Strategy(parse_layout(f"cp={cp}", cp)))
+    return MHA_MODEL.n_layers * layer + logits_bytes(w, Candidate(parse_layout(f"cp={cp}", cp)))
 
 
 def test_planner_activation_memory_falls_as_one_over_cp_like_the_measured() -> None:
@@ -350,7 +349,7 @@ def test_planner_cp_communication_counts_the_runtimes_hops() -> None:
     w = Workload(TEST_MODEL, 4096, 8, 1e9)
     kv = TEST_MODEL.n_kv_heads * TEST_MODEL.head_dim
     for cp in (2, 4):
-        ring = Strategy(Layout(cp=cp, dp=8 // cp), micro_batch=1)
+        ring = Candidate(Layout(cp=cp, dp=8 // cp), micro_batch=1)
         tokens = 4096 / cp
         link = hw.link("cp", False, "send_recv")
         hop = 2 * tokens * kv * 2 / link.beta + link.alpha  # K and V, bf16, one send/recv
@@ -360,7 +359,7 @@ def test_planner_cp_communication_counts_the_runtimes_hops() -> None:
         m = ring.micro_batches(w.global_batch)
         assert t.cp_comm == pytest.approx(m * TEST_MODEL.n_layers * cp_layer_time(TEST_MODEL, tokens, ring, hw, 2))
         assert "cp_comm" in t.parts() and t.total == pytest.approx(sum(v for k, v in t.parts().items() if k != "total"))
-        ulysses = dataclasses.replace(ring, cp_attention="ulysses")
+        ulysses = ring.with_options(cp_attention="ulysses")
         a2a = hw.link("cp", False, "all_to_all")
         nbytes = 2 * tokens * (TEST_MODEL.dim + kv) * 2
         want = 2 * ((cp - 1) / cp * nbytes / a2a.beta + (cp - 1) * a2a.alpha)
@@ -370,8 +369,8 @@ def test_planner_cp_communication_counts_the_runtimes_hops() -> None:
         big = Workload(preset("llama3-8b"), 8192, 16, 1e9)  # attention-bound enough to show past overheads
         ratio = step_time(big, ring, hw).compute / step_time(big, ulysses, hw).compute
         assert 1.05 < ratio < (cp + 1) / cp
-    assert cp_layer_time(TEST_MODEL, 4096, Strategy(Layout(dp=8)), hw, 2) == 0.0
-    assert "cp_comm" not in step_time(w, Strategy(Layout(dp=8)), hw).parts()
+    assert cp_layer_time(TEST_MODEL, 4096, Candidate(Layout(dp=8)), hw, 2) == 0.0
+    assert "cp_comm" not in step_time(w, Candidate(Layout(dp=8)), hw).parts()
 
 
 # ---- `meshlm train` -----------------------------------------------------------------------------------------

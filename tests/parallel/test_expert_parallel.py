@@ -20,10 +20,9 @@ from equivalence import (
 )
 from test_moe import MOE_MODEL
 
-from meshlm.config import ParallelSection
 from meshlm.model import Transformer, preset
 from meshlm.parallel.contract import LayoutSpec
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
 from meshlm.parallel.strategies import check_layout
 
@@ -201,7 +200,7 @@ def meta_built(layout: str, zero: int) -> dict[str, torch.Tensor]:
         model = Transformer(MOE_MODEL)
     lay = parse_layout(layout, dist.get_world_size())
     mesh = build_mesh(lay, "cpu")
-    return ParallelModel(model, mesh, ParallelSection(layout=layout, zero=zero), lay.pp).full_state_dict()
+    return parallelize(model, mesh, {"zero": zero, "micro_batches": lay.pp}).full_state_dict()
 
 
 def train_moe_runs(runs: dict[str, tuple[str, dict, dict]]) -> dict[str, dict]:

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from distributed import run_shared
 
 import meshlm
-from meshlm.config import ConfigError, ParallelSection, load_config, parse_overrides
+from meshlm.config import ConfigError, load_config, parse_overrides
 from meshlm.errors import InputError
 from meshlm.model import ModelConfig, Transformer, cross_entropy_loss
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
 from meshlm.parallel.tp.sharding import ColumnParallelLinear, RowParallelLinear
 from meshlm.parallel.transforms import fp8
@@ -154,7 +154,7 @@ def _tp_job() -> dict:
     rank = dist.get_rank()
     mesh = build_mesh(parse_layout("tp=2", 2), "cpu")
     torch.manual_seed(0)
-    pm = ParallelModel(Transformer(MODEL), mesh, ParallelSection(layout="tp=2"), n_micro=1)
+    pm = parallelize(Transformer(MODEL), mesh)
     swapped = apply_fp8(pm.chunks, pm.plan, emulate=True)
     kinds = sorted(
         {type(m).__name__ for m in pm.chunks[0].modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
@@ -166,7 +166,7 @@ def _tp_job() -> dict:
     # flat buffers freed between uses; one step trains every shard.
     torch.manual_seed(0)
     zero3 = meshlm.parallelize(
-        Transformer(MODEL), build_mesh(parse_layout("dp=2", 2), "cpu"), {"zero": 3}, fp8="emulate"
+        Transformer(MODEL), build_mesh(parse_layout("dp=2", 2), "cpu"), {"zero": 3, "fp8": "emulate"}
     )
     zero3_swapped = [name for name, m in zero3.chunks[0].named_modules() if isinstance(m, Float8Linear)]
     rows = slice(rank * 2, rank * 2 + 2)

@@ -22,13 +22,13 @@ import torch.distributed as dist
 from distributed import run_shared
 from equivalence import TEST_MODEL, assert_close_runs, assert_same_losses, train_layout
 
-from meshlm.config import ParallelSection
 from meshlm.model import Transformer, token_cross_entropy
 from meshlm.observe.memory import ActivationMeter
 from meshlm.parallel import engine
 from meshlm.parallel.dp import zero
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.parallel.options import Loss
 from meshlm.parallel.plan_registry import LLAMA
 from meshlm.parallel.transforms import fused_loss
 from meshlm.parallel.transforms.fused_loss import FusedLinearHead, HeadOutput, fused_cross_entropy_sum
@@ -95,7 +95,7 @@ def test_fused_head_keeps_names_ties_and_eval_logits() -> None:
     model = Transformer(TEST_MODEL.replace(tie_embeddings=True))
     _init_world_of_one()
     names = [n for n, _ in model.named_parameters()]
-    pm = ParallelModel(model, build_mesh(parse_layout("", 1), "cpu"), ParallelSection(), 1, plan=LLAMA, fused_loss=True)
+    pm = parallelize(model, build_mesh(parse_layout("", 1), "cpu"), plan=LLAMA, loss=Loss(fused=True))
     assert isinstance(model.lm_head, FusedLinearHead)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert [n for n, _ in model.named_parameters()] == names
@@ -215,8 +215,7 @@ def _zero3_saved_bytes(fused: bool, tied: bool) -> tuple[int, list[tuple[int, in
     _init_world_of_one()
     torch.manual_seed(0)
     model = Transformer(MEMORY_MODEL.replace(tie_embeddings=tied))
-    pm = ParallelModel(model, build_mesh(parse_layout("", 1), "cpu"), ParallelSection(zero=3), 1, plan=LLAMA,
-                       fused_loss=fused)  # fmt: skip
+    pm = parallelize(model, build_mesh(parse_layout("", 1), "cpu"), {"zero": 3}, plan=LLAMA, loss=Loss(fused=fused))
     weight_bytes = []
     original = engine.fused_cross_entropy_sum
 

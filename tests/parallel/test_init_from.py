@@ -21,14 +21,14 @@ from distributed import run_shared
 transformers = pytest.importorskip("transformers")
 
 from meshlm.cli import main  # noqa: E402
-from meshlm.config import ConfigError, ParallelSection, load_config  # noqa: E402
+from meshlm.config import ConfigError, load_config  # noqa: E402
 from meshlm.data import DataError, prepare_data, train_tokenizer  # noqa: E402
 from meshlm.data.sampler import GlobalBatchSampler  # noqa: E402
 from meshlm.model.hf import read_hf_config  # noqa: E402
 from meshlm.model.llama import Transformer  # noqa: E402
 from meshlm.model.pretrained import HFWeights  # noqa: E402
 from meshlm.parallel.contract import LayoutSpec  # noqa: E402
-from meshlm.parallel.engine import ParallelModel  # noqa: E402
+from meshlm.parallel.engine import parallelize  # noqa: E402
 from meshlm.parallel.mesh import build_mesh, parse_layout  # noqa: E402
 from meshlm.parallel.strategies import check_layout  # noqa: E402
 from meshlm.testing import global_batch  # noqa: E402
@@ -144,7 +144,7 @@ def set_up(directory: str, layout: str, zero: int = 0, mutation: str | None = No
     source = RecordingWeights(directory, mutation)
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=0, init_source=source)
-    pm = ParallelModel(model, build_mesh(lay, "cpu"), ParallelSection(layout=layout, zero=zero), n_micro)
+    pm = parallelize(model, build_mesh(lay, "cpu"), {"zero": zero, "micro_batches": n_micro})
     held = pm.local_shards()["model"] if zero == 3 else [p for c in pm.chunks for p in c.parameters()]
     kept = sum(piece.local.numel() for piece in held) if zero == 3 else sum(p.numel() for p in held)
     x, y = global_batch(0, BATCH, SEQ, cfg.vocab_size)

@@ -28,11 +28,10 @@ from equivalence import TEST_MODEL, global_batch
 from torch import nn
 
 import meshlm
-from meshlm.config import ParallelSection
 from meshlm.model import ModelConfig, Transformer
 from meshlm.model import init as element_init
 from meshlm.model.init import Normal, fill_
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import ParallelModel, parallelize
 from meshlm.parallel.materialize import MetaInit
 from meshlm.parallel.mesh import Mesh, build_mesh, parse_layout
 
@@ -121,7 +120,7 @@ def _parallel_model(layout: str, par: dict, cfg: ModelConfig, meta: bool) -> Par
     else:
         model = Transformer(cfg)
     n_micro = 2 if "pp" in layout else 1
-    return ParallelModel(model, mesh, ParallelSection(layout=layout, **par), n_micro)
+    return parallelize(model, mesh, {**par, "micro_batches": n_micro})
 
 
 def _one_step(pm: ParallelModel) -> float:
@@ -184,7 +183,7 @@ def _gpt2_layouts() -> list[dict[str, torch.Tensor]]:
             model = GPT2(vocab=128, dim=32, n_layers=4, n_heads=4, max_len=16)
         model.init_weights = None
         mesh = build_mesh(parse_layout(layout, dist.get_world_size()), "cpu")
-        pm = meshlm.parallelize(model, mesh, options, plan=GPT2_PLAN, micro_batches=micro_batches)
+        pm = meshlm.parallelize(model, mesh, {**options, "micro_batches": micro_batches}, plan=GPT2_PLAN)
         states.append(pm.full_state_dict())
     return states
 

@@ -12,7 +12,6 @@ mutation that reduces the row-parallel adapter's partial output on its own and t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +26,7 @@ import meshlm
 from meshlm.model import Transformer
 from meshlm.model.lora import lora_delta
 from meshlm.parallel.mesh import build_mesh, parse_layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.transforms.lora import LoRAError, LoRALinear, apply_lora, freeze
 
 RANK, ALPHA = 4, 8.0
@@ -95,7 +95,7 @@ def lora_run(
     initial = {n: t.detach().clone() for n, t in whole.state_dict().items()}
     micro = 2 if "pp" in layout else 1
     lora = {"rank": RANK, "alpha": ALPHA} if by_transform else None
-    pm = meshlm.parallelize(model, mesh, parallel, micro_batches=micro, lora=lora, lora_seed=1)
+    pm = meshlm.parallelize(model, mesh, {**(parallel or {}), "micro_batches": micro}, lora=lora, lora_seed=1)
     steps = 4 if optimizer == "sgd" else 10
     if optimizer == "sgd":
         opt = torch.optim.SGD(pm.parameters(), lr=0.2)
@@ -346,12 +346,12 @@ def test_zero3_lora_rank_holds_a_base_shard_and_adapter_state_as_the_planner_pre
     """Measured model state per rank (parameters with masters, gradients, AdamW moments) within 10% of the
     planner's (it ignores only the flat buffers' padding to a multiple of dp: a few elements)."""
     from meshlm.plan.hardware import hardware
-    from meshlm.plan.memory import Strategy, Workload, memory
+    from meshlm.plan.memory import Candidate, Workload, memory
 
     full, lora = run_shared(_both_held, 2)[0]
     for held, rank in ((full, 0), (lora, RANK)):
         w = Workload(TEST_MODEL, SEQ, 4, 1.0, "fp32", "test", rank)
-        mem = memory(w, Strategy(mesh=parse_layout("dp=2", 2), zero=3), hardware("cpu"))
+        mem = memory(w, Candidate(mesh=parse_layout("dp=2", 2), options=ParallelOptions(zero=3)), hardware("cpu"))
         for part, predicted in (("params", mem.params), ("grads", mem.grads), ("optimizer", mem.optimizer)):
             assert abs(predicted - held[part]) <= 0.1 * held[part], (rank, part, predicted, held[part])
     # The base is sharded (half of it per rank), and only the adapters have gradients and moments.
@@ -370,7 +370,7 @@ def _autocast_losses(bf16_base: bool, zero: int) -> tuple[list[float], object]:
     apply_lora(model, RANK, ALPHA, seed=1)
     if bf16_base:
         assert cast_frozen_linears(model, torch.bfloat16) == 7 * TEST_MODEL.n_layers + 1  # and the head
-    pm = meshlm.parallelize(model, mesh, {"zero": zero}, autocast_dtype=torch.bfloat16)
+    pm = meshlm.parallelize(model, mesh, {"zero": zero, "autocast_dtype": "bf16"})
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     losses = []
     for step in range(3):
@@ -417,7 +417,7 @@ def test_bad_lora_config_stops_meshlm_train_in_one_line_before_any_work(
 # ---- the planner's LoRA terms ------------------------------------------------------------------------------
 def test_planner_fits_a_70b_lora_job_where_a_full_fine_tune_does_not() -> None:
     from meshlm.model import preset
-    from meshlm.plan import PlannerError, Strategy, Workload, best, hardware, memory, step_time
+    from meshlm.plan import Candidate, PlannerError, Workload, best, hardware, memory, step_time
     from meshlm.plan.step_time import lora_flops_per_token
 
     model, h100 = preset("llama3-70b"), hardware("H100-SXM")
@@ -428,7 +428,7 @@ def test_planner_fits_a_70b_lora_job_where_a_full_fine_tune_does_not() -> None:
     # Under the pick's mesh at zero=0 the full run keeps fp32 weights under bf16 autocast (4 B/param, what the
     # runtime holds), the LoRA run its frozen base in bf16 (2 B/param) plus the adapters; no gradients or Adam
     # state for the base.
-    at_zero0 = dataclasses.replace(plan.strategy, zero=0)
+    at_zero0 = plan.strategy.with_options(zero=0)
     full_mem = memory(Workload(model, 4096, 64, 1e9), at_zero0, h100)
     lora_mem = memory(lora, at_zero0, h100)
     assert 0.5 * full_mem.params < lora_mem.params < 0.52 * full_mem.params  # rank-16 adapters: ~1% more
@@ -436,5 +436,5 @@ def test_planner_fits_a_70b_lora_job_where_a_full_fine_tune_does_not() -> None:
     # No weight-gradient GEMMs for the base: a LoRA step does about two thirds of the full step's FLOPs.
     ratio = lora_flops_per_token(model, 4096, 16) / lora_flops_per_token(model, 4096)
     assert 0.6 < ratio < 0.75, ratio
-    s = Strategy(mesh=plan.strategy.mesh, zero=plan.strategy.zero)
+    s = Candidate(mesh=plan.strategy.mesh, options=ParallelOptions(zero=plan.strategy.zero))
     assert step_time(lora, s, h100).compute < step_time(Workload(model, 4096, 64, 1e9), s, h100).compute

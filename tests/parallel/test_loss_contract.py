@@ -230,7 +230,7 @@ def _refusals() -> dict[str, str]:
     x, y = global_batch(0, BATCH, SEQ, TEST_MODEL.vocab_size)
     dp_mesh = build_mesh(parse_layout("dp=2", world), "cpu")
     torch.manual_seed(0)
-    dp_model = meshlm.parallelize(Transformer(TEST_MODEL), dp_mesh, micro_batches=2)
+    dp_model = meshlm.parallelize(Transformer(TEST_MODEL), dp_mesh, {"micro_batches": 2})
     attempt("global batch on every rank", lambda: dp_model.forward_backward(x, y))
     attempt("odd rows", lambda: dp_model.forward_backward(x[:3], y[:3]))
 
@@ -241,7 +241,9 @@ def _refusals() -> dict[str, str]:
     pp_mesh = build_mesh(parse_layout("pp=2", world), "cpu")  # refused on every stage, not on the last at step 1
     attempt(
         "scalar loss under pp",
-        lambda: meshlm.parallelize(Transformer(TEST_MODEL), pp_mesh, loss=meshlm.Loss(scalar_loss), micro_batches=2),
+        lambda: meshlm.parallelize(
+            Transformer(TEST_MODEL), pp_mesh, {"micro_batches": 2}, loss=meshlm.Loss(scalar_loss)
+        ),
     )
     tp_mesh = build_mesh(parse_layout("tp=2", world), "cpu")
     attempt(

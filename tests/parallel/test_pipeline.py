@@ -20,12 +20,11 @@ from equivalence import TEST_MODEL, assert_close_runs, global_batch, reference, 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshlm.config import ParallelSection
 from meshlm.model import Transformer
 from meshlm.model.flops import part_costs
 from meshlm.model.llama import cross_entropy_loss
 from meshlm.parallel.contract import LayoutSpec
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import parallelize
 from meshlm.parallel.mesh import Layout, LayoutError, build_mesh, parse_layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.pp.pipeline import PipelineError, split_model
@@ -280,7 +279,7 @@ def _one_step(layout: str, par: dict, n_micro: int, model_cfg, seq_len: int = 16
     torch.manual_seed(0)
     model = Transformer(model_cfg)
     reference = copy.deepcopy(model)
-    pm = ParallelModel(model, mesh, ParallelSection(layout=layout, **par), n_micro)
+    pm = parallelize(model, mesh, {**par, "micro_batches": n_micro})
     x, y = global_batch(1, 2 * n_micro, seq_len, model_cfg.vocab_size)
     grad_sync: list[tuple[int, bool]] = []  # no dp here: record what the pipeline asks of it instead
     pm.pipeline.set_grad_sync = lambda chunk, enabled: grad_sync.append((chunk, enabled))
@@ -427,7 +426,7 @@ def _failing_step(mode: str, bad_rank: int, out_dir: str) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = build_mesh(parse_layout(f"pp={world}", world), "cpu")
     torch.manual_seed(0)
-    pm = ParallelModel(Transformer(TEST_MODEL), mesh, ParallelSection(layout=f"pp={world}"), 4)
+    pm = parallelize(Transformer(TEST_MODEL), mesh, {"micro_batches": 4})
     if rank == bad_rank and mode == "drop":
         actions = pm.pipeline.actions
         send = next(a for a in actions if a.kind.startswith("SEND") and a.micro == 1)

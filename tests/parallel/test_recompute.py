@@ -22,8 +22,9 @@ from meshlm.model import ModelConfig, Transformer, cross_entropy_loss, preset
 from meshlm.model.llama import set_recompute
 from meshlm.observe.memory import ActivationMeter
 from meshlm.parallel.mesh import Layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.plan.hardware import GB, hardware
-from meshlm.plan.memory import Assumptions, Strategy, Workload, layer_activation_bytes, memory
+from meshlm.plan.memory import Assumptions, Candidate, Workload, layer_activation_bytes, memory
 from meshlm.plan.search import Constraints, PlannerError, capacity, fill_memory, search
 from meshlm.plan.step_time import step_time
 from meshlm.train.trainer import train
@@ -166,7 +167,7 @@ ONLY_DP = {"tp": 1, "cp": 1, "pp": 1}
 
 
 def test_recompute_layers_memory_is_the_mix_of_full_and_policy_layers() -> None:
-    s = Strategy(Layout(1, 16, 1, 1), zero=3)
+    s = Candidate(Layout(1, 16, 1, 1), ParallelOptions(zero=3))
     args = (FSDP_8B.model, FSDP_8B.seq_len, 1, 1, False)
     none, full = (layer_activation_bytes(*args, r, "bf16") for r in ("none", "full"))
     for k in (0, 1, 7, 31):
@@ -188,7 +189,9 @@ def test_the_search_fills_memory_with_partial_recompute_instead_of_full() -> Non
 
 
 def test_fill_memory_finds_the_fewest_fully_recomputed_layers_that_fit() -> None:
-    s = Strategy(Layout(1, 16, 1, 1), zero=3)  # 68 GB without recompute, 26 GB with 31 of 32 layers full
+    s = Candidate(
+        Layout(1, 16, 1, 1), ParallelOptions(zero=3)
+    )  # 68 GB without recompute, 26 GB with 31 of 32 layers full
     for limit_gb in (27, 36, 60):
         limit = limit_gb * GB
         filled, mem = fill_memory(FSDP_8B, s, A100_40, UNFUSED, limit)

@@ -290,7 +290,7 @@ def _flag_run() -> dict:
     mesh = build_mesh(parse_layout("pp=2" if world == 2 else "", world), "cpu")
     torch.manual_seed(0)
     model = FlagModel()
-    pm = meshlm.parallelize(model, mesh, plan=FLAG_PLAN, micro_batches=2)
+    pm = meshlm.parallelize(model, mesh, {"micro_batches": 2}, plan=FLAG_PLAN)
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     losses, norms = [], []
     for step in range(STEPS):

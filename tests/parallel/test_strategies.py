@@ -21,7 +21,7 @@ from meshlm.parallel.parallel_plan import PlanError
 from meshlm.parallel.strategies import STRATEGIES, check_layout
 from meshlm.parallel.transforms.strategy import ModelTransform
 from meshlm.plan import Workload
-from meshlm.plan.memory import Strategy as PlannedStrategy
+from meshlm.plan.memory import Candidate
 from meshlm.plan.search import Constraints, enumerate_strategies
 
 MODEL = preset("test")
@@ -74,7 +74,7 @@ def test_a_new_strategy_is_checked_by_the_runtime_and_the_planner_alike(monkeypa
     def offered(dp: int) -> bool:
         c = Constraints(pp=1, dp=dp, tp=1, cp=1, zero=0, micro_batch=1, schedule="1f1b", recompute="none")
         found = enumerate_strategies(Workload(MODEL, 32, 6, 1e6), dp, dp, c)
-        return any(isinstance(x, PlannedStrategy) for x in found)
+        return any(isinstance(x, Candidate) for x in found)
 
     assert offered(3) and offered(2)
     check_layout(LayoutSpec(MODEL, Layout(dp=3), 6))
@@ -124,8 +124,7 @@ def _norms_and_saved_names(toy: bool) -> tuple[float, float, list[str], list[str
     """At world 1 (ZeRO-0), with or without the toy strategy before data parallel: the clipped gradient
     norm, the norm weight's own gradient norm, and the names a checkpoint writes and loads."""
     from meshlm.checkpoint.state import training_entries
-    from meshlm.config import ParallelSection
-    from meshlm.parallel.engine import ParallelModel
+    from meshlm.parallel.engine import parallelize
     from meshlm.parallel.mesh import build_mesh
 
     original = strategies.STRATEGIES
@@ -133,7 +132,7 @@ def _norms_and_saved_names(toy: bool) -> tuple[float, float, list[str], list[str
         strategies.STRATEGIES = (*original[:-1], NormCountedElsewhere(), original[-1])
     try:
         torch.manual_seed(0)
-        pm = ParallelModel(Transformer(MODEL), build_mesh(Layout(), "cpu"), ParallelSection(), n_micro=1)
+        pm = parallelize(Transformer(MODEL), build_mesh(Layout(), "cpu"))
     finally:
         strategies.STRATEGIES = original
     tagged = [(name, key) for name, p in pm.named_parameters() for key in vars(p) if "meshlm" in key]

@@ -131,7 +131,7 @@ def _train(zero: int, steps: range, run_dir: str | None = None, losses: list[flo
     it has a checkpoint, save there after."""
     mesh = build_mesh(parse_layout("dp=2", dist.get_world_size()), "cpu")
     torch.manual_seed(0)
-    model = meshlm.parallelize(ExpertModel(), mesh, {"zero": zero}, micro_batches=MICRO)
+    model = meshlm.parallelize(ExpertModel(), mesh, {"zero": zero, "micro_batches": MICRO})
     opt = _optimizer(model.optimizer_param_groups(WEIGHT_DECAY))
     checkpoints = meshlm.Checkpoints(run_dir, async_save=False) if run_dir else None
     if checkpoints is not None:

@@ -52,7 +52,7 @@ def _starts() -> list[dict]:
         torch.manual_seed(SEED + dist.get_rank())  # the ranks disagree: rank 0's seed is the one used
         model = meta_gpt2()
         mesh = build_mesh(parse_layout(layout, dist.get_world_size()), "cpu")
-        pm = meshlm.parallelize(model, mesh, options, plan=GPT2_PLAN, micro_batches=micro_batches)
+        pm = meshlm.parallelize(model, mesh, {**options, "micro_batches": micro_batches}, plan=GPT2_PLAN)
         x, y = global_batch(0, 4, SEQ, VOCAB)
         loss = pm.eval_loss(pm.local_batch(x), pm.local_batch(y)).item()
         out.append({"start": pm.full_state_dict(), "loss": loss})

@@ -121,7 +121,7 @@ def meshlm_run(name: str, layout: str, parallel: dict, micro_batches: int = 1) -
     mesh = build_mesh(parse_layout(layout, dist.get_world_size()), "cpu")
     make, plan = MODELS[name]
     torch.manual_seed(0)
-    model = meshlm.parallelize(make(), mesh, parallel, plan=plan, micro_batches=micro_batches)
+    model = meshlm.parallelize(make(), mesh, {**parallel, "micro_batches": micro_batches}, plan=plan)
     opt = _optimizer(model.optimizer_param_groups(TRAIN.weight_decay))  # matrices decay: ZeRO's flat shards too
     losses = []
     for step in range(ADAMW_STEPS):
@@ -198,7 +198,7 @@ def _hf_refusals() -> list[str]:
     ):
         mesh = build_mesh(parse_layout(layout, dist.get_world_size()), "cpu")
         try:
-            meshlm.parallelize(make(), mesh, plan=plan, micro_batches=2)
+            meshlm.parallelize(make(), mesh, {"micro_batches": 2}, plan=plan)
             out.append("accepted")
         except PlanError as e:
             out.append(str(e))

@@ -22,12 +22,13 @@ import torch.distributed as dist
 from distributed import run_shared
 from equivalence import global_batch
 
-from meshlm.config import ParallelSection, TrainSection
+from meshlm.config import TrainSection
 from meshlm.model import ModelConfig, Transformer
 from meshlm.parallel.dp.gradients import unique_storage_bytes
-from meshlm.parallel.engine import ParallelModel
+from meshlm.parallel.engine import ParallelModel, parallelize
 from meshlm.parallel.mesh import build_mesh, parse_layout
-from meshlm.plan.memory import Strategy, model_state_bytes, moe_stage_params, moe_state_bytes
+from meshlm.parallel.options import ParallelOptions
+from meshlm.plan.memory import Candidate, model_state_bytes, moe_stage_params, moe_state_bytes
 from meshlm.train.optim import build_optimizer, train_step
 
 MODEL = ModelConfig(vocab_size=256, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96, max_seq_len=32)
@@ -58,9 +59,9 @@ def measure(
     world = dist.get_world_size()
     mesh = build_mesh(parse_layout(layout, world), "cpu")
     rank, replicas = mesh.rank("batch"), mesh.size("batch")  # dp × ep ranks get rows of their own
-    parallel = ParallelSection(zero=zero, zero_param_dtype=param_dtype, zero_reduce_dtype=reduce_dtype)
+    parallel = ParallelOptions(zero=zero, zero_param_dtype=param_dtype, zero_reduce_dtype=reduce_dtype)
     torch.manual_seed(0)
-    pm = ParallelModel(Transformer(model), mesh, parallel, n_micro=1)
+    pm = parallelize(Transformer(model), mesh, parallel)
     train = TrainSection(steps=4, global_batch=4, warmup_steps=0)
     opt = build_optimizer(pm, train)
     x, y = global_batch(0, 4, 16, model.vocab_size)
@@ -138,7 +139,7 @@ def moe_measured() -> list[dict]:
     return run_shared(moe_job, 2, timeout=300)
 
 
-MoeBytes = Callable[[float, float, Strategy, str], tuple[float, float, float]]
+MoeBytes = Callable[[float, float, Candidate, str], tuple[float, float, float]]
 
 
 def moe_mismatches(ranks: list[dict], state_bytes: MoeBytes = moe_state_bytes) -> list[str]:
@@ -148,7 +149,9 @@ def moe_mismatches(ranks: list[dict], state_bytes: MoeBytes = moe_state_bytes) -
         dense, experts = moe_stage_params(MOE, 1, mesh.ep, MOE.n_layers, len(MOE.moe_layers), True, True)
         for case in MOE_CASES:
             zero, dtype, _ = case
-            parts = state_bytes(dense, experts, Strategy(mesh, zero), "fp32" if dtype == "fp32" else "bf16")
+            parts = state_bytes(
+                dense, experts, Candidate(mesh, ParallelOptions(zero=zero)), "fp32" if dtype == "fp32" else "bf16"
+            )
             expected = dict(zip(("params", "grads", "optimizer"), parts, strict=True))
             for rank, held in enumerate(ranks):
                 for part, nbytes in held[layout, case].items():
@@ -168,7 +171,7 @@ def test_experts_sharded_like_dense_weights_would_be_caught(moe_measured: list[d
     as a planner unaware of the expert-data group would count them, fail at ep=2 from ZeRO-1 on (at ZeRO-0
     nothing is sharded); at dp=2 the two groups are the same ranks and nothing changes."""
 
-    def one_group(dense: float, experts: float, s: Strategy, precision: str) -> tuple[float, float, float]:
+    def one_group(dense: float, experts: float, s: Candidate, precision: str) -> tuple[float, float, float]:
         return model_state_bytes(dense + experts, s.replicas, s.zero, precision)
 
     wrong = moe_mismatches(moe_measured, one_group)

@@ -22,7 +22,7 @@ from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.parallel_plan import PlanError
 from meshlm.parallel.strategies import STRATEGIES, check_layout
 from meshlm.plan import Workload
-from meshlm.plan.memory import Strategy
+from meshlm.plan.memory import Candidate
 from meshlm.plan.search import Constraints, enumerate_strategies
 
 search_module = importlib.import_module("meshlm.plan.search")  # meshlm.plan.search is also a function's name
@@ -43,7 +43,7 @@ def meshes(world: int) -> list[Layout]:
     ]
 
 
-def grid() -> list[tuple[Layout, Strategy, ModelConfig, int, int]]:
+def grid() -> list[tuple[Layout, Candidate, ModelConfig, int, int]]:
     """(mesh, strategy, model, seq_len, global_batch) samples."""
     rng = random.Random(0)
     full = [
@@ -65,7 +65,8 @@ def grid() -> list[tuple[Layout, Strategy, ModelConfig, int, int]]:
         model = preset("test").replace(dim=96, n_heads=heads, n_kv_heads=kv, max_seq_len=64)
         if experts:
             model = model.replace(hf_model_type="mixtral", n_experts=experts, top_k=2, moe_intermediate_size=64)
-        strategy = Strategy(mesh, 0, micro, schedule, v, "none", sp, attention)
+        options = ParallelOptions(schedule=schedule, virtual_stages=v, sequence_parallel=sp, cp_attention=attention)
+        strategy = Candidate(mesh, options, micro)
         out.append((mesh, strategy, model, seq, batch))
     return out
 
@@ -76,7 +77,7 @@ def meta_model(model: ModelConfig) -> Transformer:
         return Transformer(model)
 
 
-def runtime_accepts(strategy: Strategy, model: ModelConfig, seq_len: int, global_batch: int) -> bool:
+def runtime_accepts(strategy: Candidate, model: ModelConfig, seq_len: int, global_batch: int) -> bool:
     """What the trainer decides before any work: check_config (meshlm.parallel.strategies.check_layout, sizes
     only), then ParallelModel's check of the model against its parallel plan at this layout (check_layout with
     the model)."""
@@ -102,7 +103,7 @@ def model_accepted(model: ModelConfig, mesh: Layout, zero: int, sequence_paralle
     return True
 
 
-def planner_accepts(strategy: Strategy, model: ModelConfig, seq_len: int, global_batch: int) -> bool:
+def planner_accepts(strategy: Candidate, model: ModelConfig, seq_len: int, global_batch: int) -> bool:
     """Whether the planner's search offers this strategy when every choice is fixed to it (the GPUs per node
     set to the world, so its one planner-only preference, tp within a node, never applies)."""
     s = strategy
@@ -112,7 +113,7 @@ def planner_accepts(strategy: Strategy, model: ModelConfig, seq_len: int, global
         cp_attention=s.cp_attention,
     )  # fmt: skip
     found = list(enumerate_strategies(Workload(model, seq_len, global_batch, 1e6), s.gpus, s.gpus, c))
-    offered = [item for item in found if isinstance(item, Strategy)]
+    offered = [item for item in found if isinstance(item, Candidate)]
     assert offered in ([], [s]), f"the search should try exactly {s}, it offered {offered}"
     return bool(offered)
 

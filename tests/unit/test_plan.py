@@ -20,6 +20,7 @@ from meshlm.config import load_config
 from meshlm.model.config import PRESETS, ModelConfig
 from meshlm.model.flops import param_counts
 from meshlm.parallel.mesh import DIMS, FLAT_GROUPS, Layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.parallel.pp.schedules import compute_order, theoretical_bubble
 from meshlm.plan import (
     Assumptions,
@@ -42,7 +43,7 @@ from meshlm.plan.cost import CostModel, run_cost
 from meshlm.plan.hardware import GB
 from meshlm.plan.memory import (
     FUSED_LOSS_CHUNK,
-    Strategy,
+    Candidate,
     layer_activation_bytes,
     logits_bytes,
     loss_chunk_bytes,
@@ -62,8 +63,15 @@ TEST = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, 
 NO_OVERHEAD = Assumptions(overhead_gb=0, overhead_fraction=0)
 
 
-def strategy(pp: int = 1, dp: int = 1, tp: int = 1, **choices: object) -> Strategy:
-    return Strategy(Layout(pp, dp, tp), **choices)
+def candidate(mesh: Layout, **choices: object) -> Candidate:
+    """A candidate with `choices` given as keywords: its options' fields (zero, schedule...) and its own."""
+    options = {name: value for name, value in choices.items() if name in ParallelOptions.model_fields}
+    own = {name: value for name, value in choices.items() if name not in options}
+    return Candidate(mesh, ParallelOptions(**options), **own)
+
+
+def strategy(pp: int = 1, dp: int = 1, tp: int = 1, **choices: object) -> Candidate:
+    return candidate(Layout(pp, dp, tp), **choices)
 
 
 def plan_args(*argv: str) -> argparse.Namespace:
@@ -387,7 +395,7 @@ def test_zb1_is_priced_with_its_rewalk_and_not_proposed():
         plans = search(w, 16, hw, constraints=fixed, a=a, priced=0).plans
         assert plans and all(p.strategy.schedule != "zb1" for p in plans)
     one_f_one_b = best(w, 16, hw, constraints=dataclasses.replace(fixed, schedule="1f1b"))
-    zb1 = step_time(w, dataclasses.replace(one_f_one_b.strategy, schedule="zb1"), hw)
+    zb1 = step_time(w, one_f_one_b.strategy.with_options(schedule="zb1"), hw)
     assert zb1.compute == pytest.approx((1 + ZB1_REWALK) * one_f_one_b.step.compute)
     assert zb1.bubble < one_f_one_b.step.bubble
     assert zb1.tokens_per_s < one_f_one_b.step.tokens_per_s
@@ -528,7 +536,7 @@ def test_count_and_duration_suffixes():
 # --- properties -----------------------------------------------------------------------------------
 
 
-def _strategy(pp, tp, dp, mb, schedule, v, recompute, sp) -> Strategy:
+def _strategy(pp, tp, dp, mb, schedule, v, recompute, sp) -> Candidate:
     return strategy(pp, dp, tp, micro_batch=mb, schedule=schedule, virtual_stages=v if schedule == "interleaved" else 1,
                     recompute=recompute, sequence_parallel=sp)  # fmt: skip
 
@@ -546,7 +554,7 @@ layouts = st.builds(
 )
 
 
-def runnable(s: Strategy, n_layers: int, batch: int = 16) -> bool:
+def runnable(s: Candidate, n_layers: int, batch: int = 16) -> bool:
     """What the runtime can run: a layer per pipeline chunk; interleaved with micro-batches divisible by pp."""
     m = batch // (s.dp * s.micro_batch)
     return s.pp * s.virtual_stages <= n_layers and (s.schedule != "interleaved" or (s.pp > 1 and m % s.pp == 0))
@@ -561,7 +569,7 @@ def test_memory_never_grows_with_zero_stage(layout, precision):
     # Without a second replica to shard over, ZeRO-1/2 in bf16 add fp32 master and gradient shards to bf16
     # working copies (4 + 16/dp bytes per parameter against zero 0's 16): compare from stage 1 there.
     first = 1 if precision == "bf16" and layout.replicas == 1 else 0
-    mems = [memory(w, dataclasses.replace(layout, zero=z), hw) for z in range(first, 4)]
+    mems = [memory(w, layout.with_options(zero=z), hw) for z in range(first, 4)]
     states = [m.params + m.grads + m.optimizer for m in mems]
     assert all(later <= earlier for earlier, later in itertools.pairwise(states))
     totals = [m.total for m in mems[: 3 - first]]  # ZeRO-3 adds a gathered-layer buffer, so may cost more at dp=1
@@ -638,8 +646,8 @@ def test_memoised_sub_results_equal_a_fresh_computation(mesh, fields, changed, d
     model = TEST.replace(hf_model_type="mixtral", n_experts=4, top_k=2, moe_intermediate_size=64) if ep > 1 else TEST
     w = Workload(model, 64, 16, 1e6, "fp32" if gpu == "cpu" else "bf16")
     hw = hardware(gpu)
-    first = Strategy(Layout(pp, dp, tp, cp, ep), **fields)
-    second = dataclasses.replace(first, **{changed: data.draw(st.sampled_from(VARIED[changed]))})
+    first = candidate(Layout(pp, dp, tp, cp, ep), **fields)
+    second = candidate(first.mesh, **{**fields, changed: data.draw(st.sampled_from(VARIED[changed]))})
     assume(all(layout_problem(w, s, model.n_layers) is None for s in (first, second)))
     memory(w, first, hw), step_time(w, first, hw)
     warm = memory(w, second, hw), step_time(w, second, hw)

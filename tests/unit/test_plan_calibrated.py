@@ -11,7 +11,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.observe.bandwidth import fit_link
 from meshlm.observe.calibration import calibration, cpu_machine
 from meshlm.parallel.mesh import Layout
-from meshlm.plan import Strategy, Workload, collective_time, hardware, plan_for_config, step_time
+from meshlm.plan import Candidate, Workload, collective_time, hardware, plan_for_config, step_time
 from meshlm.plan.hardware import Link
 from meshlm.plan.memory import Assumptions
 from meshlm.plan.step_time import MEASURED_EFFICIENCY, micro_batch_time, time_share, work_time
@@ -69,7 +69,7 @@ def test_overhead_favours_fewer_larger_micro_batches():
     times = {}
     for overhead in (0.0, 1e-3):
         hw = cpu(layer_s=overhead, micro_batch_s=overhead)
-        times[overhead] = [step_time(w, Strategy(micro_batch=b), hw).total for b in (1, 2, 4, 8)]
+        times[overhead] = [step_time(w, Candidate(micro_batch=b), hw).total for b in (1, 2, 4, 8)]
     assert times[0.0] == pytest.approx([times[0.0][0]] * 4)  # compute alone is linear in tokens
     steps = [t - times[0.0][0] for t in times[1e-3]]
     assert steps == pytest.approx([8 * 5e-3, 4 * 5e-3, 2 * 5e-3, 5e-3])  # m × (4 layers + 1) ms
@@ -90,14 +90,14 @@ def test_oversubscribed_pipeline_is_bound_by_work_not_bubble():
     the step is the work (m slots at the all-busy speed); with 4 (slower) cores every rank owns one, and
     fill and drain add (p − 1) slots."""
     w = Workload(TEST, 32, 8, 1e9, "fp32")
-    lay = Strategy(Layout(pp=2, dp=2), micro_batch=2)
+    lay = Candidate(Layout(pp=2, dp=2), micro_batch=2)
     shared = step_time(w, lay, cpu(cores=2))
     assert shared.bubble == 0.0
     owned = step_time(w, lay, cpu(cores=4))
     m = 2
     assert owned.compute == pytest.approx(shared.compute)  # machine / 4 per rank either way
     assert owned.bubble == pytest.approx(owned.compute / m)  # (p − 1) = 1 slot
-    pipeline = step_time(w, Strategy(Layout(pp=2), micro_batch=2), cpu(cores=2))  # 2 ranks, 2 cores
+    pipeline = step_time(w, Candidate(Layout(pp=2), micro_batch=2), cpu(cores=2))  # 2 ranks, 2 cores
     assert pipeline.bubble == pytest.approx(pipeline.compute / 4)  # m = 4 slots, 1 in the bubble
 
 
@@ -108,7 +108,7 @@ def test_tensor_parallel_pays_for_embedding_head_and_loss_calls():
     model = TEST.replace(n_layers=1)
     w = Workload(model, 32, 2, 1e9, "fp32")
     hw = cpu(cores=2, link={"alpha_s": alpha, "beta_Bps": 1e30})
-    st = step_time(w, Strategy(Layout(tp=2), micro_batch=2), hw)
+    st = step_time(w, Candidate(Layout(tp=2), micro_batch=2), hw)
     call = collective_time("all_reduce", 1, 2, Link(alpha, 1e30))
     assert call == pytest.approx(2 * alpha)
     assert st.tp_comm == pytest.approx((4 + 2 + 2) * call)

@@ -17,9 +17,10 @@ from meshlm.model import Transformer, cross_entropy_loss, param_counts, preset
 from meshlm.model.llama import set_recompute
 from meshlm.observe.memory import ActivationMeter
 from meshlm.parallel.mesh import DIMS, FLAT_GROUPS, Layout, parse_layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.plan import PlannerError, Workload, hardware, search
 from meshlm.plan.memory import (
-    Strategy,
+    Candidate,
     layer_activation_bytes,
     moe_layer_activation_bytes,
     moe_stage_params,
@@ -115,19 +116,21 @@ def test_all_to_all_time_per_moe_layer() -> None:
         one = (ep - 1) / ep * rows / link.beta + (ep - 1) * link.alpha
         return exchanges * one + forwards * ((ep - 1) / ep * counts / link.beta + (ep - 1) * link.alpha)
 
-    within = Strategy(Layout(dp=8, ep=8), zero=1)
+    within = Candidate(Layout(dp=8, ep=8), ParallelOptions(zero=1))
     assert ep_layer_time(cfg, tokens, within, hw, act) == pytest.approx(expected(8, hw.intra, 4, 1), rel=1e-12)
-    full = Strategy(Layout(dp=8, ep=8), zero=1, recompute="full")
+    full = Candidate(Layout(dp=8, ep=8), ParallelOptions(zero=1), recompute="full")
     assert ep_layer_time(cfg, tokens, full, hw, act) == pytest.approx(expected(8, hw.intra, 6, 2), rel=1e-12)
     assert collective_time("all_to_all", rows, 8, hw.intra) == pytest.approx(expected(8, hw.intra, 1, 0))
-    assert ep_layer_time(cfg, tokens, Strategy(Layout(dp=64), zero=1), hw, act) == 0.0
-    across = Strategy(Layout(dp=4, ep=8, tp=2), zero=1)  # ep stride 2 × 8 ranks: spans two 8-GPU nodes
+    assert ep_layer_time(cfg, tokens, Candidate(Layout(dp=64), ParallelOptions(zero=1)), hw, act) == 0.0
+    across = Candidate(
+        Layout(dp=4, ep=8, tp=2), ParallelOptions(zero=1)
+    )  # ep stride 2 × 8 ranks: spans two 8-GPU nodes
     assert crosses_nodes(across.mesh, "ep", 8)
     assert ep_layer_time(cfg, tokens, across, hw, act) == pytest.approx(expected(8, hw.inter, 4, 1), rel=1e-12)
 
     # in a step: every MoE layer of a micro-batch, m micro-batches (pp = 1: one stage holds all 32 layers)
     w = Workload(cfg, 4096, 256, 1e12)
-    s = Strategy(Layout(dp=8, ep=8), zero=3, micro_batch=1, recompute="full")
+    s = Candidate(Layout(dp=8, ep=8), ParallelOptions(zero=3), micro_batch=1, recompute="full")
     step = step_time(w, s, hw)
     assert step.ep_comm == pytest.approx(s.micro_batches(256) * 32 * ep_layer_time(cfg, tokens, s, hw, act))
     parts = step.parts()

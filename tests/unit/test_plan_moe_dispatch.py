@@ -12,7 +12,8 @@ import pytest
 
 from meshlm.model.config import preset
 from meshlm.parallel.mesh import Layout
-from meshlm.plan import Strategy, hardware
+from meshlm.parallel.options import ParallelOptions
+from meshlm.plan import Candidate, hardware
 from meshlm.plan.network import group_time
 from meshlm.plan.step_time import ep_layer_time
 
@@ -25,7 +26,7 @@ def all_to_all(nbytes: float, n: int, alpha: float, beta: float) -> float:
 def test_megatron_dispatcher_sends_a_tp_share_of_the_tokens_under_sequence_parallelism() -> None:
     cfg, hw = preset("mixtral-8x7b"), hardware("H100-SXM")
     tokens, act, tp, ep, k = 4096, 2, 2, 4, 2  # tp·ep = 8: one node
-    s = Strategy(Layout(dp=8, ep=ep, tp=tp), zero=1, sequence_parallel=True)
+    s = Candidate(Layout(dp=8, ep=ep, tp=tp), ParallelOptions(zero=1, sequence_parallel=True))
     link = hw.intra
     rows = all_to_all(tokens / tp * k * cfg.dim * act, ep, link.alpha, link.beta)
     counts = all_to_all(8 * cfg.n_experts, ep, link.alpha, link.beta)
@@ -36,7 +37,7 @@ def test_megatron_dispatcher_sends_a_tp_share_of_the_tokens_under_sequence_paral
     full_rows = all_to_all(tokens * k * cfg.dim * act, ep, link.alpha, link.beta)
     assert ep_layer_time(cfg, tokens, s, hw, act, "meshlm") == pytest.approx(4 * full_rows + counts, rel=1e-12)
     # without sequence parallelism every Megatron tp rank holds every token: the full rows, no regather
-    no_sp = Strategy(Layout(dp=8, ep=ep, tp=tp), zero=1, sequence_parallel=False)
+    no_sp = Candidate(Layout(dp=8, ep=ep, tp=tp), ParallelOptions(zero=1, sequence_parallel=False))
     assert ep_layer_time(cfg, tokens, no_sp, hw, act, "megatron") == pytest.approx(4 * full_rows + counts, rel=1e-12)
 
 
@@ -49,6 +50,6 @@ def test_the_dispatch_all_to_all_shrinks_with_tp() -> None:
     hw = free_latency
     times = {}
     for tp in (1, 4):
-        s = Strategy(Layout(dp=8 // tp, ep=2, tp=tp), zero=1, sequence_parallel=tp > 1)
+        s = Candidate(Layout(dp=8 // tp, ep=2, tp=tp), ParallelOptions(zero=1, sequence_parallel=tp > 1))
         times[tp] = ep_layer_time(cfg, 4096, s, hw, 2, "megatron") - ep_layer_time(cfg, 0, s, hw, 2, "megatron")
     assert times[4] == pytest.approx(times[1] / 4, rel=1e-9)

@@ -12,7 +12,8 @@ import math
 import pytest
 
 from meshlm.parallel.mesh import Layout
-from meshlm.plan import Strategy, Workload, hardware, step_time
+from meshlm.parallel.options import ParallelOptions
+from meshlm.plan import Candidate, Workload, hardware, step_time
 from meshlm.plan.hardware import Link
 from meshlm.plan.network import (
     NCCL_BASE,
@@ -120,6 +121,6 @@ def test_data_parallel_time_barely_grows_from_16_to_2048_replicas():
     dp_times = []
     for dp in (16, 2048):
         w = Workload(model, 8192, 4 * dp, 1e12, name="llama3-8b")
-        s = Strategy(Layout(dp=dp, tp=8), zero=1, micro_batch=1, sequence_parallel=True)
+        s = Candidate(Layout(dp=dp, tp=8), ParallelOptions(zero=1, sequence_parallel=True), micro_batch=1)
         dp_times.append(step_time(w, s, hardware("H100-SXM")).dp_comm)
     assert dp_times[1] - dp_times[0] < 0.05 * dp_times[0] + 0.01

@@ -4,21 +4,20 @@ prices all of it per micro-batch, and with it no longer recommends ZeRO-3 + pp f
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from meshlm.model import preset
 from meshlm.parallel.mesh import Layout
+from meshlm.parallel.options import ParallelOptions
 from meshlm.plan.hardware import hardware
-from meshlm.plan.memory import Assumptions, Strategy, Workload, layer_params
+from meshlm.plan.memory import Assumptions, Candidate, Workload, layer_params
 from meshlm.plan.network import collective_time
 from meshlm.plan.search import Constraints, search
 from meshlm.plan.step_time import step_time
 
 H100 = hardware("H100-SXM")
 MODEL = preset("llama3-8b")
-ZERO3_PP = Strategy(Layout(2, 8, 1, 1), zero=3, schedule="zb1")
+ZERO3_PP = Candidate(Layout(2, 8, 1, 1), ParallelOptions(zero=3, schedule="zb1"))
 
 
 def _workload(global_batch: int) -> Workload:
@@ -52,4 +51,4 @@ def test_zero3_with_pp_is_not_picked_for_8b_on_16_h100() -> None:
     assert plans[0].strategy.zero != 3
     zero3 = next(p for p in plans if p.strategy.zero == 3)
     assert zero3.step.tokens_per_s < plans[0].step.tokens_per_s
-    assert dataclasses.replace(zero3.strategy, zero=plans[0].strategy.zero) == plans[0].strategy
+    assert zero3.strategy.with_options(zero=plans[0].strategy.zero) == plans[0].strategy

@@ -41,6 +41,7 @@ class DataParallelism:
     def apply(self, build: Build) -> Applied:
         import torch
 
+        from meshlm.parallel.distributed import AUTOCAST_DTYPES
         from meshlm.parallel.dp.data_parallel import DataParallel, replica_group
         from meshlm.parallel.dp.gradients import LocalGradients
         from meshlm.parallel.dp.hooks import DataParallelHooks
@@ -57,7 +58,7 @@ class DataParallelism:
                 zero=options.zero,
                 bucket_mb=options.bucket_mb,
                 shard_group_size=options.zero_shard_size,
-                param_dtype=zero_param_dtype(options, build.device_type, build.autocast_dtype),
+                param_dtype=zero_param_dtype(options, build.device_type, AUTOCAST_DTYPES.get(options.autocast_dtype)),
                 reduce_dtype=torch.bfloat16 if options.zero_reduce_dtype == "bf16" else torch.float32,
                 plan=build.plan,
                 source=build.meta_init,

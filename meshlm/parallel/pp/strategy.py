@@ -78,7 +78,7 @@ class PipelineParallel:
             chunks,
             mesh.group("pp"),
             schedule=options.schedule,
-            n_micro=build.n_micro,
+            n_micro=build.options.micro_batches,
             loss_fn=step.loss,
             autocast=step.autocast,
             set_grad_sync=step.set_grad_sync,

@@ -46,10 +46,10 @@ class TensorParallel:
         )
         for m in build.model.modules():
             if getattr(m, "vocab_head", False):
-                m.gather_output = build.gather_logits
+                m.gather_output = build.loss.gather_logits
         hooks = TensorParallelHooks(build.mesh, build.placements)
-        if build.loss_fn is None and not build.gather_logits:
-            ignore_index = build.ignore_index
+        if build.loss.fn is None and not build.loss.gather_logits:
+            ignore_index = build.loss.ignore_index
 
             def tp_loss(output: object, targets: torch.Tensor) -> torch.Tensor:
                 logits = getattr(output, "logits", output)

@@ -61,7 +61,7 @@ class Adapt(ModelTransform):
 
         if build.adaptation is not None:
             build.adaptation.apply(build.model, build.plan)
-        if build.autocast_dtype == torch.bfloat16:
+        if build.options.autocast_dtype == "bf16":
             cast_frozen_linears(build.model, torch.bfloat16)
 
 
@@ -73,7 +73,7 @@ class FusedLoss(Transform):
     def transform(self, build: Build) -> None:
         from meshlm.parallel.transforms.fused_loss import apply_fused_loss
 
-        if build.fused_loss and build.loss_fn is None and not build.gather_logits:
+        if build.loss.fused and build.loss.fn is None and not build.loss.gather_logits:
             apply_fused_loss(build.model, build.plan)
 
 
@@ -86,8 +86,8 @@ class FP8(Transform):
     def transform(self, build: Build) -> None:
         from meshlm.parallel.transforms.fp8 import apply_fp8
 
-        if build.fp8:
-            apply_fp8(list(build.chunks), build.plan, emulate=build.fp8 == "emulate")
+        if build.options.fp8:
+            apply_fp8(list(build.chunks), build.plan, emulate=build.options.fp8 == "emulate")
 
 
 class Compile(Transform):
@@ -97,5 +97,5 @@ class Compile(Transform):
     def transform(self, build: Build) -> None:
         from meshlm.parallel.transforms.compile import compile_blocks
 
-        if build.compile_backend:
-            compile_blocks(list(build.chunks), build.plan, build.compile_backend)
+        if build.options.compile:
+            compile_blocks(list(build.chunks), build.plan, build.options.compile_backend)
