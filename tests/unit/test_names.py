@@ -1,13 +1,12 @@
 """One meaning per name (issue #50): no name is defined at the top level of two modules of meshlm.
 
 A name defined twice either means one thing twice (keep one definition, in the lowest layer both modules may
-import, tests/test_layers.py, and import it) or two things under one name (rename one to say what it is).
+import, tests/unit/test_layers.py, and import it) or two things under one name (rename one to say what it is).
 Importing a name is not defining it. Exempt: `main` (each command's entry point) and dunders (`__all__`,
 `__getattr__`, `__version__`: each module's own by Python's rules).
 
 Mutations: define `GiB = 2**30` again in meshlm/observe/calibration.py (as it was before this test) and
-`test_no_name_is_defined_in_two_modules` fails naming GiB, meshlm.observe.bandwidth and meshlm.observe.calibration;
-rename parallel/pipeline.py's LossFn and `test_the_allowed_names_are_still_defined_twice` fails naming LossFn.
+`test_no_name_is_defined_in_two_modules` fails naming GiB, meshlm.observe.bandwidth and meshlm.observe.calibration.
 """
 
 from __future__ import annotations
@@ -19,14 +18,6 @@ from pathlib import Path
 import meshlm
 
 PACKAGE = Path(meshlm.__file__).parent
-
-# Names another helper of issue #50 renames on its own branch (by name only: that helper also moves modules); the
-# lead removes each entry after merging it (an entry no longer defined twice fails
-# `test_the_allowed_names_are_still_defined_twice`).
-ALLOWED = {
-    "Strategy",  # helper `options`: plan/memory.py's candidate becomes a holder of ParallelOptions
-    "parallelize",  # helper `options`: one door into ParallelModel (api.py's; train/startup.py's goes)
-}
 
 
 def module_name(path: Path) -> str:
@@ -85,18 +76,12 @@ def definitions() -> dict[str, set[str]]:
 
 
 def test_no_name_is_defined_in_two_modules() -> None:
-    twice = {name: mods for name, mods in definitions().items() if len(mods) > 1 and name not in ALLOWED}
+    twice = {name: mods for name, mods in definitions().items() if len(mods) > 1}
     assert not twice, (
         "defined at the top level of more than one module (rename one to say what it is, or keep one definition "
         "in the lower module and import it): "
         + "; ".join(f"{name} in {', '.join(sorted(mods))}" for name, mods in sorted(twice.items()))
     )
-
-
-def test_the_allowed_names_are_still_defined_twice() -> None:
-    where = definitions()
-    stale = sorted(name for name in ALLOWED if len(where.get(name, ())) < 2)
-    assert not stale, f"ALLOWED names no longer defined in two modules (remove them from ALLOWED): {stale}"
 
 
 def test_the_scan_sees_every_kind_of_definition() -> None:
