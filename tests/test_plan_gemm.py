@@ -43,7 +43,7 @@ XLA_SM90 = {
 
 
 def test_kernel_model_reproduces_xla_h100_measurements():
-    """The fixed time (6.0 µs, fitted to XLA's 72 points at log-rms 9.5 %) and the MAMF rate reproduce the
+    """The fixed time (6.0 µs, fitted to 72 of XLA's points at log-rms 9.5 %) and the MAMF rate reproduce the
     spread from 11 to 783 TFLOP/s: each point within 20 % (the fit's worst over these eight), log-rms under 10 %."""
     errors = []
     for (b, m, n, k), measured in XLA_SM90.items():
