@@ -35,8 +35,16 @@ NCCL_HOP = {"nvlink": {"ring": 3.4e-6, "tree": 4.0e-6, "pat": 3.4e-6, "nvls": 25
 # ring's bus bandwidth (tuning.cc's tree refinement); a ring all-reduce moves 2(n − 1)/n of it.
 TREE_BANDWIDTH = 0.9 * 0.5
 # NVLink SHARP (NVSwitch 3, H100/H200): the switch reduces, so an all-reduce inside a node reaches a higher
-# bus bandwidth than a ring: ~480 against ~360 GB/s on DGX H100 in NVIDIA's published nccl-tests runs.
-NVLS_SPEEDUP = 480 / 360
+# bus bandwidth than a ring. GB/s by group size, 8×H100 SXM, NCCL_ALGO=NVLS, 2–4 GB messages (NVIDIA/nccl#1455):
+# the ring's ~370 up to 4 GPUs, then 420, 440, 460 and 480 at 5–8 GPUs; NCCL's maintainers give the same ~480
+# against the ring's 370 for 8 GPUs, "a 30% improvement" (NVIDIA/nccl-tests#212, NVIDIA/nccl#1442).
+NCCL_RING_BUSBW = 370
+NVLS_BUSBW = {5: 420, 6: 440, 7: 460, 8: 480}
+
+
+def nvls_speedup(n: int) -> float:
+    """NVLS all-reduce bus bandwidth over the ring's for a group of n GPUs in one node."""
+    return NVLS_BUSBW.get(min(n, 8), NCCL_RING_BUSBW) / NCCL_RING_BUSBW
 
 
 class Algorithm(NamedTuple):
@@ -74,7 +82,7 @@ def nccl_algorithms(
         depth = (per_node - 1) * nvlink["tree"] + math.log2(nodes) * NCCL_HOP["net"]
         out["tree"] = NCCL_BASE["tree"] + 2 * depth + nbytes / (TREE_BANDWIDTH * beta)
         if nvls and nodes == 1:
-            out["nvls"] = NCCL_BASE["nvls"] + nvlink["nvls"] + 2 * (n - 1) / n * nbytes / (NVLS_SPEEDUP * beta)
+            out["nvls"] = NCCL_BASE["nvls"] + nvlink["nvls"] + 2 * (n - 1) / n * nbytes / (nvls_speedup(n) * beta)
     elif per_node == 1 and nodes > 1:
         out["pat"] = NCCL_BASE["pat"] + math.log2(n) * NCCL_HOP["net"] + (n - 1) / n * nbytes / beta
     return out

@@ -18,6 +18,7 @@ from meshlm.model.flops import flops_per_token, matmul_params
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.plan.exchanges import cp_layer_time, ep_layer_time
+from meshlm.plan.gemm import shape_efficiency
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.memory import (
     BYTES,
@@ -51,6 +52,11 @@ TRAFFIC: dict[str, tuple[float, float, float]] = {"meshlm": (38, 12, 5), "megatr
 # forwards' work instead of three: a third more compute (measured +36 % per step, docs/benchmarks.md).
 ZB1_REWALK = 1 / 3
 UNFUSED_ATTENTION = 4  # without flash: scores written, softmax read + written, probabilities read (a·s each)
+# Attention-core FLOPs a causal flash kernel executes, over the training FLOPs `flops_per_token` counts (3× the
+# forward over the full s×s square): it skips the masked half of the square, and its backward recomputes the
+# scores, 2.5× the forward's matmuls instead of 2× (flash-attention's benchmarks/benchmark_flash_attention.py
+# counts FLOPs so: 4·b·s²·h·d / (2 if causal), backward 2.5×). Published flash-attention rates are in that count.
+CAUSAL_FLASH_WORK = 0.5 * 3.5 / 3
 
 
 def fill_slots(schedule: str, pp: int, virtual_stages: int = 1) -> float:
@@ -191,15 +197,14 @@ def compute_rate(hw: Hardware, a: Assumptions) -> float:
 
 
 def work_time(gemm: float, attention: float, nbytes: float, hw: Hardware, a: Assumptions, flash: bool) -> float:
-    """Seconds of device work for a rank alone: GEMM FLOPs at the GEMM rate, attention-core FLOPs at the
-    flash-attention rate (or the GEMM rate, unfused), and elementwise bytes at the achievable bandwidth."""
+    """Seconds of device work for a rank alone: GEMM FLOPs at the GEMM rate, attention-core FLOPs (the full
+    square, `flops_per_token`'s count) as a causal flash kernel runs them (`CAUSAL_FLASH_WORK`) at the
+    flash-attention rate, or unfused, the whole square at the GEMM rate; elementwise bytes at the achievable
+    bandwidth."""
     alone = hw.per_rank(1)
     rate = compute_rate(alone, a)
-    return (
-        gemm / rate
-        + attention / (rate * (hw.attention_efficiency if flash else 1.0))
-        + nbytes / (alone.memory_bw * MEMORY_EFFICIENCY)
-    )
+    core = attention * CAUSAL_FLASH_WORK / (rate * hw.attention_efficiency) if flash else attention / rate
+    return gemm / rate + core + nbytes / (alone.memory_bw * MEMORY_EFFICIENCY)
 
 
 def time_share(hw: Hardware, busy: float) -> float:
@@ -484,13 +489,15 @@ def stage_slots(
         full_s = dataclasses.replace(s, recompute="full")
         cp_full_layer = cp_layer_time(model, tokens, full_s, hw, act)
         ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act, a.runtime)
+    # GEMMs priced at their shapes' rate (`meshlm.plan.gemm`): FLOPs over that fraction of a large GEMM's rate
+    layer_shape, head_shape = shape_efficiency(model, tokens, s.tp, s.ep, a.runtime, hw)
     stages = []
     slot_compute = slot_tp = slot_cp = slot_ep = 0.0
     for i in representative_stages(chunks):
         layers, last = sum(chunks[i]), i == s.pp - 1
         share = full_share(chunks[i], s.recompute_layers)
         work = mixed_work(works[0], full_work, share)
-        gemm = tokens * (layers * work.gemm_flops + (head_f if last else 0.0))
+        gemm = tokens * (layers * work.gemm_flops / layer_shape + (head_f / head_shape if last else 0.0))
         nbytes = tokens * (layers * work.memory_bytes + (loss_bytes if last else 0.0))
         attention = tokens * layers * work.attention_flops * cp_attention_factor(s)
         device = work_time(gemm, attention, nbytes, hw, a, a.flash_attention)

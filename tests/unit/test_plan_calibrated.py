@@ -56,10 +56,14 @@ def test_micro_batch_time_adds_host_time_on_cpu_and_overlaps_it_on_gpu():
 
 
 def test_work_time_prices_attention_and_elementwise_bytes():
-    """GEMMs at the device's GEMM rate, flash attention at its fraction of it, elementwise bytes at 80 % of HBM."""
+    """GEMMs at the device's GEMM rate; flash attention at its fraction of it, on the FLOPs a causal flash
+    kernel runs: half the square flops_per_token counts, its backward 2.5 forwards (3.5 of the 3 counted), so
+    7/12 of them; unfused, the whole square at the GEMM rate; elementwise bytes at 80 % of HBM. Fails if the
+    flash kernel is priced on the whole square."""
     gpu, a = hardware("H100-SXM"), Assumptions()
     gemm = 989e12 * gpu.gemm_efficiency
-    assert work_time(0.0, 1e15, 0.0, gpu, a, flash=True) == pytest.approx(1e15 / (gemm * gpu.attention_efficiency))
+    flash = work_time(0.0, 1e15, 0.0, gpu, a, flash=True)
+    assert flash == pytest.approx(1e15 * 7 / 12 / (gemm * 0.35 * 989 / 794.5))
     assert work_time(0.0, 1e15, 0.0, gpu, a, flash=False) == pytest.approx(1e15 / gemm)
     assert work_time(0.0, 0.0, 1e12, gpu, a, flash=True) == pytest.approx(1e12 / (3.35e12 * 0.8))
 

@@ -18,7 +18,6 @@ from meshlm.plan.hardware import Link
 from meshlm.plan.network import (
     NCCL_BASE,
     NCCL_HOP,
-    NVLS_SPEEDUP,
     TREE_BANDWIDTH,
     group_time,
     nccl_algorithms,
@@ -77,13 +76,13 @@ def test_inside_a_node_rings_beat_trees_and_nvls_wins_large_all_reduces():
     """In one node the tree is a chain (7 hops of 4 µs each way) against the ring's 14 of 3.4 µs, and
     moves its bytes slower: the ring wins at every size. NVLS (H100) pays 23 + 25 = 48 µs of latency, less
     than the ring's 8.4 + 14·3.4 = 56 µs in the Simple protocol (the small-message LL protocols are not
-    modelled), and moves the bytes NVLS_SPEEDUP faster: it wins at every size."""
+    modelled), and moves the bytes 480/370 faster at 8 GPUs (nvls_speedup): it wins at every size."""
     for m in (1e3, 1e6, 1e9):
         assert nccl_pick("all_reduce", m, 8, 8, NVLINK, NET).name == "ring"
         assert nccl_pick("all_reduce", m, 8, 8, NVLINK, NET, nvls=True).name == "nvls"
     big = nccl_pick("all_reduce", 256e6, 8, 8, NVLINK, NET, nvls=True)
     assert big.name == "nvls"
-    assert big.seconds == pytest.approx(48 * US + 2 * 7 / 8 * 256e6 / (NVLS_SPEEDUP * NVLINK.beta))
+    assert big.seconds == pytest.approx(48 * US + 2 * 7 / 8 * 256e6 / (480 / 370 * NVLINK.beta))
     assert "nvls" not in nccl_algorithms("all_reduce", 256e6, 16, 8, NVLINK, NET, nvls=True)  # one node only
     assert "nvls" not in nccl_algorithms("all_gather", 256e6, 8, 8, NVLINK, NET, nvls=True)
 
@@ -124,3 +123,14 @@ def test_data_parallel_time_barely_grows_from_16_to_2048_replicas():
         s = Candidate(Layout(dp=dp, tp=8), ParallelOptions(zero=1, sequence_parallel=True), micro_batch=1)
         dp_times.append(step_time(w, s, hardware("H100-SXM")).dp_comm)
     assert dp_times[1] - dp_times[0] < 0.05 * dp_times[0] + 0.01
+
+
+def test_nvls_speeds_up_only_groups_of_five_or_more():
+    """NVLS's measured bus bandwidth (NVIDIA/nccl#1455, 8×H100): the ring's 370 GB/s for 2–4 GPUs, 420–480
+    for 5–8. A 4-GPU all-reduce then gains nothing from NVLS and pays its 48 µs latency against the ring's
+    8.4 + 6·3.4 µs: the ring wins at every size; at 8 GPUs NVLS moves 1 GB 480/370 faster. Fails if NVLS
+    keeps one speed-up for every group size (the 4-GPU pick becomes NVLS at 1 GB)."""
+    for m in (1e6, 1e9):
+        assert nccl_pick("all_reduce", m, 4, 4, NVLINK, NET, nvls=True).name == "ring"
+    t = nccl_algorithms("all_reduce", 1e9, 6, 6, NVLINK, NET, nvls=True)["nvls"]
+    assert t == pytest.approx(48 * US + 2 * 5 / 6 * 1e9 / (440 / 370 * NVLINK.beta))
