@@ -16,7 +16,8 @@ import pytest
 
 from meshlm.model.config import PRESETS
 from meshlm.parallel.mesh import Layout
-from meshlm.plan import Strategy, Workload, hardware, step_time
+from meshlm.parallel.options import ParallelOptions
+from meshlm.plan import Candidate, Workload, hardware, step_time
 from meshlm.plan.gemm import dense_gemms, gemm_seconds, shape_efficiency
 
 H100 = hardware("H100-SXM")
@@ -98,12 +99,12 @@ def test_step_prices_gemms_at_their_shape_rate():
     a tenth; Llama 3 70B's 8K-token GEMMs at tp = 1 are large: within 1 %."""
     flat = dataclasses.replace(H100, matmul_max=None)
     small = Workload(PRESETS["llama3-8b"], seq_len=4096, global_batch=8, train_tokens=1e9)
-    strategy = Strategy(Layout(tp=8), zero=0, micro_batch=1, recompute="none", sequence_parallel=True)
+    strategy = Candidate(Layout(tp=8), ParallelOptions(zero=0, sequence_parallel=True), micro_batch=1, recompute="none")
     shaped, plain = step_time(small, strategy, H100), step_time(small, strategy, flat)
     assert plain.compute > 8 * 32 * H100.layer_overhead_s  # device-bound: not the host's launches
     assert shaped.compute > 1.1 * plain.compute
     large = Workload(PRESETS["llama3-70b"], seq_len=8192, global_batch=8, train_tokens=1e9)
-    strategy = Strategy(Layout(dp=8), zero=3, micro_batch=1, recompute="full")
+    strategy = Candidate(Layout(dp=8), ParallelOptions(zero=3), micro_batch=1, recompute="full")
     assert step_time(large, strategy, H100).compute == pytest.approx(step_time(large, strategy, flat).compute, rel=0.01)
 
 
