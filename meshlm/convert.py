@@ -3,7 +3,7 @@
 `load_checkpoint_model` builds the model a checkpoint records (a LoRA or train.freeze run's base rebuilt from
 its config.toml, the trained tensors loaded on it, adapters merged); `run_convert` moves weights between an
 HF directory, a meshlm safetensors file and a run. This reads runs (config, checkpoints, adapters), so it
-sits above them in meshlm's layers (tests/test_layers.py), unlike the HF format itself (meshlm.model.hf).
+sits above them in meshlm's layers (tests/unit/test_layers.py), unlike the HF format itself (meshlm.model.hf).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ batch (‖Δ‖/‖logits‖), must agree within the same 1e-5 (measured 9e-8 on
 A wrong export moves whole rows: on that replica (head_dim 4, an HF init's near-uniform attention, so the
 smallest such effect) q/k rows in Meta's interleaved RoPE order move the merged row's logits by 9.5e-4, a
 merge without alpha/rank by 4.8e-2, PEFT adapters written with lora_alpha = r the PEFT row's by 4.8e-2
-(tests/test_check.py::test_the_export_logits_tolerance_is_sharp checks the first two on the `test` preset).
+(tests/integration/test_check.py::test_the_export_logits_tolerance_is_sharp checks the first two on the `test` preset).
 """
 
 from __future__ import annotations

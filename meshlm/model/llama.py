@@ -264,7 +264,7 @@ def set_recompute(model: nn.Module, policy: str, layers: int = 0) -> None:
     stores none anyway, then only its softmax statistics are saved); 'none' keeps everything. `layers` > 0
     recomputes the first `layers` blocks of each pipeline chunk fully and the rest by `policy` (Megatron's
     `--recompute-num-layers`). Planned by meshlm.plan.memory.layer_activation_bytes, measured by
-    tests/test_recompute.py and benchmarks/recompute.py."""
+    tests/parallel/test_recompute.py and benchmarks/recompute.py."""
     model.activation_checkpointing = policy == "full"
     model.recompute_layers = layers
     for module in model.modules():

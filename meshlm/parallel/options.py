@@ -9,7 +9,7 @@ compile_backend; the Loss's `ignore_index` and `fused` as train.ignore_index and
 loss=...)`; the layout checks' `LayoutSpec.options` (meshlm.parallel.strategies); the planner's candidates
 (meshlm.plan.memory.Candidate.options). tests/unit/test_options.py fails if one of them re-declares an option.
 A new strategy's option is one field here. The engine never imports the config, so `meshlm.parallel` sits
-below it in meshlm's layers (tests/test_layers.py); this module needs no torch.
+below it in meshlm's layers (tests/unit/test_layers.py); this module needs no torch.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ A new strategy is a folder and one entry here.
 
 `check_layout(spec, model, plan)` below is the one entry point to the checks: sizes only (no model, no torch) for
 the run config's validation (meshlm.train.startup.check_config) and the planner's search (meshlm.plan.search), so
-they accept the same layouts (tests/test_layout_agreement.py); with the model, once per build, by ParallelModel
+they accept the same layouts (tests/unit/test_layout_agreement.py); with the model, once per build, by ParallelModel
 (meshlm's model and a user's alike, whether from `meshlm train` or `meshlm.parallelize`).
 """
 

@@ -218,7 +218,7 @@ def model_state_bytes(
     gradient buffer. Its ZeRO-3 is FSDP's FULL_SHARD (the MPT rows of docs/planner.md; FSDP2 alike): fp32
     sharded weights, which are the master copy, fp32 sharded gradients and moments, 16/d. fp32 training
     counts BYTES (4 + 4 + 8) for both. meshlm's runtime holds what its flat buffers
-    hold (docs/zero.md, checked against the real tensors by tests/test_zero_bytes.py): zero 0 steps the fp32
+    hold (docs/zero.md, checked against the real tensors by tests/parallel/test_zero_bytes.py): zero 0 steps the fp32
     weights under autocast (4 + 4 + 8); under ZeRO ≥ 1 AdamW's moments (8) shard, with fp32 master and
     reduced-gradient shards (4 + 4 per dp) beside full working weights and gradients of
     `parallel.zero_param_dtype` (bf16 in `bf16` precision, else fp32, when the masters are views of them),

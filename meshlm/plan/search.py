@@ -170,7 +170,7 @@ def layout_problem(
     the trainer's own checks (every strategy's check_layout, meshlm.parallel.strategies; `chunks`, the most
     pipeline chunks the modelled runtime cuts the model into, is n_layers for meshlm's), so the planner never
     proposes a layout the trainer refuses nor leaves out one it runs (for meshlm's model, the strategies' checks
-    of the model against its plan refuse nothing the size checks accept: tests/test_layout_agreement.py runs
+    of the model against its plan refuse nothing the size checks accept: tests/unit/test_layout_agreement.py runs
     both on the runtime side). The Megatron-style runtime composes ep with tp,
     pp and cp: its layout is checked with the ep ranks counted as data replicas, plus the experts' split over
     ep. `uneven=False` adds the planner-only preference for n_layers divisible by the pipeline split. A

@@ -124,7 +124,7 @@ def zero_bubble_h1_order(p: int, m: int) -> list[list[Action]]:
     arrived, else the oldest deferred W. A micro-batch's activations live until its W, so a rank runs no
     new F while it already holds p of them (1F1B's peak, on its first rank) and a W is waiting: the same peak
     memory as 1F1B. The bubble falls from 1F1B's (p-1)(F+B+W) to (p-1)(F+B-W) per rank, a third of it when
-    the three cost the same (tests/test_pipeline.py checks (p-1)/(3m+p-1) for every allowed p and m).
+    the three cost the same (tests/parallel/test_pipeline.py checks (p-1)/(3m+p-1) for every allowed p and m).
     """
     fb = one_f_one_b_order(p, m)
     nxt, busy = [0] * p, [0] * p

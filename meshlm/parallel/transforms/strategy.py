@@ -81,7 +81,7 @@ class FP8(Transform):
     """meshlm.parallel.transforms.fp8: the blocks' Linear layers multiply in fp8 (tensorwise dynamic scales); a
     module swap on what the strategies above left (tp's sharded linears keep their collectives), same
     parameters, so data parallel's buffers and hooks stay. Not exact against one process by design (each rank
-    scales its own operands): tests/test_fp8.py bounds it."""
+    scales its own operands): tests/parallel/test_fp8.py bounds it."""
 
     def transform(self, build: Build) -> None:
         from meshlm.parallel.transforms.fp8 import apply_fp8
