@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from meshlm.parallel.contract import Applied
-from meshlm.parallel.ep.experts import unshard_experts
+from meshlm.parallel.ep import experts
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.placement import Placements
 
@@ -20,4 +20,4 @@ class ExpertParallelHooks(Applied):
     def gather_state(
         self, state: dict[str, torch.Tensor], params: Mapping[str, nn.Parameter]
     ) -> dict[str, torch.Tensor]:
-        return unshard_experts(state, params, self.placements, self.mesh.group("ep"))
+        return experts.unshard_experts(state, params, self.placements, self.mesh.group("ep"))

@@ -10,7 +10,7 @@ from torch import nn
 from meshlm.parallel.contract import Applied
 from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.placement import Placements
-from meshlm.parallel.tp.sharding import unshard_state_dict
+from meshlm.parallel.tp import sharding
 
 
 class TensorParallelHooks(Applied):
@@ -22,4 +22,4 @@ class TensorParallelHooks(Applied):
     def gather_state(
         self, state: dict[str, torch.Tensor], params: Mapping[str, nn.Parameter]
     ) -> dict[str, torch.Tensor]:
-        return unshard_state_dict(state, params, self.placements, self.mesh.group("tp"))
+        return sharding.unshard_state_dict(state, params, self.placements, self.mesh.group("tp"))
