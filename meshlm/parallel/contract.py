@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from meshlm.parallel.mesh import Mesh
     from meshlm.parallel.parallel_plan import ParallelPlan
     from meshlm.parallel.placement import Placements
-    from meshlm.parallel.transforms.lora import Adaptation
 
 LossFn = Callable[[object, "torch.Tensor"], "torch.Tensor"]
 
@@ -101,6 +100,12 @@ class StepContext:
     set_grad_sync: Callable[[int, bool], None]
 
 
+class ModelAdaptation(Protocol):
+    """What the first transform applies to the plain model (train.freeze and LoRA adapters)."""
+
+    def apply(self, model: nn.Module, plan: object | None = None) -> None: ...
+
+
 def _placements() -> Placements:
     """An empty placement table (imported here: the layout checks above run without torch, e.g. `meshlm plan`)."""
     from meshlm.parallel.placement import Placements
@@ -121,7 +126,7 @@ class Build:
     meta_init: MetaInit | None  # given by the engine after the model transforms (Adapt), before the rest
     device_type: str
     loss: Loss = field(default_factory=Loss)  # the user's function if any, ignore_index, gather_logits, fused
-    adaptation: Adaptation | None = None  # train.freeze and LoRA (meshlm.parallel.transforms.lora); None: neither
+    adaptation: ModelAdaptation | None = None  # train.freeze and LoRA; None: neither
     placements: Placements = field(default_factory=_placements)  # where each parameter lives (readers' table)
     chunks: tuple[nn.Module, ...] = ()  # this rank's modules as the strategies applied before this one left them
 

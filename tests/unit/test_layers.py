@@ -303,8 +303,8 @@ def test_no_import_circle_inside_the_parallel_layer() -> None:
     """No circle among the modules of meshlm/parallel/, function-local imports included: each strategy's folder,
     the contract below them and the engine above them can be read and loaded in one order. Imports under
     `if TYPE_CHECKING:` are left out: they never run, so they cannot make one module's loading wait on
-    another's, and annotations may name a type from a module that imports this one (the contract's Build names
-    the placement table and the LoRA adaptation it carries). Main at 22133da failed this with plan.py ->
+    another's, and annotations may name a type from a module that imports this one (tp/moe.py annotates the
+    TPState of tp/sharding.py, which builds its MoE layers). Main at 22133da failed this with plan.py ->
     (function-local) plans.py -> plan.py, one loop of 15 modules that all reached each other (engine.py too,
     counting TYPE_CHECKING imports): plan, plans, strategies, runtime, probe, the strategies' modules."""
     edges = parallel_module_edges()
