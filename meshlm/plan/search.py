@@ -156,6 +156,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@cache
+def _options(zero: int, schedule: Schedule, virtual_stages: int, sp: bool, attention: str) -> ParallelOptions:
+    """The options a candidate sets, built (validated) once per combination: the search meets each many times."""
+    return ParallelOptions(
+        zero=zero, schedule=schedule, virtual_stages=virtual_stages, sequence_parallel=sp, cp_attention=attention
+    )
+
+
 def _loosest(mesh: Layout, micro_batch: int | None) -> Candidate:
     """`mesh` with the choices that pass the most runtime checks: no sequence parallelism, ring attention,
     gpipe without virtual stages, the fixed micro-batch or else the whole replica batch as one (0). A mesh
@@ -234,9 +242,7 @@ def enumerate_strategies(
         )
         checked: dict[tuple, tuple[str, str] | None] = {}  # the runtime's checks do not read the recompute policy
         for b, (schedule, v), zero, recompute, sp, attention in choices:
-            chosen = ParallelOptions(
-                zero=zero, schedule=schedule, virtual_stages=v, sequence_parallel=sp, cp_attention=attention
-            )
+            chosen = _options(zero, schedule, v, sp, attention)
             lay = Candidate(mesh, chosen, b, recompute, c.recompute_layers or 0)
             if (b, chosen) not in checked:
                 checked[b, chosen] = layout_problem(w, lay, chunks, c.uneven_layers, a.runtime)
