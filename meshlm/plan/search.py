@@ -157,7 +157,7 @@ def _divisors(n: int) -> list[int]:
 
 
 @cache
-def _options(zero: int, schedule: Schedule, virtual_stages: int, sp: bool, attention: str) -> ParallelOptions:
+def _options(zero: int, schedule: ScheduleName, virtual_stages: int, sp: bool, attention: str) -> ParallelOptions:
     """The options a candidate sets, built (validated) once per combination: the search meets each many times."""
     return ParallelOptions(
         zero=zero, schedule=schedule, virtual_stages=virtual_stages, sequence_parallel=sp, cp_attention=attention
