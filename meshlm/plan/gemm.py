@@ -24,7 +24,7 @@ from meshlm.plan.pipeline_split import Runtime
 # 794.5 TFLOP/s the least-squares fit to the first 72 sm_90 bf16 entries of XLA's table (m, n, k 256–4096,
 # batch 1–4) is 6.0 µs, log-rms error 9.5 %.
 KERNEL_OVERHEAD_S = 6e-6
-MEMORY_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth (as step_time's elementwise kernels)
+MEMORY_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth: GEMMs here, streaming elementwise kernels in step_time
 OPERAND_BYTES = 2  # bf16 operands and result
 
 

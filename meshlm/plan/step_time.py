@@ -18,7 +18,7 @@ from meshlm.model.flops import flops_per_token, matmul_params
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.plan.exchanges import cp_layer_time, ep_layer_time
-from meshlm.plan.gemm import shape_efficiency
+from meshlm.plan.gemm import MEMORY_EFFICIENCY, shape_efficiency
 from meshlm.plan.hardware import Hardware
 from meshlm.plan.memory import (
     BYTES,
@@ -37,7 +37,6 @@ from meshlm.plan.network import collective_time, crosses_nodes, group_time, rail
 from meshlm.plan.pipeline_split import Runtime, chunk_full_layers, chunk_layers, rank_chunks, representative_stages
 
 MEASURED_EFFICIENCY = 0.8  # achievable fraction of a measured large-matmul rate
-MEMORY_EFFICIENCY = 0.8  # achievable fraction of memory bandwidth for streaming elementwise kernels
 DP_OVERLAP = 0.8  # NCCL runs on a few SMs beside compute; gloo on cpu competes for the same cores
 # Activation elements per token that one layer's elementwise kernels read plus write in forward, as
 # coefficients of (h replicated over tp unless sequence parallel, h split over tp plus this rank's KV width,

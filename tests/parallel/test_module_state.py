@@ -66,7 +66,7 @@ def test_parallelizing_sets_no_attribute_on_the_users_modules() -> None:
     model = Transformer(MOE)
     before = _attributes(model)
     apply_lora(model, rank=4)
-    pm = meshlm.parallelize(model, build_mesh(parse_layout("dp=1", 1), "cpu"), micro_batches=2)
+    pm = meshlm.parallelize(model, build_mesh(parse_layout("dp=1", 1), "cpu"), {"micro_batches": 2})
     assert _gained(before, model) == {}
     moe = [m for chunk in pm.chunks for m in chunk.modules() if isinstance(m, MoE)]
     assert moe and {m.aux_loss_scale for m in moe} == {0.5}  # the engine's setting reached its own layers
@@ -80,6 +80,6 @@ def test_fp8_sets_no_attribute_on_the_layers_it_swaps() -> None:
     torch.manual_seed(0)
     model = Transformer(preset("test"))
     before = _attributes(model)
-    pm = meshlm.parallelize(model, build_mesh(parse_layout("dp=1", 1), "cpu"), fp8="emulate")
+    pm = meshlm.parallelize(model, build_mesh(parse_layout("dp=1", 1), "cpu"), {"fp8": "emulate"})
     assert _gained(before, model) == {}
     assert any(isinstance(m, EmulatedFloat8Linear) for chunk in pm.chunks for m in chunk.modules())

@@ -239,8 +239,7 @@ def _cut_run(toy: bool) -> dict:
     import torch.distributed as dist
 
     from meshlm.checkpoint.state import training_entries
-    from meshlm.config import ParallelSection
-    from meshlm.parallel.engine import ParallelModel
+    from meshlm.parallel.engine import parallelize
     from meshlm.parallel.mesh import build_mesh
 
     torch.manual_seed(0)
@@ -252,7 +251,7 @@ def _cut_run(toy: bool) -> dict:
         data_parallel = [type(s).__name__ for s in original].index("DataParallelism")
         strategies.STRATEGIES = (*original[:data_parallel], CutNormOverTp(), *original[data_parallel:])
     try:
-        pm = ParallelModel(model, build_mesh(Layout(tp=2), "cpu"), ParallelSection(), n_micro=1)
+        pm = parallelize(model, build_mesh(Layout(tp=2), "cpu"))
     finally:
         strategies.STRATEGIES = original
     x = torch.randint(0, MODEL.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
