@@ -1,5 +1,5 @@
 """torch.compile each transformer block, after parallelization (`train.compile`; the last transform of
-meshlm.parallel.strategies, so `meshlm.parallelize(..., compile_backend=...)` applies it too).
+meshlm.parallel.strategies, so `meshlm.parallelize(model, mesh, {"compile": True})` applies it too).
 
 Per block rather than the whole model: the blocks are identical, so one compiled graph serves them all
 (torch.compile treats a module's parameters as inputs), compile time does not grow with depth, and what
