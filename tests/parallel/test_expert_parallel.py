@@ -124,7 +124,7 @@ def expert_grads_over_all_replicas() -> Iterator[list]:
     """The bug: data parallel ignores the gradient group the experts' placements name ("expert_replicas") and
     buckets them with the whole weights, so their gradients are reduced over every data replica (dp × ep),
     summing different experts' gradients."""
-    from meshlm.parallel import data_parallel
+    from meshlm.parallel.dp import data_parallel
     from meshlm.parallel.placement import REPLICAS
 
     fired: list = []
