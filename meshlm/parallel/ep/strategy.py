@@ -1,6 +1,6 @@
 """Expert parallel's size rules and its Strategy (imports no torch). Its plan rules and mechanics are
 meshlm.parallel.ep.experts (the experts sharded over `ep`, all-to-all dispatch and combine), its run-time hook
-meshlm.parallel.ep.hooks."""
+meshlm.parallel.cuts.GatherCuts over "ep"."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ class ExpertParallel:
         check_ep_model(model, layout, options)
 
     def apply(self, build: Build) -> Applied:
+        from meshlm.parallel.cuts import GatherCuts
         from meshlm.parallel.ep.experts import apply_expert_parallel
-        from meshlm.parallel.ep.hooks import ExpertParallelHooks
 
         apply_expert_parallel(build.model, build.mesh.group("ep"), build.placements)
-        return ExpertParallelHooks(build.mesh, build.placements)
+        return GatherCuts(build.mesh, build.placements, "ep")

@@ -1,6 +1,7 @@
 """Tensor parallel's Strategy (imports no torch: its size rules, meshlm.parallel.tp.sizes, run in `meshlm plan` and
 the run config's validation). Its plan rules are meshlm.parallel.tp.rules, its mechanics meshlm.parallel.tp.sharding
-(with tp.ops, tp.moe and the build-time probe tp.probe), its run-time hooks meshlm.parallel.tp.hooks."""
+(with tp.ops, tp.moe and the build-time probe tp.probe), its run-time hook
+meshlm.parallel.cuts.GatherCuts over "tp"."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class TensorParallel:
         probe_tensor_parallel(model, plan, layout.tp)  # each distinct block split vs whole (docs/api.md)
 
     def apply(self, build: Build) -> Applied:
-        from meshlm.parallel.tp.hooks import TensorParallelHooks
+        from meshlm.parallel.cuts import GatherCuts
         from meshlm.parallel.tp.sharding import apply_tensor_parallel, vocab_parallel_cross_entropy
 
         tp = apply_tensor_parallel(
@@ -47,7 +48,7 @@ class TensorParallel:
         for m in build.model.modules():
             if getattr(m, "vocab_head", False):
                 m.gather_output = build.loss.gather_logits
-        hooks = TensorParallelHooks(build.mesh, build.placements)
+        hooks = GatherCuts(build.mesh, build.placements, "tp")
         if build.loss.fn is None and not build.loss.gather_logits:
             ignore_index = build.loss.ignore_index
 
