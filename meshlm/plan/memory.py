@@ -207,7 +207,7 @@ def stage_params(model: ModelConfig, tp: int, layers: int, first: bool, last: bo
 
 
 def model_state_bytes(
-    psi: float, dp: int, zero: int, precision: Precision, runtime: Runtime = "meshlm"
+    psi: float, dp: int, zero: int, precision: Precision, runtime: Runtime = "meshlm", grad_accum_dtype: str = "float32"
 ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes: stage 1 shards the optimizer over dp, 2 also the gradients,
     3 also the weights (Rajbhandari et al. 2020).
@@ -222,7 +222,9 @@ def model_state_bytes(
     weights under autocast (4 + 4 + 8); under ZeRO ≥ 1 AdamW's moments (8) shard, with fp32 master and
     reduced-gradient shards (4 + 4 per dp) beside full working weights and gradients of
     `parallel.zero_param_dtype` (bf16 in `bf16` precision, else fp32, when the masters are views of them),
-    which ZeRO-2 frees after the reduction and ZeRO-3 gathers only for use."""
+    which ZeRO-2 frees after the reduction and ZeRO-3 gathers only for use. The full gradient buffer is in
+    `parallel.grad_accum_dtype`: float32 (ZeRO-1 then keeps its reduced shard inside it: 4 bytes) or bf16
+    beside the fp32 shard (2 + 4/dp)."""
     if runtime == "megatron":
         w, g, o, _ = BYTES[precision]
         if precision == "bf16":
@@ -239,8 +241,9 @@ def model_state_bytes(
         return 4 * shard, 4 * shard, 8 * shard
     working = BYTES[precision][0]
     master = 4 * shard if working != 4 else 0.0
-    full = working * psi + master  # weights (zero 1 and 2) and gradients (zero 1): full, plus the fp32 shard
-    return full, full if zero == 1 else 4 * shard, 8 * shard
+    full = working * psi + master  # weights (zero 1 and 2): full, plus the fp32 master shard
+    grads = full if grad_accum_dtype == "bfloat16" else 4 * psi  # zero 1: the full buffer (and fp32 shard)
+    return full, grads if zero == 1 else 4 * shard, 8 * shard
 
 
 def layer_lora_params(model: ModelConfig, tp: int, rank: int) -> int:
@@ -256,12 +259,14 @@ def layer_lora_params(model: ModelConfig, tp: int, rank: int) -> int:
 
 
 def lora_state_bytes(
-    psi: float, psi_lora: float, replicas: int, zero: int, precision: Precision
+    psi: float, psi_lora: float, replicas: int, zero: int, precision: Precision, grad_accum_dtype: str = "float32"
 ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of a LoRA rank: the frozen base in the working dtype (bf16: no
     fp32 master), sharded under ZeRO-3 only, with no gradient and no optimizer state; the adapters as any
     trainable weights (`model_state_bytes`)."""
-    weights, grads, optimizer = model_state_bytes(psi_lora, replicas, zero, precision)
+    weights, grads, optimizer = model_state_bytes(
+        psi_lora, replicas, zero, precision, grad_accum_dtype=grad_accum_dtype
+    )
     base = BYTES[precision][0] * psi / (replicas if zero >= 3 else 1)
     return base + weights, grads, optimizer
 
@@ -396,7 +401,7 @@ def memory(w: Workload, strategy: Candidate, hw: Hardware, a: Assumptions = DEFA
     fixed = hw.framework_bytes if a.overhead_gb is None else a.overhead_gb * GB
     worst, worst_total = None, 0.0
     for i, layers, moe, chunks, (params, grads, optimizer) in stage_states(
-        model, w.precision, w.lora_rank, s.mesh, s.zero, s.virtual_stages, a.runtime
+        model, w.precision, w.lora_rank, s.mesh, s.zero, s.virtual_stages, a.runtime, s.options.grad_accum_dtype
     ):
         mean_layer = (per_layer * (layers - moe) + per_moe_layer * moe) / layers if layers else per_layer
         if s.recompute_layers:
@@ -437,7 +442,7 @@ def memory_floor(w: Workload, strategy: Candidate, hw: Hardware, a: Assumptions 
     fixed = hw.framework_bytes if a.overhead_gb is None else a.overhead_gb * GB
     floor = 0.0
     for i, _, _, _, (params, grads, optimizer) in stage_states(
-        w.model, w.precision, w.lora_rank, s.mesh, s.zero, s.virtual_stages, a.runtime
+        w.model, w.precision, w.lora_rank, s.mesh, s.zero, s.virtual_stages, a.runtime, s.options.grad_accum_dtype
     ):
         logits = logits_bytes(w, s, a.fused) if i == s.pp - 1 else 0.0
         rest = params + grads + optimizer + logits + buffers
@@ -454,11 +459,12 @@ def stage_states(
     zero: int,
     virtual_stages: int,
     runtime: Runtime,
+    grad_accum_dtype: str = "float32",
 ) -> tuple[tuple[int, int, int, tuple[int, ...], tuple[float, float, float]], ...]:
     """Per representative pipeline stage (`representative_stages`): (stage, its layers, of them MoE, its chunks'
     layers, (weights, gradients, optimizer) bytes). What `memory` needs that no per-micro-batch choice
     changes."""
-    s = Candidate(mesh, ParallelOptions(zero=zero, virtual_stages=virtual_stages))
+    s = Candidate(mesh, ParallelOptions(zero=zero, virtual_stages=virtual_stages, grad_accum_dtype=grad_accum_dtype))
     chunks = rank_chunks(model, s.pp, virtual_stages, runtime)
     moe = rank_moe_layers(model, s.pp, virtual_stages, runtime)
     out = []
@@ -467,12 +473,12 @@ def stage_states(
         psi = stage_params(model, s.tp, layers, i == 0, i == s.pp - 1)
         if lora_rank:
             psi_lora = layers * layer_lora_params(model, s.tp, lora_rank)
-            states = lora_state_bytes(psi, psi_lora, s.replicas, s.zero, precision)
+            states = lora_state_bytes(psi, psi_lora, s.replicas, s.zero, precision, grad_accum_dtype)
         elif model.n_experts:
             dense, experts = moe_stage_params(model, s.tp, s.ep, layers, moe[i], i == 0, i == s.pp - 1)
             states = moe_state_bytes(dense, experts, s, precision, runtime)
         else:
-            states = model_state_bytes(psi, s.replicas, s.zero, precision, runtime)
+            states = model_state_bytes(psi, s.replicas, s.zero, precision, runtime, grad_accum_dtype)
         out.append((i, layers, moe[i], chunks[i], states))
     return tuple(out)
 
@@ -551,8 +557,9 @@ def moe_state_bytes(
     parallel reduces (and ZeRO shards) the dense ones over all data replicas dp × ep × cp and the expert shards
     over the ranks holding the same experts, dp × cp (meshlm.parallel.dp.data_parallel: a flat buffer per kind,
     each with its own group)."""
-    dense_bytes = model_state_bytes(dense, s.replicas, s.zero, precision, runtime)
-    expert_bytes = model_state_bytes(experts, s.expert_replicas, s.zero, precision, runtime)
+    accum = s.options.grad_accum_dtype
+    dense_bytes = model_state_bytes(dense, s.replicas, s.zero, precision, runtime, accum)
+    expert_bytes = model_state_bytes(experts, s.expert_replicas, s.zero, precision, runtime, accum)
     return tuple(a + b for a, b in zip(dense_bytes, expert_bytes, strict=True))
 
 

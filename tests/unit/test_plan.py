@@ -126,7 +126,7 @@ def test_fused_loss_bytes_are_what_it_keeps_for_backward():
         ("bf16", 2, "megatron", (2.0, 0.5, 1.5)),
         ("bf16", 3, "megatron", (0.5, 0.5, 1.0)),  # FSDP FULL_SHARD: fp32 sharded weights, grads, moments: 16/d
         ("bf16", 0, "meshlm", (4.0, 4.0, 8.0)),  # fp32 weights under autocast
-        ("bf16", 1, "meshlm", (2.5, 2.5, 1.0)),  # bf16 weights and grads + fp32 master and grad shards
+        ("bf16", 1, "meshlm", (2.5, 4.0, 1.0)),  # bf16 weights + fp32 master; fp32 grads holding their shard
         ("bf16", 2, "meshlm", (2.5, 0.5, 1.0)),
         ("bf16", 3, "meshlm", (0.5, 0.5, 1.0)),
         ("fp32", 0, "meshlm", (4.0, 4.0, 8.0)),

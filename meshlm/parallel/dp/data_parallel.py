@@ -104,7 +104,9 @@ class DataParallel:
     ZeRO-3 units are the plan's `zero3_units` (default: the model's registered plan). shard_group_size enables
     hybrid sharding (HSDP): shard within consecutive blocks of that many dp ranks and
     replicate across blocks. param_dtype is the working (gathered) weight dtype, e.g. bf16, over fp32 master
-    shards (zero >= 1); reduce_dtype is the dtype gradients are summed in. `source` initialises the
+    shards (zero >= 1); reduce_dtype is the dtype gradients are summed in across ranks; grad_accum_dtype the
+    dtype each rank's gradients accumulate in over micro-batches before that (fp32, or bf16 to halve the
+    buffer, which needs bf16 working weights: zero.FlatBuffer.full_grad). `source` initialises the
     placeholders of a meta-built model (meshlm.parallel.materialize): each rank fills only what it holds.
     `placements` (the build's table, meshlm.parallel.placement) says which mesh group reduces each gradient
     ("replicas": `group`, or one of `grad_groups`) and which weights get a flat buffer of their own.
@@ -119,6 +121,7 @@ class DataParallel:
         shard_group_size: int | None = None,
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
+        grad_accum_dtype: torch.dtype = torch.float32,
         plan: ParallelPlan | None = None,
         source: ParamSource | None = None,
         grad_groups: Mapping[str, dist.ProcessGroup] | None = None,
@@ -126,7 +129,11 @@ class DataParallel:
     ) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero}")
-        self.master_dtype, param_dtype, reduce_dtype = widened(chunks, param_dtype, reduce_dtype)
+        self.master_dtype, param_dtype, reduce_dtype, self.grad_dtype = widened(
+            chunks, param_dtype, reduce_dtype, grad_accum_dtype
+        )
+        if self.grad_dtype not in (self.master_dtype, param_dtype):
+            raise ValueError(f"grad_accum_dtype {grad_accum_dtype} needs working weights of that dtype (zero >= 1)")
         if zero == 0 and (shard_group_size is not None or param_dtype != self.master_dtype):
             raise ValueError("hybrid sharding and param_dtype need zero >= 1 (zero 0 steps the fp32 params)")
         self.chunks = chunks
@@ -195,8 +202,9 @@ class DataParallel:
 
     def _make_buffer(self, params: list[nn.Parameter], groups: ReduceGroups) -> FlatBuffer:
         buf = FlatBuffer(
-            params, groups.shard_size, groups.shard_rank, self.param_dtype, self.source, shard_only=self.stage == 3
-        )
+            params, groups.shard_size, groups.shard_rank, self.param_dtype, self.source, shard_only=self.stage == 3,
+            grad_dtype=self.grad_dtype,
+        )  # fmt: skip
         self.groups_of[id(buf)] = groups
         return buf
 
@@ -270,7 +278,7 @@ class DataParallel:
                 buf.master = shard if share else shard.to(self.master_dtype, copy=True)
             if self.stage == 1:
                 buf.alloc_grad()
-            if self.stage == 1 and share:
+            if self.stage == 1 and self.grad_dtype == self.master_dtype:  # the fp32 full gradient holds the shard
                 buf.grad_shard = buf.full_grad[buf.shard]
             else:
                 buf.grad_shard = torch.zeros(buf.shard_numel, dtype=self.master_dtype, device=buf.data.device)
@@ -562,6 +570,7 @@ class DataParallel:
         pieces = [step for b in self.buffers if self.stage >= 1 for step in b.steps]
         params = [p for ps in self.chunk_params + self.chunk_frozen for p in ps] + masters + pieces
         grads = [p.grad for p in params if p.grad is not None]
+        grads += [b.full_grad for b in self.buffers if b.full_grad is not None]  # wider than the weights: no views
         state = []
         if optimizer is not None:
             for group in optimizer.param_groups:

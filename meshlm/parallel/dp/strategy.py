@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshlm.parallel.contract import Applied, Build, LayoutSpec
-from meshlm.parallel.mesh import Layout
+from meshlm.parallel.mesh import Layout, LayoutError
 from meshlm.parallel.options import ParallelOptions
 
 if TYPE_CHECKING:
@@ -31,6 +31,8 @@ class DataParallelism:
 
     def check_layout(self, spec: LayoutSpec) -> None:
         spec.n_micro  # noqa: B018 — the property raises the one-line LayoutError
+        options = spec.options  # the working weights are surely fp32 here; 'auto' is settled by the device (apply)
+        check_grad_accum_dtype(options, "fp32" if options.zero == 0 or options.zero_param_dtype == "fp32" else "bf16")
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
         from meshlm.parallel.dp.rules import check_zero3_units
@@ -52,14 +54,17 @@ class DataParallelism:
             build.meta_init.replace_params(build.model, chunks, packed, packs_frozen=options.zero == 3)
         dp = None
         if packed:
+            param_dtype = zero_param_dtype(options, build.device_type, AUTOCAST_DTYPES.get(options.autocast_dtype))
+            check_grad_accum_dtype(options, "bf16" if param_dtype == torch.bfloat16 else "fp32")
             dp = DataParallel(
                 chunks,
                 replica_group(mesh),
                 zero=options.zero,
                 bucket_mb=options.bucket_mb,
                 shard_group_size=options.zero_shard_size,
-                param_dtype=zero_param_dtype(options, build.device_type, AUTOCAST_DTYPES.get(options.autocast_dtype)),
+                param_dtype=param_dtype,
                 reduce_dtype=torch.bfloat16 if options.zero_reduce_dtype == "bf16" else torch.float32,
+                grad_accum_dtype=getattr(torch, options.grad_accum_dtype),
                 plan=build.plan,
                 source=build.meta_init,
                 grad_groups={name: mesh.group(name) for name in build.placements.grad_groups()},
@@ -82,3 +87,16 @@ def zero_param_dtype(parallel: ParallelOptions, device_type: str, autocast_dtype
         cuda_bf16 = device_type == "cuda" and autocast_dtype == torch.bfloat16
         choice = "bf16" if parallel.zero >= 1 and cuda_bf16 else "fp32"
     return torch.bfloat16 if choice == "bf16" else torch.float32
+
+
+def check_grad_accum_dtype(parallel: ParallelOptions, working: str) -> None:
+    """`parallel.grad_accum_dtype = 'bfloat16'` keeps the gradient buffer in the bf16 working weights' dtype;
+    over fp32 working weights (`working`: zero 0, zero_param_dtype 'fp32', or 'auto' off CUDA with bf16
+    autocast) it has no meaning: a one-line LayoutError."""
+    if parallel.grad_accum_dtype == "bfloat16" and working != "bf16":
+        raise LayoutError(
+            "parallel.grad_accum_dtype = 'bfloat16' needs bf16 working weights (parallel.zero >= 1 with "
+            "parallel.zero_param_dtype = 'bf16', or 'auto' under bf16 autocast on CUDA), here fp32 "
+            f"(parallel.zero = {parallel.zero}, parallel.zero_param_dtype = '{parallel.zero_param_dtype}'); "
+            "use 'float32'"
+        )

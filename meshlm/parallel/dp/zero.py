@@ -121,7 +121,11 @@ class ParamSource(Protocol):
 class FlatBuffer:
     """Same-kind parameters in one padded flat tensor, plus the gradient and optimizer views ZeRO needs.
 
-    full_grad:  the whole flat gradient (param.grad are views of it); ZeRO-2/3 free it after each reduction.
+    full_grad:  the whole flat gradient in `grad_dtype`, where this rank's micro-batch gradients accumulate;
+                ZeRO-2/3 free it after each reduction. In the working dtype param.grad are views of it; wider
+                (fp32 under bf16 working weights: parallel.grad_accum_dtype) each backward's param.grad, which
+                autograd computes in the working dtype, is added into it in fp32 and released (`adopt_grad`),
+                as FSDP2 upcasts to its reduce dtype and Megatron accumulates into main_grad.
     grad_shard: this rank's reduced fp32 gradient shard (all of full_grad for zero 0).
     master:     this rank's fp32 shard (ZeRO ≥ 1); a view of `data` when the working params are fp32 and not
                 sharded (ZeRO-1/2), so fp32 runs hold no second copy.
@@ -145,8 +149,10 @@ class FlatBuffer:
         dtype: torch.dtype,
         source: ParamSource | None = None,
         shard_only: bool = False,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         self.params = params
+        self.grad_dtype = grad_dtype or dtype
         self.kinds = [type(p) for p in params]  # their classes, which a gather gives back after free_params
         self.decays = decays(params[0])
         self.offsets = [0]
@@ -225,10 +231,21 @@ class FlatBuffer:
         for piece, grad in zip(self.steps, self.step_grads, strict=True):
             piece.grad = grad
 
+    @property
+    def grad_views(self) -> bool:
+        """Whether param.grad are views of full_grad (it is in the working dtype), else added into it."""
+        return self.grad_dtype == self.data.dtype
+
     def alloc_grad(self) -> None:
-        """Allocate the flat gradient and make every param.grad a view of it, keeping grads already computed."""
-        self.full_grad = torch.zeros(self.padded_numel, dtype=self.data.dtype, device=self.data.device)
+        """Allocate the flat gradient and make every param.grad a view of it, keeping grads already computed;
+        wider than the working dtype, the grads already computed are added into it and released."""
+        self.full_grad = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.data.device)
         for p, view in zip(self.params, self.views(self.full_grad), strict=True):
+            if not self.grad_views:
+                if p.grad is not None:
+                    view.add_(p.grad)
+                    p.grad = None
+                continue
             if p.grad is not None:
                 view.copy_(p.grad)
             p.grad = view
@@ -236,9 +253,15 @@ class FlatBuffer:
     def adopt_grad(self, index: int) -> None:
         """Make params[index].grad its view of full_grad again where something replaced it: a loop of one's
         own calling `optimizer.zero_grad()` (zero 0) or a module's `zero_grad()` sets it to None, and autograd
-        then accumulates this step's gradient into a fresh tensor, which the reduction would never see."""
+        then accumulates this step's gradient into a fresh tensor, which the reduction would never see.
+        Wider than the working dtype, full_grad adds this backward's param.grad (released: the next backward's
+        starts afresh, so each micro-batch's gradient is rounded to the working dtype once, never the sum)."""
         p = self.params[index]
         offset = self.offsets[index]
+        if not self.grad_views:
+            self.full_grad[offset : offset + p.numel()].view(p.shape).add_(p.grad)
+            p.grad = None
+            return
         if p.grad.data_ptr() != self.full_grad.data_ptr() + offset * self.full_grad.element_size():
             view = self.full_grad[offset : offset + p.numel()].view(p.shape)
             view.copy_(p.grad)
