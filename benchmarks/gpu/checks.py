@@ -10,6 +10,9 @@
                    masters, gathered and trained; losses within bf16 rounding of ZeRO-0's; bytes as the planner's
   cuda-defaults    what `meshlm train` resolves on CUDA: compile on, host syncs only at log/eval/checkpoint
                    steps, the device guard, fused AdamW
+  grad-accum       two micro-batches on bf16 working weights (ZeRO-1, 2, 3; `auto` under bf16 autocast on
+                   CUDA): parallel.grad_accum_dtype float32 gives each micro-batch's gradient summed in fp32
+                   (within one bf16 rounding of the final gradient, elementwise); bfloat16 visibly rounds the sum
 
 Each check prints PASS or FAIL with its figures; `--json FILE` writes them all. `--device cpu` runs what can run
 on a CPU (the emulated parts, no sync debug mode) so tests/integration/test_gpu_benchmark.py keeps this script honest.
@@ -212,11 +215,46 @@ def check_cuda_defaults(device: torch.device) -> dict:
     return {"ok": seen == want, **seen}
 
 
+def check_grad_accum(device: torch.device) -> dict:
+    from meshlm.check.worker import CopyGradient
+
+    tokens = batches(device, 1)[0]
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    working = "auto" if device.type == "cuda" else "bf16"  # on CUDA what runs by default; the CPU forces it
+
+    def final_grads(parallel: dict, rows: slice) -> dict[str, torch.Tensor]:
+        """The reduced gradient of one step over `rows`, copied into the fp32 masters and gathered."""
+        pm = build(device, {"zero_param_dtype": working, **parallel})
+        pm.forward_backward(x[rows], y[rows])
+        pm.step(CopyGradient(pm.optimizer_param_groups(0.0)))
+        return {k: v.double() for k, v in pm.full_state_dict().items()}
+
+    # Each micro-batch alone, one micro-batch per step: the same bf16 gradients the accumulating runs compute
+    # (same weights, rows and kernels), at twice their loss scale (the step's tokens are half): exact in binary.
+    halves = [final_grads({"zero": 1}, rows) for rows in (slice(0, 2), slice(2, 4))]
+    ref = {k: (halves[0][k] + halves[1][k]) / 2 for k in halves[0]}
+    size = {k: (halves[0][k].abs() + halves[1][k].abs()) / 2 for k in halves[0]}
+    figures, ok = {}, True
+    for zero in (1, 2, 3):
+        for accum in ("float32", "bfloat16"):
+            got = final_grads({"zero": zero, "micro_batches": 2, "grad_accum_dtype": accum}, slice(0, 4))
+            # one bf16 rounding of the final gradient (u = 2^-8), plus the fp32 sum's bound on 2 terms
+            bad = sum(int(((got[k] - ref[k]).abs() > 2**-8 * ref[k].abs() + 3 * 2**-24 * size[k]).sum()) for k in ref)
+            error = sum(float((got[k] - ref[k]).square().sum()) for k in ref) ** 0.5
+            norm = sum(float(ref[k].square().sum()) for k in ref) ** 0.5
+            figures[f"zero{zero}_{accum}"] = {"outside_bound": bad, "rel_error": error / norm}
+            # float32: no element outside; bfloat16 rounds the two-term sum once (≈ 2^-9 relative in norm)
+            ok &= (bad == 0 and error / norm < 1e-6) if accum == "float32" else error / norm > 1e-4
+    figures["elements"] = sum(t.numel() for t in ref.values())
+    return {"ok": ok, **figures}
+
+
 CHECKS: dict[str, Callable[[torch.device], dict]] = {
     "fp8-numerics": check_fp8,
     "device-guard": check_device_guard,
     "bf16-gathers": check_bf16_gathers,
     "cuda-defaults": check_cuda_defaults,
+    "grad-accum": check_grad_accum,
 }
 
 

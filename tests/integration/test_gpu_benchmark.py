@@ -98,7 +98,7 @@ def test_a_row_past_its_limit_is_cut_and_a_row_past_the_budget_is_skipped() -> N
 @pytest.mark.slow  # ~60 s on 2 cores: four small trainings
 def test_gpu_checks_pass_on_cpu(tmp_path: Path) -> None:
     """benchmarks/gpu/checks.py with --device cpu: the emulated fp8, the guard (without the sync debug mode),
-    ZeRO-3 at fp32 (auto on CPU) and the CPU defaults; each check PASSes."""
+    ZeRO-3 at fp32 (auto on CPU), the CPU defaults and bf16 gradient accumulation (bf16 forced); each PASSes."""
     out = subprocess.run(
         [sys.executable, str(SCRIPT.with_name("checks.py")), "--device", "cpu", "--json", str(tmp_path / "c.json")],
         capture_output=True,
@@ -107,7 +107,7 @@ def test_gpu_checks_pass_on_cpu(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert [line.split(":")[0] for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))] == [
-        "PASS fp8-numerics", "PASS device-guard", "PASS bf16-gathers", "PASS cuda-defaults"
+        "PASS fp8-numerics", "PASS device-guard", "PASS bf16-gathers", "PASS cuda-defaults", "PASS grad-accum"
     ]  # fmt: skip
 
 
