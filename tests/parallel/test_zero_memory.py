@@ -34,6 +34,7 @@ CASES = {
     "zero1 bf16": (1, {"param_dtype": torch.bfloat16}),
     "zero2 bf16": (2, {"param_dtype": torch.bfloat16}),
     "zero3 bf16": (3, {"param_dtype": torch.bfloat16}),
+    "zero1 bf16 accumulating in bf16": (1, {"param_dtype": torch.bfloat16, "grad_accum_dtype": torch.bfloat16}),
 }
 
 
@@ -109,10 +110,12 @@ def flat_buffer_sizes(zero: int) -> list[list[int]]:
     return sizes
 
 
-def expected_bytes(zero: int, shards: int, param_bytes: int, shard_rank: int) -> dict[str, int]:
+def expected_bytes(zero: int, shards: int, param_bytes: int, shard_rank: int, grad_bytes: int = 4) -> dict[str, int]:
     """docs/zero.md: Ψ elements, Ψp padded to a multiple of the shard group S; fp32 masters (4 bytes) are
-    separate from the working weights only when those are not fp32; Adam holds two fp32 moments (8 bytes)
-    per element of the parameter pieces it steps: this rank's shards without their padding (Ψr)."""
+    separate from the working weights only when those are not fp32, and the fp32 reduced-gradient shard from
+    ZeRO-1's full gradient buffer only when that is not fp32 (parallel.grad_accum_dtype); Adam holds two fp32
+    moments (8 bytes) per element of the parameter pieces it steps: this rank's shards without their padding
+    (Ψr)."""
     sizes = [n for unit in flat_buffer_sizes(zero) for n in unit]
     psi_r = sum(min(max(n - shard_rank * (padded(n, shards) // shards), 0), padded(n, shards) // shards) for n in sizes)
     if zero == 0:
@@ -121,10 +124,11 @@ def expected_bytes(zero: int, shards: int, param_bytes: int, shard_rank: int) ->
     psi_p = sum(padded(n, shards) for n in sizes)
     shard = psi_p // shards
     master = 0 if param_bytes == 4 else 4 * shard
-    full_weights, full_grads = param_bytes * psi_p, param_bytes * psi_p
+    grad_shard = 0 if grad_bytes == 4 else 4 * shard
+    full_weights, full_grads = param_bytes * psi_p, grad_bytes * psi_p
     return {
         "params": (full_weights + master) if zero < 3 else 4 * shard,
-        "grads": (full_grads + master) if zero == 1 else 4 * shard,
+        "grads": (full_grads + grad_shard) if zero == 1 else 4 * shard,
         "optimizer": 8 * psi_r,
     }
 
@@ -139,8 +143,10 @@ def test_memory_matches_formula_on_every_rank(ranks: list[dict], name: str) -> N
     zero, options = CASES[name]
     shards = options.get("shard_group_size", WORLD)
     param_bytes = torch.finfo(options.get("param_dtype", torch.float32)).bits // 8
+    grad_bytes = torch.finfo(options.get("grad_accum_dtype", torch.float32)).bits // 8
     for rank, result in enumerate(ranks):
-        assert result[name]["memory"] == expected_bytes(zero, shards, param_bytes, rank % shards), f"rank {rank}"
+        expected = expected_bytes(zero, shards, param_bytes, rank % shards, grad_bytes)
+        assert result[name]["memory"] == expected, f"rank {rank}"
 
 
 @pytest.mark.parametrize("name", ["zero3", "hybrid zero3", "zero3 bf16"])

@@ -31,7 +31,7 @@ class DataParallelism:
 
     def check_layout(self, spec: LayoutSpec) -> None:
         spec.n_micro  # noqa: B018 — the property raises the one-line LayoutError
-        options = spec.options  # the working weights are surely fp32 here; 'auto' is settled by the device (apply)
+        options = spec.options  # surely fp32 working weights: zero 0 or 'fp32' ('auto' waits for the device: apply)
         check_grad_accum_dtype(options, "fp32" if options.zero == 0 or options.zero_param_dtype == "fp32" else "bf16")
 
     def check(self, model: nn.Module, plan: ParallelPlan, layout: Layout, options: ParallelOptions) -> None:
