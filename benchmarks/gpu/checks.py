@@ -11,7 +11,7 @@
   cuda-defaults    what `meshlm train` resolves on CUDA: compile on, host syncs only at log/eval/checkpoint
                    steps, the device guard, fused AdamW
   grad-accum       two micro-batches on bf16 working weights (ZeRO-1, 2, 3; `auto` under bf16 autocast on
-                   CUDA): parallel.grad_accum_dtype float32 gives each micro-batch's gradient summed in fp32
+                   CUDA): parallel.grad_accum_dtype fp32 gives each micro-batch's gradient summed in fp32
                    (within one bf16 rounding of the final gradient, elementwise); bfloat16 visibly rounds the sum
 
 Each check prints PASS or FAIL with its figures; `--json FILE` writes them all. `--device cpu` runs what can run
@@ -236,7 +236,7 @@ def check_grad_accum(device: torch.device) -> dict:
     size = {k: (halves[0][k].abs() + halves[1][k].abs()) / 2 for k in halves[0]}
     figures, ok = {}, True
     for zero in (1, 2, 3):
-        for accum in ("float32", "bfloat16"):
+        for accum in ("fp32", "bf16"):
             got = final_grads({"zero": zero, "micro_batches": 2, "grad_accum_dtype": accum}, slice(0, 4))
             # one bf16 rounding of the final gradient (u = 2^-8), plus the fp32 sum's bound on 2 terms
             bad = sum(int(((got[k] - ref[k]).abs() > 2**-8 * ref[k].abs() + 3 * 2**-24 * size[k]).sum()) for k in ref)
@@ -244,7 +244,7 @@ def check_grad_accum(device: torch.device) -> dict:
             norm = sum(float(ref[k].square().sum()) for k in ref) ** 0.5
             figures[f"zero{zero}_{accum}"] = {"outside_bound": bad, "rel_error": error / norm}
             # float32: no element outside; bfloat16 rounds the two-term sum once (≈ 2^-9 relative in norm)
-            ok &= (bad == 0 and error / norm < 1e-6) if accum == "float32" else error / norm > 1e-4
+            ok &= (bad == 0 and error / norm < 1e-6) if accum == "fp32" else error / norm > 1e-4
     figures["elements"] = sum(t.numel() for t in ref.values())
     return {"ok": ok, **figures}
 

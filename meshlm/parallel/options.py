@@ -86,10 +86,10 @@ class ParallelOptions(OneLineOptions):
     zero_reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="dtype gradients are summed in across data-parallel ranks (bf16 halves the traffic)"
     )
-    grad_accum_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
+    grad_accum_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
         description="ZeRO ≥ 1, bf16 working weights: dtype gradients accumulate in over the micro-batches "
-        "(float32 as FSDP2 and Megatron do; bfloat16 halves the buffer but rounds the sum every micro-batch)",
+        "(fp32 as FSDP2 and Megatron do; bf16 halves the buffer but rounds the sum every micro-batch)",
     )
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size of the overlapped reduction")
     sequence_parallel: bool = Field(False, description="shard norms/residuals along the sequence over tp")

@@ -207,7 +207,7 @@ def stage_params(model: ModelConfig, tp: int, layers: int, first: bool, last: bo
 
 
 def model_state_bytes(
-    psi: float, dp: int, zero: int, precision: Precision, runtime: Runtime = "meshlm", grad_accum_dtype: str = "float32"
+    psi: float, dp: int, zero: int, precision: Precision, runtime: Runtime = "meshlm", grad_accum_dtype: str = "fp32"
 ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes: stage 1 shards the optimizer over dp, 2 also the gradients,
     3 also the weights (Rajbhandari et al. 2020).
@@ -242,7 +242,7 @@ def model_state_bytes(
     working = BYTES[precision][0]
     master = 4 * shard if working != 4 else 0.0
     full = working * psi + master  # weights (zero 1 and 2): full, plus the fp32 master shard
-    grads = full if grad_accum_dtype == "bfloat16" else 4 * psi  # zero 1: the full buffer (and fp32 shard)
+    grads = full if grad_accum_dtype == "bf16" else 4 * psi  # zero 1: the full buffer (and fp32 shard)
     return full, grads if zero == 1 else 4 * shard, 8 * shard
 
 
@@ -259,7 +259,7 @@ def layer_lora_params(model: ModelConfig, tp: int, rank: int) -> int:
 
 
 def lora_state_bytes(
-    psi: float, psi_lora: float, replicas: int, zero: int, precision: Precision, grad_accum_dtype: str = "float32"
+    psi: float, psi_lora: float, replicas: int, zero: int, precision: Precision, grad_accum_dtype: str = "fp32"
 ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of a LoRA rank: the frozen base in the working dtype (bf16: no
     fp32 master), sharded under ZeRO-3 only, with no gradient and no optimizer state; the adapters as any
@@ -459,7 +459,7 @@ def stage_states(
     zero: int,
     virtual_stages: int,
     runtime: Runtime,
-    grad_accum_dtype: str = "float32",
+    grad_accum_dtype: str = "fp32",
 ) -> tuple[tuple[int, int, int, tuple[int, ...], tuple[float, float, float]], ...]:
     """Per representative pipeline stage (`representative_stages`): (stage, its layers, of them MoE, its chunks'
     layers, (weights, gradients, optimizer) bytes). What `memory` needs that no per-micro-batch choice

@@ -17,7 +17,7 @@ accumulation must beat it. The second is the fp32 summation bound (γₙ·Σ|ter
 micro-batches on a rank and dp ranks in the reduction), which covers fp32 accumulation's only error and
 makes an element whose terms nearly cancel no false alarm. fp32 accumulation lands ~2¹⁶ inside the bound.
 A bf16 buffer rounds the running sum at every micro-batch after the first (M - 1 roundings of partial sums
-that are larger than the final value where micro-batches cancel): `grad_accum_dtype = 'bfloat16'` must
+that are larger than the final value where micro-batches cancel): `grad_accum_dtype = 'bf16'` must
 break the bound, which proves it sharp, and it does (at 48544 of 213568 elements on two ranks; the float32
 runs' worst element is 2e-5 of its bound).
 
@@ -55,7 +55,7 @@ CASES = {
     "hsdp zero2": {"zero": 2, "zero_shard_size": 1},  # shard within 1 rank, replicate across the 2
 }
 WORLD4_CASES = {"hsdp zero3 2x2": {"zero": 3, "zero_shard_size": 2}}  # shard over 2 ranks, replicate over 2
-ACCUM = ("float32", "bfloat16")
+ACCUM = ("fp32", "bf16")
 
 
 def reference_grads(x: torch.Tensor, y: torch.Tensor, pm: object) -> tuple[dict, dict]:
@@ -120,7 +120,7 @@ def runs4() -> dict:
 
 
 def check_accumulation(got: dict, accum: str) -> None:
-    if accum == "float32":
+    if accum == "fp32":
         assert got["violations"] == 0, got
         assert got["worst"] < 0.01, got  # the fp32 sum is ~2¹⁶ inside: no element comes near the bound
     else:  # the float32 check is sharp: the bf16 buffer's drift (the code before issue #51) fails it
@@ -150,9 +150,9 @@ def test_hybrid_sharding_over_four_ranks(runs4: dict, name: str, accum: str) -> 
 )
 def test_bf16_accumulation_over_fp32_weights_is_refused_by_the_layout_check(options: dict, why: str) -> None:
     spec = LayoutSpec(
-        TEST_MODEL, parse_layout("", 2), 8, options=ParallelOptions(**options, grad_accum_dtype="bfloat16")
+        TEST_MODEL, parse_layout("", 2), 8, options=ParallelOptions(**options, grad_accum_dtype="bf16")
     )
-    with pytest.raises(InputError, match=r"^parallel.grad_accum_dtype = 'bfloat16' needs bf16 working weights") as e:
+    with pytest.raises(InputError, match=r"^parallel.grad_accum_dtype = 'bf16' needs bf16 working weights") as e:
         check_layout(spec)
     assert why in str(e.value) and "\n" not in str(e.value)
 
@@ -161,7 +161,7 @@ def test_bf16_accumulation_over_auto_weights_off_cuda_is_refused_at_build() -> N
     """'auto' working weights are fp32 on the CPU: known only with the device, when the strategy applies."""
     reference()  # the one-process gloo group the reference runs in
     mesh = build_mesh(parse_layout("", 1), "cpu")
-    options = {"zero": 1, "grad_accum_dtype": "bfloat16", "autocast_dtype": "bf16"}
+    options = {"zero": 1, "grad_accum_dtype": "bf16", "autocast_dtype": "bf16"}
     with pytest.raises(InputError, match=r"parallel\.zero_param_dtype = 'auto'"):
         parallelize(Transformer(TEST_MODEL), mesh, options)
     with pytest.raises(ValueError, match="needs working weights of that dtype"):  # the library's own guard
@@ -193,5 +193,5 @@ def test_planner_bytes_per_parameter_by_accumulation_dtype() -> None:
     it; a bf16 one 2, beside the fp32 shard (0.5); ZeRO-2 keeps only the shard either way."""
     psi = 1e9
     assert model_state_bytes(psi, 8, 1, "bf16")[1] == 4.0 * psi
-    assert model_state_bytes(psi, 8, 1, "bf16", grad_accum_dtype="bfloat16")[1] == 2.5 * psi
-    assert model_state_bytes(psi, 8, 2, "bf16", grad_accum_dtype="bfloat16")[1] == 0.5 * psi
+    assert model_state_bytes(psi, 8, 1, "bf16", grad_accum_dtype="bf16")[1] == 2.5 * psi
+    assert model_state_bytes(psi, 8, 2, "bf16", grad_accum_dtype="bf16")[1] == 0.5 * psi

@@ -64,7 +64,7 @@ class DataParallelism:
                 shard_group_size=options.zero_shard_size,
                 param_dtype=param_dtype,
                 reduce_dtype=torch.bfloat16 if options.zero_reduce_dtype == "bf16" else torch.float32,
-                grad_accum_dtype=getattr(torch, options.grad_accum_dtype),
+                grad_accum_dtype=torch.bfloat16 if options.grad_accum_dtype == "bf16" else torch.float32,
                 plan=build.plan,
                 source=build.meta_init,
                 grad_groups={name: mesh.group(name) for name in build.placements.grad_groups()},
@@ -90,13 +90,13 @@ def zero_param_dtype(parallel: ParallelOptions, device_type: str, autocast_dtype
 
 
 def check_grad_accum_dtype(parallel: ParallelOptions, working: str) -> None:
-    """`parallel.grad_accum_dtype = 'bfloat16'` keeps the gradient buffer in the bf16 working weights' dtype;
+    """`parallel.grad_accum_dtype = 'bf16'` keeps the gradient buffer in the bf16 working weights' dtype;
     over fp32 working weights (`working`: zero 0, zero_param_dtype 'fp32', or 'auto' off CUDA with bf16
     autocast) it has no meaning: a one-line LayoutError."""
-    if parallel.grad_accum_dtype == "bfloat16" and working != "bf16":
+    if parallel.grad_accum_dtype == "bf16" and working != "bf16":
         raise LayoutError(
-            "parallel.grad_accum_dtype = 'bfloat16' needs bf16 working weights (parallel.zero >= 1 with "
+            "parallel.grad_accum_dtype = 'bf16' needs bf16 working weights (parallel.zero >= 1 with "
             "parallel.zero_param_dtype = 'bf16', or 'auto' under bf16 autocast on CUDA), here fp32 "
             f"(parallel.zero = {parallel.zero}, parallel.zero_param_dtype = '{parallel.zero_param_dtype}'); "
-            "use 'float32'"
+            "use 'fp32'"
         )
