@@ -165,6 +165,16 @@ def _core_errors(attention: str, n_heads: int, n_kv_heads: int) -> list[float]:
 
 
 # ---- mutations --------------------------------------------------------------------------------------------
+class KeptHop:
+    """A ring hop that exchanged nothing: waiting returns the rank's own block."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.tensor
+
+
 @contextlib.contextmanager
 def ring_hop_dropped(call: int) -> Iterator[list]:
     """Hop number `call` of the run (0: layer 0's forward hop; 6 at cp=2 with four layers: the backward
@@ -173,11 +183,11 @@ def ring_hop_dropped(call: int) -> Iterator[list]:
     original = cpm.ring_shift
     calls = [0]
 
-    def shift(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def shift(tensor: torch.Tensor, group: dist.ProcessGroup) -> object:
         calls[0] += 1
         if calls[0] - 1 == call:
             fired.append(1)
-            return tensor.clone()
+            return KeptHop(tensor.clone())
         return original(tensor, group)
 
     with _patched(cpm, "ring_shift", shift):
