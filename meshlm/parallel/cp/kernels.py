@@ -26,8 +26,6 @@ import torch.nn.functional as F
 
 __all__ = ["BlockKernel", "block_kernel"]
 
-aten = torch.ops.aten
-
 
 @dataclass
 class BlockKernel:
@@ -43,13 +41,15 @@ class BlockKernel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output (b, h, sq, d) in q's dtype, log-sum-exp (b, h, sq) fp32 or wider) of q against one block."""
         if self.name == "cpu_flash":
-            return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         if self.name == "flash":
-            out, lse, *rest = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+            out, lse, *rest = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, causal, False, scale=scale
+            )
             self.saved.append((rest[0], rest[1], rest[2], rest[3], rest[4], rest[5]))
             return out, lse
         k, v = _broadcast_heads(k, q.shape[1]), _broadcast_heads(v, q.shape[1])
-        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale
         )
         self.saved.append((seed, offset))
@@ -71,18 +71,18 @@ class BlockKernel:
         dk and dv have k's heads."""
         lse = lse.contiguous()
         if self.name == "cpu_flash":
-            return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out, q, k, v, out, lse, 0.0, causal, scale=scale
             )
         if self.name == "flash":
             cq, ck, mq, mk, seed, offset = self.saved[block]
-            return aten._scaled_dot_product_flash_attention_backward(
+            return torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 grad_out, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale
             )
         seed, offset = self.saved[block]
         kv_heads, wide_k, wide_v = k.shape[1], _broadcast_heads(k, q.shape[1]), _broadcast_heads(v, q.shape[1])
         padded = F.pad(lse, (0, -lse.shape[-1] % 32))
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             grad_out, q, wide_k, wide_v, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal,
             scale=scale,
         )  # fmt: skip
