@@ -35,6 +35,7 @@ over the cp group (meshlm.model.moe.set_sequence_group).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 from collections.abc import Callable
 
@@ -207,11 +208,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     block is computed (`_block_plan`): the own block causal, each other block's visible half unmasked,
     so every rank does the same work, each block through a fused SDPA kernel (`block_kernel`)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    seq = q.shape[2] * size
-    positions = torch.stack([chunk_positions(seq, size, r) for r in range(size)])
-    plans = [_block_plan(positions[rank], positions[src]) for src in range(size)]
     scale = 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, plans, group, scale)
+    return _RingAttention.apply(q, k, v, _ring_plans(q.shape[2] * size, size, rank), group, scale)
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_plans(seq: int, size: int, rank: int) -> tuple[BlockPlan | None, ...]:
+    """`_block_plan` of each source rank's block for this rank, planned once per sequence length (the masks
+    it reads are seq/cp squared: every layer of every step would otherwise rebuild them on the host)."""
+    positions = [chunk_positions(seq, size, r) for r in range(size)]
+    return tuple(_block_plan(positions[rank], positions[src]) for src in range(size))
 
 
 # ---- Ulysses (all-to-all) --------------------------------------------------------------------------------
