@@ -1,5 +1,6 @@
 """Context- and expert-parallel exchanges of one layer for one micro-batch, as meshlm's runtime (and, for
-experts, Megatron's dispatcher) runs them: blocking, not overlapped. Formulas and sources: docs/planner.md."""
+experts, Megatron's dispatcher) runs them: blocking, except the ring's hops, which overlap its block kernels.
+Formulas and sources: docs/planner.md."""
 
 from __future__ import annotations
 
@@ -9,13 +10,23 @@ from meshlm.plan.memory import Candidate
 from meshlm.plan.network import collective_time, crosses_nodes, group_time
 from meshlm.plan.pipeline_split import Runtime
 
+# Of a flash kernel's forward + backward, the forward's share: its backward runs 2.5× the forward's FLOPs
+# (flash-attention's own count, step_time.CAUSAL_FLASH_WORK)
+FLASH_FORWARD_SHARE = 1 / 3.5
 
-def cp_layer_time(model: ModelConfig, tokens: float, s: Candidate, hw: Hardware, act: int) -> float:
-    """Context-parallel communication of one layer for one micro-batch of `tokens` local tokens, as
-    meshlm.parallel.cp.attention runs it (blocking, not overlapped). Ring: forward passes the K/V
-    block cp − 1 hops; backward passes it cp − 1 hops again and its fp32 (or wider) gradient cp hops (the
-    last one home). Ulysses: q, k, v and the output all-to-all'd forward, their gradients backward.
-    Full recompute repeats the forward's."""
+
+def cp_layer_time(
+    model: ModelConfig, tokens: float, s: Candidate, hw: Hardware, act: int, core_s: float = 0.0
+) -> float:
+    """Context-parallel communication of one layer for one micro-batch of `tokens` local tokens left exposed,
+    as meshlm.parallel.cp.attention runs it. Ring: forward passes the K/V block cp − 1 hops, each posted
+    before the block in hand goes through the kernel and waited after it, so a hop costs only what outlasts
+    one block's kernel; backward passes the K/V block cp − 1 hops again the same way and its fp32 (or wider)
+    gradient cp hops, each posted after its block's kernel and waited after the next block's (beside that
+    block's K/V hop), the last one (home) waited at once. `core_s`: the layer's attention-core seconds
+    (forward + backward) on this rank, split evenly over the cp blocks (the load-balanced layout gives each
+    the same visible work); 0 prices every hop exposed. Ulysses: q, k, v and the output all-to-all'd forward,
+    their gradients backward, blocking. Full recompute repeats the forward's."""
     if s.cp == 1:
         return 0.0
     link = hw.link("cp", crosses_nodes(s.mesh, "cp", hw.gpus_per_node), "send_recv")
@@ -27,7 +38,12 @@ def cp_layer_time(model: ModelConfig, tokens: float, s: Candidate, hw: Hardware,
             collective_time("send_recv", block * act, 2, link),
             collective_time("send_recv", block * max(act, 4), 2, link),
         )
-        return (forwards + 1) * (s.cp - 1) * hop + s.cp * grad_hop
+        fwd, bwd = core_s / s.cp * FLASH_FORWARD_SHARE, core_s / s.cp * (1 - FLASH_FORWARD_SHARE)
+        forward = (s.cp - 1) * max(0.0, hop - fwd)
+        # backward steps: the first overlaps a K/V hop, the middle ones a K/V and a gradient hop, the last a
+        # gradient hop; then the gradient's hop home
+        backward = max(0.0, hop - bwd) + (s.cp - 2) * max(0.0, hop + grad_hop - bwd) + max(0.0, grad_hop - bwd)
+        return forwards * forward + backward + grad_hop
     link = hw.link("cp", crosses_nodes(s.mesh, "cp", hw.gpus_per_node), "all_to_all")
     nbytes = 2 * tokens * (model.dim / s.tp + kv) * act  # q and output, k and v
     return (forwards + 1) * collective_time("all_to_all", nbytes, s.cp, link)

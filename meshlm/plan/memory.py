@@ -309,8 +309,9 @@ def layer_activation_bytes(
     probabilities a·s/tp, only without flash attention and without selective recompute.
     Full recompute keeps only the layer input: h (/tp with sequence parallel); 'mlp' see `stored_per_token`.
     Under context parallel a rank holds seq_len/cp tokens of each sequence and stores the same per token
-    (ring attention saves q, k, v, output and log-sum-exp, like flash attention; Ulysses runs SDPA on
-    seq_len tokens of heads/cp), so every term falls as 1/cp."""
+    (ring attention runs each block through SDPA's fused kernels and saves q, k, v, output and log-sum-exp,
+    like flash attention; Ulysses runs SDPA on seq_len tokens of heads/cp), so every term falls as 1/cp, and
+    no probabilities are stored whatever `flash` says of the model's own attention (cp replaces it)."""
     h = model.dim
     shard = tp if sp else 1
     tokens = seq_len * micro_batch / cp
@@ -320,7 +321,7 @@ def layer_activation_bytes(
     kv = max(model.n_kv_heads // tp, 1) * model.head_dim
     norms, q_out, kv_width, mlp = stored_per_token(runtime, recompute)
     per_token = norms * h / shard + q_out * h / tp + kv_width * kv + mlp * model.intermediate_size / tp
-    if not flash and recompute in ("none", "mlp"):
+    if not flash and cp == 1 and recompute in ("none", "mlp"):
         per_token += model.n_heads / tp * seq_len
     return tokens * per_token * act
 
@@ -356,7 +357,7 @@ class Memory:
     optimizer: float
     activations: float
     logits: float
-    buffers: float  # ZeRO-3 gathered layers, one recomputed layer
+    buffers: float  # ZeRO-3 gathered layers, one recomputed layer, ring attention's working set
     overhead: float
     stage: int
 
@@ -398,6 +399,7 @@ def memory(w: Workload, strategy: Candidate, hw: Hardware, a: Assumptions = DEFA
         buffers += max(unrecomputed - stored for unrecomputed, stored in kinds)
     if s.zero == 3:  # current and prefetched layer
         buffers += zero3_buffer(w, s)
+    buffers += ring_buffer(w, s)
     fixed = hw.framework_bytes if a.overhead_gb is None else a.overhead_gb * GB
     worst, worst_total = None, 0.0
     for i, layers, moe, chunks, (params, grads, optimizer) in stage_states(
@@ -420,9 +422,27 @@ def memory(w: Workload, strategy: Candidate, hw: Hardware, a: Assumptions = DEFA
 
 def memory_key(s: Candidate) -> Candidate:
     """`s` as far as `memory` can tell: strategies with the same key have the same memory. Its only field that
-    no memory term reads is cp_attention (ring and Ulysses attention store the same bytes per token,
-    `layer_activation_bytes`)."""
-    return s if s.cp_attention == "ring" else s.with_options(cp_attention="ring")
+    no memory term reads without cp is cp_attention; under cp ring and Ulysses attention store the same bytes
+    per token (`layer_activation_bytes`) but only the ring holds `ring_buffer`."""
+    return s if s.cp_attention == "ring" or s.cp > 1 else s.with_options(cp_attention="ring")
+
+
+def ring_buffer(w: Workload, s: Candidate) -> float:
+    """What ring attention (meshlm.parallel.cp.attention) holds only while one layer's attention backward runs,
+    its largest working set (forward holds less: one K/V block in flight and the fp32 output): the K/V block
+    in hand and the one in flight (2 × 2·t·kv, activation dtype); the K/V-gradient accumulator in hand and the
+    one in flight (2 × 2·t·kv, fp32 or wider); the query gradient's fp32 accumulator (t·q); and one block's
+    gradients from the kernel (t·q + 2·t·kv, activation dtype), for the t = seq_len·micro_batch/cp tokens of
+    the rank, q = n_heads·head_dim/tp and kv = n_kv_heads·head_dim/tp wide. The kernels keep no score block.
+    0 without cp, and under Ulysses (its all-to-all buffers are the size of the activations it saves)."""
+    if s.cp == 1 or s.cp_attention != "ring":
+        return 0.0
+    model, act = w.model, BYTES[w.precision][3]
+    tokens = w.seq_len * s.micro_batch / s.cp
+    q = max(model.n_heads // s.tp, 1) * model.head_dim
+    kv = max(model.n_kv_heads // s.tp, 1) * model.head_dim
+    wide = max(act, 4)
+    return tokens * (4 * kv * act + 4 * kv * wide + q * wide + (q + 2 * kv) * act)
 
 
 def zero3_buffer(w: Workload, s: Candidate) -> float:
@@ -436,7 +456,7 @@ def memory_floor(w: Workload, strategy: Candidate, hw: Hardware, a: Assumptions 
     its activations and without the buffer of a recomputed layer. Every term left out is ≥ 0 and a rounded
     sum never falls when a term grows, so no `recompute_layers` brings a strategy below its floor."""
     s = strategy
-    buffers = 0.0
+    buffers = ring_buffer(w, s)
     if s.zero == 3:
         buffers += zero3_buffer(w, s)
     fixed = hw.framework_bytes if a.overhead_gb is None else a.overhead_gb * GB

@@ -188,6 +188,25 @@ class StepTime:
         return {name: getattr(self, name) for name in (*names, "bubble", "optimizer", "total")}
 
 
+def fused_core(s: Candidate, a: Assumptions) -> bool:
+    """Whether the attention core runs a fused (flash / memory-efficient) kernel: as the model's attention
+    does (`Assumptions.flash_attention`), and always under cp, whose cores are meshlm's (ring attention's
+    blocks through SDPA's fused kernels, Ulysses through SDPA)."""
+    return a.flash_attention or s.cp > 1
+
+
+def ring_core_time(w: Workload, s: Candidate, hw: Hardware, a: Assumptions) -> float:
+    """Seconds of one layer's attention core (forward + backward, one micro-batch) on a cp rank, which the
+    ring's hops hide behind (`cp_layer_time`): this rank's share of the causal attention FLOPs at the flash
+    rate. 0 where nothing overlaps: without cp, and on a shared node, where gloo's transfers compete for
+    the cores that compute (as `DP_OVERLAP`)."""
+    if s.cp == 1 or hw.shared_node:
+        return 0.0
+    tokens = w.seq_len * s.micro_batch / s.cp
+    attention = tokens * 3 * _flops_split(w.model, w.seq_len)[2] / s.tp
+    return work_time(0.0, attention, 0.0, hw, a, True)
+
+
 def compute_rate(hw: Hardware, a: Assumptions) -> float:
     """Achievable GEMM FLOP/s of a training step on one device."""
     if hw.matmul_flops is not None:
@@ -308,13 +327,6 @@ def dp_collectives(
     return after, overlapped, tail
 
 
-def cp_attention_factor(s: Candidate) -> float:
-    """Attention FLOPs the context-parallel core computes over the causal ones. The ring computes each
-    rank's own block whole under its mask (4c² for chunks of c) and the visible half of every other block
-    (2c² each): 2c²(cp + 1) against the 2c²·cp a causal kernel does. Ulysses runs causal SDPA: 1."""
-    return (s.cp + 1) / s.cp if s.cp > 1 and s.cp_attention == "ring" else 1.0
-
-
 @lru_cache(maxsize=1024)
 def lora_flops_per_token(model: ModelConfig, seq_len: int, lora_rank: int = 0) -> float:
     """Training FLOPs per token (`flops_per_token`); with LoRA (rank > 0) less the frozen matrices' weight
@@ -399,7 +411,7 @@ def _layer_works(w: Workload, s: Candidate, a: Assumptions) -> tuple[list[LayerW
     model, act = w.model, BYTES[w.precision][3]
     policies = (s.recompute, "full") if s.recompute_layers else (s.recompute,)
     works = [
-        layer_work(model, w.seq_len, s.tp, s.sequence_parallel, r, a.flash_attention, a.runtime, act) for r in policies
+        layer_work(model, w.seq_len, s.tp, s.sequence_parallel, r, fused_core(s, a), a.runtime, act) for r in policies
     ]
     head_f = _flops_split(model, w.seq_len)[1] / s.tp
     if w.lora_rank:  # a frozen base: no weight-gradient GEMMs (a third of its matmuls), plus the adapters' own
@@ -481,12 +493,13 @@ def stage_slots(
     tp_layer, tp_full_layer, tp_edge, tp_loss = _tp_times(w, s, hw, a)
     chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
     moe = rank_moe_layers(model, s.pp, s.virtual_stages, a.runtime)
-    cp_layer = cp_layer_time(model, tokens, s, hw, act)
+    core = ring_core_time(w, s, hw, a)
+    cp_layer = cp_layer_time(model, tokens, s, hw, act, core)
     ep_layer = ep_layer_time(model, tokens, s, hw, act, a.runtime)
     cp_full_layer = ep_full_layer = 0.0
     if s.recompute_layers:
         full_s = dataclasses.replace(s, recompute="full")
-        cp_full_layer = cp_layer_time(model, tokens, full_s, hw, act)
+        cp_full_layer = cp_layer_time(model, tokens, full_s, hw, act, core)
         ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act, a.runtime)
     # GEMMs priced at their shapes' rate (`meshlm.plan.gemm`): FLOPs over that fraction of a large GEMM's rate
     layer_shape, head_shape = shape_efficiency(model, tokens, s.tp, s.ep, a.runtime, hw)
@@ -498,8 +511,8 @@ def stage_slots(
         work = mixed_work(works[0], full_work, share)
         gemm = tokens * (layers * work.gemm_flops / layer_shape + (head_f / head_shape if last else 0.0))
         nbytes = tokens * (layers * work.memory_bytes + (loss_bytes if last else 0.0))
-        attention = tokens * layers * work.attention_flops * cp_attention_factor(s)
-        device = work_time(gemm, attention, nbytes, hw, a, a.flash_attention)
+        attention = tokens * layers * work.attention_flops
+        device = work_time(gemm, attention, nbytes, hw, a, fused_core(s, a))
         compute_mb = micro_batch_time(device, layers, hw, s.gpus)
         tp_mb = layers * ((1 - share) * tp_layer + share * tp_full_layer)
         tp_mb += (tp_edge if i == 0 else 0.0) + (tp_edge + tp_loss if last else 0.0)

@@ -12,11 +12,15 @@ its `attention` pattern names a model's own attention-core modules, `forward(q, 
 (`ContextParallelCore`). Its `positions` pattern names modules called with the local positions
 0..n-1 of the rank's n tokens (a learned position embedding fed `torch.arange(n)`): under cp a forward
 pre-hook hands them the tokens' global positions instead.
-  ring     K/V blocks travel around the cp ring with explicit send/recv (batch_isend_irecv); each rank
-           attends its queries to every block under the global causal mask and merges the partial
-           results by log-sum-exp. Backward runs the ring again: K/V travel with their gradient
-           accumulators, which one last hop returns to their owners. Only q, k, v, output and
-           log-sum-exp are saved, so attention activations per rank fall as 1/cp.
+  ring     K/V blocks travel around the cp ring with explicit send/recv (batch_isend_irecv), each hop
+           posted before the block in hand is computed and waited after it; each rank attends its
+           queries to every block under the global causal mask through scaled_dot_product_attention's
+           fused kernels (the aten flash / memory-efficient ops, which return the log-sum-exp:
+           meshlm.parallel.cp.kernels; grouped key/value heads as they are) and merges the partial
+           results by log-sum-exp. Backward runs the ring again through the kernels' backward ops: K/V
+           travel with their gradient accumulators, which one last hop returns to their owners. Only q,
+           k, v, output and log-sum-exp are saved and no block's scores are materialised, so attention
+           activations per rank fall as 1/cp.
   ulysses  an all-to-all trades the sequence shard for cp-th of the heads: each rank runs ordinary causal
            attention over the whole sequence for its heads, then the inverse all-to-all (its own
            backward) restores the sequence shard. Needs heads (query and key/value) divisible by cp.
@@ -31,6 +35,7 @@ over the cp group (meshlm.model.moe.set_sequence_group).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 from collections.abc import Callable
 
@@ -40,6 +45,7 @@ from torch import nn
 
 from meshlm.model.llama import apply_rotary
 from meshlm.model.moe import set_sequence_group
+from meshlm.parallel.cp.kernels import block_kernel
 from meshlm.parallel.parallel_plan import ParallelPlan, PlanError
 from meshlm.parallel.timers import comm
 
@@ -73,136 +79,145 @@ def shard_sequence(batch: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
 
 
 # ---- ring attention --------------------------------------------------------------------------------------
-def ring_shift(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Send `tensor` to the next cp rank and return the one the previous rank sent (one hop of the ring)."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    tensor = tensor.contiguous()
-    received = torch.empty_like(tensor)
-    ops = [
-        dist.P2POp(dist.isend, tensor, group=group, group_peer=(rank + 1) % size),
-        dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size),
-    ]
-    with comm("p2p"):
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return received
+class RingHop:
+    """One hop of the ring in flight: `tensor` sent to the next cp rank while the previous rank's arrives.
+    Posted before the block it overlaps is computed; `wait()` returns what arrived."""
+
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.sent = tensor.contiguous()  # held until the send completes
+        self.received = torch.empty_like(self.sent)
+        ops = [
+            dist.P2POp(dist.isend, self.sent, group=group, group_peer=(rank + 1) % size),
+            dist.P2POp(dist.irecv, self.received, group=group, group_peer=(rank - 1) % size),
+        ]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> torch.Tensor:
+        with comm("p2p"):
+            for work in self.works:
+                work.wait()
+        return self.received
 
 
-BlockPlan = tuple[slice, slice, bool]  # query rows, key columns, whether the causal mask cuts through them
+def ring_shift(tensor: torch.Tensor, group: dist.ProcessGroup) -> RingHop:
+    """Post one hop of the ring: send `tensor` to the next cp rank, receive the previous rank's (`wait()`)."""
+    return RingHop(tensor, group)
+
+
+BlockPlan = tuple[slice, slice, bool]  # query rows, key columns, whether the block is the causal diagonal
 
 
 def _block_plan(q_pos: torch.Tensor, k_pos: torch.Tensor) -> BlockPlan | None:
     """Which query rows attend to which keys of one K/V block under the causal mask, from the global
     positions (host tensors, so planning never waits on the device): the smallest row and column ranges
-    holding every visible pair, and whether the mask is needed inside them (None: nothing visible). In the
+    holding every visible pair, and whether the causal mask cuts through them (None: nothing visible). In the
     load-balanced layout a block from an earlier rank is visible to every query through its first chunk,
-    one from a later rank to the second query chunk whole: half the block, unmasked, either way."""
+    one from a later rank to the second query chunk whole: half the block, unmasked, either way; the own
+    block is square with increasing positions, so the mask inside it is the kernels' top-left causal one.
+    Any other mask is a ValueError: the kernels run no other."""
     mask = k_pos[None, :] <= q_pos[:, None]
     rows, cols = mask.any(1).nonzero().flatten(), mask.any(0).nonzero().flatten()
     if rows.numel() == 0:
         return None
     qs, ks = slice(int(rows[0]), int(rows[-1]) + 1), slice(int(cols[0]), int(cols[-1]) + 1)
-    return qs, ks, not bool(mask[qs, ks].all())
+    block = mask[qs, ks]
+    if bool(block.all()):
+        return qs, ks, False
+    if block.shape[0] != block.shape[1] or not torch.equal(block, torch.ones_like(block).tril()):
+        raise ValueError(
+            f"ring attention: a block's causal mask is not top-left triangular (positions {q_pos.tolist()} against "
+            f"{k_pos.tolist()}); valid: each rank's positions increasing, as chunk_positions"
+        )
+    return qs, ks, True
 
 
-def _scores(
-    q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, masked: bool, scale: float
-) -> torch.Tensor:
-    """Scores (b, h, sq, sk), at least fp32, of query rows against one block's keys, masked by global
-    position where `masked` (the mask is built here, never stored); key/value heads are repeated to the
-    query heads (grouped-query attention)."""
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = torch.matmul(_acc(q), _acc(k).transpose(-1, -2)) * scale
-    return s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf")) if masked else s
-
-
-def _acc(t: torch.Tensor) -> torch.Tensor:
-    """At least fp32: the softmax statistics and the accumulators of a bf16 run stay in fp32."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """exp(s − lse), with rows that see no key (lse = −inf) giving zeros instead of NaN."""
-    return torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-
-
-def _fold_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """A gradient over repeated key/value heads (b, h, s, d) summed back to (b, kv_heads, s, d)."""
-    b, h, s, d = x.shape
-    return x.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's output and log-sum-exp into the running (at least fp32) ones, in place. Every row a
+    block touches sees at least one of its keys, so the block's log-sum-exp is finite."""
+    new = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
+    lse.copy_(new)
 
 
 class _RingAttention(torch.autograd.Function):
+    """Each step posts the next hop of the K/V ring, runs the block it holds through the fused kernel
+    (meshlm.parallel.cp.kernels), then waits for the hop. Backward does the same with the K/V blocks and
+    sends each block's gradient accumulator after it, so that hop overlaps the next block's kernel; the
+    last one brings each block's sum home."""
+
     @staticmethod
-    def forward(ctx, q, k, v, positions, plans, group, scale):
+    def forward(ctx, q, k, v, plans, group, scale):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        rep = q.shape[1] // k.shape[1]
-        out = torch.zeros_like(_acc(q))
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=out.dtype, device=q.device)
+        kernel = block_kernel(q, k, v)
+        wide = torch.promote_types(q.dtype, torch.float32)  # the merge's statistics and accumulator
+        out = torch.zeros(q.shape, dtype=wide, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device)
         kv = torch.stack([k, v])
         for step in range(size):
             src = (rank - step) % size
+            hop = ring_shift(kv, group) if step < size - 1 else None
             if plans[src] is not None:
-                qs, ks, masked = plans[src]
-                s = _scores(q[:, :, qs], kv[0][:, :, ks], positions[rank][qs], positions[src][ks], masked, scale)
-                block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.matmul(_probs(s, block_lse), _acc(kv[1][:, :, ks].repeat_interleave(rep, 1)))
-                old = lse[:, :, qs]
-                new = torch.logaddexp(old, block_lse)
-                safe = torch.where(torch.isinf(new), 0.0, new)
-                out[:, :, qs] = out[:, :, qs] * torch.exp(old - safe).unsqueeze(-1) + block_out * torch.exp(
-                    block_lse - safe
-                ).unsqueeze(-1)
-                lse[:, :, qs] = new
-            if step < size - 1:
-                kv = ring_shift(kv, group)
+                qs, ks, causal = plans[src]
+                block_out, block_lse = kernel.forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal, scale)
+                _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+            if hop is not None:
+                kv = hop.wait()
         out = out.to(q.dtype)  # saved as returned: no second, wider copy
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.positions, ctx.plans, ctx.group, ctx.scale = positions, plans, group, scale
+        ctx.plans, ctx.group, ctx.scale, ctx.kernel = plans, group, scale, kernel
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        positions, plans, group, scale = ctx.positions, ctx.plans, ctx.group, ctx.scale
+        plans, group, scale, kernel = ctx.plans, ctx.group, ctx.scale, ctx.kernel
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        rep = q.shape[1] // k.shape[1]
-        do = _acc(grad_out)
-        delta = (do * _acc(out)).sum(-1, keepdim=True)
-        dq = torch.zeros_like(do)
+        wide = torch.promote_types(q.dtype, torch.float32)
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=do.dtype, device=q.device)  # travels with the block it is for
+        dkv = torch.zeros(kv.shape, dtype=wide, device=q.device)  # travels with the block it is for
+        dkv_hop = None
+        block = 0  # the kernel's own count of the blocks it ran forward
         for step in range(size):
             src = (rank - step) % size
+            hop = ring_shift(kv, group) if step < size - 1 else None
+            grads = None
             if plans[src] is not None:
-                qs, ks, masked = plans[src]
-                qb, dob = q[:, :, qs], do[:, :, qs]
-                s = _scores(qb, kv[0][:, :, ks], positions[rank][qs], positions[src][ks], masked, scale)
-                p = _probs(s, lse[:, :, qs])
-                dv = torch.matmul(p.transpose(-1, -2), dob)
-                dp = torch.matmul(dob, _acc(kv[1][:, :, ks].repeat_interleave(rep, 1)).transpose(-1, -2))
-                ds = p * (dp - delta[:, :, qs])
-                dq[:, :, qs] += torch.matmul(ds, _acc(kv[0][:, :, ks].repeat_interleave(rep, 1))) * scale
-                dk = torch.matmul(ds.transpose(-1, -2), _acc(qb)) * scale
-                dkv[0][:, :, ks] += _fold_heads(dk, k.shape[1])
-                dkv[1][:, :, ks] += _fold_heads(dv, k.shape[1])
-            if step < size - 1:
-                kv = ring_shift(kv, group)
-            dkv = ring_shift(dkv, group)  # after the last step this hop brings each block's sum home
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+                qs, ks, causal = plans[src]
+                grads = kernel.backward(block, grad_out[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                                        out[:, :, qs], lse[:, :, qs], causal, scale)  # fmt: skip
+                block += 1
+                dq[:, :, qs] += grads[0]
+            if dkv_hop is not None:
+                dkv = dkv_hop.wait()
+            if grads is not None:
+                dkv[0][:, :, ks] += grads[1]
+                dkv[1][:, :, ks] += grads[2]
+            dkv_hop = ring_shift(dkv, group)  # after the last step this hop brings each block's sum home
+            if hop is not None:
+                kv = hop.wait()
+        dkv = dkv_hop.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Causal attention of this rank's load-balanced chunks (b, h, seq/cp, d; k/v may have fewer heads)
     over the whole sequence, the K/V blocks passed around the `group` ring. Only the visible part of each
-    block is computed (`_block_plan`): the own block masked, each other block's visible half unmasked,
-    so every rank does the same work."""
+    block is computed (`_block_plan`): the own block causal, each other block's visible half unmasked,
+    so every rank does the same work, each block through a fused SDPA kernel (`block_kernel`)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    seq = q.shape[2] * size
-    positions = torch.stack([chunk_positions(seq, size, r) for r in range(size)])
-    plans = [_block_plan(positions[rank], positions[src]) for src in range(size)]
     scale = 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, positions.to(q.device), plans, group, scale)
+    return _RingAttention.apply(q, k, v, _ring_plans(q.shape[2] * size, size, rank), group, scale)
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_plans(seq: int, size: int, rank: int) -> tuple[BlockPlan | None, ...]:
+    """`_block_plan` of each source rank's block for this rank, planned once per sequence length (the masks
+    it reads are seq/cp squared: every layer of every step would otherwise rebuild them on the host)."""
+    positions = [chunk_positions(seq, size, r) for r in range(size)]
+    return tuple(_block_plan(positions[rank], positions[src]) for src in range(size))
 
 
 # ---- Ulysses (all-to-all) --------------------------------------------------------------------------------
