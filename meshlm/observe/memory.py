@@ -65,9 +65,14 @@ class MemoryProbe:
         if self.optimizer is not None:
             params += [p for group in self.optimizer.param_groups for p in group["params"]]
             state = optimizer_state_tensors(self.optimizer)
+        dp = getattr(self.model, "dp", None)  # ParallelModel's data-parallel owner of the gradient buffers
         self.last = {
             "mem_params_bytes": tensor_bytes(params),
-            "mem_grads_bytes": tensor_bytes(p.grad for p in params if p.grad is not None),
+            # Under data parallel / ZeRO the gradients live in its buffers, which are not always any parameter's
+            # .grad (fp32 accumulation under bf16 working weights: meshlm.parallel.dp.zero): it counts them.
+            "mem_grads_bytes": dp.memory_report()["grads"]
+            if dp is not None
+            else tensor_bytes(p.grad for p in params if p.grad is not None),
             "mem_optimizer_bytes": tensor_bytes(state),
         }
         return self.last

@@ -159,6 +159,15 @@ def test_zero3_metrics_count_the_shards_not_the_freed_weights(ranks: list[dict],
         assert result[name]["probe"]["mem_params_bytes"] == psi_r, f"rank {rank}"
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_logged_gradient_bytes_are_the_buffers(ranks: list[dict], name: str) -> None:
+    """metrics.jsonl's mem_grads_bytes (MemoryProbe) is what data parallel holds in gradients — also where its
+    buffers are no parameter's .grad (fp32 accumulation under bf16 working weights, where counting .grad read
+    only ZeRO-1's shard)."""
+    for rank, result in enumerate(ranks):
+        assert result[name]["probe"]["mem_grads_bytes"] == result[name]["memory"]["grads"], f"rank {rank}"
+
+
 @pytest.mark.parametrize("name", [name for name in CASES if name != "zero0" and "bf16" not in name])
 def test_activation_memory_does_not_depend_on_the_zero_stage(ranks: list[dict], name: str) -> None:
     """ZeRO shards weights, gradients and optimizer state, never activations: the meter's peak (tensors saved
