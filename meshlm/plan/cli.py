@@ -19,6 +19,7 @@ from meshlm.config import load_config
 from meshlm.model.config import PRESETS, ModelConfig, preset
 from meshlm.model.flops import param_counts
 from meshlm.observe.peak import DATASHEET_PEAK, MEASURED_MATMUL
+from meshlm.plan.attention import KERNELS
 from meshlm.plan.cost import CostModel, rates
 from meshlm.plan.emit import (
     KUBERNETES_TARGETS,
@@ -233,6 +234,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--overhead-gb", type=float, help="fixed framework memory per device (GPU 2, cpu 0.5)")
     model.add_argument("--memory-gb", type=float, help="usable memory per device (default: the device's)")
     model.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
+    model.add_argument("--attention-kernel", choices=KERNELS, default="flash2",
+                       help="the flash kernel: its published rate by sequence length (default flash2)")  # fmt: skip
     model.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=True,
                        help="meshlm's train.fused_loss (the megatron runtime's loss is unfused)")  # fmt: skip
 
@@ -347,6 +350,7 @@ def _request(args: argparse.Namespace) -> Request:
         memory_gb=args.memory_gb,
     )
     a = Assumptions(runtime=args.runtime, flash_attention=args.flash_attention, fused_loss=args.fused_loss,
+                    attention_kernel=args.attention_kernel,
                     overhead_gb=args.overhead_gb, compute_efficiency=args.compute_efficiency,
                     dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap)  # fmt: skip
     costs = CostModel(

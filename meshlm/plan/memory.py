@@ -17,6 +17,7 @@ from typing import Literal
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
+from meshlm.plan.attention import Kernel
 from meshlm.plan.hardware import GB, Hardware
 from meshlm.plan.pipeline_split import (
     Runtime,
@@ -165,6 +166,7 @@ class Assumptions:
 
     runtime: Runtime = "meshlm"  # whose kernels and pipeline split run the step
     flash_attention: bool = True  # SDPA flash / memory-efficient kernels: no s² attention matrix stored
+    attention_kernel: Kernel = "flash2"  # whose flash kernel runs it: its published rate (plan/attention.py)
     overhead_gb: float | None = None  # fixed per-device overhead; None: the device's framework_bytes
     overhead_fraction: float = 0.05  # allocator fragmentation, as a fraction of everything else
     compute_efficiency: float | None = None  # GEMM rate / peak; None: the device's, or 0.8 of a measured rate

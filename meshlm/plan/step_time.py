@@ -17,6 +17,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.flops import flops_per_token, matmul_params
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
+from meshlm.plan.attention import Kernel, kernel_flops
 from meshlm.plan.exchanges import cp_layer_time, ep_layer_time
 from meshlm.plan.gemm import MEMORY_EFFICIENCY, shape_efficiency
 from meshlm.plan.hardware import Hardware
@@ -195,14 +196,36 @@ def compute_rate(hw: Hardware, a: Assumptions) -> float:
     return hw.peak_flops * (a.compute_efficiency or hw.gemm_efficiency)
 
 
-def work_time(gemm: float, attention: float, nbytes: float, hw: Hardware, a: Assumptions, flash: bool) -> float:
+@lru_cache(maxsize=4096)
+def attention_fraction(hw: Hardware, kernel: Kernel, seq_len: float, head_dim: int) -> float:
+    """The flash kernel's rate over the GEMM rate: its published forward + backward rate at this sequence
+    length and head dimension (`meshlm.plan.attention`) over the device's best GEMM kernel's (MAMF), so the
+    step's efficiency applies to both; `attention_efficiency` on a device without published figures."""
+    if hw.attention_chip is None or hw.matmul_max is None:
+        return hw.attention_efficiency
+    return kernel_flops(hw.attention_chip, kernel, seq_len, head_dim) / hw.matmul_max
+
+
+def work_time(
+    gemm: float,
+    attention: float,
+    nbytes: float,
+    hw: Hardware,
+    a: Assumptions,
+    flash: bool,
+    seq_len: float,
+    head_dim: int,
+) -> float:
     """Seconds of device work for a rank alone: GEMM FLOPs at the GEMM rate, attention-core FLOPs (the full
     square, `flops_per_token`'s count) as a causal flash kernel runs them (`CAUSAL_FLASH_WORK`) at the
-    flash-attention rate, or unfused, the whole square at the GEMM rate; elementwise bytes at the achievable
-    bandwidth."""
+    flash-attention rate for the kernel's `seq_len` and `head_dim` (`attention_fraction`), or unfused, the
+    whole square at the GEMM rate; elementwise bytes at the achievable bandwidth."""
     alone = hw.per_rank(1)
     rate = compute_rate(alone, a)
-    core = attention * CAUSAL_FLASH_WORK / (rate * hw.attention_efficiency) if flash else attention / rate
+    if flash:
+        core = attention * CAUSAL_FLASH_WORK / (rate * attention_fraction(hw, a.attention_kernel, seq_len, head_dim))
+    else:
+        core = attention / rate
     return gemm / rate + core + nbytes / (alone.memory_bw * MEMORY_EFFICIENCY)
 
 
@@ -490,6 +513,8 @@ def stage_slots(
         ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act, a.runtime)
     # GEMMs priced at their shapes' rate (`meshlm.plan.gemm`): FLOPs over that fraction of a large GEMM's rate
     layer_shape, head_shape = shape_efficiency(model, tokens, s.tp, s.ep, a.runtime, hw)
+    # the sequence one attention kernel call sees: a ring rank's chunk (its blocks are of it), Ulysses' whole
+    kernel_seq = w.seq_len / s.cp if s.cp_attention == "ring" else w.seq_len
     stages = []
     slot_compute = slot_tp = slot_cp = slot_ep = 0.0
     for i in representative_stages(chunks):
@@ -499,7 +524,7 @@ def stage_slots(
         gemm = tokens * (layers * work.gemm_flops / layer_shape + (head_f / head_shape if last else 0.0))
         nbytes = tokens * (layers * work.memory_bytes + (loss_bytes if last else 0.0))
         attention = tokens * layers * work.attention_flops * cp_attention_factor(s)
-        device = work_time(gemm, attention, nbytes, hw, a, a.flash_attention)
+        device = work_time(gemm, attention, nbytes, hw, a, a.flash_attention, kernel_seq, model.head_dim)
         compute_mb = micro_batch_time(device, layers, hw, s.gpus)
         tp_mb = layers * ((1 - share) * tp_layer + share * tp_full_layer)
         tp_mb += (tp_edge if i == 0 else 0.0) + (tp_edge + tp_loss if last else 0.0)
