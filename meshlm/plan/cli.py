@@ -236,6 +236,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
     model.add_argument("--attention-kernel", choices=KERNELS, default="flash2",
                        help="the flash kernel: its published rate by sequence length (default flash2)")  # fmt: skip
+    model.add_argument(
+        "--moe-dispatcher",
+        choices=["alltoall", "allgather"],
+        default="alltoall",
+        help="expert token dispatch (Megatron's --moe-token-dispatcher-type; --runtime megatron)",
+    )
+    model.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        help="Megatron's --moe-expert-capacity-factor: "
+        "tokens over capacity dropped (default: dropless; --runtime megatron)",
+    )
+    model.add_argument("--moe-pad-to-capacity", action="store_true",
+                       help="Megatron's --moe-pad-expert-input-to-capacity (needs --moe-capacity-factor)")  # fmt: skip
     model.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=True,
                        help="meshlm's train.fused_loss (the megatron runtime's loss is unfused)")  # fmt: skip
 
@@ -349,8 +363,10 @@ def _request(args: argparse.Namespace) -> Request:
         uneven_layers=not args.even_layers,
         memory_gb=args.memory_gb,
     )
+    _check_moe_args(args)
     a = Assumptions(runtime=args.runtime, flash_attention=args.flash_attention, fused_loss=args.fused_loss,
-                    attention_kernel=args.attention_kernel,
+                    attention_kernel=args.attention_kernel, moe_dispatcher=args.moe_dispatcher,
+                    moe_capacity_factor=args.moe_capacity_factor, moe_pad_to_capacity=args.moe_pad_to_capacity,
                     overhead_gb=args.overhead_gb, compute_efficiency=args.compute_efficiency,
                     dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap)  # fmt: skip
     costs = CostModel(
@@ -366,6 +382,20 @@ def _request(args: argparse.Namespace) -> Request:
         **({} if args.failure_rate is None else {"failure_rate": args.failure_rate}),
     )
     return Request(source, w, hw, c, a, costs, trace)
+
+
+def _check_moe_args(args: argparse.Namespace) -> None:
+    """The MoE dispatch flags price Megatron's dispatcher: meshlm's own layer is dropless and all-to-all."""
+    factor = args.moe_capacity_factor
+    if factor is not None and not factor > 0:
+        raise PlannerError(f"--moe-capacity-factor {factor}: expected a positive number (1.0: each expert's share)")
+    if args.moe_pad_to_capacity and factor is None:
+        raise PlannerError("--moe-pad-to-capacity: needs --moe-capacity-factor (the capacity it pads to)")
+    if args.runtime != "megatron" and (args.moe_dispatcher != "alltoall" or factor is not None):
+        raise PlannerError(
+            "--moe-dispatcher allgather / --moe-capacity-factor: Megatron's dispatcher, valid with --runtime "
+            "megatron (meshlm's MoE layer is dropless and dispatches by all-to-all)"
+        )
 
 
 def run_plan(args: argparse.Namespace) -> int:

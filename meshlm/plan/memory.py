@@ -31,6 +31,7 @@ from meshlm.plan.pipeline_split import (
 
 Precision = Literal["bf16", "fp32"]
 Recompute = Literal["none", "selective", "mlp", "full"]
+Dispatcher = Literal["alltoall", "allgather"]  # expert-parallel token dispatch (Megatron's two)
 
 # Bytes per parameter of (weights, gradients, optimizer state) and per stored activation element.
 # bf16: mixed-precision Adam as in the ZeRO paper (2Ψ + 2Ψ + 12Ψ: fp32 master, m, v).
@@ -174,6 +175,18 @@ class Assumptions:
     tp_overlap: float = 0.0  # fraction of tensor-parallel communication hidden behind compute
     bucket_mb: float = 25.0  # last gradient bucket, never hidden
     fused_loss: bool = True  # meshlm's train.fused_loss (the megatron runtime's loss is unfused)
+    moe_dispatcher: Dispatcher = "alltoall"  # Megatron's --moe-token-dispatcher-type (meshlm's: all-to-all)
+    moe_capacity_factor: float | None = None  # Megatron's --moe-expert-capacity-factor; None: dropless
+    moe_pad_to_capacity: bool = False  # Megatron's --moe-pad-expert-input-to-capacity
+
+    @property
+    def moe_rows(self) -> float:
+        """Routed rows an expert-parallel rank sends and its experts compute, over the k per token of
+        dropless routing, under balanced routing: Megatron's capacity is ceil(k·tokens/E · factor) rows per
+        expert, so padded to it a rank sends `factor` times the rows, dropped to it min(1, factor) of them."""
+        if self.moe_capacity_factor is None:
+            return 1.0
+        return self.moe_capacity_factor if self.moe_pad_to_capacity else min(1.0, self.moe_capacity_factor)
 
     @property
     def fused(self) -> bool:

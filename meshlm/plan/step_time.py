@@ -425,6 +425,9 @@ def _layer_works(w: Workload, s: Candidate, a: Assumptions) -> tuple[list[LayerW
         layer_work(model, w.seq_len, s.tp, s.sequence_parallel, r, a.flash_attention, a.runtime, act) for r in policies
     ]
     head_f = _flops_split(model, w.seq_len)[1] / s.tp
+    if a.moe_rows != 1.0:  # a capacity factor: the routed experts compute moe_rows of the k rows a token
+        pairs = zip(works, policies, strict=True)
+        works = [_capacity_rows(work, model, s, policy, a.moe_rows) for work, policy in pairs]
     if w.lora_rank:  # a frozen base: no weight-gradient GEMMs (a third of its matmuls), plus the adapters' own
         layer_f, _, attention_f = _flops_split(model, w.seq_len)
         adapters = 6.0 * layer_lora_params(model, 1, w.lora_rank) / s.tp
@@ -432,6 +435,21 @@ def _layer_works(w: Workload, s: Candidate, a: Assumptions) -> tuple[list[LayerW
         works = [dataclasses.replace(work, gemm_flops=work.gemm_flops + less) for work in works]
         head_f *= 2 / 3
     return works, head_f
+
+
+def _capacity_rows(work: LayerWork, model: ModelConfig, s: Candidate, policy: str, rows: float) -> LayerWork:
+    """A mean layer's work with its routed experts computing `rows` of the k rows per token dropless routing
+    gives them (`Assumptions.moe_rows`): their 6·k·3·h·I_moe training FLOPs per token and MoE layer (8 with
+    the forward rerun by full or 'mlp' recompute) scale by it. The recomputed share moves with it."""
+    per_token = 6 * model.top_k * 3 * model.dim * model.moe_intermediate_size / s.tp
+    share = len(model.moe_layers) / model.n_layers
+    rerun = 1 / 3 if policy in ("full", "mlp") else 0.0
+    delta = (rows - 1) * per_token * share
+    return dataclasses.replace(
+        work,
+        gemm_flops=work.gemm_flops + delta * (1 + rerun),
+        recompute_flops=work.recompute_flops + delta * rerun,
+    )
 
 
 def _tp_times(w: Workload, s: Candidate, hw: Hardware, a: Assumptions) -> tuple[float, float, float, float]:
@@ -505,14 +523,14 @@ def stage_slots(
     chunks = rank_chunks(model, s.pp, s.virtual_stages, a.runtime)
     moe = rank_moe_layers(model, s.pp, s.virtual_stages, a.runtime)
     cp_layer = cp_layer_time(model, tokens, s, hw, act)
-    ep_layer = ep_layer_time(model, tokens, s, hw, act, a.runtime)
+    ep_layer = ep_layer_time(model, tokens, s, hw, act, a.runtime, a.moe_dispatcher, a.moe_rows)
     cp_full_layer = ep_full_layer = 0.0
     if s.recompute_layers:
         full_s = dataclasses.replace(s, recompute="full")
         cp_full_layer = cp_layer_time(model, tokens, full_s, hw, act)
-        ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act, a.runtime)
+        ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act, a.runtime, a.moe_dispatcher, a.moe_rows)
     # GEMMs priced at their shapes' rate (`meshlm.plan.gemm`): FLOPs over that fraction of a large GEMM's rate
-    layer_shape, head_shape = shape_efficiency(model, tokens, s.tp, s.ep, a.runtime, hw)
+    layer_shape, head_shape = shape_efficiency(model, tokens, s.tp, s.ep, a.runtime, hw, a.moe_rows)
     # the sequence one attention kernel call sees: a ring rank's chunk (its blocks are of it), Ulysses' whole
     kernel_seq = w.seq_len / s.cp if s.cp_attention == "ring" else w.seq_len
     stages = []
