@@ -236,6 +236,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
     model.add_argument("--attention-kernel", choices=KERNELS, default="flash2",
                        help="the flash kernel: its published rate by sequence length (default flash2)")  # fmt: skip
+    model.add_argument("--backward-prefetch", choices=["pre", "post"], default="pre",
+                       help="ZeRO-3 backward gathers: prefetched, or after a unit's gradients (FSDP1)")  # fmt: skip
     model.add_argument(
         "--moe-dispatcher",
         choices=["alltoall", "allgather"],
@@ -366,6 +368,7 @@ def _request(args: argparse.Namespace) -> Request:
     _check_moe_args(args)
     a = Assumptions(runtime=args.runtime, flash_attention=args.flash_attention, fused_loss=args.fused_loss,
                     attention_kernel=args.attention_kernel, moe_dispatcher=args.moe_dispatcher,
+                    backward_prefetch=args.backward_prefetch,
                     moe_capacity_factor=args.moe_capacity_factor, moe_pad_to_capacity=args.moe_pad_to_capacity,
                     overhead_gb=args.overhead_gb, compute_efficiency=args.compute_efficiency,
                     dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap)  # fmt: skip

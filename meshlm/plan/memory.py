@@ -175,6 +175,7 @@ class Assumptions:
     tp_overlap: float = 0.0  # fraction of tensor-parallel communication hidden behind compute
     bucket_mb: float = 25.0  # last gradient bucket, never hidden
     fused_loss: bool = True  # meshlm's train.fused_loss (the megatron runtime's loss is unfused)
+    backward_prefetch: Literal["pre", "post"] = "pre"  # ZeRO-3 backward gathers: prefetched, or FSDP1's POST
     moe_dispatcher: Dispatcher = "alltoall"  # Megatron's --moe-token-dispatcher-type (meshlm's: all-to-all)
     moe_capacity_factor: float | None = None  # Megatron's --moe-expert-capacity-factor; None: dropless
     moe_pad_to_capacity: bool = False  # Megatron's --moe-pad-expert-input-to-capacity

@@ -263,7 +263,8 @@ def _dp_exposed(
     step; ZeRO-2 reduce-scatters every micro-batch (sharded gradients cannot accumulate); ZeRO-3 gathers
     and reduces layer by layer, in forward and backward (a recomputed forward runs inside the backward that
     has its unit gathered), every micro-batch (under pp too), prefetched except the first unit of each
-    micro-batch's forward and backward and its last reduce-scatter. Every bucket or layer is its own
+    micro-batch's forward and backward and its last reduce-scatter; with `backward_prefetch` "post" (FSDP1's
+    BACKWARD_POST) its backward gathers are not hidden at all. Every bucket or layer is its own
     collective and pays the latency term again (`dp_collectives`). Of the `psi` weights only `trainable`
     (default all; LoRA: the adapters) are reduced and, under ZeRO-1/2, gathered after the step; ZeRO-3
     gathers all of them. `group` is the reducing group: "replicas" (dp × ep × cp, the dense weights) or
@@ -300,7 +301,8 @@ def dp_collectives(
     a: Assumptions,
 ) -> tuple[float, float, float]:
     """Seconds of a stage's data-parallel collectives per step (`_dp_exposed`), whatever the compute they hide
-    behind: (after the optimizer step, never hidden; those that backward can hide; the tail that it cannot)."""
+    behind: (never hidden: after the optimizer step, or ZeRO-3's backward gathers under FSDP1's BACKWARD_POST;
+    those that backward can hide; the tail that it cannot)."""
     n = mesh.dp * mesh.cp if group == "expert_replicas" else mesh.dp * mesh.ep * mesh.cp
     w_bytes, g_bytes, _, _ = BYTES[w.precision]
     cross = crosses_nodes(mesh, group, hw.gpus_per_node)
@@ -328,6 +330,9 @@ def dp_collectives(
         # every micro-batch starts its forward and its backward with a blocking gather of the first unit (the
         # last one was freed after use, meshlm.parallel.dp.zero.Zero3Hooks) and ends with one reduce-scatter
         tail = m * (2 * t("all_gather", weights / units, 1) + t("reduce_scatter", grads / units, 1))
+        if a.backward_prefetch == "post":  # FSDP1's BACKWARD_POST: each backward gather after the last unit's
+            backward = m * t("all_gather", weights, units)  # gradients, before its own: none hidden
+            overlapped, tail, after = overlapped - backward, tail - m * t("all_gather", weights / units, 1), backward
     return after, overlapped, tail
 
 
