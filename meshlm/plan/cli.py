@@ -19,6 +19,7 @@ from meshlm.config import load_config
 from meshlm.model.config import PRESETS, ModelConfig, preset
 from meshlm.model.flops import param_counts
 from meshlm.observe.peak import DATASHEET_PEAK, MEASURED_MATMUL
+from meshlm.plan.attention import KERNELS
 from meshlm.plan.cost import CostModel, rates
 from meshlm.plan.emit import (
     KUBERNETES_TARGETS,
@@ -233,6 +234,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--overhead-gb", type=float, help="fixed framework memory per device (GPU 2, cpu 0.5)")
     model.add_argument("--memory-gb", type=float, help="usable memory per device (default: the device's)")
     model.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True)
+    model.add_argument("--attention-kernel", choices=KERNELS, default="flash2",
+                       help="the flash kernel: its published rate by sequence length (default flash2)")  # fmt: skip
+    model.add_argument("--backward-prefetch", choices=["pre", "post"], default="pre",
+                       help="ZeRO-3 backward gathers: prefetched, or after a unit's gradients (FSDP1)")  # fmt: skip
+    model.add_argument(
+        "--moe-dispatcher",
+        choices=["alltoall", "allgather"],
+        default="alltoall",
+        help="expert token dispatch (Megatron's --moe-token-dispatcher-type; --runtime megatron)",
+    )
+    model.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        help="Megatron's --moe-expert-capacity-factor: "
+        "tokens over capacity dropped (default: dropless; --runtime megatron)",
+    )
+    model.add_argument("--moe-pad-to-capacity", action="store_true",
+                       help="Megatron's --moe-pad-expert-input-to-capacity (needs --moe-capacity-factor)")  # fmt: skip
     model.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=True,
                        help="meshlm's train.fused_loss (the megatron runtime's loss is unfused)")  # fmt: skip
 
@@ -346,7 +365,11 @@ def _request(args: argparse.Namespace) -> Request:
         uneven_layers=not args.even_layers,
         memory_gb=args.memory_gb,
     )
+    _check_moe_args(args)
     a = Assumptions(runtime=args.runtime, flash_attention=args.flash_attention, fused_loss=args.fused_loss,
+                    attention_kernel=args.attention_kernel, moe_dispatcher=args.moe_dispatcher,
+                    backward_prefetch=args.backward_prefetch,
+                    moe_capacity_factor=args.moe_capacity_factor, moe_pad_to_capacity=args.moe_pad_to_capacity,
                     overhead_gb=args.overhead_gb, compute_efficiency=args.compute_efficiency,
                     dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap)  # fmt: skip
     costs = CostModel(
@@ -362,6 +385,20 @@ def _request(args: argparse.Namespace) -> Request:
         **({} if args.failure_rate is None else {"failure_rate": args.failure_rate}),
     )
     return Request(source, w, hw, c, a, costs, trace)
+
+
+def _check_moe_args(args: argparse.Namespace) -> None:
+    """The MoE dispatch flags price Megatron's dispatcher: meshlm's own layer is dropless and all-to-all."""
+    factor = args.moe_capacity_factor
+    if factor is not None and not factor > 0:
+        raise PlannerError(f"--moe-capacity-factor {factor}: expected a positive number (1.0: each expert's share)")
+    if args.moe_pad_to_capacity and factor is None:
+        raise PlannerError("--moe-pad-to-capacity: needs --moe-capacity-factor (the capacity it pads to)")
+    if args.runtime != "megatron" and (args.moe_dispatcher != "alltoall" or factor is not None):
+        raise PlannerError(
+            "--moe-dispatcher allgather / --moe-capacity-factor: Megatron's dispatcher, valid with --runtime "
+            "megatron (meshlm's MoE layer is dropless and dispatches by all-to-all)"
+        )
 
 
 def run_plan(args: argparse.Namespace) -> int:

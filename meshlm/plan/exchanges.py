@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from meshlm.model.config import ModelConfig
 from meshlm.plan.hardware import Hardware
-from meshlm.plan.memory import Candidate
-from meshlm.plan.network import collective_time, crosses_nodes, group_time
+from meshlm.plan.memory import Candidate, Dispatcher
+from meshlm.plan.network import collective_time, crosses_nodes, group_time, rails
 from meshlm.plan.pipeline_split import Runtime
 
 # Of a flash kernel's forward + backward, the forward's share: its backward runs 2.5× the forward's FLOPs
@@ -50,32 +50,54 @@ def cp_layer_time(
 
 
 def ep_layer_time(
-    model: ModelConfig, tokens: float, s: Candidate, hw: Hardware, act: int, runtime: Runtime = "meshlm"
+    model: ModelConfig,
+    tokens: float,
+    s: Candidate,
+    hw: Hardware,
+    act: int,
+    runtime: Runtime = "meshlm",
+    dispatcher: Dispatcher = "alltoall",
+    rows: float = 1.0,
 ) -> float:
     """Expert-parallel communication of one MoE layer for one micro-batch of `tokens` local tokens, blocking,
-    not overlapped: the rows-per-expert counts (E int64, once per forward), then the dispatch and the combine
-    of the k rows of each token a rank sends (h wide each) forward and again reversed in backward, 4
-    all-to-alls, 6 with full or 'mlp' recompute (both rerun the routed MLP). Balanced routing sends
-    (ep − 1)/ep of the rows off the rank, which `collective_time`'s all-to-all charges.
+    not overlapped, 4 exchanges (dispatch and combine forward, again reversed in backward), 6 with full or
+    'mlp' recompute (both rerun the routed MLP). `rows`: the routed rows a rank sends over the k·tokens of
+    balanced dropless routing (`Assumptions.moe_rows`: a capacity factor drops or pads them).
 
-    The tokens a rank sends: meshlm's runtime (meshlm.parallel.tp.moe) exchanges the whole (under sequence
-    parallelism, all-gathered) sequence from every tp rank; Megatron's all-to-all dispatcher under sequence
-    parallelism sends each tp rank's tokens/tp and then all-gathers the received rows over tp (reduce-scatters
-    them back at the combine): k·tokens rows where the dense MLP's gather moves tokens, so (k − 1)·tokens
-    rows more than the tensor-parallel term already counts."""
+    All-to-all: the rows-per-expert counts (E int64, once per forward), then the k rows of each token (h wide
+    each); balanced routing sends (ep − 1)/ep of them off the rank, which `collective_time`'s all-to-all
+    charges. meshlm's runtime (meshlm.parallel.tp.moe) exchanges the whole (under sequence parallelism,
+    all-gathered) sequence from every tp rank; Megatron's all-to-all dispatcher under sequence parallelism
+    sends each tp rank's tokens/tp and then all-gathers the received rows over tp (reduce-scatters them back
+    at the combine): k·tokens rows where the dense MLP's gather moves tokens, so (k·rows − 1)·tokens rows
+    more than the tensor-parallel term already counts.
+
+    All-gather (Megatron's `--moe-token-dispatcher-type allgather`, megatron runtime only): every rank
+    gathers the hidden states of its tp·ep group (s/tp·b rows from each) with their routing probabilities
+    (fp32) and map (bool), E each a token, computes its own experts' rows and reduce-scatters the outputs
+    back. The tp part of that gather is the dense MLP's, already in the tensor-parallel term; the ep part
+    gathers the `tokens` of each of ep ranks: (ep − 1)·tokens·h received, against the all-to-all's
+    (ep − 1)/ep·k·tokens·h sent, so it moves ep/k times the all-to-all's bytes, whatever the capacity."""
     if s.ep == 1:
         return 0.0
-    link = hw.link("ep", crosses_nodes(s.mesh, "ep", hw.gpus_per_node), "all_to_all")
     forwards = 2 if s.recompute in ("full", "mlp") else 1
+    if dispatcher == "allgather":
+        cross = crosses_nodes(s.mesh, "ep", hw.gpus_per_node)
+        per_node = rails(s.mesh, "ep", hw.gpus_per_node) if cross else s.ep
+        hidden = s.ep * tokens * model.dim * act
+        pair = sum(group_time(hw, "ep", cross, op, hidden, s.ep, per_node) for op in ("all_gather", "reduce_scatter"))
+        routing = group_time(hw, "ep", cross, "all_gather", s.ep * tokens * model.n_experts * 5, s.ep, per_node)
+        return (forwards + 1) * pair + forwards * routing
+    link = hw.link("ep", crosses_nodes(s.mesh, "ep", hw.gpus_per_node), "all_to_all")
     split = runtime == "megatron" and s.sequence_parallel and s.tp > 1
     sent = tokens / s.tp if split else tokens
-    rows = collective_time("all_to_all", sent * model.top_k * model.dim * act, s.ep, link)
+    sent_rows = collective_time("all_to_all", sent * rows * model.top_k * model.dim * act, s.ep, link)
     counts = collective_time("all_to_all", 8 * model.n_experts, s.ep, link)
     regather = 0.0
     if split:
-        nbytes = (model.top_k - 1) * tokens * model.dim * act
+        nbytes = max(model.top_k * rows - 1, 0.0) * tokens * model.dim * act
         tp_cross = crosses_nodes(s.mesh, "tp", hw.gpus_per_node)
         regather = sum(
             group_time(hw, "tp", tp_cross, op, nbytes, s.tp, s.tp) for op in ("all_gather", "reduce_scatter")
         )
-    return (forwards + 1) * (2 * rows + regather) + forwards * counts
+    return (forwards + 1) * (2 * sent_rows + regather) + forwards * counts

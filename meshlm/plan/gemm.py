@@ -53,14 +53,15 @@ def dense_gemms(model: ModelConfig, tokens: float, tp: int, runtime: Runtime) ->
     return [*projections, (2, tokens, i, h, 1), (1, tokens, h, i, 1)]
 
 
-def moe_gemms(model: ModelConfig, tokens: float, tp: int, ep: int, runtime: Runtime) -> list[Gemm]:
+def moe_gemms(model: ModelConfig, tokens: float, tp: int, ep: int, runtime: Runtime, rows: float = 1.0) -> list[Gemm]:
     """The forward GEMMs of an MoE layer's MLP on one rank: the router (n = E), the shared expert (a dense
     SwiGLU of its width, split over tp) and the routed experts as grouped GEMMs, one kernel for the E/ep
     local experts (torch._grouped_mm in meshlm.model.moe; Megatron's grouped GEMM fusing gate and up), each
     expert's rows k·tokens·ep/E under balanced routing (every rank of the ep group sends each expert
-    k·tokens/E rows; each tp rank runs the gathered rows on its tp-th of the hidden units)."""
+    k·tokens/E rows; each tp rank runs the gathered rows on its tp-th of the hidden units); `rows` of them
+    under a capacity factor (`Assumptions.moe_rows`)."""
     h, local = model.dim, model.n_experts / ep
-    rows, i = tokens * model.top_k * ep / model.n_experts, model.moe_intermediate_size / tp
+    rows, i = rows * tokens * model.top_k * ep / model.n_experts, model.moe_intermediate_size / tp
     gemms: list[Gemm] = [(1, tokens, model.n_experts, h, 1)]
     if model.shared_expert_intermediate_size:
         shared = model.shared_expert_intermediate_size / tp
@@ -83,7 +84,7 @@ def _efficiency(gemms: list[Gemm], hw: Hardware) -> float:
 
 @lru_cache(maxsize=4096)
 def shape_efficiency(
-    model: ModelConfig, tokens: float, tp: int, ep: int, runtime: Runtime, hw: Hardware
+    model: ModelConfig, tokens: float, tp: int, ep: int, runtime: Runtime, hw: Hardware, rows: float = 1.0
 ) -> tuple[float, float]:
     """(the mean layer's GEMMs, the head's GEMM) as a fraction of a large, well-shaped GEMM's rate, for a
     micro-batch of `tokens` rows on one rank. 1.0 on a device without a published `matmul_max` (cpu, a GPU
@@ -92,7 +93,7 @@ def shape_efficiency(
         return 1.0, 1.0
     n_moe = len(model.moe_layers)
     dense = [(w * (model.n_layers - n_moe), *g) for w, *g in dense_gemms(model, tokens, tp, runtime)]
-    moe = attention_gemms(model, tokens, tp, runtime) + moe_gemms(model, tokens, tp, ep, runtime) if n_moe else []
+    moe = attention_gemms(model, tokens, tp, runtime) + moe_gemms(model, tokens, tp, ep, runtime, rows) if n_moe else []
     layer = dense + [(w * n_moe, *g) for w, *g in moe]
     head = [(1.0, tokens, model.vocab_size / tp, model.dim, 1.0)]
     return _efficiency(layer, hw), _efficiency(head, hw)

@@ -61,7 +61,8 @@ class Hardware:
     layer_overhead_s: float = LAYER_OVERHEAD_S  # fixed host time of one layer's forward + backward
     micro_batch_overhead_s: float = MICRO_BATCH_OVERHEAD_S  # fixed host time per micro-batch besides layers
     gemm_efficiency: float = 0.5  # fraction of peak that a training step's GEMMs sustain (no calibration)
-    attention_efficiency: float = 1.0  # flash-attention FLOP rate as a fraction of the GEMM rate
+    attention_efficiency: float = 1.0  # flash-attention rate / GEMM rate where no kernel figures are published
+    attention_chip: str | None = None  # whose published flash-attention figures price it (`meshlm.plan.attention`)
     matmul_max: float | None = None  # published maximum achievable bf16 matmul FLOP/s (`meshlm.plan.gemm`)
     nvls: bool = False  # NVLink SHARP: the NVSwitch reduces (H100/H200 DGX/HGX nodes); NCCL's NVLS algorithm
     # (dim|kind, op) -> Link; compared (two devices that differ only here price differently) but not hashed
@@ -100,7 +101,7 @@ class Hardware:
         )
 
 
-def _gpu(name, tflops, mamf, mem_gb, hbm_tbs, nvlink_gbs, net_gbs, on_demand, spot, gemm, attention, nvls) -> Hardware:
+def _gpu(name, tflops, mamf, mem_gb, hbm_tbs, nvlink_gbs, net_gbs, on_demand, spot, gemm, chip, nvls) -> Hardware:
     return Hardware(
         name=name,
         peak_flops=tflops * 1e12,
@@ -112,7 +113,7 @@ def _gpu(name, tflops, mamf, mem_gb, hbm_tbs, nvlink_gbs, net_gbs, on_demand, sp
         price_on_demand=on_demand,
         price_spot=spot,
         gemm_efficiency=gemm,
-        attention_efficiency=attention,
+        attention_chip=chip,
         matmul_max=mamf * 1e12,
         nvls=nvls,
     )
@@ -121,11 +122,9 @@ def _gpu(name, tflops, mamf, mem_gb, hbm_tbs, nvlink_gbs, net_gbs, on_demand, sp
 # Sustained fraction of peak of a training step's large, well-shaped GEMMs (smaller ones run slower:
 # `meshlm.plan.gemm`), one figure per chip generation, chosen against the published runs of docs/planner.md
 # (A100: 14 Megatron-LM rows; H100: Llama 3 405B's two). Flash attention runs at its kernel's published rate
-# over the best GEMM kernel's (MAMF, below) times the same step efficiency: FlashAttention-2 reaches ~70 % of
-# peak on A100 (Dao 2023) and ~35 % on H100 (Shah et al. 2024, FlashAttention-3, their FA2 baseline), both in
-# flash-attention's own FLOP count (`step_time.CAUSAL_FLASH_WORK`).
-A100_GEMM, A100_ATTENTION = 0.7, 0.70 * 312 / 271.2
-H100_GEMM, H100_ATTENTION = 0.6, 0.35 * 989 / 794.5
+# for the step's sequence length and head dimension over the best GEMM kernel's (MAMF, below) times the same
+# step efficiency (`meshlm.plan.attention`: the A100 and H100 figures; the H200 is the H100's chip).
+A100_GEMM, H100_GEMM = 0.7, 0.6
 # Maximum achievable bf16 matmul TFLOP/s (MAMF), the best over a brute-force search of shapes on one GPU
 # (stas00/ml-engineering, compute/accelerator/README.md: A100 SXM 271.2, H100 SXM 794.5). No H200 row is
 # published (GH200's 828.6 is the 900 W part); the H200 SXM is the same GH100 chip at the H100's 700 W.
@@ -136,10 +135,10 @@ A100_MAMF, H100_MAMF = 271.2, 794.5
 GPUS: dict[str, Hardware] = {
     g.name: g
     for g in (
-        _gpu("A100-40GB", 312, A100_MAMF, 40, 1.555, 300, 25, 3.00, 1.20, A100_GEMM, A100_ATTENTION, False),
-        _gpu("A100-80GB", 312, A100_MAMF, 80, 2.039, 300, 25, 3.50, 1.40, A100_GEMM, A100_ATTENTION, False),
-        _gpu("H100-SXM", 989, H100_MAMF, 80, 3.35, 450, 50, 6.00, 2.50, H100_GEMM, H100_ATTENTION, True),
-        _gpu("H200", 989, H100_MAMF, 141, 4.8, 450, 50, 7.00, 3.00, H100_GEMM, H100_ATTENTION, True),
+        _gpu("A100-40GB", 312, A100_MAMF, 40, 1.555, 300, 25, 3.00, 1.20, A100_GEMM, "A100", False),
+        _gpu("A100-80GB", 312, A100_MAMF, 80, 2.039, 300, 25, 3.50, 1.40, A100_GEMM, "A100", False),
+        _gpu("H100-SXM", 989, H100_MAMF, 80, 3.35, 450, 50, 6.00, 2.50, H100_GEMM, "H100", True),
+        _gpu("H200", 989, H100_MAMF, 141, 4.8, 450, 50, 7.00, 3.00, H100_GEMM, "H100", True),
     )
 }
 ALIASES = {"h100": "H100-SXM", "h100sxm": "H100-SXM", "h200sxm": "H200"}

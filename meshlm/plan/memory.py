@@ -17,6 +17,7 @@ from typing import Literal
 from meshlm.model.config import ModelConfig
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
+from meshlm.plan.attention import Kernel
 from meshlm.plan.hardware import GB, Hardware
 from meshlm.plan.pipeline_split import (
     Runtime,
@@ -30,6 +31,7 @@ from meshlm.plan.pipeline_split import (
 
 Precision = Literal["bf16", "fp32"]
 Recompute = Literal["none", "selective", "mlp", "full"]
+Dispatcher = Literal["alltoall", "allgather"]  # expert-parallel token dispatch (Megatron's two)
 
 # Bytes per parameter of (weights, gradients, optimizer state) and per stored activation element.
 # bf16: mixed-precision Adam as in the ZeRO paper (2Ψ + 2Ψ + 12Ψ: fp32 master, m, v).
@@ -165,6 +167,7 @@ class Assumptions:
 
     runtime: Runtime = "meshlm"  # whose kernels and pipeline split run the step
     flash_attention: bool = True  # SDPA flash / memory-efficient kernels: no s² attention matrix stored
+    attention_kernel: Kernel = "flash2"  # whose flash kernel runs it: its published rate (plan/attention.py)
     overhead_gb: float | None = None  # fixed per-device overhead; None: the device's framework_bytes
     overhead_fraction: float = 0.05  # allocator fragmentation, as a fraction of everything else
     compute_efficiency: float | None = None  # GEMM rate / peak; None: the device's, or 0.8 of a measured rate
@@ -172,6 +175,19 @@ class Assumptions:
     tp_overlap: float = 0.0  # fraction of tensor-parallel communication hidden behind compute
     bucket_mb: float = 25.0  # last gradient bucket, never hidden
     fused_loss: bool = True  # meshlm's train.fused_loss (the megatron runtime's loss is unfused)
+    backward_prefetch: Literal["pre", "post"] = "pre"  # ZeRO-3 backward gathers: prefetched, or FSDP1's POST
+    moe_dispatcher: Dispatcher = "alltoall"  # Megatron's --moe-token-dispatcher-type (meshlm's: all-to-all)
+    moe_capacity_factor: float | None = None  # Megatron's --moe-expert-capacity-factor; None: dropless
+    moe_pad_to_capacity: bool = False  # Megatron's --moe-pad-expert-input-to-capacity
+
+    @property
+    def moe_rows(self) -> float:
+        """Routed rows an expert-parallel rank sends and its experts compute, over the k per token of
+        dropless routing, under balanced routing: Megatron's capacity is ceil(k·tokens/E · factor) rows per
+        expert, so padded to it a rank sends `factor` times the rows, dropped to it min(1, factor) of them."""
+        if self.moe_capacity_factor is None:
+            return 1.0
+        return self.moe_capacity_factor if self.moe_pad_to_capacity else min(1.0, self.moe_capacity_factor)
 
     @property
     def fused(self) -> bool:

@@ -17,6 +17,7 @@ from meshlm.model.config import ModelConfig
 from meshlm.model.flops import flops_per_token, matmul_params
 from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
+from meshlm.plan.attention import Kernel, kernel_flops
 from meshlm.plan.exchanges import cp_layer_time, ep_layer_time
 from meshlm.plan.gemm import MEMORY_EFFICIENCY, shape_efficiency
 from meshlm.plan.hardware import Hardware
@@ -204,7 +205,7 @@ def ring_core_time(w: Workload, s: Candidate, hw: Hardware, a: Assumptions) -> f
         return 0.0
     tokens = w.seq_len * s.micro_batch / s.cp
     attention = tokens * 3 * _flops_split(w.model, w.seq_len)[2] / s.tp
-    return work_time(0.0, attention, 0.0, hw, a, True)
+    return work_time(0.0, attention, 0.0, hw, a, True, w.seq_len / s.cp, w.model.head_dim)
 
 
 def compute_rate(hw: Hardware, a: Assumptions) -> float:
@@ -214,14 +215,36 @@ def compute_rate(hw: Hardware, a: Assumptions) -> float:
     return hw.peak_flops * (a.compute_efficiency or hw.gemm_efficiency)
 
 
-def work_time(gemm: float, attention: float, nbytes: float, hw: Hardware, a: Assumptions, flash: bool) -> float:
+@lru_cache(maxsize=4096)
+def attention_fraction(hw: Hardware, kernel: Kernel, seq_len: float, head_dim: int) -> float:
+    """The flash kernel's rate over the GEMM rate: its published forward + backward rate at this sequence
+    length and head dimension (`meshlm.plan.attention`) over the device's best GEMM kernel's (MAMF), so the
+    step's efficiency applies to both; `attention_efficiency` on a device without published figures."""
+    if hw.attention_chip is None or hw.matmul_max is None:
+        return hw.attention_efficiency
+    return kernel_flops(hw.attention_chip, kernel, seq_len, head_dim) / hw.matmul_max
+
+
+def work_time(
+    gemm: float,
+    attention: float,
+    nbytes: float,
+    hw: Hardware,
+    a: Assumptions,
+    flash: bool,
+    seq_len: float,
+    head_dim: int,
+) -> float:
     """Seconds of device work for a rank alone: GEMM FLOPs at the GEMM rate, attention-core FLOPs (the full
     square, `flops_per_token`'s count) as a causal flash kernel runs them (`CAUSAL_FLASH_WORK`) at the
-    flash-attention rate, or unfused, the whole square at the GEMM rate; elementwise bytes at the achievable
-    bandwidth."""
+    flash-attention rate for the kernel's `seq_len` and `head_dim` (`attention_fraction`), or unfused, the
+    whole square at the GEMM rate; elementwise bytes at the achievable bandwidth."""
     alone = hw.per_rank(1)
     rate = compute_rate(alone, a)
-    core = attention * CAUSAL_FLASH_WORK / (rate * hw.attention_efficiency) if flash else attention / rate
+    if flash:
+        core = attention * CAUSAL_FLASH_WORK / (rate * attention_fraction(hw, a.attention_kernel, seq_len, head_dim))
+    else:
+        core = attention / rate
     return gemm / rate + core + nbytes / (alone.memory_bw * MEMORY_EFFICIENCY)
 
 
@@ -259,7 +282,8 @@ def _dp_exposed(
     step; ZeRO-2 reduce-scatters every micro-batch (sharded gradients cannot accumulate); ZeRO-3 gathers
     and reduces layer by layer, in forward and backward (a recomputed forward runs inside the backward that
     has its unit gathered), every micro-batch (under pp too), prefetched except the first unit of each
-    micro-batch's forward and backward and its last reduce-scatter. Every bucket or layer is its own
+    micro-batch's forward and backward and its last reduce-scatter; with `backward_prefetch` "post" (FSDP1's
+    BACKWARD_POST) its backward gathers are not hidden at all. Every bucket or layer is its own
     collective and pays the latency term again (`dp_collectives`). Of the `psi` weights only `trainable`
     (default all; LoRA: the adapters) are reduced and, under ZeRO-1/2, gathered after the step; ZeRO-3
     gathers all of them. `group` is the reducing group: "replicas" (dp × ep × cp, the dense weights) or
@@ -296,7 +320,8 @@ def dp_collectives(
     a: Assumptions,
 ) -> tuple[float, float, float]:
     """Seconds of a stage's data-parallel collectives per step (`_dp_exposed`), whatever the compute they hide
-    behind: (after the optimizer step, never hidden; those that backward can hide; the tail that it cannot)."""
+    behind: (never hidden: after the optimizer step, or ZeRO-3's backward gathers under FSDP1's BACKWARD_POST;
+    those that backward can hide; the tail that it cannot)."""
     n = mesh.dp * mesh.cp if group == "expert_replicas" else mesh.dp * mesh.ep * mesh.cp
     w_bytes, g_bytes, _, _ = BYTES[w.precision]
     cross = crosses_nodes(mesh, group, hw.gpus_per_node)
@@ -324,6 +349,9 @@ def dp_collectives(
         # every micro-batch starts its forward and its backward with a blocking gather of the first unit (the
         # last one was freed after use, meshlm.parallel.dp.zero.Zero3Hooks) and ends with one reduce-scatter
         tail = m * (2 * t("all_gather", weights / units, 1) + t("reduce_scatter", grads / units, 1))
+        if a.backward_prefetch == "post":  # FSDP1's BACKWARD_POST: each backward gather after the last unit's
+            backward = m * t("all_gather", weights, units)  # gradients, before its own: none hidden
+            overlapped, tail, after = overlapped - backward, tail - m * t("all_gather", weights / units, 1), backward
     return after, overlapped, tail
 
 
@@ -414,6 +442,9 @@ def _layer_works(w: Workload, s: Candidate, a: Assumptions) -> tuple[list[LayerW
         layer_work(model, w.seq_len, s.tp, s.sequence_parallel, r, fused_core(s, a), a.runtime, act) for r in policies
     ]
     head_f = _flops_split(model, w.seq_len)[1] / s.tp
+    if a.moe_rows != 1.0:  # a capacity factor: the routed experts compute moe_rows of the k rows a token
+        pairs = zip(works, policies, strict=True)
+        works = [_capacity_rows(work, model, s, policy, a.moe_rows) for work, policy in pairs]
     if w.lora_rank:  # a frozen base: no weight-gradient GEMMs (a third of its matmuls), plus the adapters' own
         layer_f, _, attention_f = _flops_split(model, w.seq_len)
         adapters = 6.0 * layer_lora_params(model, 1, w.lora_rank) / s.tp
@@ -421,6 +452,21 @@ def _layer_works(w: Workload, s: Candidate, a: Assumptions) -> tuple[list[LayerW
         works = [dataclasses.replace(work, gemm_flops=work.gemm_flops + less) for work in works]
         head_f *= 2 / 3
     return works, head_f
+
+
+def _capacity_rows(work: LayerWork, model: ModelConfig, s: Candidate, policy: str, rows: float) -> LayerWork:
+    """A mean layer's work with its routed experts computing `rows` of the k rows per token dropless routing
+    gives them (`Assumptions.moe_rows`): their 6·k·3·h·I_moe training FLOPs per token and MoE layer (8 with
+    the forward rerun by full or 'mlp' recompute) scale by it. The recomputed share moves with it."""
+    per_token = 6 * model.top_k * 3 * model.dim * model.moe_intermediate_size / s.tp
+    share = len(model.moe_layers) / model.n_layers
+    rerun = 1 / 3 if policy in ("full", "mlp") else 0.0
+    delta = (rows - 1) * per_token * share
+    return dataclasses.replace(
+        work,
+        gemm_flops=work.gemm_flops + delta * (1 + rerun),
+        recompute_flops=work.recompute_flops + delta * rerun,
+    )
 
 
 def _tp_times(w: Workload, s: Candidate, hw: Hardware, a: Assumptions) -> tuple[float, float, float, float]:
@@ -495,14 +541,16 @@ def stage_slots(
     moe = rank_moe_layers(model, s.pp, s.virtual_stages, a.runtime)
     core = ring_core_time(w, s, hw, a)
     cp_layer = cp_layer_time(model, tokens, s, hw, act, core)
-    ep_layer = ep_layer_time(model, tokens, s, hw, act, a.runtime)
+    ep_layer = ep_layer_time(model, tokens, s, hw, act, a.runtime, a.moe_dispatcher, a.moe_rows)
     cp_full_layer = ep_full_layer = 0.0
     if s.recompute_layers:
         full_s = dataclasses.replace(s, recompute="full")
         cp_full_layer = cp_layer_time(model, tokens, full_s, hw, act, core)
-        ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act, a.runtime)
+        ep_full_layer = ep_layer_time(model, tokens, full_s, hw, act, a.runtime, a.moe_dispatcher, a.moe_rows)
     # GEMMs priced at their shapes' rate (`meshlm.plan.gemm`): FLOPs over that fraction of a large GEMM's rate
-    layer_shape, head_shape = shape_efficiency(model, tokens, s.tp, s.ep, a.runtime, hw)
+    layer_shape, head_shape = shape_efficiency(model, tokens, s.tp, s.ep, a.runtime, hw, a.moe_rows)
+    # the sequence one attention kernel call sees: a ring rank's chunk (its blocks are of it), Ulysses' whole
+    kernel_seq = w.seq_len / s.cp if s.cp_attention == "ring" else w.seq_len
     stages = []
     slot_compute = slot_tp = slot_cp = slot_ep = 0.0
     for i in representative_stages(chunks):
@@ -512,7 +560,7 @@ def stage_slots(
         gemm = tokens * (layers * work.gemm_flops / layer_shape + (head_f / head_shape if last else 0.0))
         nbytes = tokens * (layers * work.memory_bytes + (loss_bytes if last else 0.0))
         attention = tokens * layers * work.attention_flops
-        device = work_time(gemm, attention, nbytes, hw, a, fused_core(s, a))
+        device = work_time(gemm, attention, nbytes, hw, a, fused_core(s, a), kernel_seq, model.head_dim)
         compute_mb = micro_batch_time(device, layers, hw, s.gpus)
         tp_mb = layers * ((1 - share) * tp_layer + share * tp_full_layer)
         tp_mb += (tp_edge if i == 0 else 0.0) + (tp_edge + tp_loss if last else 0.0)

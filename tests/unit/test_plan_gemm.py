@@ -19,6 +19,8 @@ from meshlm.parallel.mesh import Layout
 from meshlm.parallel.options import ParallelOptions
 from meshlm.plan import Candidate, Workload, hardware, step_time
 from meshlm.plan.gemm import dense_gemms, gemm_seconds, shape_efficiency
+from meshlm.plan.hardware import Hardware
+from meshlm.plan.step_time import attention_fraction
 
 H100 = hardware("H100-SXM")
 US = 1e-6
@@ -97,15 +99,20 @@ def test_step_prices_gemms_at_their_shape_rate():
     Llama 3 8B at tp = 8 with 4,096-token micro-batches (its k and v projections 128 wide a rank, past the
     host's 16 ms of launches): its GEMMs run at ~0.8 of a large GEMM's rate, so its compute grows by more than
     a tenth; Llama 3 70B's 8K-token GEMMs at tp = 1 are large: within 1 %."""
-    flat = dataclasses.replace(H100, matmul_max=None)
+
+    def flat(seq_len: int) -> Hardware:  # the same attention rate, which is a fraction of matmul_max
+        fraction = attention_fraction(H100, "flash2", seq_len, 128)
+        return dataclasses.replace(H100, matmul_max=None, attention_chip=None, attention_efficiency=fraction)
+
     small = Workload(PRESETS["llama3-8b"], seq_len=4096, global_batch=8, train_tokens=1e9)
     strategy = Candidate(Layout(tp=8), ParallelOptions(zero=0, sequence_parallel=True), micro_batch=1, recompute="none")
-    shaped, plain = step_time(small, strategy, H100), step_time(small, strategy, flat)
+    shaped, plain = step_time(small, strategy, H100), step_time(small, strategy, flat(4096))
     assert plain.compute > 8 * 32 * H100.layer_overhead_s  # device-bound: not the host's launches
     assert shaped.compute > 1.1 * plain.compute
     large = Workload(PRESETS["llama3-70b"], seq_len=8192, global_batch=8, train_tokens=1e9)
     strategy = Candidate(Layout(dp=8), ParallelOptions(zero=3), micro_batch=1, recompute="full")
-    assert step_time(large, strategy, H100).compute == pytest.approx(step_time(large, strategy, flat).compute, rel=0.01)
+    plain_large = step_time(large, strategy, flat(8192)).compute
+    assert step_time(large, strategy, H100).compute == pytest.approx(plain_large, rel=0.01)
 
 
 def test_measured_rates_and_cpu_are_taken_as_they_are():
