@@ -16,6 +16,7 @@ import torch.distributed as dist
 from distributed import run_shared
 from dp_helpers import build
 from equivalence import TEST_MODEL
+from test_moe import MOE_MODEL
 
 from meshlm.model import Transformer, preset
 from meshlm.parallel.dp.gather import PendingParameter
@@ -70,9 +71,8 @@ def _reads_right_after_step(zero: int) -> dict:
 
 @pytest.mark.parametrize("zero", [1, 2])
 def test_a_save_right_after_a_step_reads_the_gathered_weights(zero: int) -> None:
-    """Mutations: PendingParameter.__torch_function__ without its settle() makes rank 0's state_dict stale (and
-    the desync check a false alarm); ParamGathers.start waiting for nothing and DataParallel.settle_gathers
-    dropped from finish_grad_sync makes the losses drift (test_data_parallel)."""
+    """Mutation: PendingParameter.__torch_function__ without its settle() makes rank 0's state_dict stale (every
+    weight but the part of rank 0's own shards) and the desync check a false alarm."""
     results = run_shared(_reads_right_after_step, 2, zero)
     for result in results:
         assert result["pending"] > 0, "the weight gathers were not left in flight after the step"
@@ -127,7 +127,8 @@ def _replicate_all_reduces() -> list[bool]:
 
 
 def test_hybrid_replicate_all_reduce_is_asynchronous() -> None:
-    """Mutation: the replicate all-reduce in DataParallel._complete issued synchronously (async_op False)."""
+    """Mutation: DataParallel._complete's replicate all-reduce synchronous again (`dist.all_reduce(out,
+    group=groups.replicate)` then `_finish`), as before issue #51."""
     for result in run_shared(_replicate_all_reduces, 4):
         *flags, n_buffers = result
         assert flags == [True] * n_buffers
@@ -155,3 +156,60 @@ def test_desync_of_one_ulp_is_caught() -> None:
     """Mutation: bit_checksum as the tensor's float sum (`t.float().sum()`) misses it ("no error")."""
     for message in run_shared(_one_ulp_desync, 2):
         assert "model.embed_tokens.weight on dp rank 1 (global rank 1)" in message
+
+
+def _host_reads_in_expert_dispatch() -> dict:
+    """Host reads (tolist, item, int) inside ShardedExperts.forward in one forward of an ep=2 MoE model, the
+    expert loop's own excepted (its counts are checked to be a host tensor: reading it syncs nothing)."""
+    from meshlm.model.moe import GroupedExperts
+    from meshlm.parallel.ep.experts import ShardedExperts
+
+    torch.manual_seed(0)
+    pm = parallelize(Transformer(MOE_MODEL), build_mesh(parse_layout("ep=2", 2), "cpu"))
+    state = {"in_dispatch": False, "reads": 0, "loop_counts": []}
+    patched = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "__int__")}
+    dispatch, loop = ShardedExperts.forward, GroupedExperts.loop
+
+    def reading(name: str):
+        def read(self: torch.Tensor, *args: object) -> object:
+            state["reads"] += state["in_dispatch"]
+            return patched[name](self, *args)
+
+        return read
+
+    def counted_dispatch(self: ShardedExperts, *args: object) -> torch.Tensor:
+        state["in_dispatch"] = True
+        try:
+            return dispatch(self, *args)
+        finally:
+            state["in_dispatch"] = False
+
+    def uncounted_loop(self: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        state["loop_counts"].append(counts.device.type)
+        was, state["in_dispatch"] = state["in_dispatch"], False
+        try:
+            return loop(self, x, counts)
+        finally:
+            state["in_dispatch"] = was
+
+    for name in patched:
+        setattr(torch.Tensor, name, reading(name))
+    ShardedExperts.forward, GroupedExperts.loop = counted_dispatch, uncounted_loop
+    try:
+        x, _ = global_batch(0, 4, 16, MOE_MODEL.vocab_size)
+        pm(pm.local_batch(x))
+    finally:
+        for name, original in patched.items():
+            setattr(torch.Tensor, name, original)
+        ShardedExperts.forward, GroupedExperts.loop = dispatch, loop
+    layers = sum(isinstance(m, ShardedExperts) for m in pm.chunks[0].modules())
+    return {"reads": state["reads"], "layers": layers, "loop_counts": state["loop_counts"]}
+
+
+def test_expert_dispatch_reads_the_host_once_per_layer() -> None:
+    """The split sizes all_to_all_single needs as host ints are the one read; the row total and the expert
+    loop's rows per expert come from it. Mutation: the dispatch before issue #51 (two tolist, int(lengths.sum())
+    in expert_major_order, the loop's counts on the device) reads three times per layer."""
+    for result in run_shared(_host_reads_in_expert_dispatch, 2):
+        assert result["layers"] > 0 and result["reads"] == result["layers"]
+        assert result["loop_counts"] == ["cpu"] * result["layers"]
