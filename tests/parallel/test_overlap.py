@@ -107,15 +107,16 @@ def test_each_buffer_is_waited_where_the_forward_first_needs_it() -> None:
     assert out[True]["losses"] == out[False]["losses"]
 
 
-def _replicate_all_reduces() -> list[bool]:
-    """async_op of every all-reduce over the replicate group of hybrid ZeRO-2 in one step."""
+def _replicate_all_reduces() -> list[tuple[bool, int]]:
+    """For every all-reduce over the replicate group of hybrid ZeRO-2 in one step: whether it was issued
+    asynchronously and how many earlier ones were still in flight then."""
     pm, opt, _ = build(TEST_MODEL, 2, BUCKET_MB, shard_group_size=2)
     replicate = pm.dp.replicate_group
     original, seen = dist.all_reduce, []
 
     def recording(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
         if kwargs.get("group") is replicate:
-            seen.append(bool(kwargs.get("async_op", False)))
+            seen.append((bool(kwargs.get("async_op", False)), len(pm.dp.replicating)))
         return original(tensor, *args, **kwargs)
 
     dist.all_reduce = recording
@@ -123,15 +124,17 @@ def _replicate_all_reduces() -> list[bool]:
         one_step(pm, opt, 0)
     finally:
         dist.all_reduce = original
-    return [*seen, len(pm.dp.buffers)]
+    assert len(seen) == len(pm.dp.buffers)
+    return seen
 
 
-def test_hybrid_replicate_all_reduce_is_asynchronous() -> None:
-    """Mutation: DataParallel._complete's replicate all-reduce synchronous again (`dist.all_reduce(out,
-    group=groups.replicate)` then `_finish`), as before issue #51."""
+def test_hybrid_replicate_all_reduce_stays_in_flight() -> None:
+    """Mutations: DataParallel._complete's replicate all-reduce synchronous again (`dist.all_reduce(out,
+    group=groups.replicate)` then `_finish`, as before issue #51), or overlap_replicate False (each waited at
+    once): no all-reduce is ever issued while another is in flight."""
     for result in run_shared(_replicate_all_reduces, 4):
-        *flags, n_buffers = result
-        assert flags == [True] * n_buffers
+        assert all(issued_async for issued_async, _ in result)
+        assert [in_flight for _, in_flight in result] == list(range(len(result)))
 
 
 def _one_ulp_desync() -> str:

@@ -109,6 +109,10 @@ class DataParallel:
     placeholders of a meta-built model (meshlm.parallel.materialize): each rank fills only what it holds.
     `placements` (the build's table, meshlm.parallel.placement) says which mesh group reduces each gradient
     ("replicas": `group`, or one of `grad_groups`) and which weights get a flat buffer of their own.
+    overlap_gather (ZeRO-1/2): the weight all-gathers after the step are each waited where the next forward first
+    needs them (meshlm.parallel.dp.gather), not all at once after the step. overlap_replicate (hybrid): the
+    replicate all-reduce of each reduced shard stays in flight until the backward's reductions are all issued.
+    Both change when a wait happens, never the bytes: False is the benchmark's (and a suspicious user's) twin.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class DataParallel:
         grad_groups: Mapping[str, dist.ProcessGroup] | None = None,
         placements: Placements | None = None,
         overlap_gather: bool = True,
+        overlap_replicate: bool = True,
     ) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero}")
@@ -179,7 +184,7 @@ class DataParallel:
         self.buffers = [buf for bufs in self.chunk_buffers for buf in bufs]
         self.unit_of_buffer = {id(buf): unit for unit in self.units for buf in unit.buffers}
         self._setup_stage()
-        self.overlap_gather = overlap_gather
+        self.overlap_gather, self.overlap_replicate = overlap_gather, overlap_replicate
         self.gathers = None if zero not in (1, 2) else ParamGathers(
             chunks, self.chunk_buffers, lambda buf: self.groups(buf).shard, lambda chunk: plan or plan_for(chunk)
         )  # fmt: skip
@@ -357,8 +362,17 @@ class DataParallel:
             # waits for it, before anything reads the gradients)
             work = dist.all_reduce(out, group=groups.replicate, async_op=True)
             self.replicating.append((buf, work, out))
+            if not self.overlap_replicate:
+                self._finish_replicating()
         else:
             self._finish(buf, out)
+
+    def _finish_replicating(self) -> None:
+        """Wait for the hybrid replicate all-reduces in flight and finish their buffers."""
+        for buf, work, out in self.replicating:
+            timed_wait(work, "all_reduce")
+            self._finish(buf, out)
+        self.replicating.clear()
 
     def _finish(self, buf: FlatBuffer, out: torch.Tensor) -> None:
         """The reduced sum `out` of `buf`'s gradients (its shard) becomes the mean the optimizer reads."""
@@ -379,10 +393,7 @@ class DataParallel:
                 buf.reduce_requested = False
         while self.inflight:
             self._complete(self.inflight.popleft())
-        for buf, work, out in self.replicating:
-            timed_wait(work, "all_reduce")
-            self._finish(buf, out)
-        self.replicating.clear()
+        self._finish_replicating()
         for unit in self.units:
             unit.end_backward()
         self._skip_unused()
