@@ -3,7 +3,8 @@
 Every stage packs parameters into flat buffers (zero.FlatBuffer) and reduces gradients buffer by buffer from
 post-accumulate-grad hooks, asynchronously, so communication overlaps the rest of the backward:
   zero 0  buckets of `bucket_mb`, all-reduced; the optimizer steps the full parameters.
-  zero 1  same buckets, reduce-scattered in place; each rank steps an fp32 shard, then all-gathers the weights.
+  zero 1  same buckets, reduce-scattered in place; each rank steps an fp32 shard, then all-gathers the weights,
+          each buffer waited where the next forward first needs it (dp/gather.py).
   zero 2  the full gradient of a bucket is freed right after its reduce-scatter; only the shard is kept.
   zero 3  one unit per block (and embedding, norm+head): weights gathered before use, freed after (zero.py).
 Frozen parameters (requires_grad False: a LoRA base, train.freeze) get no gradient buffer, no reduction and
