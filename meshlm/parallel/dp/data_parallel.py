@@ -186,9 +186,6 @@ class DataParallel:
         self.unit_of_buffer = {id(buf): unit for unit in self.units for buf in unit.buffers}
         self._setup_stage()
         self.overlap_gather, self.overlap_replicate = overlap_gather, overlap_replicate
-        self.gathers = None if zero not in (1, 2) else ParamGathers(
-            chunks, self.chunk_buffers, lambda buf: self.groups(buf).shard, lambda chunk: plan or plan_for(chunk)
-        )  # fmt: skip
 
         self.grad_sync = [True] * len(chunks)
         self.backward_open = False  # a gradient hook fired in the backward running now
@@ -255,7 +252,8 @@ class DataParallel:
     @torch.no_grad()
     def _setup_stage(self) -> None:
         """Start every replica from dp rank 0's weights (buffers filled from the source agree already), then
-        create the masters and gradient buffers. Frozen buffers (ZeRO-3) keep only their shard, in their dtype."""
+        create the masters and gradient buffers (and ZeRO-1/2's weight gathers). Frozen buffers (ZeRO-3) keep
+        only their shard, in their dtype."""
         for buf in self.frozen_buffers:
             if buf.initial_shard is not None:
                 buf.master, buf.initial_shard = buf.initial_shard.to(buf.data.dtype), None
@@ -290,6 +288,9 @@ class DataParallel:
             buf.split_master()
             if self.stage == 3:
                 buf.free_params()
+        self.gathers = None if self.stage not in (1, 2) else ParamGathers(
+            self.chunks, self.chunk_buffers, lambda buf: self.groups(buf).shard, lambda c: self.plan or plan_for(c)
+        )  # fmt: skip
 
     # ---- backward: reduce each buffer as soon as its gradients are complete ---------------------------------
     def set_grad_sync(self, chunk: int, enabled: bool) -> None:
