@@ -9,6 +9,7 @@ overlapped gather, which is the default; these tests pin what they cannot see.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -135,6 +136,53 @@ def test_hybrid_replicate_all_reduce_stays_in_flight() -> None:
     for result in run_shared(_replicate_all_reduces, 4):
         assert all(issued_async for issued_async, _ in result)
         assert [in_flight for _, in_flight in result] == list(range(len(result)))
+
+
+@dataclass(eq=False)
+class _Groups:
+    """A reduction group's stand-in for hide_unused: only its `group` is read (and it is a dict key)."""
+
+    group: dist.ProcessGroup
+
+
+def _unused_flags() -> dict:
+    """Two reduction groups, each with a buffer of two parameters: parameter 0 used on rank 0 only, parameter
+    1 on no rank. Counts the host reads of the flags (tolist) in one hide_unused."""
+    from meshlm.parallel.dp.unused import hide_unused
+    from meshlm.parallel.dp.zero import FlatBuffer
+    from meshlm.parallel.placement import Placements
+
+    buffers, groups = [], {}
+    for _ in range(2):
+        params = [torch.nn.Parameter(torch.ones(2, 2)) for _ in range(2)]
+        buf = FlatBuffer(params, 1, 0, torch.float32)
+        buf.steps, buf.step_owner = params, [0, 1]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        buf.used = [dist.get_rank() == 0, False]
+        buffers.append(buf)
+        groups[id(buf)] = _Groups(dist.group.WORLD)
+    original, reads = torch.Tensor.tolist, []
+
+    def counted(self: torch.Tensor) -> list:
+        reads.append(self.numel())
+        return original(self)
+
+    torch.Tensor.tolist = counted
+    try:
+        hide_unused(buffers, lambda buf: groups[id(buf)], Placements())
+    finally:
+        torch.Tensor.tolist = original
+    hidden = [[p.grad is None for p in buf.params] for buf in buffers]
+    return {"reads": reads, "hidden": hidden, "reset": [buf.used for buf in buffers]}
+
+
+def test_unused_flags_are_one_tensor_read_once() -> None:
+    """Mutation: the flags reduced and read per reduction group (before issue #51) reads twice."""
+    for result in run_shared(_unused_flags, 2):
+        assert result["reads"] == [4]  # both groups' flags, one read
+        assert result["hidden"] == [[False, True], [False, True]]  # used on some rank: kept; on none: hidden
+        assert result["reset"] == [[False, False], [False, False]]
 
 
 def _one_ulp_desync() -> str:
