@@ -9,7 +9,7 @@ alike. Per system: the median time per step, and the seconds per step each rank 
 collective the pair is about (meshlm.parallel.timers: comm/all_gather, comm/all_reduce; busiest rank).
 ZeRO pairs run at world 2 (one shard group), HSDP pairs at world 4 (two shard groups of 2, replicated).
 
-    .venv/bin/python benchmarks/overlap.py              # small preset: about 4 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/overlap.py   # small preset: 11 CPU-minutes (16 min wall at load average 100 on 2 cores)
 """
 
 from __future__ import annotations
