@@ -130,9 +130,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x` (rows, dim) sorted by expert, `counts[e]` rows for expert e; returns (rows, dim)."""
-        if self.use_grouped_mm and grouped_mm_available(x) and self.gate_proj.shape[1] % 8 == 0:  # h's rows too
-            return self.grouped(x, counts)
-        return self.loop(x, counts)
+        return self.grouped(x, counts) if self.uses_grouped_mm(x) else self.loop(x, counts)
+
+    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x, ...)` runs the grouped GEMMs (else the loop, which reads the counts on the host)."""
+        return self.use_grouped_mm and grouped_mm_available(x) and self.gate_proj.shape[1] % 8 == 0  # h's rows too
 
     def loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The reference: one SwiGLU per expert over its rows (a host sync for the counts)."""

@@ -145,9 +145,30 @@ class DeviceStepGuard:
         return ok
 
 
+# Elements per slice of a checksum: its int64 temporaries stay ~100 MB whatever the tensor's size.
+CHECKSUM_SLICE = 1 << 22
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> its bits' dtype
+
+
+@torch.no_grad()
+def bit_checksum(t: torch.Tensor) -> torch.Tensor:
+    """An int64 checksum of `t`'s bits, read in place (no float64 copy): Σ (i+1)·bits_i over its elements in
+    order, mod 2^64. Replicas that differ in one element, by one ulp or more, differ in it: the change δ·(i+1)
+    is non-zero and below 2^63 in size for fp32/bf16 (|δ| < 2^32, i < 2^31), so it cannot vanish mod 2^64 — a
+    float sum would round a one-ulp change of a small element away. Moving an element also changes it."""
+    bits = t.detach().reshape(-1).view(_BITS[t.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for start in range(0, bits.numel(), CHECKSUM_SLICE):
+        part = bits[start : start + CHECKSUM_SLICE].long()
+        total += (part * torch.arange(start + 1, start + 1 + part.numel(), device=t.device)).sum()
+    return total
+
+
 @torch.no_grad()
 def check_replicas_in_sync(model: ParallelModel) -> None:
-    """Compare a checksum of every local parameter across the dp group; raise naming rank and tensor."""
+    """Compare a checksum of the bits of every local parameter (bit_checksum) across the dp group; raise naming
+    rank and tensor. The parameters are read where they live (views of data parallel's flat buffers, in their
+    own dtype); reading one waits for a ZeRO-1/2 weight gather still in flight (meshlm.parallel.dp.gather)."""
     mesh = model.mesh
     dp = mesh.size("dp")
     if dp == 1:
@@ -156,12 +177,12 @@ def check_replicas_in_sync(model: ParallelModel) -> None:
     for name, p in model.named_parameters():
         if p.numel():
             names.append(name)
-            sums.append(torch.stack([p.double().sum(), p.double().pow(2).sum()]))
+            sums.append(bit_checksum(p))
     local = torch.stack(sums)
     gathered = [torch.empty_like(local) for _ in range(dp)]
     dist.all_gather(gathered, local, group=mesh.group("dp"))
     for dp_rank in range(1, dp):
-        mismatch = (gathered[dp_rank] != gathered[0]).any(dim=1).nonzero()
+        mismatch = (gathered[dp_rank] != gathered[0]).nonzero()
         if len(mismatch):
             name = names[int(mismatch[0])]
             global_rank = dist.get_global_rank(mesh.group("dp"), dp_rank)

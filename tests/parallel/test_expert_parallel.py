@@ -94,7 +94,7 @@ def test_received_rows_are_put_in_expert_major_order() -> None:
     source 1 sent 3 and 0. Expert 0's rows (sources 0 then 1) come first, then expert 1's."""
     from meshlm.parallel.ep.experts import expert_major_order
 
-    order = expert_major_order(torch.tensor([[1, 2], [3, 0]]))
+    order = expert_major_order(torch.tensor([[1, 2], [3, 0]]), 6)
     assert order.tolist() == [0, 3, 4, 5, 1, 2]
 
 

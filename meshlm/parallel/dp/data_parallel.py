@@ -3,7 +3,8 @@
 Every stage packs parameters into flat buffers (zero.FlatBuffer) and reduces gradients buffer by buffer from
 post-accumulate-grad hooks, asynchronously, so communication overlaps the rest of the backward:
   zero 0  buckets of `bucket_mb`, all-reduced; the optimizer steps the full parameters.
-  zero 1  same buckets, reduce-scattered in place; each rank steps an fp32 shard, then all-gathers the weights.
+  zero 1  same buckets, reduce-scattered in place; each rank steps an fp32 shard, then all-gathers the weights,
+          each buffer waited where the next forward first needs it (dp/gather.py).
   zero 2  the full gradient of a bucket is freed right after its reduce-scatter; only the shard is kept.
   zero 3  one unit per block (and embedding, norm+head): weights gathered before use, freed after (zero.py).
 Frozen parameters (requires_grad False: a LoRA base, train.freeze) get no gradient buffer, no reduction and
@@ -33,13 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshlm.parallel.dp.gather import ParamGathers
 from meshlm.parallel.dp.gradients import ShardedTensor, optimizer_state_keys, squared_norm_sum, unique_storage_bytes
+from meshlm.parallel.dp.unused import hide_unused
 from meshlm.parallel.dp.zero import (
     FlatBuffer,
     ParamSource,
     Unit,
     Zero3Hooks,
-    all_gather_flat,
     bucket_params,
     by_grad_group,
     decays,
@@ -53,7 +55,7 @@ from meshlm.parallel.mesh import Mesh
 from meshlm.parallel.parallel_plan import ParallelPlan, zero3_unit_groups
 from meshlm.parallel.placement import REPLICAS, Placements
 from meshlm.parallel.plan_registry import plan_for
-from meshlm.parallel.timers import comm, timed_wait
+from meshlm.parallel.timers import timed_wait
 
 # ZeRO-2/3 wait for the oldest reduction beyond this many in flight, so freed gradient buffers bound memory.
 MAX_INFLIGHT_SHARDED_REDUCTIONS = 2
@@ -110,6 +112,10 @@ class DataParallel:
     placeholders of a meta-built model (meshlm.parallel.materialize): each rank fills only what it holds.
     `placements` (the build's table, meshlm.parallel.placement) says which mesh group reduces each gradient
     ("replicas": `group`, or one of `grad_groups`) and which weights get a flat buffer of their own.
+    overlap_gather (ZeRO-1/2): the weight all-gathers after the step are each waited where the next forward first
+    needs them (meshlm.parallel.dp.gather), not all at once after the step. overlap_replicate (hybrid): the
+    replicate all-reduce of each reduced shard stays in flight until the backward's reductions are all issued.
+    Both change when a wait happens, never the bytes: False is the benchmark's (and a suspicious user's) twin.
     """
 
     def __init__(
@@ -126,6 +132,8 @@ class DataParallel:
         source: ParamSource | None = None,
         grad_groups: Mapping[str, dist.ProcessGroup] | None = None,
         placements: Placements | None = None,
+        overlap_gather: bool = True,
+        overlap_replicate: bool = True,
     ) -> None:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero}")
@@ -184,12 +192,14 @@ class DataParallel:
         self.buffers = [buf for bufs in self.chunk_buffers for buf in bufs]
         self.unit_of_buffer = {id(buf): unit for unit in self.units for buf in unit.buffers}
         self._setup_stage()
+        self.overlap_gather, self.overlap_replicate = overlap_gather, overlap_replicate
 
         self.grad_sync = [True] * len(chunks)
         self.backward_open = False  # a gradient hook fired in the backward running now
         self.synced = False  # gradients reduced for an optimizer step that zero_grad has not ended yet
         self.next_launch = [0] * len(chunks)
         self.inflight: collections.deque[Reduction] = collections.deque()
+        self.replicating: list[tuple[FlatBuffer, dist.Work, torch.Tensor]] = []  # hybrid: shards being all-reduced
         for c, bufs in enumerate(self.chunk_buffers):
             for buf in bufs:
                 for i, p in enumerate(buf.params):
@@ -250,7 +260,8 @@ class DataParallel:
     @torch.no_grad()
     def _setup_stage(self) -> None:
         """Start every replica from dp rank 0's weights (buffers filled from the source agree already), then
-        create the masters and gradient buffers. Frozen buffers (ZeRO-3) keep only their shard, in their dtype."""
+        create the masters and gradient buffers (and ZeRO-1/2's weight gathers). Frozen buffers (ZeRO-3) keep
+        only their shard, in their dtype."""
         for buf in self.frozen_buffers:
             if buf.initial_shard is not None:
                 buf.master, buf.initial_shard = buf.initial_shard.to(buf.data.dtype), None
@@ -285,6 +296,9 @@ class DataParallel:
             buf.split_master()
             if self.stage == 3:
                 buf.free_params()
+        self.gathers = None if self.stage not in (1, 2) else ParamGathers(
+            self.chunks, self.chunk_buffers, lambda buf: self.groups(buf).shard, lambda c: self.plan or plan_for(c)
+        )  # fmt: skip
 
     # ---- backward: reduce each buffer as soon as its gradients are complete ---------------------------------
     def set_grad_sync(self, chunk: int, enabled: bool) -> None:
@@ -351,17 +365,35 @@ class DataParallel:
         buf, out = reduction.buffer, reduction.out
         groups = self.groups(buf)
         timed_wait(reduction.work, "all_reduce" if groups.shard is None else "reduce_scatter")
+        if self.stage >= 2:
+            buf.free_grad()  # `out` is a shard of its own: the full gradient is done with
         if groups.shard is not None and groups.replicate is not None:
-            with comm("all_reduce"):  # hybrid: sum the shard across replicas too
-                dist.all_reduce(out, group=groups.replicate)
+            # hybrid: sum the shard across replicas too, in flight while the backward goes on (finish_grad_sync
+            # waits for it, before anything reads the gradients)
+            work = dist.all_reduce(out, group=groups.replicate, async_op=True)
+            self.replicating.append((buf, work, out))
+            if not self.overlap_replicate:
+                self._finish_replicating()
+        else:
+            self._finish(buf, out)
+
+    def _finish_replicating(self) -> None:
+        """Wait for the hybrid replicate all-reduces in flight and finish their buffers."""
+        for buf, work, out in self.replicating:
+            timed_wait(work, "all_reduce")
+            self._finish(buf, out)
+        self.replicating.clear()
+
+    def _finish(self, buf: FlatBuffer, out: torch.Tensor) -> None:
+        """The reduced sum `out` of `buf`'s gradients (its shard) becomes the mean the optimizer reads."""
         out.div_(self.dp_size)  # whatever its group: each gradient sums every data replica's loss term
         if out.data_ptr() != buf.grad_shard.data_ptr():
             buf.grad_shard.copy_(out)
-        if self.stage >= 2:
-            buf.free_grad()
 
     def finish_grad_sync(self) -> None:
-        """Reduce what the hooks did not (parameters without gradient), then wait for every reduction."""
+        """Reduce what the hooks did not (parameters without gradient), then wait for every reduction (and
+        for the weight gathers no forward waited for: the optimizer writes the shards they read)."""
+        self.settle_gathers()
         for chunk, order in enumerate(self.chunk_buffers):
             for buf in order[self.next_launch[chunk] :]:
                 self._reduce(buf)
@@ -371,6 +403,7 @@ class DataParallel:
                 buf.reduce_requested = False
         while self.inflight:
             self._complete(self.inflight.popleft())
+        self._finish_replicating()
         for unit in self.units:
             unit.end_backward()
         self._skip_unused()
@@ -388,36 +421,10 @@ class DataParallel:
 
     def _skip_unused(self) -> None:
         """Hide the gradient of every parameter that no micro-batch of any rank reducing it touched this step
-        (`.grad = None` on its optimizer tensors until zero_grad), so the optimizer skips it exactly as one
-        process's would: no momentum, no weight decay, no step count. One MAX all-reduce of the buffers' flags
-        per reduction group; a rank reads the result (a host sync) only when it has an unused parameter itself,
-        since a parameter that got a gradient here got one globally. A weight both pipeline ends hold counts as
-        used (its embedding end always is). Every other optimizer tensor gets its gradient view back first,
-        also where a loop of one's own called `optimizer.zero_grad()` (which sets them to None)."""
+        (meshlm.parallel.dp.unused), after every optimizer tensor got its gradient view back, also where a loop
+        of one's own called `optimizer.zero_grad()` (which sets them to None)."""
         self._point_grads()
-        for groups in dict.fromkeys(self.groups(buf) for buf in self.buffers):
-            bufs = [buf for buf in self.buffers if self.groups(buf) == groups]
-            for buf in bufs:
-                if len(buf.params) == 1 and self.placements[buf.params[0]].pp_tied:
-                    buf.used[0] = True
-            local = [used for buf in bufs for used in buf.used]
-            for buf in bufs:
-                buf.used = [False] * len(buf.params)
-            flags = torch.tensor(local, dtype=torch.uint8)
-            device = bufs[0].data.device
-            if device.type == "cuda":
-                flags = flags.pin_memory().to(device, non_blocking=True)
-            if dist.get_world_size(groups.group) > 1:
-                with comm("all_reduce"):
-                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.group)
-            if all(local):
-                continue
-            used, start = flags.tolist(), 0
-            for buf in bufs:
-                mine, start = used[start : start + len(buf.params)], start + len(buf.params)
-                for step, owner in zip(buf.steps, buf.step_owner, strict=True):
-                    if not mine[owner]:
-                        step.grad = None
+        hide_unused(self.buffers, self.groups, self.placements)
 
     def _point_grads(self) -> None:
         """Make every optimizer tensor's .grad its view of the reduced gradient again (zeros where
@@ -466,20 +473,21 @@ class DataParallel:
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
-        """ZeRO-1/2: every rank updated its shard; all-gather the new weights into the model's flat buffers."""
-        if self.stage not in (1, 2):
-            return
-        works = []
-        for buf in self.buffers:
-            shard = buf.data[buf.shard]
-            if shard.data_ptr() != buf.master.data_ptr():
-                shard.copy_(buf.master)
-            works.append(all_gather_flat(buf.data, shard, group=self.groups(buf).shard, async_op=True))
-        for work in works:
-            timed_wait(work, "all_gather")
+        """ZeRO-1/2: every rank updated its shard; all-gather the new weights into the model's flat buffers,
+        each waited where the next forward first needs it (meshlm.parallel.dp.gather; at once without
+        `overlap_gather`)."""
+        if self.gathers is not None:
+            self.gathers.start(self.overlap_gather)
+
+    def settle_gathers(self) -> None:
+        """Wait for every weight all-gather still in flight (ZeRO-1/2 after a step): before the fp32 shards they
+        read are written or handed out, and before anything reads the flat buffers directly."""
+        if self.gathers is not None:
+            self.gathers.settle()
 
     def named_steps(self) -> list[tuple[str, nn.Parameter]]:
         """(parameter name, optimizer tensor) for every tensor the optimizer steps on this rank."""
+        self.settle_gathers()
         return [
             (self.names[id(buf.params[i])], step)
             for buf in self.buffers
@@ -503,6 +511,7 @@ class DataParallel:
     @torch.no_grad()
     def unsharded_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (from the fp32 masters when sharded) under the chunks' state_dict names."""
+        self.settle_gathers()
         full: dict[int, torch.Tensor] = {}
         for buf in self.buffers + self.frozen_buffers:
             flat = buf.data if self.stage == 0 else buf.gather_master(self.groups(buf).shard)
@@ -525,6 +534,7 @@ class DataParallel:
         Tied parameters appear once, under their first name."""
         if replicas not in ("primary", "spread", "all"):
             raise ValueError(f"replicas must be 'primary', 'spread' or 'all', got {replicas!r}")
+        self.settle_gathers()  # a load writes these shards, which the gathers read
         keys = ["model"] + (optimizer_state_keys(optimizer) if optimizer is not None else [])
         out: dict[str, list[ShardedTensor]] = {key: [] for key in keys}
         mine = []

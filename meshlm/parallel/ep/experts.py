@@ -66,13 +66,13 @@ def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
     return out
 
 
-def expert_major_order(received: torch.Tensor) -> torch.Tensor:
+def expert_major_order(received: torch.Tensor, total: int) -> torch.Tensor:
     """`received[s, l]` rows came from rank s for local expert l, laid out source-major; the permutation that
-    lists them expert-major (by local expert, then source rank), as the experts' contiguous rows."""
+    lists them expert-major (by local expert, then source rank), as the experts' contiguous rows. `total` is
+    the number of rows received (the host knows it: the exchange's split sizes), so none is read back here."""
     lengths = received.t().reshape(-1)  # blocks in (l, s) order
     starts = (received.reshape(-1).cumsum(0) - received.reshape(-1)).view_as(received).t().reshape(-1)
     block_starts = lengths.cumsum(0) - lengths
-    total = int(lengths.sum())
     within = torch.arange(total, device=received.device) - block_starts.repeat_interleave(lengths, output_size=total)
     return starts.repeat_interleave(lengths, output_size=total) + within
 
@@ -103,10 +103,17 @@ class ShardedExperts(GroupedExperts):
         received = torch.empty_like(sent)
         with comm("all_to_all"):
             dist.all_to_all_single(received, sent, group=self.group)
-        send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
+        # The layer's one host read: all_to_all_single takes its split sizes as host ints (gloo and NCCL alike).
+        # The same read gives the loop over the experts its rows per expert, which it would read again.
+        host = torch.cat([sent.sum(1), received.reshape(-1)]).tolist()
+        send_splits, got = host[: self.ep], host[self.ep :]
+        recv_splits = [sum(got[r * self.n_local : (r + 1) * self.n_local]) for r in range(self.ep)]
         rows = AllToAll.apply(x, recv_splits, send_splits, self.group)
-        order = expert_major_order(received)
-        y = super().forward(rows[order], received.sum(0))
+        order = expert_major_order(received, sum(recv_splits))
+        per_expert = received.sum(0) if self.uses_grouped_mm(rows) else torch.tensor(
+            [sum(got[e :: self.n_local]) for e in range(self.n_local)]
+        )  # fmt: skip
+        y = super().forward(rows[order], per_expert)
         return AllToAll.apply(self.restore(y, order), send_splits, recv_splits, self.group)
 
     @staticmethod
