@@ -241,12 +241,15 @@ def _as_group(objects: list[dict], g: int, run_dir: str) -> list[dict]:
 
 def kubernetes_groups(group: Launch, groups: int, site: Site, image: str, indexed: bool = False) -> str:
     """The lighthouse's Deployment and Service, and per group a PyTorchJob `NAME-gG` (`indexed`: an indexed
-    Job and its headless Service), as one `kind: List`. Each group is its own job, so what restarts a
-    group never touches another: a PyTorchJob's `restartPolicy: OnFailure` has the kubelet restart a failed
-    worker container in its pod, and the group's other agents re-form its rendezvous (torchrun's elastic
-    agent); an indexed Job replaces a failed pod of its index (`restartPolicy: Never` + podFailurePolicy,
-    emit_k8s.kubernetes_job). Every group dials `NAME-lighthouse:29510` and writes to the same run
-    directory on the shared claim. Written as JSON, which is valid YAML."""
+    Job and its headless Service), as one `kind: List`. Each group is its own job, so what restarts a group
+    never touches another. The training operator reconciles each PyTorchJob's pods alone
+    (kubeflow/training-operator pkg/controller.v1/common/pod.go, JobController.ReconcilePods): a worker pod
+    that failed under `restartPolicy: OnFailure` is deleted and created again ("job ... is restarting because
+    ... replica(s) failed"), a missing one (its node preempted) is created again, and the group's other
+    agents re-form its rendezvous (torchrun's elastic agent, its own `maxRestarts`). An indexed Job replaces
+    a failed pod of its index (`restartPolicy: Never` + podFailurePolicy, emit_k8s.kubernetes_job). Every
+    group dials `NAME-lighthouse:29510` and writes to the same run directory on the shared claim. Written as
+    JSON, which is valid YAML."""
     name = job_name(group.name)
     run_dir = f"{RUN_MOUNT}/{name}"
     lighthouse = ("--fault.lighthouse", f"{name}-lighthouse:{LIGHTHOUSE_PORT}")
