@@ -73,31 +73,12 @@ def group_launch(launch: Launch, s: Candidate, groups: int) -> Launch:
                                train_args=(*args, "--fault.replica_groups", str(groups)))  # fmt: skip
 
 
-def slurm_groups(launch: Launch, group: Launch, groups: int, site: Site) -> str:
-    """The sbatch script of `groups` replica groups in one allocation (`launch`'s nodes and spares).
-
-    Slurm semantics (srun(1), sbatch(1), Slurm 22.05): `--no-kill` keeps the allocation when a node fails;
-    only the steps on that node are killed, and "the user may launch new job steps on the remaining nodes".
-    Each group is its own step, `srun --exact` (only the CPUs it asks for, so groups that share a node fit
-    side by side) with `--kill-on-bad-exit=1` (a task that exits non-zero ends its step, not the job, nor
-    other steps), started afresh by the batch shell when it ends non-zero, on whichever nodes of the
-    allocation are free (a spare, a node the dead one's group no longer holds), at most `max_restarts`
-    times: a fresh `meshlm launch` per attempt (`--max-restarts=0`: torchrun's own in-place restart of a
-    gloo group read the previous attempt's addresses, /work/notes/ftprobe.md §4), its rendezvous on the
-    step's first node. The lighthouse is a step with `--overlap`, which shares all resources with the other
-    steps, so it takes no CPU from a group. Slurm's time-limit warning and `scancel --signal=TERM` reach
-    every step's tasks: each group saves and exits 0 leaving its stopped file, no group is relaunched once
-    any has stopped, and the job requeues itself as the single-group file does."""
-    cpus = node_cpus(group, site.cpus_per_gpu)
-    gpus = f" --gpus-per-node={group.nproc_per_node}" if group.gpu else ""
-    train = shlex.join(["-m", "meshlm.cli", "train", *group.train_args])
-    agent = shlex.join([f"--nnodes={group.nodes}:{group.nodes}", f"--nproc-per-node={group.nproc_per_node}",
-                        "--max-restarts=0", "--rdzv-backend=c10d"])  # fmt: skip
-    lighthouse = shlex.join(lighthouse_command()[:3]) + ' "$LIGHTHOUSE_PORT" ' + shlex.join(lighthouse_command()[4:])
-    run = f"""# {groups} replica groups (docs/fault-tolerance.md, "Launching replica groups"): the lighthouse is one job
-# step, each group another; a group whose step fails is relaunched alone while the others keep training
+# The batch shell's part after the install (`slurm_groups` fills it in): the lighthouse's and each group's
+# relaunch loops, the wait for every group, the lighthouse stopped, the requeue of a stopped job.
+GROUPS_RUN = """# {groups} replica groups (docs/fault-tolerance.md, "Launching replica groups"): the lighthouse
+# is one job step, each group another; a group whose step fails is relaunched alone, the others train on
 export RDZV_PORT RDZV_ID RDZV_JOIN_TIMEOUT MESHLM_RUN_DIR MESHLM_CACHE_DIR
-export LIGHTHOUSE_PORT=${{LIGHTHOUSE_PORT:-{LIGHTHOUSE_PORT}}}
+export LIGHTHOUSE_PORT=${{LIGHTHOUSE_PORT:-{lighthouse_port}}}
 export LIGHTHOUSE="$HEAD_ADDR:$LIGHTHOUSE_PORT"
 MESHLM_STOPPING="$MESHLM_RUN_DIR/.stopping-$SLURM_JOB_ID"
 MESHLM_GROUPS_DONE="$MESHLM_RUN_DIR/.groups-done-$SLURM_JOB_ID"
@@ -120,14 +101,14 @@ meshlm_group_step() {{
   GROUP_HEAD=$(scontrol show hostnames "$SLURM_STEP_NODELIST" | head -n 1)
   export MESHLM_RDZV_HOST_NODE="$GROUP_HEAD"
   exec meshlm launch {agent} \\
-    --rdzv-endpoint="$(meshlm_address "$GROUP_HEAD"):$((RDZV_PORT + {GROUP_PORT_OFFSET} + MESHLM_REPLICA_GROUP))" \\
+    --rdzv-endpoint="$(meshlm_address "$GROUP_HEAD"):$((RDZV_PORT + {port_offset} + MESHLM_REPLICA_GROUP))" \\
     --rdzv-id="$RDZV_ID-g$MESHLM_REPLICA_GROUP-$MESHLM_GROUP_ATTEMPT" --rdzv-conf=join_timeout="$RDZV_JOIN_TIMEOUT" \\
     {train} --fault.lighthouse "$LIGHTHOUSE" \\
-    --data.source {shlex.quote(site.data_source)} --data.cache_dir "$MESHLM_CACHE_DIR" \\
+    --data.source {data_source} --data.cache_dir "$MESHLM_CACHE_DIR" \\
     --log.run_dir "$MESHLM_RUN_DIR" "$@"
 }}
 export -f meshlm_group_step meshlm_address
-# group $1 as a step of its own, relaunched alone (a fresh agent) while it fails, at most {group.max_restarts} times
+# group $1 as a step of its own, relaunched alone (a fresh agent) while it fails, at most {relaunches} times
 meshlm_group() {{
   G=$1
   shift
@@ -135,16 +116,16 @@ meshlm_group() {{
   while :; do
     export MESHLM_REPLICA_GROUP=$G MESHLM_GROUP_ATTEMPT=$ATTEMPT
     export MESHLM_STOPPED_FILE="$MESHLM_RUN_DIR/.stopped-$SLURM_JOB_ID-g$G"
-    srun --exact --kill-on-bad-exit=1 --nodes={group.nodes} --ntasks={group.nodes} --ntasks-per-node=1 \\
+    srun --exact --kill-on-bad-exit=1 --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 \\
       --cpus-per-task={cpus}{gpus} bash -c 'meshlm_group_step "$@"' meshlm-group "$@"
     RC=$?
     if [ "$RC" = 0 ] || stopping; then return "$RC"; fi
     ATTEMPT=$((ATTEMPT + 1))
-    if [ "$ATTEMPT" -gt {group.max_restarts} ]; then
-      echo "meshlm: replica group $G exited $RC, relaunched {group.max_restarts} times: not again" >&2
+    if [ "$ATTEMPT" -gt {relaunches} ]; then
+      echo "meshlm: replica group $G exited $RC, relaunched {relaunches} times: not again" >&2
       return "$RC"
     fi
-    echo "meshlm: replica group $G exited $RC: relaunched alone ($ATTEMPT/{group.max_restarts}); the others train on"
+    echo "meshlm: replica group $G exited $RC: relaunched alone ($ATTEMPT/{relaunches}); the others train on"
   done
 }}
 # the lighthouse on the first node, relaunched there if it fails, until every group has ended
@@ -157,8 +138,8 @@ meshlm_lighthouse() {{
     RC=$?
     if [ -e "$MESHLM_GROUPS_DONE" ] || stopping; then return 0; fi
     ATTEMPT=$((ATTEMPT + 1))
-    if [ "$ATTEMPT" -gt {group.max_restarts} ]; then
-      echo "meshlm: the lighthouse exited $RC, relaunched {group.max_restarts} times: not again" >&2
+    if [ "$ATTEMPT" -gt {relaunches} ]; then
+      echo "meshlm: the lighthouse exited $RC, relaunched {relaunches} times: not again" >&2
       return "$RC"
     fi
     echo "meshlm: the lighthouse exited $RC: relaunching it on $HEAD_NODE"
@@ -167,7 +148,7 @@ meshlm_lighthouse() {{
 meshlm_lighthouse &
 LIGHTHOUSE_LOOP=$!
 GROUPS_PIDS=""
-for G in $(seq 0 {groups - 1}); do
+for G in $(seq 0 {last}); do
   meshlm_group "$G" "$@" &
   GROUPS_PIDS="$GROUPS_PIDS $!"
 done
@@ -190,6 +171,43 @@ if [ "$RC" = 0 ] && [ "$STOPPED" -gt 0 ]; then
 fi
 exit "$RC"
 """
+
+
+def slurm_groups(launch: Launch, group: Launch, groups: int, site: Site) -> str:
+    """The sbatch script of `groups` replica groups in one allocation (`launch`'s nodes and spares).
+
+    Slurm semantics (srun(1), sbatch(1), Slurm 22.05): `--no-kill` keeps the allocation when a node fails;
+    only the steps on that node are killed, and "the user may launch new job steps on the remaining nodes".
+    Each group is its own step, `srun --exact` (only the CPUs it asks for, so groups that share a node fit
+    side by side) with `--kill-on-bad-exit=1` (a task that exits non-zero ends its step, not the job, nor
+    other steps), started afresh by the batch shell when it ends non-zero, on whichever nodes of the
+    allocation are free (a spare, a node the dead one's group no longer holds), at most `max_restarts`
+    times: a fresh `meshlm launch` per attempt (`--max-restarts=0`: torchrun's own in-place restart of a
+    gloo group read the previous attempt's addresses, /work/notes/ftprobe.md §4), its rendezvous on the
+    step's first node. The lighthouse is a step with `--overlap`, which shares all resources with the other
+    steps, so it takes no CPU from a group. Slurm's time-limit warning and `scancel --signal=TERM` reach
+    every step's tasks: each group saves and exits 0 leaving its stopped file, no group is relaunched once
+    any has stopped, and the job requeues itself as the single-group file does."""
+    cpus = node_cpus(group, site.cpus_per_gpu)
+    gpus = f" --gpus-per-node={group.nproc_per_node}" if group.gpu else ""
+    train = shlex.join(["-m", "meshlm.cli", "train", *group.train_args])
+    agent = shlex.join([f"--nnodes={group.nodes}:{group.nodes}", f"--nproc-per-node={group.nproc_per_node}",
+                        "--max-restarts=0", "--rdzv-backend=c10d"])  # fmt: skip
+    lighthouse = shlex.join(lighthouse_command()[:3]) + ' "$LIGHTHOUSE_PORT" ' + shlex.join(lighthouse_command()[4:])
+    run = GROUPS_RUN.format(
+        groups=groups,
+        last=groups - 1,
+        data_source=shlex.quote(site.data_source),
+        relaunches=group.max_restarts,
+        nodes=group.nodes,
+        port_offset=GROUP_PORT_OFFSET,
+        lighthouse_port=LIGHTHOUSE_PORT,
+        agent=agent,
+        train=train,
+        cpus=cpus,
+        gpus=gpus,
+        lighthouse=lighthouse,
+    )
     per = f"{group.nodes} node{'s' if group.nodes > 1 else ''}" if launch.nodes >= groups else "a share of a node"
     spares = f", {launch.spares} spare node{'s' if launch.spares > 1 else ''} for relaunches" if launch.spares else ""
     return slurm_script(launch, site, f"{groups} replica groups of {per}{spares}", run)
