@@ -33,6 +33,7 @@ from meshlm.plan.memory import Candidate
 from meshlm.plan.replay import HORIZON, RUNS, Replay, Run, _summary
 from meshlm.plan.search import Plan
 from meshlm.plan.spot import HOUR, Estimate, Pool, Rates, duration_text
+from meshlm.plan.table import si
 from meshlm.plan.traces import Trace
 
 # kill -9 of a group: the survivors' gloo collective fails with "Connection reset by peer" 0.28-0.46 s after
@@ -242,9 +243,10 @@ class LiveVerdict:
 
     @property
     def recommended(self) -> str:
-        """'live recovery' where its median dollars (then wall time) are lower, else 'checkpoint restart'."""
+        """'live recovery' where its median dollars (then wall time) are lower, else 'checkpoint restart' (also on a
+        tie: the simpler launch where nothing is gained)."""
         if self.live.feasible and (not self.restart.feasible or (self.live.usd_p50, self.live.wall_p50)
-                                   <= (self.restart.usd_p50, self.restart.wall_p50)):  # fmt: skip
+                                   < (self.restart.usd_p50, self.restart.wall_p50)):  # fmt: skip
             return "live recovery"
         return "checkpoint restart"
 
@@ -254,7 +256,7 @@ class LiveVerdict:
         def text(rp: Replay) -> str:
             if not rp.feasible:
                 return "cannot finish"
-            return f"p50 ${rp.usd_p50:,.0f}, {duration_text(rp.wall_p50)}, {rp.restarts_p50:,.0f} whole-job restarts"
+            return f"p50 ${si(rp.usd_p50)}, {duration_text(rp.wall_p50)}, {rp.restarts_p50:,.0f} whole-job restarts"
 
         c = self.cost
         return (f"live recovery ({self.groups} replica groups; a lost group costs {c.stall_s:.3g} s of detection and "

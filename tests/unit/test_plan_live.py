@@ -10,11 +10,14 @@ healing from nobody instead of restarting from the checkpoint (`_place`)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
 from pathlib import Path
 
 import pytest
 
+from meshlm.plan.cli import add_plan_parser, run_plan
 from meshlm.plan.live import (
     DETECT_S,
     HEAL_BPS,
@@ -113,3 +116,24 @@ def test_on_the_repository_trace_live_recovery_beats_restart_and_says_so_in_one_
     assert "\n" not in line and line.endswith("→ live recovery") and "4 replica groups" in line
     with pytest.raises(LiveError, match=r"--replica-groups 3: the pool's 4 nodes do not split into 3 groups"):
         replay_live(100 * 3600.0, restart, rates, trace, fault_cost(3, 5.0, 2e9, 600.0), runs=2)
+
+
+def test_meshlm_plan_prints_the_verdict_in_one_line_with_a_spot_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`meshlm plan --spot-trace` (how spot is replayed today) adds one line, live recovery against checkpoint
+    restart on the recommended pool, and `--json` the same under replay.live_recovery; without
+    `--replica-groups` the plan's own ZeRO-3-free layout picks the most groups of whole nodes (4 here)."""
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(json.dumps({"device": "cpu", "gpus_per_node": 1}))
+    argv = ["plan", "--model", "test", "--gpu", "cpu", "--gpus", "4", "--calibration", str(calibration), "--top",
+            "1", "--train-tokens", "2e6", "--preemption-rate", "0.2", "--preemption-per", "node-hour",
+            "--replay-runs", "3", "--spot-trace", str(TRACES / "poisson-4node-0.2.json"), "--zero", "0"]  # fmt: skip
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers())
+    assert run_plan(parser.parse_args(argv)) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("#1 on poisson-4node")]
+    assert len(lines) == 1 and "live recovery (4 replica groups; a lost group costs 3.46 s" in lines[0], lines
+    assert run_plan(parser.parse_args([*argv, "--json", "--replica-groups", "2"])) == 0
+    live = json.loads(capsys.readouterr().out)["replay"]["live_recovery"]
+    assert live["groups"] == 2 and live["requorum_s"] == HEARTBEAT_TIMEOUT_S and live["live"]["runs"] == 3
