@@ -35,6 +35,7 @@ from meshlm.plan.spot import Pool
 
 GROUP_PORT_OFFSET = 100  # group g's rendezvous on RDZV_PORT + 100 + g: groups that share a node never collide
 LIGHTHOUSE_CPUS = 2
+RELAUNCH_WAIT_S = 10  # Slurm: seconds between a group's failed step and its relaunch (MESHLM_RELAUNCH_WAIT_S)
 SKYPILOT_LIGHTHOUSE = "lighthouse"  # the Job Group's task name: its head is `lighthouse-0.GROUP` (service discovery)
 
 
@@ -80,6 +81,8 @@ GROUPS_RUN = """# {groups} replica groups (docs/fault-tolerance.md, "Launching r
 export RDZV_PORT RDZV_ID RDZV_JOIN_TIMEOUT MESHLM_RUN_DIR MESHLM_CACHE_DIR
 export LIGHTHOUSE_PORT=${{LIGHTHOUSE_PORT:-{lighthouse_port}}}
 export LIGHTHOUSE="$HEAD_ADDR:$LIGHTHOUSE_PORT"
+# between a group's end and its relaunch: a step Slurm refuses at once (no free nodes yet) is not retried in a burst
+MESHLM_RELAUNCH_WAIT_S=${{MESHLM_RELAUNCH_WAIT_S:-{relaunch_wait}}}
 MESHLM_STOPPING="$MESHLM_RUN_DIR/.stopping-$SLURM_JOB_ID"
 MESHLM_GROUPS_DONE="$MESHLM_RUN_DIR/.groups-done-$SLURM_JOB_ID"
 LIGHTHOUSE_PID_FILE="$MESHLM_RUN_DIR/.lighthouse-$SLURM_JOB_ID"
@@ -126,6 +129,7 @@ meshlm_group() {{
       return "$RC"
     fi
     echo "meshlm: replica group $G exited $RC: relaunched alone ($ATTEMPT/{relaunches}); the others train on"
+    sleep "$MESHLM_RELAUNCH_WAIT_S"
   done
 }}
 # the lighthouse on the first node, relaunched there if it fails, until every group has ended
@@ -202,6 +206,7 @@ def slurm_groups(launch: Launch, group: Launch, groups: int, site: Site) -> str:
         nodes=group.nodes,
         port_offset=GROUP_PORT_OFFSET,
         lighthouse_port=LIGHTHOUSE_PORT,
+        relaunch_wait=RELAUNCH_WAIT_S,
         agent=agent,
         train=train,
         cpus=cpus,

@@ -123,7 +123,7 @@ def run_script(script: Path, tmp_path: Path, bin_dir: Path) -> subprocess.Comple
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1",
            "SLURM_STEP_NODELIST": "n1", "SLURM_SUBMIT_DIR": str(tmp_path), "HOME": str(tmp_path),
            "HEAD_ADDR": "10.0.0.1", "MESHLM_VENV": str(tmp_path / "venv"),
-           "MESHLM_RUN_DIR": str(tmp_path / "run")}  # fmt: skip
+           "MESHLM_RUN_DIR": str(tmp_path / "run"), "MESHLM_RELAUNCH_WAIT_S": "0"}  # fmt: skip
     (tmp_path / "venv").mkdir(exist_ok=True)
     (tmp_path / "venv" / ".meshlm-install").write_text(INSTALL + "\n")  # installed: the script skips pip
     return subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
