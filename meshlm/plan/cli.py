@@ -33,12 +33,14 @@ from meshlm.plan.emit import (
     skypilot,
     slurm,
 )
+from meshlm.plan.emit_groups import group_launch, group_plans, kubernetes_groups, skypilot_groups, slurm_groups
 from meshlm.plan.emit_k8s import kubernetes, kubernetes_job
 from meshlm.plan.hardware import GPUS, Hardware, hardware
+from meshlm.plan.live import LiveVerdict, recommend
 from meshlm.plan.memory import Assumptions, Workload
 from meshlm.plan.replay import RUNS, Replay, Replays, check_deadline, replay_offerings
 from meshlm.plan.search import Constraints, Plan, PlannerError, SearchResult, elastic_shrink, no_fit_message, search
-from meshlm.plan.spot import Estimate, duration_text
+from meshlm.plan.spot import Estimate, Shapes, duration_text
 from meshlm.plan.table import COLUMNS, expert_parallel_note, fitted_table, legend, offer, row, si, why_first
 from meshlm.plan.traces import FORMATS, Trace, load_trace
 
@@ -286,6 +288,9 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     out.add_argument("--top", type=positive, default=10, help="layouts to show")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
     out.add_argument("--emit", choices=list(EMIT_SUFFIX), help="write a launch file for the best plan")
+    out.add_argument("--replica-groups", type=positive, default=1, help="run as N fault-tolerant replica groups "
+                     "joined by a lighthouse (--emit writes them; a spot trace prices live recovery with N; "
+                     "docs/fault-tolerance.md)")  # fmt: skip
     out.add_argument("--check", action="store_true", help="the launch file runs `meshlm check` with the run's "
                      "config on one node before training, which a failure stops (docs/check.md)")  # fmt: skip
     out.add_argument("--emit-to", type=Path, help="where to write it (default: meshlm-NAME.sbatch / .pytorchjob.json"
@@ -347,6 +352,9 @@ def _request(args: argparse.Namespace) -> Request:
     w = Workload(model, seq_len, global_batch, train_tokens, precision, source.name, args.lora_rank or 0)
     if args.check and not args.emit:
         raise PlannerError("--check goes into a launch file: it needs --emit slurm, kubernetes or skypilot")
+    if args.check and args.replica_groups > 1:
+        raise PlannerError(f"--check with --replica-groups {args.replica_groups}: the check's runs would join the "
+                           "lighthouse; run `meshlm check` on the run's config before the groups")  # fmt: skip
     if args.emit:
         args.install = emit_flags(args.emit, args.image, args.bucket, args.data_source or source.data_source,
                                   args.install)  # fmt: skip
@@ -355,7 +363,7 @@ def _request(args: argparse.Namespace) -> Request:
     trace = load_trace(args.spot_trace, args.trace_format) if args.spot_trace is not None else None
     c = Constraints(
         **fixed_dims(args.layout),
-        zero=args.zero,
+        zero=0 if args.zero is None and args.replica_groups > 1 else args.zero,  # replica groups: ZeRO 0
         micro_batch=args.micro_batch,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
@@ -381,7 +389,7 @@ def _request(args: argparse.Namespace) -> Request:
         restart_s=args.restart_s,
         storage_gbps=args.storage_gbps,
         deadline_s=args.deadline,
-        shapes=TARGET_SHAPES[args.emit] if args.emit else CostModel.shapes,
+        shapes=_shapes(args),
         **({} if args.failure_rate is None else {"failure_rate": args.failure_rate}),
     )
     return Request(source, w, hw, c, a, costs, trace)
@@ -410,10 +418,12 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         if not result.plans:
             raise PlannerError(no_fit_message(r.workload, args.gpus, r.hw, r.constraints, r.assumptions, result))
+        result = group_plans(result, args.replica_groups, r.workload.global_batch)
         if r.costs.deadline_s is not None:  # not even the fastest plan on demand meets it: one line, no table
             fastest = min(result.plans, key=lambda p: p.on_demand.wall_s)
             check_deadline(r.costs.deadline_s, fastest.on_demand, f" of the fastest plan ({fastest.strategy.layout})")
         replays = _replay(args, r, result.plans[0]) if r.trace is not None else None
+        live = _live(args, r, result.plans[0], replays) if replays is not None else None
         if args.emit:
             _emit(args, r, result.plans[0], replays.recommended.closed if replays is not None else None)
     except (ValueError, OSError) as e:  # PlannerError, ConfigError, unknown gpu / preset, bad calibration, unwritable
@@ -422,13 +432,42 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         summary = _request_summary(r, args, result)
         if replays is not None:
-            summary["replay"] = {"trace": r.trace.source, "runs": args.replay_runs, **replays.to_dict()}
+            verdict = live.to_dict() if isinstance(live, LiveVerdict) else live
+            summary["replay"] = {"trace": r.trace.source, "runs": args.replay_runs, **replays.to_dict(),
+                                 "live_recovery": verdict}  # fmt: skip
         print(json.dumps(summary, indent=2, ensure_ascii=False))
     else:
         _print_table(r, args, result)
         if replays is not None:
             _print_replay(r, args, replays)
+            Console(width=max(Console().width, 200)).print(
+                f"#1 on {r.trace.source}: {_live_text(live)}", soft_wrap=True
+            )
     return 0
+
+
+def _shapes(args: argparse.Namespace) -> Shapes:
+    """The pools priced: the launcher's (`TARGET_SHAPES`); replica groups are rigid (a group, not the
+    rendezvous, is what shrinks), and only Slurm's allocation holds spares for their relaunches."""
+    shapes = TARGET_SHAPES[args.emit] if args.emit else CostModel.shapes
+    if args.replica_groups > 1:
+        shapes = dataclasses.replace(shapes, elastic=False, spares=shapes.spares and args.emit in (None, "slurm"))
+    return shapes
+
+
+def _live(args: argparse.Namespace, r: Request, plan: Plan, replays: Replays) -> LiveVerdict | str:
+    """Live recovery against checkpoint restart on the trace, for the recommended pool."""
+    job = rates(plan.strategy.gpus, plan.checkpoint_bytes, r.hw, r.costs)
+    groups = args.replica_groups if args.replica_groups > 1 else 0
+    return recommend(plan, r.workload.global_batch, job, r.trace, replays.recommended, groups, args.replay_runs,
+                     args.replay_seed)  # fmt: skip
+
+
+def _live_text(live: LiveVerdict | str) -> str:
+    if isinstance(live, str):
+        return live
+    hint = f" (--replica-groups {live.groups} --emit writes it)" if live.recommended == "live recovery" else ""
+    return live.line() + hint
 
 
 def _replay(args: argparse.Namespace, r: Request, plan: Plan) -> Replays:
@@ -480,11 +519,22 @@ def _emit(args: argparse.Namespace, r: Request, plan: Plan, pick: Estimate | Non
                         w.precision, gpu=r.hw.name != "cpu", window_s=args.time_limit,
                         storage_gbps=r.costs.storage_gbps, fused_loss=r.assumptions.fused_loss)  # fmt: skip
     summary = f"{w.name} on {plan.strategy.gpus}× {r.hw.name}: {plan.strategy}, {pick.pool.describe()}"
+    if args.replica_groups > 1:
+        summary += f", {args.replica_groups} replica groups"
     launch = dataclasses.replace(launch, summary=summary)
     site = Site(args.data_source or r.source.data_source or "", args.install or "", args.run_dir or "",
                 args.time_limit, partition=args.partition, account=args.account, pvc=args.pvc, bucket=args.bucket or "",
                 spot_selector=args.spot_selector, check=args.check)  # fmt: skip
-    if args.emit == "slurm":
+    groups = args.replica_groups
+    if groups > 1:
+        group = group_launch(launch, plan.strategy, groups)
+        if args.emit == "slurm":
+            text = slurm_groups(launch, group, groups, site)
+        elif args.emit in KUBERNETES_TARGETS:
+            text = kubernetes_groups(group, groups, site, args.image, indexed=args.emit == "kubernetes-job")
+        else:
+            text = skypilot_groups(group, groups, site, pick.pool, r.hw)
+    elif args.emit == "slurm":
         text = slurm(launch, site)
     elif args.emit == "kubernetes":
         text = kubernetes(launch, site, args.image)

@@ -372,17 +372,25 @@ def slurm(launch: Launch, site: Site) -> str:
     HEAD_ADDR, RDZV_PORT, RDZV_ID, RDZV_JOIN_TIMEOUT, MESHLM_RUN_DIR, MESHLM_CACHE_DIR, MESHLM_VENV and
     MESHLM_INSTALL can be set from outside; extra arguments go to `meshlm train`. Every user value is quoted
     or validated."""
-    if not site.install:
-        raise PlannerError("--emit slurm needs --install (a pip requirement such as 'meshlm==0.1.0', or a meshlm "
-                        "wheel on the cluster), which every job installs into MESHLM_VENV")  # fmt: skip
     rdzv = '--rdzv-endpoint="$HEAD_ADDR:$RDZV_PORT" --rdzv-id="$RDZV_ID" --rdzv-conf=join_timeout="$RDZV_JOIN_TIMEOUT"'
     train = shlex.join(["-m", "meshlm.cli", "train", *launch.train_args])
     command = f"meshlm launch {shlex.join(launch.agent_options())} {rdzv} {train}"
-    name = job_name(launch.name)
     nodes = f"{launch.min_nodes}-{launch.nodes}" if launch.min_nodes < launch.nodes else str(launch.nodes)
     spares = ""
     if launch.spares:
         spares = f" ({launch.spares} hot spare{'s' if launch.spares > 1 else ''} wait in the rendezvous)"
+    run = slurm_run(command, node_cpus(launch, site.cpus_per_gpu), site.data_source)
+    return slurm_script(launch, site, f"{nodes} nodes{spares}", run)
+
+
+def slurm_script(launch: Launch, site: Site, trains_on: str, run: str) -> str:
+    """The sbatch script around `run` (its steps and requeue): the `#SBATCH` header for `launch`'s nodes and
+    spares, the rendezvous head, the run directory, meshlm's install into MESHLM_VENV and, with --check,
+    `meshlm check` of the launch's arguments. `trains_on` completes the comment "Trains on ..."."""
+    if not site.install:
+        raise PlannerError("--emit slurm needs --install (a pip requirement such as 'meshlm==0.1.0', or a meshlm "
+                        "wheel on the cluster), which every job installs into MESHLM_VENV")  # fmt: skip
+    name = job_name(launch.name)
     warn = math.ceil(launch.grace_s + TEARDOWN_S)
     window = min(site.time_limit_s, 365 * 86400.0)
     if warn > min(window / 2, SLURM_MAX_WARN_S):  # warned at once, every allocation would stop before training
@@ -416,7 +424,7 @@ def slurm(launch: Launch, site: Site) -> str:
 #SBATCH --open-mode=append
 #SBATCH --output={name}-%j.out
 # {comment(launch.summary)}
-# Trains on {nodes} nodes{spares}; expected wall time {_duration(launch.wall_s)}, about {allocations} allocation(s)
+# Trains on {trains_on}; expected wall time {_duration(launch.wall_s)}, about {allocations} allocation(s)
 # of the --time limit (the job requeues itself at the limit and resumes from its newest checkpoint).
 # Written by `meshlm plan --emit slurm`.
 set -uo pipefail
@@ -437,7 +445,7 @@ if [ "$(cat "$MESHLM_VENV/.meshlm-install" 2>/dev/null)" != "$MESHLM_INSTALL" ];
     || {{ echo "meshlm: could not install $MESHLM_INSTALL into $MESHLM_VENV" >&2; exit 1; }}
 fi
 export PATH="$MESHLM_VENV/bin:$PATH"
-{check}{slurm_run(command, cpus, site.data_source)}"""
+{check}{run}"""
 
 
 SKYPILOT_ACCELERATORS = {"A100-40GB": "A100", "A100-80GB": "A100-80GB", "H100-SXM": "H100", "H200": "H200"}
@@ -462,7 +470,8 @@ def _sky_resources(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> list
     return resources
 
 
-def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
+def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware, task: str = "", train_extra: str = "",
+             envs: tuple[tuple[str, str], ...] = ()) -> str:  # fmt: skip
     """A SkyPilot task YAML for `sky jobs launch`: the whole cluster on spot with on demand as the fallback
     (`any_of`) or on demand, `job_recovery` relaunching it after a preemption (and at most ERROR_RELAUNCHES
     times after a failure, so a deterministic crash does not loop), the run directory on `site.bucket` in
@@ -472,7 +481,9 @@ def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
     node from SkyPilot's node variables (c10d rendezvous on the first IP, so a worker that dies restarts the
     group in place up to `--max-restarts` times per launch); `meshlm train` resumes from the
     newest valid checkpoint there. SkyPilot replaces the whole cluster when a node goes, so the job is rigid
-    (`TARGET_SHAPES`). Written by hand as a plain subset of YAML (no anchors, flow collections or tags)."""
+    (`TARGET_SHAPES`). Written by hand as a plain subset of YAML (no anchors, flow collections or tags).
+    A replica group's task (meshlm.plan.emit_groups) names itself `task`, adds `envs` and passes `train_extra`
+    (shell words) to `meshlm train`."""
     name = job_name(launch.name)
     resources = _sky_resources(launch, site, pool, hw)
     mounts = [f"  {RUN_MOUNT}:", f"    source: {json.dumps(site.bucket)}", "    mode: MOUNT_CACHED"]
@@ -495,6 +506,7 @@ def skypilot(launch: Launch, site: Site, pool: Pool, hw: Hardware) -> str:
                        'if [ "${SKYPILOT_SETUP_NODE_RANK:-0}" = 0 ]; then', '  mkdir -p "$MESHLM_RUN_DIR"',
                        *(f"  {line}" for line in block), "fi"]  # fmt: skip
     train = shlex.join(["-m", "meshlm.cli", "train", *launch.train_args])
+    extra = train_extra + " " if train_extra else ""
     run = f"""set -uo pipefail
 # torchrun's shared rendezvous store keeps a previous attempt's addresses (pytorch/pytorch#135712)
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
@@ -508,12 +520,12 @@ mkdir -p "$MESHLM_RUN_DIR"
 exec meshlm launch --nnodes="$SKYPILOT_NUM_NODES:$SKYPILOT_NUM_NODES" --nproc-per-node="$NPROC" \\
   --max-restarts={launch.max_restarts} --rdzv-backend=c10d --rdzv-endpoint="$HEAD_IP:$MESHLM_PORT" \\
   --rdzv-id="${{SKYPILOT_TASK_ID:-meshlm}}" --rdzv-conf=join_timeout={JOIN_TIMEOUT_S} \\
-  {train} --data.source "$MESHLM_DATA" --data.cache_dir "$MESHLM_CACHE_DIR" \\
+  {train} {extra}--data.source "$MESHLM_DATA" --data.cache_dir "$MESHLM_CACHE_DIR" \\
   --log.run_dir "$MESHLM_RUN_DIR" ${{MESHLM_TRAIN_ARGS:-}}"""
     lines = [
         f"# {comment(launch.summary)}",
         f"# Written by `meshlm plan --emit skypilot`; launch with `sky jobs launch {name}.sky.yaml`.",
-        f"name: {name}",
+        f"name: {task or name}",
         f"num_nodes: {launch.nodes}",
         "resources:",
         *resources,
@@ -525,6 +537,7 @@ exec meshlm launch --nnodes="$SKYPILOT_NUM_NODES:$SKYPILOT_NUM_NODES" --nproc-pe
         '  MESHLM_TRAIN_ARGS: ""',
         f'  MESHLM_STOP_EXIT: "{STOP_EXIT}"',
         '  MESHLM_STOP_AFTER: ""',
+        *(f"  {key}: {json.dumps(value)}" for key, value in envs),
         "file_mounts:",
         *mounts,
         "setup: |",
