@@ -149,6 +149,7 @@ class DataParallel:
         self.shard_group, self.replicate_group = self.dense.shard, self.dense.replicate
         self.shard_size, self.shard_rank = self.dense.shard_size, self.dense.shard_rank
         self.groups_of: dict[int, ReduceGroups] = {}  # id(buffer) -> its groups
+        self.across = None  # fault-tolerant replica groups (meshlm.parallel.dp.replica_groups.attach)
 
         self.chunk_params: list[list[nn.Parameter]] = []
         self.chunk_frozen: list[list[nn.Parameter]] = []
@@ -346,6 +347,8 @@ class DataParallel:
         if groups.shard is not None and groups.replicate is not None:
             with comm("all_reduce"):  # hybrid: sum the shard across replicas too
                 dist.all_reduce(out, group=groups.replicate)
+        if self.across is not None:  # fault-tolerant replica groups: the same shard of every live group
+            self.across.sum_(out)
         out.div_(self.dp_size)  # whatever its group: each gradient sums every data replica's loss term
         if out.data_ptr() != buf.grad_shard.data_ptr():
             buf.grad_shard.copy_(out)
@@ -402,6 +405,8 @@ class DataParallel:
             if dist.get_world_size(groups.group) > 1:
                 with comm("all_reduce"):
                     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.group)
+            if self.across is not None:
+                self.across.max_(flags)
             if all(local):
                 continue
             used, start = flags.tolist(), 0
