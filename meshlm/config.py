@@ -317,7 +317,8 @@ class FaultSection(Section):
         if self.replica_groups > 1 and self.quorum_timeout_s <= self.collective_timeout_s:
             raise ValueError(
                 f"fault.quorum_timeout_s ({self.quorum_timeout_s}) must exceed fault.collective_timeout_s "
-                f"({self.collective_timeout_s}): a quorum waits for the slowest group's collectives (docs/fault-tolerance.md)"
+                f"({self.collective_timeout_s}): a quorum waits for the slowest group's collectives "
+                "(docs/fault-tolerance.md)"
             )
         return self
 

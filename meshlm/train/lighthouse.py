@@ -49,7 +49,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
             join_timeout_ms=round(args.join_timeout_s * 1000),
             heartbeat_timeout_ms=round(args.heartbeat_timeout_s * 1000),
         )
-    except Exception as e:  # noqa: BLE001 - the port taken or not bindable: one line
+    except Exception as e:
         raise ConfigError(f"meshlm lighthouse: cannot listen on port {args.port}: {e}") from None
     print(f"meshlm lighthouse: listening at {server.address()} (fault.lighthouse = HOST:{args.port})", flush=True)
     stop.wait()

@@ -266,8 +266,8 @@ class ReplicaRun:
         if not self.manager.should_commit():
             error = self.manager.errored()
             why = str(error.original_exception) if error is not None else "another rank of this group failed it"
-            self.trainer.say(f"step {self.trainer.sampler.step + 1}: not committed ({why}); redone after the next quorum",
-                             flush=True)  # fmt: skip
+            step = self.trainer.sampler.step + 1
+            self.trainer.say(f"step {step}: not committed ({why}); redone after the next quorum", flush=True)
             return False
         live = len(self.live) if self.live else 1
         self.samples += live * self.rows
