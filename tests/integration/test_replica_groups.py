@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow  # lighthouse + 2-3 groups + a relaunch: ~40-60 s 
 pytest.importorskip("torchft", reason="replica groups need the extra meshlm[ft] (torchft-nightly)")
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 40
+STEPS = 50
 # The ladder at test scale (docs/fault-tolerance.md): heartbeat 5 s, join 3 s, collectives 5 s, quorum 60 s
 TIMEOUTS = ("--fault.collective_timeout_s", "5", "--fault.quorum_timeout_s", "60")
 # Start-up under two CPU burners took up to 64 s in the probe; no scenario here needs more than this
@@ -36,8 +36,14 @@ DEADLINE_S = 240.0
 
 
 def _args(small_run: list[str], run_dir: Path, groups: int, lighthouse: int, *extra: str) -> list[str]:
+    """The session's small run in `run_dir`, 2 rows per group (global_batch 2·groups), as `groups` replica groups.
+    The token cache is filled first, once, so that the groups do not each tokenize the corpus at start-up."""
     args = list(small_run)
     args[args.index("--log.run_dir") + 1] = str(run_dir)
+    args[args.index("--train.global_batch") + 1] = str(2 * groups)
+    data = [a for i, a in enumerate(args) if a.startswith("--data.") or args[i - 1].startswith("--data.")]
+    prepare = [sys.executable, "-m", "meshlm.cli", "prepare-data", "--workers", "1", "--model.preset", "test", *data]
+    subprocess.run(prepare, env=_env(), check=True, capture_output=True, timeout=DEADLINE_S)
     return [*args, "--train.steps", str(STEPS), "--checkpoint.every", "5", "--train.eval_every", "0",
             "--log.every", "1", "--fault.replica_groups", str(groups), "--fault.lighthouse", f"localhost:{lighthouse}",
             *TIMEOUTS, *extra]  # fmt: skip
@@ -111,31 +117,69 @@ def _assert_bitwise(run_dir: Path, groups: int, reference: dict[str, torch.Tenso
             assert torch.equal(weight, reference[name]), f"group {g}: {name} differs from the one-process replay"
 
 
-def test_killed_group_is_relaunched_and_heals_from_a_peer(small_run: list[str], tmp_path: Path) -> None:
-    """Two groups; group 1 killed with SIGKILL at step 10 and relaunched at once. Group 0 names it in one line
-    and keeps stepping alone (half the batch); the relaunch resumes from its own checkpoint (step 10 at most),
-    heals from group 0 and both finish at full strength. Mutation: Across.sum_ summing in arrival order
-    (outs reversed on group 1) makes the weights differ from the replay; a heal that skips the optimizer state
-    (`_tensors` without the state) makes group 1's final weights differ from group 0's."""
+def _left_at(run_dir: Path, g: int, gone: int, after: float) -> float:
+    """When group g logged a quorum without group `gone`, first after time `after` (epoch seconds)."""
+    path = run_dir / f"group-{g}" / "metrics.jsonl"
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "replicas" and record["time"] > after and gone not in record["live"]:
+            return record["time"]
+    raise AssertionError(f"group {g} never stepped without group {gone}")
+
+
+def _wait_text(path: Path, text: str, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while text not in path.read_text():
+        assert all(p.poll() in (None, 0) for p in procs), "a group exited early"
+        assert time.monotonic() < deadline, f"{path.name} never said {text!r}"
+        time.sleep(0.05)
+
+
+def test_stalled_and_killed_groups_heal_from_peers(small_run: list[str], tmp_path: Path) -> None:
+    """Three groups. Group 1 stopped (SIGSTOP of its rank) at step 6: groups 0 and 2 fail that step after the
+    collective timeout, name group 1 in one line and step on two thirds of the batch; SIGCONT: group 1's pending
+    step fails, it heals from a peer at the next quorum (no restart). Then group 2 killed (SIGKILL) and relaunched
+    at once: it resumes from its own checkpoint, heals, and all three finish at full strength. Every group's final
+    weights equal the one-process replay of the logged schedule bit for bit (3 groups: the fixed-order sum).
+    Detection bounds (docs/fault-tolerance.md, 3 groups): a stall costs the collective timeout C plus the join
+    timeout J; a kill at most C + J (the RST usually ends it at once); both + 10 s of slack for two CPU burners.
+    Mutations: Across.sum_ summing in arrival order (outs reversed on one group) breaks the replay's equality;
+    a heal that skips the optimizer state (`ReplicaRun._tensors` without it) makes group 1 differ from group 0."""
     run_dir, port = tmp_path / "run", free_port()
-    args = _args(small_run, run_dir, 2, port)
-    logs = [tmp_path / "lighthouse.log", tmp_path / "g0.log", tmp_path / "g1.log"]
+    args = _args(small_run, run_dir, 3, port)
+    logs = [tmp_path / f"{name}.log" for name in ("lighthouse", "g0", "g1", "g2")]
     lighthouse = _lighthouse(port, logs[0])
-    slow = {"MESHLM_SHORT_STEP_SLEEP_S": "1"}  # while short of a group: so the relaunch finds group 0 running
+    slow = {"MESHLM_SHORT_STEP_SLEEP_S": "1"}  # while short of a group: so the relaunch finds its peers running
+    groups = []
     try:
-        groups = [_group(0, args, logs[1], **slow), _group(1, args, logs[2], **slow)]
-        _wait_step(run_dir, 1, 10, groups)
-        groups[1].send_signal(signal.SIGKILL)
-        groups[1].wait()
-        groups[1] = _group(1, args, logs[2], **slow)
+        groups = [_group(g, args, logs[1 + g], **slow) for g in range(3)]
+        _wait_step(run_dir, 1, 6, groups)
+        groups[1].send_signal(signal.SIGSTOP)
+        stopped = time.time()
+        _wait_text(logs[1], "group 1 left", groups)
+        groups[1].send_signal(signal.SIGCONT)
+        _wait_text(logs[1], "group 1 joined", groups)
+        _wait_step(run_dir, 2, _committed(run_dir, 2) + 2, groups)
+        groups[2].send_signal(signal.SIGKILL)
+        killed = time.time()
+        groups[2].wait()
+        groups[2] = _group(2, args, logs[3], **slow)
         _finish(groups, logs[1:])
     finally:
+        for proc in groups:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
     survivor = logs[1].read_text()
-    assert "group 1 left (dead, stalled or cut off); stepping with 1 of 2 (groups 0)" in survivor
-    assert "group 1 joined; stepping with 2 of 2 (groups 0, 1)" in survivor
+    assert "group 1 left (dead, stalled or cut off); stepping with 2 of 3 (groups 0, 2)" in survivor
+    assert "group 2 left (dead, stalled or cut off); stepping with 2 of 3 (groups 0, 1)" in survivor
+    assert "group 2 joined; stepping with 3 of 3 (groups 0, 1, 2)" in survivor
     assert "replica group 1: healed from a live peer at step" in logs[2].read_text()
-    reference = _replay(args, 2, tmp_path / "replay.pt")
-    assert (reference["__live__"] == 1).any() and reference["__live__"][-1] == 2  # it did step short, then heal
-    _assert_bitwise(run_dir, 2, reference)
+    assert "replica group 2: healed from a live peer at step" in logs[3].read_text()
+    assert _left_at(run_dir, 0, 1, stopped) - stopped < 5 + 3 + 10
+    assert _left_at(run_dir, 0, 2, killed) - killed < 5 + 3 + 10
+    reference = _replay(args, 3, tmp_path / "replay.pt")
+    assert (reference["__live__"] == 2).any() and reference["__live__"][-1] == 3  # it stepped short, then healed
+    _assert_bitwise(run_dir, 3, reference)
