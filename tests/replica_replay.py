@@ -1,9 +1,10 @@
 """The one-process reference of a run of fault-tolerant replica groups (tests/integration/test_replica_groups.py):
-`python tests/replica_replay.py OUT.pt STEPS GROUPS --section.field VALUE ...` replays the schedule of live groups
+`python tests/replica_replay.py OUT.pt STEPS GROUPS DP --section.field VALUE ...` replays the schedule of live groups
 the run logged (the "replicas" records of every group's metrics.jsonl) in ONE process: at step k with n live groups
-it reads the same n chunks of global_batch / GROUPS rows at the same sample position, backpropagates each chunk
-on its own (accumulating, in quorum order: the order of the groups' fixed-order sum) with the loss scaled by the
-n chunks' kept tokens, clips, and takes meshlm's AdamW step at lr_at(k). Saves the final full weights to OUT.pt.
+it reads the same n chunks of global_batch / GROUPS rows at the same sample position, each split over the group's
+DP ranks, backpropagates each rank's rows on their own (with the loss scaled by the n chunks' kept tokens), sums a
+group's ranks in rank order, then the groups in quorum order (the order of the groups' fixed-order sum), clips,
+and takes meshlm's AdamW step at lr_at(k). Saves the final full weights to OUT.pt.
 
 "The survivors' trajectory equals one process fed the same (smaller) batches", bit for bit: each chunk's
 gradient is what its group's backward computes (the same rows, shapes and kernels), and the sum is the same
@@ -11,7 +12,6 @@ additions in the same order (issue #52, item 5)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -49,8 +49,8 @@ def live_at(changes: dict[int, int], step: int) -> int:
 
 
 def main() -> None:
-    out, steps, groups, *args = sys.argv[1:]
-    steps, groups = int(steps), int(groups)
+    out, steps, groups, dp, *args = sys.argv[1:]
+    steps, groups, dp = int(steps), int(groups), int(dp)
     cfg = load_config(None, parse_overrides(args))
     run_dir = Path(cfg.log.run_dir)
     changes = schedule(run_dir, groups)
@@ -62,13 +62,25 @@ def main() -> None:
     trainer = Trainer(cfg, layout, n_micro, device, Watchdog(run_dir / "replay", 0, 0))
     model, optimizer, source = trainer.model, trainer.optimizer, trainer.sampler.source
     rows, samples = cfg.train.global_batch // groups, 0
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     for k in range(steps):
         n = live_at(changes, k + 1)
-        chunks = [source.rows_at(samples + r * rows, rows) for r in range(n)]
-        count = sum((y != cfg.train.ignore_index).sum() for _, y in chunks).to(torch.float32)
-        for r, (x, y) in enumerate(chunks):
-            with model.no_sync() if r < n - 1 else contextlib.nullcontext():
-                model.backward(model.loss_fn(model(x), y, num_tokens=count))
+        # group r's rank j: rows [samples + r·rows + j·rows/dp, ...), dp = the group's data-parallel ranks
+        chunks = [
+            [source.rows_at(samples + r * rows + j * rows // dp, rows // dp) for j in range(dp)] for r in range(n)
+        ]
+        count = sum((y != cfg.train.ignore_index).sum() for group in chunks for _, y in group).to(torch.float32)
+        sums = []  # each group's gradient: its ranks' in rank order (gloo's all-reduce of 2 is a + b), then
+        for group in chunks:  # the groups' in quorum order, as Across.sum_ adds them
+            for x, y in group:
+                with model.no_sync():
+                    model.backward(model.loss_fn(model(x), y, num_tokens=count))
+            sums.append([p.grad.clone() for p in params])
+            model.zero_grad()
+        for p, *terms in zip(params, *sums, strict=True):
+            p.grad = terms[0].clone()
+            for term in terms[1:]:
+                p.grad += term
         model.clip_grad_norm_(cfg.train.grad_clip)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(k, cfg.train)

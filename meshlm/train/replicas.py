@@ -243,7 +243,7 @@ class ReplicaRun:
                 + ([f"group {', '.join(map(str, came))} joined"] if came else [])
             )
             t.say(
-                f"replica groups at step {t.sampler.step}: {change or 'reordered'}; stepping with {len(live)} of "
+                f"replica groups at step {t.sampler.step + 1}: {change or 'reordered'}; stepping with {len(live)} of "
                 f"{self.n_groups} (groups {', '.join(map(str, live))})",
                 flush=True,
             )
@@ -265,7 +265,10 @@ class ReplicaRun:
         advances by the live groups' rows."""
         if not self.manager.should_commit():
             error = self.manager.errored()
-            why = str(error.original_exception) if error is not None else "another rank of this group failed it"
+            why = (
+                str(error.original_exception).splitlines()[0] if error is not None else "a rank of this group failed it"
+            )
+            why = why.split(". This is typically")[0]  # gloo's advice after the cause
             step = self.trainer.sampler.step + 1
             self.trainer.say(f"step {step}: not committed ({why}); redone after the next quorum", flush=True)
             return False

@@ -94,8 +94,8 @@ def _finish(procs: list[subprocess.Popen], logs: list[Path]) -> None:
         assert code == 0, log.read_text()[-3000:]
 
 
-def _replay(args: list[str], groups: int, out: Path) -> dict[str, torch.Tensor]:
-    cmd = [sys.executable, str(REPO / "tests" / "replica_replay.py"), str(out), str(STEPS), str(groups), *args]
+def _replay(args: list[str], groups: int, out: Path, dp: int = 1) -> dict[str, torch.Tensor]:
+    cmd = [sys.executable, str(REPO / "tests" / "replica_replay.py"), str(out), str(STEPS), str(groups), str(dp), *args]
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=DEADLINE_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return torch.load(out)
@@ -114,7 +114,7 @@ def _assert_bitwise(run_dir: Path, groups: int, reference: dict[str, torch.Tenso
         final = _final(run_dir, g)
         assert final.keys() <= reference.keys()
         for name, weight in final.items():
-            assert torch.equal(weight, reference[name]), f"group {g}: {name} differs from the one-process replay"
+            assert torch.equal(weight, reference[name]), f"group {g}: {name} differs from the reference"
 
 
 def _left_at(run_dir: Path, g: int, gone: int, after: float) -> float:
@@ -183,3 +183,149 @@ def test_stalled_and_killed_groups_heal_from_peers(small_run: list[str], tmp_pat
     reference = _replay(args, 3, tmp_path / "replay.pt")
     assert (reference["__live__"] == 2).any() and reference["__live__"][-1] == 3  # it stepped short, then healed
     _assert_bitwise(run_dir, 3, reference)
+
+
+class Namespaces:
+    """Network namespaces on one bridge, one per process group of a test (the lighthouse, each replica group),
+    each with a hostname of its own that every other one resolves (torchft advertises socket.gethostname() for
+    its stores, process groups and checkpoint server). `cut(name)` takes a namespace's link down: packets are
+    dropped, no connection is reset, as in a real partition. Needs root (CAP_NET_ADMIN) and `ip`, `unshare`."""
+
+    def __init__(self, names: list[str]) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.bridge = f"mftb{tag}"
+        self.ns = {name: f"mft{tag}{name}" for name in names}
+        self.host = {name: f"mft{tag}{name}" for name in names}
+        self.veth = {name: f"mftv{tag}{name}" for name in names}
+        self.ip = {name: f"10.79.{os.getpid() % 200}.{10 + i}" for i, name in enumerate(names)}
+        self._run(f"ip link add {self.bridge} type bridge && ip link set {self.bridge} up")
+        for name in names:
+            ns = self.ns[name]
+            self._run(
+                f"ip netns add {ns} && ip link add {self.veth[name]} type veth peer name eth0 netns {ns} && "
+                f"ip link set {self.veth[name]} master {self.bridge} && ip link set {self.veth[name]} up && "
+                f"ip -n {ns} addr add {self.ip[name]}/24 dev eth0 && ip -n {ns} link set eth0 up && "
+                f"ip -n {ns} link set lo up"
+            )
+            hosts = Path("/etc/netns") / ns / "hosts"  # `ip netns exec` binds it over /etc/hosts
+            hosts.parent.mkdir(parents=True, exist_ok=True)
+            lines = ["127.0.0.1 localhost", *(f"{self.ip[n]} {self.host[n]}" for n in names)]
+            hosts.write_text("\n".join(lines) + "\n")
+
+    @staticmethod
+    def _run(script: str) -> None:
+        subprocess.run(["sh", "-c", script], check=True, capture_output=True, timeout=60)
+
+    def wrap(self, name: str, cmd: list[str]) -> list[str]:
+        """`cmd` run in namespace `name` under its hostname."""
+        host = self.host[name]
+        return ["ip", "netns", "exec", self.ns[name], "unshare", "--uts", "sh", "-c",
+                f'hostname {host} && exec "$@"', "sh", *cmd]  # fmt: skip
+
+    def cut(self, name: str, down: bool) -> None:
+        self._run(f"ip link set {self.veth[name]} {'down' if down else 'up'}")
+
+    def close(self) -> None:
+        for name, ns in self.ns.items():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "link", "del", self.veth[name]], capture_output=True)
+            subprocess.run(["rm", "-rf", f"/etc/netns/{ns}"], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+@pytest.fixture
+def namespaces() -> Namespaces:
+    try:
+        spaces = Namespaces(["L", "A", "B"])
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr.decode().strip() if isinstance(e, subprocess.CalledProcessError) and e.stderr else e
+        pytest.skip(f"a network partition needs network namespaces (root, `ip`): {detail}")
+    yield spaces
+    spaces.close()
+
+
+def test_partitioned_group_rides_it_out_and_heals(small_run: list[str], tmp_path: Path, namespaces: Namespaces) -> None:
+    """Two groups of two ranks, each a `meshlm launch` (torchrun inside) in a network namespace of its own, the
+    lighthouse in a third. Group 1's link goes down for 12 s at step 6 (longer than the 5 s collective timeout,
+    shorter than the 60 s quorum timeout): group 0 fails that step after the collective timeout, names group 1
+    in one line once its heartbeats are 5 s old (two groups: a quorum needs more than half the healthy ones) and
+    steps alone; when the link is back, group 1's pending step fails, its quorum request goes through and it
+    heals from group 0, no restart. Final weights of every rank bit-identical to the one-process replay (each
+    group's two ranks summed first, then the groups)."""
+    run_dir, port = tmp_path / "run", 29510
+    # No clipping: a group of 2 ranks sums its norm over flat buckets, the replay per parameter: the same norm up to
+    # float rounding, so a clipped step would differ in the last bits (as between any two layouts).
+    args = _args(small_run, run_dir, 2, port, "--train.grad_clip", "0")
+    args[args.index("--fault.lighthouse") + 1] = f"{namespaces.host['L']}:{port}"
+    logs = [tmp_path / f"{name}.log" for name in ("lighthouse", "g0", "g1")]
+    cmd = [sys.executable, "-m", "meshlm.cli", "lighthouse", "--port", str(port), "--join-timeout-s", "3",
+           "--heartbeat-timeout-s", "5"]  # fmt: skip
+    lighthouse = subprocess.Popen(
+        namespaces.wrap("L", cmd), env=_env(), stdout=logs[0].open("a"), stderr=subprocess.STDOUT
+    )
+    launch = [sys.executable, "-m", "meshlm.cli", "launch", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+              "0", "-m", "meshlm.cli", "train", *args]  # fmt: skip
+    groups = []
+    try:
+        for g, name in enumerate("AB"):
+            env = _env(MESHLM_REPLICA_GROUP=str(g), MESHLM_SHORT_STEP_SLEEP_S="1")
+            out = logs[1 + g].open("a")
+            groups.append(
+                subprocess.Popen(namespaces.wrap(name, launch), env=env, stdout=out, stderr=subprocess.STDOUT)
+            )
+        _wait_step(run_dir, 1, 6, groups)
+        namespaces.cut("B", down=True)
+        cut = time.time()
+        _wait_text(logs[1], "group 1 left", groups)
+        time.sleep(max(0.0, cut + 12 - time.time()))
+        namespaces.cut("B", down=False)
+        _finish(groups, logs[1:])
+    finally:
+        namespaces.cut("B", down=False)
+        for proc in groups:
+            if proc.poll() is None:
+                proc.kill()
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    assert "group 1 left (dead, stalled or cut off); stepping with 1 of 2 (groups 0)" in logs[1].read_text()
+    assert "replica group 1: healed from a live peer at step" in logs[2].read_text()
+    assert _left_at(run_dir, 0, 1, cut) - cut < 5 + 5 + 10  # collective timeout, then heartbeat timeout; slack
+    reference = _replay(args, 2, tmp_path / "replay.pt", dp=2)
+    assert (reference["__live__"] == 1).any() and reference["__live__"][-1] == 2
+    _assert_bitwise(run_dir, 2, reference)
+
+
+def _losses(metrics: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"}
+
+
+def test_groups_without_a_fault_equal_one_data_parallel_run(small_run: list[str], tmp_path: Path) -> None:
+    """2 replica groups of one rank = one run of 2 dp ranks (today's `meshlm launch`), bit for bit: every step's
+    loss and the final weights. The groups scale the loss by 1 / (all groups' kept tokens) and sum; the dp run by
+    2 / tokens, sums and halves: the same numbers, a power of two apart. The lighthouse waits for both groups
+    (--min-replicas 2), so no step runs short. Mutation: dividing the cross-group sum by the live count (torchft's
+    AVG) on top of the token scale halves every gradient: the losses part at step 2."""
+    port = free_port()
+    groups_dir, dp_dir = tmp_path / "groups", tmp_path / "dp"
+    args = _args(small_run, groups_dir, 2, port)
+    fault = [i for i, a in enumerate(args) if a.startswith("--fault.")]
+    dp_args = [a for i, a in enumerate(args) if i not in fault and i - 1 not in fault]
+    dp_args[dp_args.index("--log.run_dir") + 1] = str(dp_dir)
+    logs = [tmp_path / f"{name}.log" for name in ("lighthouse", "g0", "g1", "dp")]
+    cmd = [sys.executable, "-m", "meshlm.cli", "lighthouse", "--port", str(port), "--min-replicas", "2"]
+    lighthouse = subprocess.Popen(cmd, env=_env(), stdout=logs[0].open("a"), stderr=subprocess.STDOUT)
+    try:
+        groups = [_group(g, args, logs[1 + g]) for g in range(2)]
+        _finish(groups, logs[1:3])
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    launch = [sys.executable, "-m", "meshlm.cli", "launch", "--standalone", "--nproc-per-node", "2",
+              "--max-restarts", "0", "-m", "meshlm.cli", "train", *dp_args]  # fmt: skip
+    _finish([subprocess.Popen(launch, env=_env(), stdout=logs[3].open("a"), stderr=subprocess.STDOUT)], logs[3:])
+    dp_losses = _losses(dp_dir / "metrics.jsonl")
+    assert len(dp_losses) == STEPS
+    for g in range(2):
+        assert _losses(groups_dir / f"group-{g}" / "metrics.jsonl") == dp_losses
+    newest = load_model_state(list_checkpoints(dp_dir)[-1])
+    _assert_bitwise(groups_dir, 2, newest)
