@@ -28,9 +28,11 @@ peer resumes from disk, never from its initial weights; checkpoints go on as wit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -277,6 +279,17 @@ class ReplicaRun:
         sampler = self.trainer.sampler
         sampler.load_state_dict({**sampler.state_dict(), "step": sampler.step + 1})
         return True
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """The model's token counts and losses inside this group only (evaluation: every group reads the same
+        batches, so a sum over groups would count them N times, and a quorum is not held there)."""
+        model = self.trainer.model
+        model.across = None
+        try:
+            yield
+        finally:
+            model.across = self.across
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)

@@ -587,6 +587,12 @@ class Trainer:
             self.evaluate(done)
 
     def evaluate(self, done: int) -> None:
+        if self.replicas is not None:  # every replica group evaluates the same batches, by itself
+            with self.replicas.alone():
+                return self.evaluate_group(done)
+        return self.evaluate_group(done)
+
+    def evaluate_group(self, done: int) -> None:
         if self.data is not None:
             val = evaluate(self.model, self.data, self.cfg, self.dp_rank, self.dp)
         elif self.parts.eval_data is not None:

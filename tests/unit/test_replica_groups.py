@@ -174,3 +174,20 @@ def test_the_guard_state_travels_with_a_heal() -> None:
         source.allow(loss, 0.5)
     healed.load_state_dict(source.state_dict())
     assert healed.allow(2.5, 0.5) is source.allow(2.5, 0.5) is False  # a spike to both: the same window
+
+
+def test_evaluation_stays_inside_the_group() -> None:
+    """Every group evaluates the same batches: during `alone()` the model's token counts and losses are not
+    summed across groups (N times the batch, and no quorum is held there); after it they are again. Mutation:
+    `alone()` leaving `model.across` set fails the first assertion."""
+    from types import SimpleNamespace
+
+    from meshlm.train.replicas import ReplicaRun
+
+    model = SimpleNamespace(across=None)
+    run = object.__new__(ReplicaRun)  # the Manager and its process group are not needed here
+    run.trainer, run.across = SimpleNamespace(model=model), Across(FakePG([torch.ones(1)], 0), FakeManager())
+    model.across = run.across
+    with run.alone():
+        assert model.across is None
+    assert model.across is run.across
