@@ -21,6 +21,7 @@ Prints a markdown table. The data cache is filled before any timing (`meshlm pre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -65,6 +66,24 @@ def wait_for(check: object, what: str, timeout: float = 600.0) -> object:
 
 def env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (torchrun's workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for each in tree:
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+            os.kill(each, signal.SIGKILL)
 
 
 def newest_step(metrics: Path) -> int:
@@ -115,19 +134,19 @@ def restart(args: argparse.Namespace, common: list[str], work: Path) -> dict[str
            "--max-restarts", "0", "-m", "meshlm.cli", "train", *common, "--log.run_dir", str(run_dir)]  # fmt: skip
     log = (work / "restart.log").open("a")
     metrics = run_dir / "metrics.jsonl"
-    job = subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    job = subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: newest_step(metrics) >= args.kill_at, "the kill step")
         reached = newest_step(metrics)
-        os.killpg(job.pid, signal.SIGKILL)  # the launcher and every worker: a lost node takes the job down
+        kill_tree(job.pid)  # the launcher and every worker: a lost node takes the job down
         killed = time.time()
         job.wait()
-        job = subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        job = subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT)
         after = lambda test: [r for r in records(metrics, "train") if r["time"] > killed and test(r)]  # noqa: E731
         first = wait_for(lambda: after(lambda r: True), "the restarted job's first step")
         back = wait_for(lambda: after(lambda r: r["step"] >= reached), "the step it had reached")
     finally:
-        os.killpg(job.pid, signal.SIGKILL)
+        kill_tree(job.pid)
         job.wait()
     return {"detect": float("nan"), "first": first[0]["time"] - killed, "full": back[0]["time"] - killed,
             "redone": reached - (first[0]["step"] - 1)}  # fmt: skip

@@ -9,6 +9,7 @@ while the survivors keep stepping on the smaller batch and name the lost group i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -67,6 +68,26 @@ def _group(g: int, args: list[str], out: Path, **env: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=group_env, stdout=out.open("a"), stderr=subprocess.STDOUT)
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL (after SIGCONT) a group's process and every process below it: torchrun's workers run in sessions
+    of their own, so a failed test leaves none behind."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    tree, todo = [], [proc.pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for pid in tree:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    proc.wait()
+
+
 def _committed(run_dir: Path, g: int) -> int:
     """The newest step group g logged as trained (log.every 1)."""
     path = run_dir / f"group-{g}" / "metrics.jsonl"
@@ -89,7 +110,7 @@ def _finish(procs: list[subprocess.Popen], logs: list[Path]) -> None:
         try:
             code = proc.wait(timeout=DEADLINE_S)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _kill_tree(proc)
             raise AssertionError(f"still running:\n{log.read_text()[-3000:]}") from None
         assert code == 0, log.read_text()[-3000:]
 
@@ -167,9 +188,7 @@ def test_stalled_and_killed_groups_heal_from_peers(small_run: list[str], tmp_pat
         _finish(groups, logs[1:])
     finally:
         for proc in groups:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.kill()
+            _kill_tree(proc)
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
     survivor = logs[1].read_text()
@@ -283,8 +302,7 @@ def test_partitioned_group_rides_it_out_and_heals(small_run: list[str], tmp_path
     finally:
         namespaces.cut("B", down=False)
         for proc in groups:
-            if proc.poll() is None:
-                proc.kill()
+            _kill_tree(proc)
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
     assert "group 1 left (dead, stalled or cut off); stepping with 1 of 2 (groups 0)" in logs[1].read_text()
@@ -316,10 +334,13 @@ def test_groups_without_a_fault_equal_one_data_parallel_run(small_run: list[str]
     logs = [tmp_path / f"{name}.log" for name in ("lighthouse", "g0", "g1", "dp")]
     cmd = [sys.executable, "-m", "meshlm.cli", "lighthouse", "--port", str(port), "--min-replicas", "2"]
     lighthouse = subprocess.Popen(cmd, env=_env(), stdout=logs[0].open("a"), stderr=subprocess.STDOUT)
+    groups = []
     try:
         groups = [_group(g, args, logs[1 + g]) for g in range(2)]
         _finish(groups, logs[1:3])
     finally:
+        for proc in groups:
+            _kill_tree(proc)
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
     launch = [sys.executable, "-m", "meshlm.cli", "launch", "--standalone", "--nproc-per-node", "2",
