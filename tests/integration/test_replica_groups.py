@@ -24,7 +24,9 @@ from distributed import free_port
 
 from meshlm.checkpoint import list_checkpoints, load_model_state
 
-pytestmark = pytest.mark.slow  # lighthouse + 2-3 groups + a relaunch: ~40-60 s per scenario on 2 cores
+# Slow tier: a lighthouse, 2-3 groups, a relaunch and a replay per test; measured 175 s (3 groups), 486 s (partition,
+# 2 launches of 2 ranks) and 231 s (no fault) while the other helpers' tests held the load average at 45-166.
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("torchft", reason="replica groups need the extra meshlm[ft] (torchft-nightly)")
 
