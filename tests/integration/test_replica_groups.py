@@ -166,8 +166,9 @@ def test_stalled_and_killed_groups_heal_from_peers(small_run: list[str], tmp_pat
     weights equal the one-process replay of the logged schedule bit for bit (3 groups: the fixed-order sum).
     Detection bounds (docs/fault-tolerance.md, 3 groups): a stall costs the collective timeout C plus the join
     timeout J; a kill at most C + J (the RST usually ends it at once); both + 10 s of slack for two CPU burners.
-    Mutations: Across.sum_ summing in arrival order (outs reversed on one group) breaks the replay's equality;
-    a heal that skips the optimizer state (`ReplicaRun._tensors` without it) makes group 1 differ from group 0."""
+    Mutation (run): a heal that skips the optimizer state (`ReplicaRun._tensors` sending weights only) FAILS it:
+    the healed group's stale moments change its gradients' effect on every group, group 0 differs from the replay.
+    Passed beside two CPU burners under ATEN_CPU_CAPABILITY=default (409 s at load average up to 185)."""
     run_dir, port = tmp_path / "run", free_port()
     args = _args(small_run, run_dir, 3, port)
     logs = [tmp_path / f"{name}.log" for name in ("lighthouse", "g0", "g1", "g2")]
