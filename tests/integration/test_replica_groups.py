@@ -326,8 +326,9 @@ def test_groups_without_a_fault_equal_one_data_parallel_run(small_run: list[str]
     2 / tokens, sums and halves: the same numbers, a power of two apart. The lighthouse waits for both groups
     (--min-replicas 2), so no step runs short. No clipping: the dp run sums the norm over its flat buckets, a
     one-rank group per parameter, equal up to rounding (a clipped step differed at step 31 of 50 when it was on).
-    Mutation: dividing the cross-group sum by the live count (torchft's AVG) on top of the token scale halves
-    every gradient: the losses part at step 2."""
+    Sensitive to the last bit: run with clipping on, it failed at step 32 of 50 by one ulp of the loss.
+    Without the cross-group token count (each group scaling by its own tokens) the scale is twice the dp run's:
+    not run as a mutation here; tests/unit/test_replica_groups.py covers the sum itself."""
     port = free_port()
     groups_dir, dp_dir = tmp_path / "groups", tmp_path / "dp"
     args = _args(small_run, groups_dir, 2, port, "--train.grad_clip", "0")
