@@ -27,7 +27,7 @@ PARALLEL_TESTS := $(addprefix tests/parallel/,test_tensor_parallel.py test_data_
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,hf,peft]'
+	$(PY) -m pip install --quiet -e '.[dev,hf,peft,ft]'
 	touch $@
 
 demo: $(VENV)/.installed

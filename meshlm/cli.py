@@ -511,6 +511,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
     sub.choices["plan"].set_defaults(func=lambda a, _extra: run_plan(a))
+    from meshlm.train.lighthouse import add_lighthouse_parser, run_lighthouse
+
+    add_lighthouse_parser(sub)
+    sub.choices["lighthouse"].set_defaults(func=lambda a, _extra: run_lighthouse(a))
     return parser
 
 

@@ -289,6 +289,38 @@ class FaultSection(Section):
     grace_s: float = Field(
         120.0, gt=0, le=WEEK_S, description="after SIGTERM: finish the step and save within this, then exit 0"
     )
+    replica_groups: int = Field(
+        1,
+        ge=1,
+        description="fault-tolerant replica groups (torchft, extra meshlm[ft]): this many `meshlm launch`es of this "
+        "config, each a group of its own (its index in env MESHLM_REPLICA_GROUP), joined by `meshlm lighthouse`; "
+        "a group that dies is relaunched and heals from a live peer while the others keep stepping; 1 = off",
+    )
+    lighthouse: str = Field("", description="the lighthouse's HOST:PORT; '' = env TORCHFT_LIGHTHOUSE")
+    collective_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=WEEK_S,
+        description="replica groups: a collective across groups (and a heal's transfer) failing after this; it "
+        "bounds a stalled or partitioned group's cost, so it must exceed a step's skew between groups plus a heal",
+    )
+    quorum_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=WEEK_S,
+        description="replica groups: a group waiting this long for a quorum exits (to be relaunched); the longest "
+        "partition ridden out without a restart; above collective_timeout_s",
+    )
+
+    @model_validator(mode="after")
+    def _ladder(self) -> FaultSection:
+        if self.replica_groups > 1 and self.quorum_timeout_s <= self.collective_timeout_s:
+            raise ValueError(
+                f"fault.quorum_timeout_s ({self.quorum_timeout_s}) must exceed fault.collective_timeout_s "
+                f"({self.collective_timeout_s}): a quorum waits for the slowest group's collectives "
+                "(docs/fault-tolerance.md)"
+            )
+        return self
 
 
 class LogSection(Section):

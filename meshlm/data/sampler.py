@@ -79,6 +79,11 @@ class GlobalBatchSampler:
         local = self.global_batch // world
         return self._rows(step, rank * local, local)
 
+    def rows_at(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global samples [first, first + count) of the stream, whatever the step (fault-tolerant replica groups
+        shrink the batch with the live groups, so their position is a sample count: meshlm.train.replicas)."""
+        return self._rows(0, first, count)
+
     def next_batch(self, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the current step, then advance: the position is part of the training state."""
         batch = self.local_batch_at(self.step, rank, world)

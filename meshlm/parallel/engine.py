@@ -154,6 +154,7 @@ class ParallelModel:
         self.chunks, self.grads = done.chunks, done.grads  # what the strategies handed on
         self.token_loss = done.token_loss or loss.fn or self._cross_entropy
         self.replicas = mesh.size("replicas")  # ranks whose gradients are averaged: dp × ep × cp
+        self.across = None  # fault-tolerant replica groups' reductions (meshlm.parallel.dp.replica_groups.attach)
         # for inspection (tests, benchmarks): the schedule and the data-parallel object, None when unused
         self.pipeline, self.dp = done.parts.get("pipeline"), done.parts.get("dp")
         for chunk in self.chunks:  # MoE aux losses: each micro-batch's share, like the loss's / n_micro
@@ -168,6 +169,8 @@ class ParallelModel:
         if self.replicas > 1:
             with comm("all_reduce"):
                 dist.all_reduce(count, group=self.mesh.group("replicas"))
+        if self.across is not None:  # and over the live replica groups: the loss scale follows them
+            self.across.sum_(count)
         return count
 
     def _cross_entropy(self, output: object, targets: torch.Tensor) -> torch.Tensor:
@@ -316,6 +319,8 @@ class ParallelModel:
             with comm("all_reduce"):
                 dist.all_reduce(loss, group=self.mesh.group("replicas"))
             loss /= self.replicas
+        if self.across is not None:  # each group's share of the live groups' token mean
+            self.across.sum_(loss)
         return loss
 
     # ---- a loop of one's own: forward, backward, no_sync, step ------------------------------------------

@@ -119,6 +119,15 @@ class StepGuard:
     def _mean(self) -> float:
         return sum(self._recent) / len(self._recent)
 
+    def state_dict(self) -> dict:
+        """The window of recent applied losses (a healing replica group takes its peer's: meshlm.train.replicas)."""
+        return {"recent": list(self._recent), "last_reason": self.last_reason}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._recent.clear()
+        self._recent.extend(state["recent"])
+        self.last_reason = state["last_reason"]
+
 
 class DeviceStepGuard:
     """StepGuard's decision taken on the device, so a step can be vetoed with no host sync (train.sync_every >

@@ -50,14 +50,20 @@ def train_step(
     lr: float,
     grad_clip: float,
     allow_update: Callable[[float, float], bool] | None = None,
-) -> tuple[float, float, bool]:
+    commit: Callable[[], bool] | None = None,
+) -> tuple[float, float, bool | None]:
     """One optimizer step on this replica's slice of the global batch; returns (loss, grad norm, applied).
 
     `allow_update(loss, grad_norm)` may veto the update (non-finite or spiking loss): gradients are then
     dropped and the weights stay as they were. Loss and norm are global, so every rank decides alike.
+    `commit()` (fault-tolerant replica groups: meshlm.train.replicas) runs between the gradient sync and the
+    update: False (a peer group failed mid-step) drops the gradients before the guard sees them, applied None.
     """
     loss_t = model.forward_backward(inputs, targets)
     grad_norm_t = model.clip_grad_norm_(grad_clip)
+    if commit is not None and not commit():
+        model.zero_grad()
+        return loss_t.item(), grad_norm_t.item(), None
     loss, grad_norm = loss_t.item(), grad_norm_t.item()
     applied = allow_update is None or allow_update(loss, grad_norm)
     if applied:

@@ -51,6 +51,7 @@ from meshlm.train.evaluation import evaluate, evaluate_batches
 from meshlm.train.guards import Preemption, StepGuard, TrainingFault, Watchdog, check_replicas_in_sync
 from meshlm.train.optim import device_train_step, lr_at, train_step
 from meshlm.train.parts import BatchSource, Callback, TrainParts
+from meshlm.train.replicas import ReplicaRun, group_config
 from meshlm.train.startup import (
     LORA_KEYS,
     another_model,
@@ -111,6 +112,8 @@ def fit(cfg: Config, parts: TrainParts | None = None, **pieces: object) -> Train
 
 def _fit(cfg: Config, parts: TrainParts) -> TrainResult:
     world_size = env_world_size()
+    if cfg.fault.replica_groups > 1:  # this launch is one of the job's replica groups: its batch, its run dir
+        cfg = group_config(cfg)
     model = parts.build_model(cfg.train.seed)
     if model is None:
         cfg = resolve_auto_layout(cfg, world_size)
@@ -204,6 +207,7 @@ class Trainer:
         self.streams: Streams | None = None  # a resume's random streams, set right before its first step
         if init_from and init_source is None:
             self.load_weights(init_from)
+        self.replicas = ReplicaRun(cfg, self) if cfg.fault.replica_groups > 1 else None
         self.resume()
         self.logger = self.open_logs(given_tokenizer)
         self.start_observers(flops_per_tok)
@@ -291,7 +295,7 @@ class Trainer:
     def resume(self) -> None:
         """Leftovers of failed saves removed, corrupt checkpoints moved aside, then the newest valid one."""
         path = self.checkpointer.resume_point(self.cfg.checkpoint.resume, self.cfg.checkpoint.allow_fresh_start)
-        self.resumed_from = path
+        self.resumed_from, saved = path, None
         if path is not None:
             saved = self.load(path, restore_data_position=True)
             self.say(f"resuming from {path} at step {self.sampler.step} (saved under {saved.get('layout')})")
@@ -304,6 +308,8 @@ class Trainer:
                                     if was.get(k) != v)  # fmt: skip
                 self.say(f"warning: {changed}: the learning-rate schedule is reshaped from step {self.sampler.step} "
                          "on (resume with the checkpoint's values to keep it)")  # fmt: skip
+        if self.replicas is not None:  # before the first quorum: no live peer means resume from disk
+            self.replicas.resumed(saved)
         self.result.start_step = self.result.final_step = self.sampler.step
 
     def lr_schedule(self) -> dict[str, float]:
@@ -374,6 +380,8 @@ class Trainer:
             "model": self.model_identity,
             "lr_schedule": self.lr_schedule(),
         }
+        if self.replicas is not None:
+            state["replica_groups"] = self.replicas.checkpoint_state()
         self.checkpointer.save(step, training_entries(self.model, self.optimizer, writer=True), state)
         for callback in self.callbacks:
             callback.on_checkpoint(self, step)
@@ -390,7 +398,7 @@ class Trainer:
                 self.evaluate(0)
             while self.sampler.step < cfg.train.steps:
                 done = self.step()
-                if not self.syncs_at(done):
+                if done is None or not self.syncs_at(done):  # None: not committed by the replica groups
                     continue
                 self.checkpointer.poll(self.device)  # a failed background save stops the run here
                 if self.preemption.requested(self.device):
@@ -442,22 +450,31 @@ class Trainer:
                 "each batch is (inputs, targets) with one target id per input token"
             )
 
-    def step(self) -> int:
-        """One optimizer step and, at a sync step, everything that follows it; returns the steps done."""
+    def step(self) -> int | None:
+        """One optimizer step and, at a sync step, everything that follows it; returns the steps done (None: a
+        replica group failed it, redone after the next quorum)."""
+        if self.replicas is not None:
+            self.replicas.start_step()  # the quorum: may heal this group from a peer (weights, step, data)
         step = self.sampler.step
         done = step + 1
         sync = self.syncs_at(done)
         self.profiler.before_step(done)
         self.observer.start_step()
         with self.observer.data_wait():
-            inputs, targets = self.sampler.next_batch(self.dp_rank, self.dp)
+            if self.replicas is not None:
+                inputs, targets = self.replicas.batch(self.dp_rank, self.dp)
+            else:
+                inputs, targets = self.sampler.next_batch(self.dp_rank, self.dp)
         if done == self.result.start_step + 1:
             self.check_batch_rows(inputs, targets)
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         lr = lr_at(step, self.cfg.train)
         args = (self.model, self.optimizer, inputs, targets, lr, self.cfg.train.grad_clip)
         if self.sync_every == 1:  # read at once, so a bad update is vetoed before it is applied
-            loss, grad_norm, applied = train_step(*args, self.guard.allow)
+            loss, grad_norm, applied = train_step(*args, self.guard.allow, self.replicas and self.replicas.commit)
+            if applied is None:
+                self.observer.end_step(close=False)
+                return None
             self.pending.append((done, loss, grad_norm, lr, applied))
         else:  # vetoed on the device, or (without a device guard) guarded late
             veto = self.device_guard.allow if self.device_guard is not None else None
@@ -570,6 +587,12 @@ class Trainer:
             self.evaluate(done)
 
     def evaluate(self, done: int) -> None:
+        if self.replicas is not None:  # every replica group evaluates the same batches, by itself
+            with self.replicas.alone():
+                return self.evaluate_group(done)
+        return self.evaluate_group(done)
+
+    def evaluate_group(self, done: int) -> None:
         if self.data is not None:
             val = evaluate(self.model, self.data, self.cfg, self.dp_rank, self.dp)
         elif self.parts.eval_data is not None:
@@ -589,6 +612,6 @@ class Trainer:
         checkpoint stays valid."""
         self.result.final_step = self.sampler.step
         fault_point("close", self.rank, self.result.final_step)
-        for part in ("preemption", "observer", "logger", "sampler"):
+        for part in ("preemption", "observer", "logger", "sampler", "replicas"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()

@@ -149,9 +149,7 @@ def test_hybrid_sharding_over_four_ranks(runs4: dict, name: str, accum: str) -> 
     ],
 )
 def test_bf16_accumulation_over_fp32_weights_is_refused_by_the_layout_check(options: dict, why: str) -> None:
-    spec = LayoutSpec(
-        TEST_MODEL, parse_layout("", 2), 8, options=ParallelOptions(**options, grad_accum_dtype="bf16")
-    )
+    spec = LayoutSpec(TEST_MODEL, parse_layout("", 2), 8, options=ParallelOptions(**options, grad_accum_dtype="bf16"))
     with pytest.raises(InputError, match=r"^parallel.grad_accum_dtype = 'bf16' needs bf16 working weights") as e:
         check_layout(spec)
     assert why in str(e.value) and "\n" not in str(e.value)

@@ -164,6 +164,7 @@ class DataParallel:
         self.shard_group, self.replicate_group = self.dense.shard, self.dense.replicate
         self.shard_size, self.shard_rank = self.dense.shard_size, self.dense.shard_rank
         self.groups_of: dict[int, ReduceGroups] = {}  # id(buffer) -> its groups
+        self.across = None  # fault-tolerant replica groups (meshlm.parallel.dp.replica_groups.attach)
 
         self.chunk_params: list[list[nn.Parameter]] = []
         self.chunk_frozen: list[list[nn.Parameter]] = []
@@ -386,6 +387,8 @@ class DataParallel:
 
     def _finish(self, buf: FlatBuffer, out: torch.Tensor) -> None:
         """The reduced sum `out` of `buf`'s gradients (its shard) becomes the mean the optimizer reads."""
+        if self.across is not None:  # fault-tolerant replica groups: the same shard of every live group
+            self.across.sum_(out)
         out.div_(self.dp_size)  # whatever its group: each gradient sums every data replica's loss term
         if out.data_ptr() != buf.grad_shard.data_ptr():
             buf.grad_shard.copy_(out)
@@ -424,7 +427,7 @@ class DataParallel:
         (meshlm.parallel.dp.unused), after every optimizer tensor got its gradient view back, also where a loop
         of one's own called `optimizer.zero_grad()` (which sets them to None)."""
         self._point_grads()
-        hide_unused(self.buffers, self.groups, self.placements)
+        hide_unused(self.buffers, self.groups, self.placements, self.across)
 
     def _point_grads(self) -> None:
         """Make every optimizer tensor's .grad its view of the reduced gradient again (zeros where

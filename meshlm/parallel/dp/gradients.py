@@ -76,6 +76,7 @@ class LocalGradients:
     def __init__(self, chunks: list[nn.Module]) -> None:
         self.chunks = chunks
         self.grad_sync = [True] * len(chunks)
+        self.across = None  # fault-tolerant replica groups (meshlm.parallel.dp.replica_groups.attach)
 
     def _named(self) -> Iterator[tuple[str, nn.Parameter]]:
         for chunk in self.chunks:
@@ -89,7 +90,9 @@ class LocalGradients:
         pass
 
     def finish_grad_sync(self) -> None:
-        pass
+        """Nothing to reduce inside the group; across fault-tolerant replica groups, the gradients' sum."""
+        if self.across is not None:
+            self.across.sum_grads([p for _, p in self.named_steps()])
 
     def grad_shards_of(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """The gradient of each of `params`, zeros where this rank's backward gave it none (a pipeline-tied

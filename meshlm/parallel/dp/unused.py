@@ -8,17 +8,24 @@ from collections.abc import Callable, Hashable
 import torch
 import torch.distributed as dist
 
+from meshlm.parallel.dp.replica_groups import Across
 from meshlm.parallel.dp.zero import FlatBuffer
 from meshlm.parallel.placement import Placements
 from meshlm.parallel.timers import timed_wait
 
 
-def hide_unused(buffers: list[FlatBuffer], group_of: Callable[[FlatBuffer], Hashable], placements: Placements) -> None:
+def hide_unused(
+    buffers: list[FlatBuffer],
+    group_of: Callable[[FlatBuffer], Hashable],
+    placements: Placements,
+    across: Across | None = None,
+) -> None:
     """`.grad = None` on the optimizer tensors of every parameter of `buffers` that no rank reducing it used this
     step (FlatBuffer.used, reset here), until zero_grad. The step's flags are one tensor: each reduction group
     (`group_of(buf).group`) MAX-all-reduces its slice, all slices in flight at once, and a rank reads the result
     on the host once, and only when it has an unused parameter itself (a parameter that got a gradient here got
-    one globally). A weight both pipeline ends hold counts as used (its embedding end always is)."""
+    one globally). A weight both pipeline ends hold counts as used (its embedding end always is). Under
+    fault-tolerant replica groups `across` takes the MAX over the live groups too."""
     if not buffers:
         return
     by_group: dict[Hashable, list[FlatBuffer]] = {}
@@ -45,6 +52,8 @@ def hide_unused(buffers: list[FlatBuffer], group_of: Callable[[FlatBuffer], Hash
         start += n
     for work in works:
         timed_wait(work, "all_reduce")
+    if across is not None:
+        across.max_(flags)
     if all(local):
         return
     used, start = flags.tolist(), 0  # the step's one host read
