@@ -41,7 +41,7 @@ CAUSAL_TFLOPS: dict[tuple[str, Kernel, int], tuple[float, ...]] = {
 }
 
 
-def _measured(chip: str, kernel: Kernel, head_dim: int) -> tuple[float, ...]:
+def _published_rates(chip: str, kernel: Kernel, head_dim: int) -> tuple[float, ...]:
     """The causal curve of one kernel at one of HEAD_DIMS; the triton kernel on a chip without its own
     measurement scaled from FlashAttention-1 by its A100 ratio, sequence length by sequence length."""
     if (chip, kernel, head_dim) in CAUSAL_TFLOPS:
@@ -72,5 +72,5 @@ def kernel_flops(chip: str, kernel: Kernel, seq_len: float, head_dim: int) -> fl
     measurement outside them (a head of 80 between the two curves; 256 at 128's)."""
     x = math.log2(max(seq_len, 1.0))
     logs = tuple(math.log2(s) for s in SEQ_LENS)
-    by_head = [_along(_measured(chip, kernel, d), logs, x) for d in HEAD_DIMS]
+    by_head = [_along(_published_rates(chip, kernel, d), logs, x) for d in HEAD_DIMS]
     return 1e12 * _along(tuple(by_head), tuple(float(d) for d in HEAD_DIMS), float(head_dim))

@@ -423,7 +423,7 @@ def run_plan(args: argparse.Namespace) -> int:
             fastest = min(result.plans, key=lambda p: p.on_demand.wall_s)
             check_deadline(r.costs.deadline_s, fastest.on_demand, f" of the fastest plan ({fastest.strategy.layout})")
         replays = _replay(args, r, result.plans[0]) if r.trace is not None else None
-        live = _live(args, r, result.plans[0], replays) if replays is not None else None
+        live = _live_verdict(args, r, result.plans[0], replays) if replays is not None else None
         if args.emit:
             _emit(args, r, result.plans[0], replays.recommended.closed if replays is not None else None)
     except (ValueError, OSError) as e:  # PlannerError, ConfigError, unknown gpu / preset, bad calibration, unwritable
@@ -455,7 +455,7 @@ def _shapes(args: argparse.Namespace) -> Shapes:
     return shapes
 
 
-def _live(args: argparse.Namespace, r: Request, plan: Plan, replays: Replays) -> LiveVerdict | str:
+def _live_verdict(args: argparse.Namespace, r: Request, plan: Plan, replays: Replays) -> LiveVerdict | str:
     """Live recovery against checkpoint restart on the trace, for the recommended pool."""
     job = rates(plan.strategy.gpus, plan.checkpoint_bytes, r.hw, r.costs)
     groups = args.replica_groups if args.replica_groups > 1 else 0

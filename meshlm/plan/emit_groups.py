@@ -28,7 +28,7 @@ from meshlm.plan.emit import (
 )
 from meshlm.plan.emit_k8s import kubernetes, kubernetes_job
 from meshlm.plan.hardware import Hardware
-from meshlm.plan.live import HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S, LIGHTHOUSE_PORT, group_refusal
+from meshlm.plan.live import HEARTBEAT_TIMEOUT_S, LIGHTHOUSE_JOIN_TIMEOUT_S, LIGHTHOUSE_PORT, group_refusal
 from meshlm.plan.memory import Candidate
 from meshlm.plan.search import Plan, PlannerError, SearchResult
 from meshlm.plan.spot import Pool
@@ -43,7 +43,8 @@ def lighthouse_command() -> list[str]:
     """`meshlm lighthouse` with the timeouts the planner prices (meshlm.plan.live): a quorum of at least 1
     group, a dead group dropped after the join timeout (3 or more groups) or the heartbeat timeout (2)."""
     return ["meshlm", "lighthouse", "--port", str(LIGHTHOUSE_PORT), "--min-replicas", "1",
-            "--join-timeout-s", f"{JOIN_TIMEOUT_S:g}", "--heartbeat-timeout-s", f"{HEARTBEAT_TIMEOUT_S:g}"]  # fmt: skip
+            "--join-timeout-s", f"{LIGHTHOUSE_JOIN_TIMEOUT_S:g}",
+            "--heartbeat-timeout-s", f"{HEARTBEAT_TIMEOUT_S:g}"]  # fmt: skip
 
 
 def group_plans(result: SearchResult, groups: int, global_batch: int) -> SearchResult:

@@ -40,7 +40,7 @@ from meshlm.plan.traces import Trace
 # it (ftprobe §4, five runs); the upper end. A host that vanishes without a reset is found by the collective
 # timeout instead (the ladder in docs/fault-tolerance.md), which this does not price.
 DETECT_S = 0.46
-JOIN_TIMEOUT_S = 3.0  # `meshlm lighthouse --join-timeout-s 3` (measured re-quorum with 3 groups: 3.5-4.5 s)
+LIGHTHOUSE_JOIN_TIMEOUT_S = 3.0  # `meshlm lighthouse --join-timeout-s 3` (measured re-quorum with 3 groups: 3.5-4.5 s)
 HEARTBEAT_TIMEOUT_S = 5.0  # `--heartbeat-timeout-s 5` (measured with 2 groups: 5.4-5.7 s)
 # torchft's HTTPTransport between two processes: 295 MB/s for a 256 MB state (ftprobe §2, heal_bw.py; 350-400 MB/s
 # in other runs): serialisation-bound, below any data-centre link, so it, not the network, bounds a heal
@@ -79,7 +79,9 @@ class FaultCost:
         return self.stall_s + self.redo_s + self.down_s / self.groups
 
 
-def requorum_s(groups: int, join_s: float = JOIN_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_TIMEOUT_S) -> float:
+def requorum_s(
+    groups: int, join_s: float = LIGHTHOUSE_JOIN_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_TIMEOUT_S
+) -> float:
     """How long the lighthouse takes to form a quorum without a dead group: min(join, heartbeat) with ≥ 3
     groups, the heartbeat timeout with 2 (more than half of the healthy members must ask: 1 of 2 is not)."""
     return min(join_s, heartbeat_s) if groups >= 3 else heartbeat_s

@@ -420,6 +420,10 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["report", "/nonexistent-run"], "/nonexistent-run"),
     (["doctor", "--device", "tpu"], "--device"),
     (["doctor", "--min-bytes", "lots"], "--min-bytes"),
+    # lighthouse (torchft's, for fault-tolerant replica groups)
+    (["lighthouse", "--port", "0x"], "--port"),
+    (["lighthouse", "--min-replicas", "0"], "--min-replicas"),
+    (["lighthouse", "--heartbeat-timeout-s", "-1"], "--heartbeat-timeout-s"),
     # the command itself
     ([], "command"),
     (["trian"], "trian"),

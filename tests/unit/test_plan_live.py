@@ -22,7 +22,7 @@ from meshlm.plan.live import (
     DETECT_S,
     HEAL_BPS,
     HEARTBEAT_TIMEOUT_S,
-    JOIN_TIMEOUT_S,
+    LIGHTHOUSE_JOIN_TIMEOUT_S,
     LiveError,
     _LiveJob,
     fault_cost,
@@ -51,7 +51,10 @@ def test_requorum_is_min_join_heartbeat_with_three_groups_and_heartbeat_with_two
     """The lighthouse's split-brain rule: with 2 groups 1 survivor is not more than half of the 2 still
     heartbeating, so it waits for the dead one's heartbeat to expire (measured 5.4-5.7 s with H = 5 s); with
     3, 2 of 3 are, and the join timeout lets the quorum form (3.5-4.5 s with J = 3 s)."""
-    assert (JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S) == (3.0, 5.0)  # `meshlm lighthouse`'s flags in the launch files
+    assert (LIGHTHOUSE_JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S) == (
+        3.0,
+        5.0,
+    )  # `meshlm lighthouse`'s flags in the launch files
     assert requorum_s(2) == 5.0 and requorum_s(3) == requorum_s(8) == 3.0
     assert requorum_s(3, join_s=9.0, heartbeat_s=5.0) == 5.0  # the heartbeat drops it first
     assert fault_cost(2, STEP_S, 0.0, 0.0).requorum_s == 5.0 and fault_cost(4, STEP_S, 0.0, 0.0).requorum_s == 3.0

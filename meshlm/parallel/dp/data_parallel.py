@@ -153,14 +153,7 @@ class DataParallel:
         self.reduce_dtype = reduce_dtype
         self.dp_size = dist.get_world_size(group)  # the data replicas: every gradient is divided by their count
         self.dense = ReduceGroups.build(group, zero, shard_group_size)
-        self.reduce_groups = {REPLICAS: self.dense}  # gradient group (Placement.grad_group) -> its groups
-        for name, other in (grad_groups or {}).items():
-            if name != REPLICAS and self.dense.replicate is not None and self.dense.shard is not None:
-                self.reduce_groups[name] = ReduceGroups(other, *nested_shard_groups(other, self.dense.shard))
-            elif name != REPLICAS:
-                self.reduce_groups[name] = ReduceGroups.build(other, zero, None)
-        if missing := sorted(set(placements.grad_groups()) - set(self.reduce_groups)):
-            raise ValueError(f"the placements name gradient groups {missing} that grad_groups does not give")
+        self.reduce_groups = self._reduce_groups(grad_groups or {})  # Placement.grad_group -> its groups
         self.shard_group, self.replicate_group = self.dense.shard, self.dense.replicate
         self.shard_size, self.shard_rank = self.dense.shard_size, self.dense.shard_rank
         self.groups_of: dict[int, ReduceGroups] = {}  # id(buffer) -> its groups
@@ -207,6 +200,19 @@ class DataParallel:
                     p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, c, buf, i))
 
     # ---- construction ---------------------------------------------------------------------------------------
+    def _reduce_groups(self, grad_groups: Mapping[str, dist.ProcessGroup]) -> dict[str, ReduceGroups]:
+        """The groups that reduce each gradient group's gradients: the dense ones for "replicas"; another group
+        (ep's "expert_replicas") sharded as the dense shard nests in it under hybrid sharding, else as zero says."""
+        out = {REPLICAS: self.dense}
+        for name, other in grad_groups.items():
+            if name != REPLICAS and self.dense.replicate is not None and self.dense.shard is not None:
+                out[name] = ReduceGroups(other, *nested_shard_groups(other, self.dense.shard))
+            elif name != REPLICAS:
+                out[name] = ReduceGroups.build(other, self.stage, None)
+        if missing := sorted(set(self.placements.grad_groups()) - set(out)):
+            raise ValueError(f"the placements name gradient groups {missing} that grad_groups does not give")
+        return out
+
     def _by_grad_group(self, params: list[nn.Parameter]) -> list[tuple[ReduceGroups, list[nn.Parameter]]]:
         """`params` by the mesh group that reduces their gradients (zero.by_grad_group), with its ReduceGroups."""
         return [(self.reduce_groups[name], ps) for name, ps in by_grad_group(params, self.placements).items() if ps]
