@@ -7,10 +7,12 @@ Time: both paths in this one process, alternating (unfused, fused, fused, unfuse
 Peak memory: on CUDA `torch.cuda.max_memory_allocated` over one step, less what was allocated before it, in
 this process. On the CPU torch's allocator is malloc (tracemalloc does not see it), so each path runs once in
 a fresh subprocess of this script, which reads its resident set before the step (/proc/self/statm: the inputs
-and weight allocated, nothing run) and its high-water mark after (getrusage ru_maxrss); the peak is the
-difference, what the step added at its fullest. Ratio = fused MiB / unfused MiB (≤ 1: at least as light).
+and weight allocated, nothing run) and its high-water mark after (VmHWM of /proc/self/status, the peak of this
+process's own address space — not getrusage's ru_maxrss, which Linux carries over from the parent's at exec);
+the peak is the difference, what the step added at its fullest. Ratio = fused MiB / unfused MiB (≤ 1: at least
+as light).
 
-    .venv/bin/python benchmarks/fused_loss.py                     # 32k and 128k, 2048 tokens × 512, ~4 min
+    .venv/bin/python benchmarks/fused_loss.py                     # 32k and 128k, 2048 tokens × 512, ~10 min
     .venv/bin/python benchmarks/fused_loss.py --vocab 8192 --tokens 256 --repeats 1
 """
 
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def high_water_bytes() -> int:
+    """This process's peak resident set since its exec (VmHWM, in KiB in /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -75,7 +82,7 @@ def peak_child(path: str, vocab: int, tokens: int, dim: int) -> int:
     weight, hidden, targets = inputs(vocab, tokens, dim, torch.device("cpu"))
     before = rss_bytes()
     step_fn(path, weight, hidden, targets)()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before  # ru_maxrss: KiB on Linux
+    return high_water_bytes() - before
 
 
 def peak_bytes(path: str, vocab: int, tokens: int, dim: int, device: torch.device, step: Callable[[], dict]) -> int:

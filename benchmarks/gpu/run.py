@@ -33,7 +33,6 @@ import contextlib
 import gc
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -185,10 +184,12 @@ def synchronize(device: torch.device) -> None:
 
 def peak_gib(device: torch.device) -> float:
     """This process's peak memory: on CUDA what torch allocated at most; on the CPU (the dry run, where torch's
-    allocator is malloc) the resident set's high-water mark — each row is a fresh process, so it is the row's."""
+    allocator is malloc) the resident set's high-water mark since exec (VmHWM; getrusage's ru_maxrss would
+    carry the parent's over) — each row is a fresh process, so it is the row's."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20  # KiB
 
 
 def measure(step: Step, batches: list[torch.Tensor], args: argparse.Namespace, device: torch.device) -> dict:
