@@ -4,6 +4,8 @@ at 32k and 128k vocabularies, with the ratios. Prints a markdown table (docs/ben
 
 Time: both paths in this one process, alternating (unfused, fused, fused, unfused, ...), the median of
 `--repeats` after one untimed warm-up each; ratio = unfused s / fused s (≥ 1: the fused loss is not slower).
+Wall-clock seconds, and the process's CPU seconds (`time.process_time`, all threads): on a shared machine the
+wall clock also counts waiting for a core, the CPU time only the work, so its ratio is the steadier one.
 Peak memory: on CUDA `torch.cuda.max_memory_allocated` over one step, less what was allocated before it, in
 this process. On the CPU torch's allocator is malloc (tracemalloc does not see it), so each path runs once in
 a fresh subprocess of this script, which reads its resident set before the step (/proc/self/statm: the inputs
@@ -103,13 +105,15 @@ def measure(vocab: int, tokens: int, dim: int, repeats: int, device: torch.devic
     steps = {path: step_fn(path, weight, hidden, targets) for path in PATHS}
     results = {path: steps[path]() for path in PATHS}  # warm-up, and the values compared
     times: dict[str, list[float]] = {path: [] for path in PATHS}
+    cpu: dict[str, list[float]] = {path: [] for path in PATHS}
     for r in range(repeats):
         for path in PATHS if r % 2 == 0 else PATHS[::-1]:
             sync(device)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             steps[path]()
             sync(device)
             times[path].append(time.perf_counter() - start)
+            cpu[path].append(time.process_time() - start_cpu)
     peaks = {path: peak_bytes(path, vocab, tokens, dim, device, steps[path]) for path in PATHS}
     a, b = results["unfused"], results["fused"]
     diff = {k: ((a[k].float() - b[k].float()).norm() / a[k].float().norm()).item() for k in a}
@@ -119,6 +123,7 @@ def measure(vocab: int, tokens: int, dim: int, repeats: int, device: torch.devic
         "dim": dim,
         "chunk_tokens": tokens_per_chunk(tokens, vocab, device, torch.bfloat16),
         "s": {path: statistics.median(t) for path, t in times.items()},
+        "cpu_s": {path: statistics.median(t) for path, t in cpu.items()},
         "peak": peaks,
         "diff": diff,
     }
@@ -139,15 +144,18 @@ def main() -> None:
     device = torch.device(args.device)
     print(f"{args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 autocast, "
           f"load {os.getloadavg()[0]:.1f}\n")  # fmt: skip
-    print("| vocab | tokens × dim | fused chunk (tokens) | s unfused | s fused | speed ratio | peak MiB unfused | "
-          "peak MiB fused | memory ratio | rel. diff loss / grad_h / grad_w |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| vocab | tokens × dim | fused chunk (tokens) | s unfused | s fused | speed ratio | CPU s unfused | "
+          "CPU s fused | CPU-time ratio | peak MiB unfused | peak MiB fused | memory ratio | "
+          "rel. diff loss / grad_h / grad_w |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for vocab in args.vocab:
         r = measure(vocab, args.tokens, args.dim, args.repeats, device)
-        s, p, d = r["s"], r["peak"], r["diff"]
+        s, c, p, d = r["s"], r["cpu_s"], r["peak"], r["diff"]
         print(
             f"| {vocab:,} | {r['tokens']} × {r['dim']} | {r['chunk_tokens']} | {s['unfused']:.2f} | {s['fused']:.2f} "
-            f"| {s['unfused'] / s['fused']:.2f} | {p['unfused'] / 2**20:,.0f} | {p['fused'] / 2**20:,.0f} "
+            f"| {s['unfused'] / s['fused']:.2f} | {c['unfused']:.2f} | {c['fused']:.2f} "
+            f"| {c['unfused'] / c['fused']:.2f} "
+            f"| {p['unfused'] / 2**20:,.0f} | {p['fused'] / 2**20:,.0f} "
             f"| {p['fused'] / p['unfused']:.2f} | {d['loss']:.0e} / {d['grad_h']:.0e} / {d['grad_w']:.0e} |",
             flush=True,
         )

@@ -162,19 +162,29 @@ class _WeightGrad:
     rounded once, as the unfused head's."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        self.acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        self.weight = weight
+        self.acc: torch.Tensor | None = None  # the first chunk's product starts it (no zero-filled pass)
         self.gemm = "fp32" if dtype == torch.float32 else _fp32_output_gemm(weight.device, dtype)
 
     def add(self, grad: torch.Tensor, hidden: torch.Tensor) -> None:
         """acc += gradᵀ · hidden for one chunk (grad: d loss / d logits, tokens × vocab slice)."""
-        if self.gemm == "fp32":
+        if self.acc is None:
+            if self.gemm in ("addmm", "mm"):
+                self.acc = torch.mm(grad.t(), hidden, out_dtype=torch.float32)
+            else:  # fp32, or the one chunk of a device without an fp32-output bf16 GEMM
+                self.acc = (grad.t() @ hidden).float()
+        elif self.gemm == "fp32":
             self.acc.addmm_(grad.t(), hidden)
         elif self.gemm == "addmm":
             torch.addmm(self.acc, grad.t(), hidden, out_dtype=torch.float32, out=self.acc)
-        elif self.gemm == "mm":
-            self.acc += torch.mm(grad.t(), hidden, out_dtype=torch.float32)
         else:
-            self.acc += grad.t() @ hidden
+            self.acc += torch.mm(grad.t(), hidden, out_dtype=torch.float32)
+
+    def total(self) -> torch.Tensor:
+        """The summed fp32 gradient (zeros when there were no tokens)."""
+        if self.acc is None:
+            return torch.zeros(self.weight.shape, dtype=torch.float32, device=self.weight.device)
+        return self.acc
 
 
 class _FusedLinearCrossEntropy(Function):
@@ -204,7 +214,7 @@ class _FusedLinearCrossEntropy(Function):
                 total += loss
                 grad_h[lo : lo + step] = (grad @ w).to(h.dtype)
                 grad_w.add(grad, hc)
-        ctx.save_for_backward(grad_h, grad_w.acc)
+        ctx.save_for_backward(grad_h, grad_w.total())
         ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
         return total
 
