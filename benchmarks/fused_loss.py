@@ -14,7 +14,7 @@ process's own address space — not getrusage's ru_maxrss, which Linux carries o
 the peak is the difference, what the step added at its fullest. Ratio = fused MiB / unfused MiB (≤ 1: at least
 as light).
 
-    .venv/bin/python benchmarks/fused_loss.py                     # 32k and 128k, 2048 tokens × 512, ~10 min
+    .venv/bin/python benchmarks/fused_loss.py                     # 32k and 128k, 2048 tokens × 512, ~75 s quiet
     .venv/bin/python benchmarks/fused_loss.py --vocab 8192 --tokens 256 --repeats 1
 """
 
