@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The one script to run on a GPU machine (one H100/H200), from the repository root, with $OUT a folder for the
-# results: the benchmark table (benchmarks/gpu/run.py, ≤ 5 minutes, each row under its own limit) and the GPU
-# checks (benchmarks/gpu/checks.py: FP8 numerics, the device-side step guard, bf16 ZeRO gathers, the CUDA
-# defaults), under 8 minutes in all. Packages meshlm needs beyond torch (pydantic, ...) come as wheels in .whl/.
+# results: the benchmark table (benchmarks/gpu/run.py, ≤ 5 minutes, each row under its own limit: meshlm as
+# `meshlm train` builds it, fused loss and unfused at 8×2048, FSDP2, FP8, the train loop, peak memory per row;
+# with more than one GPU visible also ZeRO-1/3, HSDP, CP and EP rows under torchrun, skipped with a line on one)
+# and the GPU checks (benchmarks/gpu/checks.py: FP8 numerics, the device-side step guard, bf16 ZeRO gathers, the
+# CUDA defaults, the fused loss's fp32 weight-gradient sum), under 8 minutes in all. Packages meshlm needs
+# beyond torch (pydantic, ...) come as wheels in .whl/.
 #
 #     OUT=/tmp/out bash benchmarks/gpu/check.sh
 set -u

@@ -12,7 +12,9 @@
                    steps, the device guard, fused AdamW
   grad-accum       two micro-batches on bf16 working weights (ZeRO-1, 2, 3; `auto` under bf16 autocast on
                    CUDA): parallel.grad_accum_dtype fp32 gives each micro-batch's gradient summed in fp32
-                   (within one bf16 rounding of the final gradient, elementwise); bfloat16 visibly rounds the sum
+                   (within one bf16 rounding of the final gradient, elementwise); bf16 visibly rounds the sum
+  fused-loss       the fused loss under bf16 in 8 chunks: the head-weight gradient summed over chunks in fp32
+                   (the GEMM's fp32 output, `bf16_gemm` says which), against the fp64 sum of the same operands
 
 Each check prints PASS or FAIL with its figures; `--json FILE` writes them all. `--device cpu` runs what can run
 on a CPU (the emulated parts, no sync debug mode) so tests/integration/test_gpu_benchmark.py keeps this script honest.
@@ -249,12 +251,46 @@ def check_grad_accum(device: torch.device) -> dict:
     return {"ok": ok, **figures}
 
 
+def check_fused_loss(device: torch.device) -> dict:
+    """The fused loss under bf16 autocast in 8 chunks: its head-weight gradient is the sum of the chunks'
+    products of the very bf16 operands it used (recorded), taken in fp64, to fp32 accumulation (< 1e-5
+    relative; a bf16 rounding of each chunk's partial is ~1e-3). CPU: fp32, as its bf16 runs one chunk."""
+    from meshlm.parallel.transforms import fused_loss
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokens, vocab, dim = 2048, 4096, 128
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, tokens, dim, generator=g).to(device).requires_grad_()
+    weight = (0.02 * torch.randn(vocab, dim, generator=g)).to(device).requires_grad_()
+    targets = torch.randint(0, vocab, (1, tokens), generator=g).to(device)
+    grads: list[torch.Tensor] = []
+    original, budget = fused_loss._softmax_grad, fused_loss.CHUNK_BYTES
+
+    def recorded(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, grad = original(*args)
+        grads.append(grad)
+        return loss, grad
+
+    fused_loss._softmax_grad, fused_loss.CHUNK_BYTES = recorded, 4 * vocab * tokens // 8
+    try:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            fused_loss.fused_cross_entropy_sum(fused_loss.HeadOutput(hidden, weight), targets).backward()
+    finally:
+        fused_loss._softmax_grad, fused_loss.CHUNK_BYTES = original, budget
+    chunks = hidden.detach()[0].to(dtype).double().split(grads[0].shape[0])
+    want = sum(gr.double().t() @ hc for gr, hc in zip(grads, chunks, strict=True))
+    err = ((weight.grad.double() - want).norm() / want.norm()).item()
+    gemm = fused_loss._fp32_output_gemm(device, torch.bfloat16)
+    return {"ok": len(grads) == 8 and err < 1e-5, "chunks": len(grads), "rel_err_vs_fp64": err, "bf16_gemm": gemm}
+
+
 CHECKS: dict[str, Callable[[torch.device], dict]] = {
     "fp8-numerics": check_fp8,
     "device-guard": check_device_guard,
     "bf16-gathers": check_bf16_gathers,
     "cuda-defaults": check_cuda_defaults,
     "grad-accum": check_grad_accum,
+    "fused-loss": check_fused_loss,
 }
 
 

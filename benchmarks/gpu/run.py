@@ -33,6 +33,7 @@ import contextlib
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,19 +52,29 @@ Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class Row:
     system: str  # meshlm | fsdp2 | train-loop
     compiled: bool
-    batch: int
+    batch: int  # rows per data-parallel replica
     seq_len: int
     fp8: bool = False
     limit_s: float = 60.0  # this row's own time limit (compilation included)
+    fused_loss: bool = True  # meshlm: train.fused_loss, on as `meshlm train` has it
+    layout: str = ""  # meshlm on several GPUs (torchrun): the mesh layout
+    options: tuple[tuple[str, object], ...] = ()  # and its parallel options
+    moe: bool = False  # the model with experts (expert parallel)
+    gpus: int = 1  # the GPUs the row needs: skipped with a line when fewer are visible
 
 
-def rows_for(batch: int, seq_len: int) -> dict[str, Row]:
-    """Every row, in the order they run (most wanted first: later ones are dropped when the budget runs out)."""
+def rows_for(batch: int, seq_len: int, world: int = 1) -> dict[str, Row]:
+    """Every row, in the order they run (most wanted first: later ones are dropped when the budget runs out).
+    The rows of several GPUs use all `world` visible ones (their layouts say how)."""
     b8, s8k = (2 * batch, seq_len), (1, 4 * seq_len)
+    w = max(world, 2)
+    several = {"limit_s": 90, "gpus": 2}
+    hsdp = (("zero", 3), ("zero_shard_size", w // 2))  # shard within halves, replicate across them
     return {
         "meshlm-compiled": Row("meshlm", True, batch, seq_len, limit_s=90),
         "fsdp2-compiled": Row("fsdp2", True, batch, seq_len, limit_s=90),
         "meshlm-compiled-b8": Row("meshlm", True, *b8, limit_s=50),
+        "meshlm-compiled-b8-unfused": Row("meshlm", True, *b8, fused_loss=False, limit_s=50),
         "fsdp2-compiled-b8": Row("fsdp2", True, *b8, limit_s=50),
         "meshlm-fp8": Row("meshlm", True, *b8, fp8=True, limit_s=75),
         "train-loop": Row("train-loop", False, *b8, limit_s=75),
@@ -71,29 +82,43 @@ def rows_for(batch: int, seq_len: int) -> dict[str, Row]:
         "fsdp2-eager": Row("fsdp2", False, batch, seq_len, limit_s=35),
         "meshlm-compiled-s8k": Row("meshlm", True, *s8k, limit_s=45),
         "fsdp2-compiled-s8k": Row("fsdp2", True, *s8k, limit_s=45),
+        "zero1": Row("meshlm", True, batch, seq_len, layout=f"dp={w}", options=(("zero", 1),), **several),
+        "zero3": Row("meshlm", True, batch, seq_len, layout=f"dp={w}", options=(("zero", 3),), **several),
+        "hsdp": Row("meshlm", True, batch, seq_len, layout=f"dp={w}", options=hsdp, limit_s=90, gpus=4),
+        "cp": Row("meshlm", True, batch, seq_len, layout=f"dp={w // 2},cp=2", **several),
+        "ep": Row("meshlm", True, batch, seq_len, layout=f"ep={w}", moe=True, **several),
     }
+
+
+def with_experts(cfg):
+    """`cfg` with 8 routed experts, 2 per token, each a quarter of the dense MLP wide (the expert-parallel row)."""
+    return cfg.replace(n_experts=8, top_k=2, moe_intermediate_size=cfg.intermediate_size // 4, hf_model_type="mixtral")
 
 
 # ---- the systems ----------------------------------------------------------------------------------------------
 def meshlm_system(cfg, row: Row, device: torch.device, backend: str, emulate_fp8: bool = False) -> Step:
-    """meshlm's hot path as the trainer runs it on CUDA: meta build materialised on the device, fused AdamW,
-    optional FP8 swap and per-block compile, `device_train_step` (no host sync)."""
+    """meshlm's hot path as the trainer runs it on CUDA (meshlm.train.startup): meta build materialised on the
+    device, the loss fused with the head (train.fused_loss, on by default) unless the row turns it off, fused
+    AdamW, optional FP8 swap and per-block compile, `device_train_step` (no host sync); on the row's layout
+    over every rank (each feeding its replica's rows of the global batch), or at world 1."""
     from meshlm.config import TrainSection
     from meshlm.model import Transformer
     from meshlm.parallel.engine import parallelize
     from meshlm.parallel.mesh import build_mesh, parse_layout
+    from meshlm.parallel.options import Loss
     from meshlm.train.optim import build_optimizer, device_train_step
 
     train = TrainSection(global_batch=row.batch, warmup_steps=0)
-    mesh = build_mesh(parse_layout("", 1), device.type)
+    mesh = build_mesh(parse_layout(row.layout, dist.get_world_size()), device.type)
     with torch.device("meta"):
-        model = Transformer(cfg, init_seed=0)
+        model = Transformer(with_experts(cfg) if row.moe else cfg, init_seed=0)
     autocast = "bf16" if device.type == "cuda" else None
     fp8 = ("emulate" if emulate_fp8 else True) if row.fp8 else False
     options = {"autocast_dtype": autocast, "fp8": fp8, "compile": row.compiled, "compile_backend": backend}
-    pm = parallelize(model, mesh, options)
+    loss = Loss(ignore_index=train.ignore_index, fused=train.fused_loss and row.fused_loss)
+    pm = parallelize(model, mesh, {**options, **dict(row.options)}, loss=loss)
     opt = build_optimizer(pm, train, fused=device.type == "cuda")
-    return lambda x, y: device_train_step(pm, opt, x, y, train.lr, train.grad_clip)[0]
+    return lambda x, y: device_train_step(pm, opt, pm.local_batch(x), pm.local_batch(y), train.lr, train.grad_clip)[0]
 
 
 def build_on(cfg, device: torch.device):
@@ -158,7 +183,13 @@ def synchronize(device: torch.device) -> None:
 
 
 def peak_gib(device: torch.device) -> float:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    """This process's peak memory: on CUDA what torch allocated at most; on the CPU (the dry run, where torch's
+    allocator is malloc) the resident set's high-water mark since exec (VmHWM; getrusage's ru_maxrss would
+    carry the parent's over) — each row is a fresh process, so it is the row's."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20  # KiB
 
 
 def measure(step: Step, batches: list[torch.Tensor], args: argparse.Namespace, device: torch.device) -> dict:
@@ -235,7 +266,9 @@ def train_loop_row(row: Row, args: argparse.Namespace, device: torch.device) -> 
 
 
 def run_row(name: str, row: Row, args: argparse.Namespace) -> dict:
-    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device(args.device)
+    """One row in this process (a rank of torchrun's for a row of several GPUs: rank 0 reports)."""
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -244,10 +277,16 @@ def run_row(name: str, row: Row, args: argparse.Namespace) -> dict:
     else:
         backend = "nccl" if device.type == "cuda" else "gloo"
         bound = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bound)
+        if world > 1:  # torchrun's environment
+            dist.init_process_group(backend, **bound)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bound)
         try:
+            from meshlm.parallel.mesh import parse_layout
+
+            layout = parse_layout(row.layout, world)
             g = torch.Generator().manual_seed(0)
-            shape = (row.batch, row.seq_len + 1)
+            shape = (row.batch * layout.dp * layout.ep, row.seq_len + 1)  # the global batch: each replica's rows
             batches = [
                 torch.randint(0, args.cfg.vocab_size, shape, generator=g).to(device)
                 for _ in range(args.warmup + args.steps)
@@ -260,7 +299,7 @@ def run_row(name: str, row: Row, args: argparse.Namespace) -> dict:
         finally:
             dist.destroy_process_group()
             gc.collect()
-    return {"name": name, **vars(row), **result, "peak_gib": peak_gib(device)}
+    return {"name": name, **vars(row), **result, "peak_gib": peak_gib(device), "world": world}
 
 
 # ---- the table ----------------------------------------------------------------------------------------------------
@@ -271,23 +310,30 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device(args.device)
     peak = peak_flops(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    memory = "allocated" if device.type == "cuda" else "RSS high-water"
     lines = [
-        f"{name}, torch {torch.__version__}, {args.model}, world 1\n",
-        f"| row | batch | compiled | timed steps | tokens/s | MFU (of {mfu_basis(device.type, name)}) | peak GiB |",
-        "|---|---|---|---|---|---|---|",
+        f"{name}, torch {torch.__version__}, {args.model}, {args.world} visible\n",
+        f"| row | layout | batch | compiled | loss | timed steps | tokens/s | MFU (of {mfu_basis(device.type, name)}) "
+        f"| peak GiB ({memory}, rank 0) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     by_name = {r["name"]: r for r in results}
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['name']} | | | | {r['error']} | | |")
+            lines.append(f"| {r['name']} | | | | | | {r['error']} | | |")
             continue
-        mfu = r["tokens_per_s"] * flops_per_token(args.cfg, r["seq_len"]) / peak
+        cfg = with_experts(args.cfg) if r.get("moe") else args.cfg
+        mfu = r["tokens_per_s"] * flops_per_token(cfg, r["seq_len"]) / (peak * r.get("world", 1))
+        loss = "-" if r["system"] != "meshlm" else "fused" if r["fused_loss"] else "unfused"
         lines.append(
-            f"| {r['name']} | {r['batch']}×{r['seq_len']} | {'per block' if r['compiled'] else 'eager'} "
-            f"| {r['steps']} | {r['tokens_per_s']:,.0f} | {mfu:.1%} | {r['peak_gib']:.1f} |"
+            f"| {r['name']} | {r.get('layout') or 'world 1'} | {r['batch']}×{r['seq_len']} "
+            f"| {'per block' if r['compiled'] else 'eager'} | {loss} | {r['steps']} | {r['tokens_per_s']:,.0f} "
+            f"| {mfu:.1%} | {r['peak_gib']:.2f} |"
         )
     lines.append("")
-    for mine, theirs in [(n, n.replace("meshlm", "fsdp2")) for n in by_name if n.startswith("meshlm-")]:
+    for mine, theirs in [
+        (n, n.replace("meshlm", "fsdp2")) for n in by_name if n.startswith("meshlm-") and "unfused" not in n
+    ]:
         a, b = by_name.get(mine), by_name.get(theirs)
         if a and b and "error" not in a and "error" not in b:
             lines.append(
@@ -298,7 +344,32 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
         a, b = by_name.get(num), by_name.get(den)
         if a and b and "error" not in a and "error" not in b:
             lines.append(f"{num} / {den}: tokens/s {a['tokens_per_s'] / b['tokens_per_s']:.3f}")
+    a, b = by_name.get("meshlm-compiled-b8"), by_name.get("meshlm-compiled-b8-unfused")
+    if a and b and "error" not in a and "error" not in b:  # the fused loss (the default) against no fusion
+        lines.append(
+            f"fused loss / unfused (meshlm-compiled-b8 / meshlm-compiled-b8-unfused): tokens/s "
+            f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}, peak memory {a['peak_gib'] / max(b['peak_gib'], 1e-9):.3f}"
+        )
     return "\n".join(lines)
+
+
+def run_child(name: str, row: Row, args: argparse.Namespace, limit_s: float, env: dict[str, str]) -> dict:
+    """One row in a child process (torchrun's ranks below it for a row of several GPUs), a session of its own:
+    past `limit_s` the whole process group is killed, no rank left holding a GPU."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, __file__, "--row", name, "--json", out.name, *args.passthrough]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)  # fmt: skip
+        try:
+            _, stderr = proc.communicate(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return {"name": name, "error": f"timed out after {limit_s:.0f} s"}
+        if proc.returncode == 0:
+            return json.loads(Path(out.name).read_text())
+        tail = (stderr.strip().splitlines() or ["?"])[-1][:120]
+        return {"name": name, "error": f"failed: {tail}"}
 
 
 def run_all(args: argparse.Namespace, rows: dict[str, Row]) -> list[dict]:
@@ -309,20 +380,12 @@ def run_all(args: argparse.Namespace, rows: dict[str, Row]) -> list[dict]:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(cache))}
     for name, row in rows.items():
         left = args.budget_s - (time.perf_counter() - began)
-        if left < min(row.limit_s, 20):
+        if row.gpus > args.world:
+            results.append({"name": name, "error": f"skipped: needs {row.gpus} GPUs, {args.world} visible"})
+        elif left < min(row.limit_s, 20):
             results.append({"name": name, "error": "skipped: out of budget"})
-            continue
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            cmd = [sys.executable, __file__, "--row", name, "--json", out.name, *args.passthrough]
-            try:
-                proc = subprocess.run(cmd, timeout=min(row.limit_s, left), capture_output=True, text=True, env=env)
-                if proc.returncode == 0:
-                    results.append(json.loads(Path(out.name).read_text()))
-                else:
-                    tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:120]
-                    results.append({"name": name, "error": f"failed: {tail}"})
-            except subprocess.TimeoutExpired:
-                results.append({"name": name, "error": f"timed out after {min(row.limit_s, left):.0f} s"})
+        else:
+            results.append(run_child(name, row, args, min(row.limit_s, left), env))
         print(f"[{time.perf_counter() - began:5.0f} s] {name}: {results[-1].get('error', 'done')}", flush=True)
     return results
 
@@ -341,6 +404,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager in CPU tests)")
+    parser.add_argument("--world", type=int, default=0, help="GPUs for the rows of several (default: all; CPU: 2)")
     parser.add_argument("--row", default="", help=argparse.SUPPRESS)
     parser.add_argument("--json", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -348,8 +412,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     args.shape = json.loads(args.shape)
     args.cfg = preset(args.model).replace(**args.shape) if args.shape else preset(args.model)
+    if not args.world:
+        args.world = (torch.cuda.device_count() or 1) if args.device == "cuda" else 2
     keep = ("--model", "--shape", "--batch", "--seq-len", "--warmup", "--steps", "--every", "--timed-s", "--device",
-            "--backend")  # fmt: skip
+            "--backend", "--world")  # fmt: skip
     raw = sys.argv[1:] if argv is None else argv
     args.passthrough = [a for i, a in enumerate(raw) if a in keep or (i and raw[i - 1] in keep)]
     return args
@@ -360,9 +426,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: benchmarks/gpu/run.py measures GPU training; nothing to run here")
         return 0
-    rows = rows_for(args.batch, args.seq_len)
-    if args.row:  # a child: one row, its result as JSON
-        Path(args.json).write_text(json.dumps(run_row(args.row, rows[args.row], args)))
+    rows = rows_for(args.batch, args.seq_len, args.world)
+    if args.row:  # a child: one row, its result as JSON (rank 0's)
+        row = rows[args.row]
+        if row.gpus > 1 and "LOCAL_RANK" not in os.environ:  # its ranks, under torchrun
+            run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world}"]
+            return subprocess.run([*run, __file__, *sys.argv[1:]]).returncode
+        result = run_row(args.row, row, args)
+        if int(os.environ.get("RANK", 0)) == 0:
+            Path(args.json).write_text(json.dumps(result))
         return 0
     chosen = [n.strip() for n in args.rows.split(",") if n.strip()] or list(rows)
     unknown = sorted(set(chosen) - set(rows))

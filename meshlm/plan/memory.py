@@ -37,7 +37,7 @@ Dispatcher = Literal["alltoall", "allgather"]  # expert-parallel token dispatch 
 # bf16: mixed-precision Adam as in the ZeRO paper (2Ψ + 2Ψ + 12Ψ: fp32 master, m, v).
 # fp32: what meshlm runs on CPU (4Ψ + 4Ψ + 8Ψ: fp32 m, v; the weights are the master copy).
 BYTES: dict[str, tuple[int, int, int, int]] = {"bf16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4)}
-FUSED_LOSS_CHUNK = 1 << 25  # logits per chunk of the fused loss: meshlm.parallel.transforms.fused_loss.CHUNK_ELEMENTS
+LOSS_CHUNK_BYTES = 1 << 30  # fp32 logits per chunk of the fused loss: meshlm.parallel.transforms.fused_loss.CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -361,7 +361,8 @@ def loss_chunk_bytes(w: Workload, strategy: Candidate) -> float:
     """What the fused loss holds only while it runs (not kept for backward): one chunk's fp32 logits and their
     gradient in the activation dtype."""
     tokens = w.seq_len / strategy.cp * strategy.micro_batch
-    return min(FUSED_LOSS_CHUNK, tokens * w.model.vocab_size / strategy.tp) * (4 + BYTES[w.precision][3])
+    vocab = w.model.vocab_size / strategy.tp
+    return min(tokens, max(1, LOSS_CHUNK_BYTES // (4 * vocab))) * vocab * (4 + BYTES[w.precision][3])
 
 
 @dataclass(frozen=True)

@@ -32,21 +32,27 @@ def test_gpu_benchmark_without_cuda_says_so_and_exits_zero() -> None:
     assert out.stdout.startswith("no CUDA device")
 
 
-@pytest.mark.slow  # ~5-15 s per row on 2 cores (model build, compilation with aot_eager)
+@pytest.mark.slow  # ~5-15 s per row on 2 cores (model build, compilation with aot_eager); torchrun rows ~30 s
 @pytest.mark.parametrize(
-    "name", ["meshlm-eager", "meshlm-compiled", "fsdp2-eager", "fsdp2-compiled", "meshlm-fp8", "train-loop"]
-)
-def test_every_row_trains_on_cpu(name: str, tmp_path: Path) -> None:
+    ("name", "world"),
+    [("meshlm-eager", 2), ("meshlm-compiled", 2), ("fsdp2-eager", 2), ("fsdp2-compiled", 2), ("meshlm-fp8", 2),
+     ("train-loop", 2), ("meshlm-compiled-b8-unfused", 2), ("zero1", 2), ("zero3", 2), ("cp", 2), ("ep", 2),
+     ("hsdp", 4)],
+)  # fmt: skip
+def test_every_row_trains_on_cpu(name: str, world: int, tmp_path: Path) -> None:
     """Each row as the benchmark runs it: the script's own child process (a process group of its own, so no
-    group the test session holds can collide with it), with no time limit but the test's."""
+    group the test session holds can collide with it; torchrun's gloo ranks for the rows of several GPUs),
+    with no time limit but the test's; its peak memory (the CPU's RSS high-water mark) is reported."""
     out = tmp_path / "row.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--row", name, "--json", str(out), *TINY],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--row", name, "--json", str(out), *TINY, "--world",
+                           str(world)], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["steps"] >= 1 and result["tokens_per_s"] > 0
+    assert result["steps"] >= 1 and result["tokens_per_s"] > 0 and result["peak_gib"] > 0
     if result["system"] != "train-loop":
         assert 0 < result["final_loss"] < 6.0  # log(256) = 5.5 at the start: a finite, sane loss
+    if result["gpus"] > 1:
+        assert result["world"] == world
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -80,7 +86,8 @@ def test_parent_runs_rows_under_limits_and_prints_ratios() -> None:
         env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])},
     )
     assert out.returncode == 0, out.stderr
-    assert "| meshlm-eager | 2×32 | eager |" in out.stdout and "| fsdp2-eager | 2×32 | eager |" in out.stdout
+    assert "| meshlm-eager | world 1 | 2×32 | eager | fused |" in out.stdout
+    assert "| fsdp2-eager | world 1 | 2×32 | eager | - |" in out.stdout
     assert "meshlm-eager / fsdp2-eager: tokens/s" in out.stdout
 
 
@@ -107,7 +114,8 @@ def test_gpu_checks_pass_on_cpu(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert [line.split(":")[0] for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))] == [
-        "PASS fp8-numerics", "PASS device-guard", "PASS bf16-gathers", "PASS cuda-defaults", "PASS grad-accum"
+        "PASS fp8-numerics", "PASS device-guard", "PASS bf16-gathers", "PASS cuda-defaults", "PASS grad-accum",
+        "PASS fused-loss",
     ]  # fmt: skip
 
 
@@ -116,3 +124,52 @@ def test_check_script_is_valid_bash_and_runs_both_scripts() -> None:
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
     assert "benchmarks/gpu/checks.py" in text and "benchmarks/gpu/run.py" in text
+
+
+def test_meshlm_rows_build_the_model_as_meshlm_train_does(monkeypatch) -> None:
+    """The meshlm rows fuse the loss with the head as `meshlm train` does (train.fused_loss, on by default);
+    the -unfused row turns it off. Mutation: run.py's meshlm_system without `loss=` (the model built as before,
+    unfused) fails."""
+    import torch
+    import torch.distributed as dist
+
+    from meshlm.parallel import engine
+
+    bench = load_benchmark()
+    args = bench.parse_args(TINY)
+    rows = bench.rows_for(args.batch, args.seq_len)
+    seen = []
+    original = engine.parallelize
+    monkeypatch.setattr(engine, "parallelize", lambda *a, **kw: seen.append(kw.get("loss")) or original(*a, **kw))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    for name in ("meshlm-eager", "meshlm-compiled-b8-unfused"):
+        bench.meshlm_system(args.cfg, rows[name].__class__(**{**vars(rows[name]), "compiled": False}),
+                            torch.device("cpu"), "aot_eager")  # fmt: skip
+    assert [loss is not None and loss.fused for loss in seen] == [True, False]
+
+
+def test_rows_of_several_gpus_are_skipped_with_a_line_on_one() -> None:
+    bench = load_benchmark()
+    args = bench.parse_args([*TINY, "--world", "1"])
+    rows = {n: r for n, r in bench.rows_for(args.batch, args.seq_len, 1).items() if r.gpus > 1}
+    assert sorted(rows) == ["cp", "ep", "hsdp", "zero1", "zero3"]
+    results = bench.run_all(args, rows)
+    assert {r["error"] for r in results} == {"skipped: needs 2 GPUs, 1 visible", "skipped: needs 4 GPUs, 1 visible"}
+    assert "| zero1 | | | | | | skipped: needs 2 GPUs, 1 visible | | |" in bench.table(results, args)
+
+
+def test_table_prints_the_fused_loss_ratio() -> None:
+    bench = load_benchmark()
+    args = bench.parse_args(TINY)
+    rows = bench.rows_for(args.batch, args.seq_len)
+    results = [
+        {"name": name, **vars(rows[name]), "steps": 2, "tokens_per_s": tps, "final_loss": 5.0, "peak_gib": peak}
+        for name, tps, peak in (("meshlm-compiled-b8", 125.0, 1.0), ("meshlm-compiled-b8-unfused", 100.0, 2.0))
+    ]
+    text = bench.table(results, args)
+    assert (
+        "fused loss / unfused (meshlm-compiled-b8 / meshlm-compiled-b8-unfused): tokens/s 1.250, peak memory 0.500"
+        in text
+    )
+    assert "| meshlm-compiled-b8-unfused | world 1 | 4×32 | per block | unfused |" in text

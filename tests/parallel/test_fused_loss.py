@@ -56,7 +56,7 @@ def test_fused_equals_unfused_in_value_and_gradients_across_chunks(monkeypatch) 
     hidden, weight, targets = _inputs(40)
     ref = _grads(lambda h, w: token_cross_entropy(h @ w.t(), targets).sum(), hidden, weight)
     for elements in (40 * 5, 40 * 21, 1 << 25):  # chunks of 5 tokens, of 21 (one full, one short), one chunk
-        monkeypatch.setattr(fused_loss, "CHUNK_ELEMENTS", elements)
+        monkeypatch.setattr(fused_loss, "CHUNK_BYTES", 4 * elements)
         got = _grads(lambda h, w: fused_cross_entropy_sum(HeadOutput(h, w), targets), hidden, weight)
         for a, b in zip(ref, got, strict=True):
             torch.testing.assert_close(b, a, rtol=RTOL, atol=1e-7)
@@ -68,7 +68,7 @@ def _tp_check() -> list[str]:
     world, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
     hidden, weight, targets = _inputs(24, world)
     ref = _grads(lambda h, w: token_cross_entropy(h @ w.t(), targets).sum(), hidden, weight)
-    fused_loss.CHUNK_ELEMENTS = 24 * 4  # several chunks of this rank's slice
+    fused_loss.CHUNK_BYTES = 4 * 24 * 4  # several chunks of this rank's slice
     got = _grads(lambda h, w: fused_cross_entropy_sum(HeadOutput(h, w.chunk(world)[rank], group), targets),
                  hidden, weight)  # fmt: skip
     grad_h = got[1].clone()

@@ -42,7 +42,7 @@ from meshlm.plan.cli import add_plan_parser, count, duration, run_plan
 from meshlm.plan.cost import CostModel, run_cost
 from meshlm.plan.hardware import GB
 from meshlm.plan.memory import (
-    FUSED_LOSS_CHUNK,
+    LOSS_CHUNK_BYTES,
     Candidate,
     layer_activation_bytes,
     logits_bytes,
@@ -98,9 +98,9 @@ def test_fused_loss_bytes_are_what_it_keeps_for_backward():
     runtime's loss stays unfused (10 bytes a logit in bf16), and the chunk is the runtime's."""
     import torch
 
-    from meshlm.parallel.transforms.fused_loss import CHUNK_ELEMENTS, HeadOutput, fused_cross_entropy_sum
+    from meshlm.parallel.transforms.fused_loss import CHUNK_BYTES, HeadOutput, fused_cross_entropy_sum
 
-    assert FUSED_LOSS_CHUNK == CHUNK_ELEMENTS
+    assert LOSS_CHUNK_BYTES == CHUNK_BYTES
     s = strategy(micro_batch=2)
     w = Workload(TEST, 64, 2, 1e9, "fp32")
     saved: list[torch.Tensor] = []
@@ -108,7 +108,7 @@ def test_fused_loss_bytes_are_what_it_keeps_for_backward():
     weight = torch.randn(TEST.vocab_size, TEST.dim, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         fused_cross_entropy_sum(HeadOutput(hidden, weight), torch.randint(0, TEST.vocab_size, (2, 64)))
-    assert loss_chunk_bytes(w, s) == min(FUSED_LOSS_CHUNK, 2 * 64 * TEST.vocab_size) * (4 + 4)
+    assert loss_chunk_bytes(w, s) == 2 * 64 * TEST.vocab_size * (4 + 4)  # one chunk: 128 tokens < 1 GiB
     assert logits_bytes(w, s, fused=True) - loss_chunk_bytes(w, s) == sum(t.nbytes for t in saved) > 0
     bf16 = Workload(TEST, 64, 2, 1e9, "bf16")
     megatron = memory(bf16, s, hardware("H100-SXM"), Assumptions(runtime="megatron"))

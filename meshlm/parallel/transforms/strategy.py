@@ -74,7 +74,8 @@ class FusedLoss(Transform):
         from meshlm.parallel.transforms.fused_loss import apply_fused_loss
 
         if build.loss.fused and build.loss.fn is None and not build.loss.gather_logits:
-            apply_fused_loss(build.model, build.plan)
+            backend = build.options.compile_backend if build.options.compile else None
+            apply_fused_loss(build.model, build.plan, backend)  # the chunk body compiled with the blocks
 
 
 class FP8(Transform):
