@@ -8,7 +8,8 @@ its reaped children's (getrusage), plus, for each live process under it (forkser
 kept between tests, torchrun and its workers), its time and its reaped children's (/proc/PID/stat). A process
 alive at the start and reaped during the test moves from the second sum into the first with its whole time, so
 the difference counts only what it spent during the test. Time spent waiting is not counted: a rank blocked on a
-collective or a sleep costs nothing here, though it costs wall time."""
+collective or a sleep costs nothing here, though it costs wall time; nor does a process outside this tree (a
+Slurm job's, which slurmd starts: tests/integration/test_slurm.py shows ~0 here)."""
 
 import json
 import os
