@@ -30,6 +30,10 @@ rendezvous, restarts and worker supervision), and differs only in how it ends:
   failed by themselves all lost a peer, the line names the rank they lost (stalled or killed) instead.
   torchrun's own log lines are shown from `LOGLEVEL=WARNING` (its variable) up; by default only critical ones.
 
+The launcher ends with its exit code and no interpreter teardown (`exit_now`): a signal in the teardown of a
+finished run (the default handlers are back by then) or a daemon thread torchrun leaves inside a store call (its
+rendezvous keep-alive, after a signal) once turned a finished job into a killed or aborted one.
+
 Workers tell the launcher how far they got through a file each, in a directory the launcher names in
 MESHLM_LAUNCH_DIR, each with its process id: "started" (`worker_started`), then "stopped" once the run ended
 with its work committed (`report_stopped`), or "finished" when it also trained to its last step. After a
@@ -52,6 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 from meshlm.train.signals import INTERRUPTED_EXIT, release_hung_up_terminal
 
@@ -223,8 +228,30 @@ def _failure_line(error: BaseException) -> str:
     return f"meshlm launch: rank {rank} {how}{others}" + (f": {reason}" if reason else "")
 
 
-def main(argv: list[str]) -> int:
-    """Run torchrun with `argv` (its own arguments); return the exit code a scheduler should see."""
+def main(argv: list[str]) -> NoReturn:
+    """Run torchrun with `argv` (its own arguments) and end this process with the exit code a scheduler should
+    see (`exit_now`)."""
+    exit_now(_run(argv))
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the launcher with `code`, its output flushed, without the interpreter's teardown, where a finished
+    run could still end as a failure (tests/integration/test_launch_exit.py shows both): a signal there (the
+    scheduler's teardown SIGTERM) meets the default handler the interpreter has put back and kills the launcher;
+    a daemon thread inside a store call (C++, the GIL released) when the teardown begins is ended as it takes
+    the GIL back (`pthread_exit` through C++ frames), which aborts the process ("terminate called without an
+    active exception"; Slurm marked such a job FAILED). torchrun's rendezvous keep-alive is such a thread, a
+    heartbeat every 5 s while its handler lives (`launch_agent` does not shut the rendezvous down after a
+    signal). Nothing is left to tear down here: the workers have exited, the launcher's directory is removed."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
+            stream.flush()
+    os._exit(code)
+
+
+def _run(argv: list[str]) -> int:
+    """`main`'s work: the exit code a scheduler should see."""
     if signal.getsignal(signal.SIGTERM) is not _note_early:
         catch_early()
     try:

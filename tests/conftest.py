@@ -7,9 +7,11 @@
   injected faults, exports read back by transformers and PEFT.
 
 The helper modules (distributed, equivalence, dp_helpers, check_models, run_args, sft_data, shared_groups,
-slow_tier, slurm_cluster) stay in tests/ and are imported by name (`from distributed import run_shared`): tests/
-is put on sys.path here. A name two test modules share belongs in one of them, not in a test module (some
-still import another's: the tier folders are on sys.path too, so that works from any folder).
+slow_tier, cpu_time, slurm_cluster) stay in tests/ and are imported by name (`from distributed import
+run_shared`): tests/ is put on sys.path here. `pytest --cpu-times FILE` (tests/cpu_time.py) ranks tests by the
+CPU seconds of their process trees, which a loaded machine changes far less than their wall time.
+A name two test modules share belongs in one of them, not in a test module (some still import another's: the
+tier folders are on sys.path too, so that works from any folder).
 """
 
 import os
@@ -32,7 +34,7 @@ settings.register_profile("repeatable", derandomize=True, database=None, deadlin
 settings.register_profile("explore", derandomize=False, deadline=None)
 settings.load_profile("explore" if os.environ.get("MESHLM_HYPOTHESIS") == "explore" else "repeatable")
 
-pytest_plugins = ["pytester", "slow_tier", "shared_groups"]
+pytest_plugins = ["pytester", "slow_tier", "shared_groups", "cpu_time"]
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
 """`meshlm check`: prove a run exact before it starts, on a CPU replica of its model, plan, data and layout.
 
 The replica (meshlm.check.shrink) is trained for a few steps at world 1 and at the mapped layout, each by the
-real trainer (`meshlm.fit`) under torchrun on gloo (meshlm.check.worker); meshlm.check.run compares their
-losses, gradient norms and final weights, resumes the layout's checkpoint at world 1 (resharding) and, when a
+real trainer (`meshlm.fit`) on gloo, the layout under torchrun (meshlm.check.worker); meshlm.check.run compares
+their losses, gradient norms and final weights, resumes the layout's checkpoint at world 1 (resharding) and, when a
 step differs, names the first module whose gradient differs and the layout dimension that causes it.
 """
 

@@ -26,7 +26,7 @@ from meshlm.check.run import (
     world_of,
 )
 from meshlm.config import Config
-from meshlm.parallel.mesh import DIMS
+from meshlm.parallel.mesh import DIMS, parse_layout
 
 
 def grads_differ(got: dict, ref: dict) -> list[tuple[str, float]]:
@@ -230,6 +230,7 @@ def localise(
         )
 
     ref, _ = grads("world 1", "grads-reference", "", **SINGLE_PROCESS)
+    reference_run = dict(ref)  # as the run returned it: what a run of the same job returns
     got, t = grads("the layout", "grads", layout)
     ref["weights"] = {name: g for name, g in ref["weights"].items() if name not in ref["frozen"]}  # no gradient
 
@@ -250,12 +251,29 @@ def localise(
         if f"{dim}=" not in layout or f"{dim}=1" in layout.split(","):
             continue
         smaller, options = without(plain, dim)
-        try:
-            res, _ = grads(smaller, f"grads-no-{dim}", smaller, **options)
-        except CheckError:
-            continue
+        if same_job(plain, smaller, options, step):  # e.g. tp=2 without tp: the reference's own job, run above
+            res = reference_run
+        else:
+            try:
+                res, _ = grads(smaller, f"grads-no-{dim}", smaller, **options)
+            except CheckError:
+                continue
         if exact(res):
             culprit += f"; exact with {dim}=1" + (f" ({smaller})" if world_of(smaller) > 1 else "")
             break
     report.culprit = culprit
     report.rows.append(Row(f"{label} per tensor", None, d_norm, d, f"<= {GRAD_RTOL:g} per tensor", t, False))
+
+
+def same_job(plain: Config, layout: str, options: dict, step: int) -> bool:
+    """Whether the gradient run at `layout` with `options` is the world-1 reference's job: the same config but
+    for the run directory and the spelling of a layout of ones ("tp=1" or ""). A check run is deterministic
+    (float64, one thread per rank, the same inputs), so its result is the reference's, and the run is not started
+    again: a failing check of a one-dimension layout is one world-1 run shorter."""
+
+    def job(layout: str, **options: object) -> dict:
+        data = run_config(plain, Path("."), layout, step, **options).model_dump()
+        data["parallel"]["layout"] = parse_layout(data["parallel"]["layout"], 1) if world_of(layout) == 1 else layout
+        return data
+
+    return world_of(layout) == 1 and job(layout, **options) == job("", **SINGLE_PROCESS)

@@ -1,4 +1,5 @@
-"""Run a replica at world 1 and at its layout, each by the real trainer under torchrun on gloo, and compare.
+"""Run a replica at world 1 and at its layout, each by the real trainer on gloo (the layout under torchrun), and
+compare.
 
 Every check run computes in float64 (meshlm.check.worker sets the ranks' default dtype; DataParallel keeps
 float64 masters, shards and reductions for float64 parameters). A parameter whose gradient is zero in exact
@@ -133,8 +134,9 @@ def run_job(
     timeout: float = 900,
     start: tuple[Path, int] | None = None,
 ) -> dict:
-    """`meshlm.fit(cfg)` on `world` gloo ranks under torchrun; rank 0's result (meshlm.check.worker). `start`
-    (run directory, step): the run resumes that run's checkpoint of that step (0: none, a fresh start)."""
+    """`meshlm.fit(cfg)` on `world` gloo ranks (under torchrun above world 1); rank 0's result
+    (meshlm.check.worker). `start` (run directory, step): the run resumes that run's checkpoint of that step (0:
+    none, a fresh start)."""
     job, out = workdir / f"{name}.job", workdir / f"{name}.out"
     parts = {key: by_name(value) for key, value in (parts or {}).items()}
     if mode != "resume":  # a run directory left by an earlier check would be resumed
@@ -160,16 +162,10 @@ def run_job(
     job.write_bytes(pickle.dumps({"config": cfg, "batches": batches, "parts": parts, "mode": mode, "out": str(out)}))
     path = os.pathsep.join(p for p in sys.path if p and Path(p).is_dir())  # the ranks import what the caller does
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={world}",
-        "-m",
-        "meshlm.check.worker",
-        str(job),
-    ]
+    # world 1 needs no agent: the worker alone, on its own one-rank group (meshlm.parallel.distributed), runs what
+    # torchrun would start, and the agent's start (it imports torch too) was a third of such a run's CPU time
+    agent = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
+    cmd = [sys.executable, *agent, "-m", "meshlm.check.worker", str(job)]
     log = workdir / f"{name}.log"
     with open(log, "w") as f:
         done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False)
@@ -182,16 +178,17 @@ def run_job(
         line = f"check run {name} ({cfg.parallel.layout or 'world 1'}) raised in {where}: {error}"
         raise RaisedInModule(line, where, error)
     if done.returncode or not out.exists():
-        reason = failure_reason(log.read_text()) if done.returncode else "exited 0 without its result"
+        reason = failure_reason(log.read_text(), done.returncode) if done.returncode else "exited 0 without its result"
         raise CheckError(f"check run {name} ({cfg.parallel.layout or 'world 1'}) failed: {reason} (log {log})")
     return pickle.loads(out.read_bytes())
 
 
-def failure_reason(log: str) -> str:
-    """Why a torchrun job failed, from its log: the last Python exception line a rank printed; else, for a rank
-    killed by a signal (a C++ abort, a segfault), torchrun's root cause ("rank 0 died of SIGABRT") with the
-    last fatal line before it ("terminate called ...", "Fatal Python error: ..."; each rank's Python stacks
-    follow it in the log: meshlm.check.worker enables faulthandler)."""
+def failure_reason(log: str, returncode: int = 1) -> str:
+    """Why a check job failed, from its log: the last Python exception line a rank printed; else, for a rank
+    killed by a signal (a C++ abort, a segfault), torchrun's root cause ("rank 0 died of SIGABRT"; at world 1,
+    with no agent, the process's own `returncode`, -SIGNAL) with the last fatal line before it ("terminate
+    called ...", "Fatal Python error: ..."; each rank's Python stacks follow it in the log: meshlm.check.worker
+    enables faulthandler)."""
     lines = log.splitlines()
     errors = [line for line in lines if "Error:" in line and "ChildFailedError" not in line]
     if errors:
@@ -199,10 +196,23 @@ def failure_reason(log: str) -> str:
     cause = "\n".join(lines[next((i for i, line in enumerate(lines) if line.startswith("Root Cause")), len(lines)) :])
     rank = re.search(r"rank\s*: (\d+)", cause)
     signal = re.search(r"Signal \d+ \((SIG\w+)\)", cause)
-    if not (rank and signal):
+    if rank and signal:
+        who, how = rank[1], signal[1]
+    elif returncode < 0:
+        who, how = "0", _signal_name(-returncode)
+    else:
         return "no output"
     fatal = [line.strip() for line in lines if line.startswith(("terminate called", "Fatal Python error"))]
-    return f"rank {rank[1]} died of {signal[1]}" + (f" ({fatal[0]})" if fatal else "")
+    return f"rank {who} died of {how}" + (f" ({fatal[0]})" if fatal else "")
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def copy_until(run_dir: Path, to: Path, step: int) -> None:

@@ -1,4 +1,5 @@
-"""One rank of a check run, started by torchrun: `python -m torch.distributed.run ... -m meshlm.check.worker JOB`.
+"""One rank of a check run, started by torchrun (`python -m torch.distributed.run ... -m meshlm.check.worker JOB`),
+or alone at world 1 (`python -m meshlm.check.worker JOB`: a one-rank group of its own).
 
 JOB is a pickle written by meshlm.check.run: the run's Config, the global batches, the user's pieces (model
 factory, plan, loss) if any, and the mode ('train', 'resume': the same from the run directory's checkpoint,

@@ -135,6 +135,8 @@ def test_mutations_fail_and_are_localised(mutation: str, tmp_path) -> None:
     assert [c["check"] for c in out["checks"]] == [f"5 steps at {layout} vs world 1", "step-1 gradients per tensor"]
     assert out["culprit"].startswith(culprit), out["culprit"]
     assert placement in out["culprit"] and f"exact with {exact}" in out["culprit"], out["culprit"]
+    # the run without the layout's one dimension is the world-1 reference's job: not started again (same_job)
+    assert not [phase for phase in out["phases_s"] if phase.endswith(f" at {exact}")], out["phases_s"]
 
 
 @pytest.mark.slow  # one torchrun start, refused: 5-14 s on 2 shared cores
