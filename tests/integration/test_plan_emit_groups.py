@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -194,18 +195,33 @@ def test_a_group_out_of_relaunches_ends_the_job_and_saved_groups_requeue_it(tmp_
 
 def test_the_group_arguments_are_config_fields_with_valid_values(tmp_path: Path) -> None:
     """Every `--section.field value` a group passes `meshlm train` is a field of meshlm's config with a valid
-    value (`fault.replica_groups` and `fault.lighthouse` are helper ftcore's FaultSection fields: skipped
-    until that is merged)."""
-    if "replica_groups" not in Config.model_fields["fault"].annotation.model_fields:
-        pytest.skip("fault.replica_groups is not a config field on this branch (the FaultSection of issue #52)")
+    value."""
     job = json.loads(emit(tmp_path, "kubernetes").read_text())
     command = job["items"][2]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"]
     data = Config().model_dump()
     for key, value in train_args(command).items():
+        if key == "config":  # the run's own file, not a field
+            continue
         section, name = key.split(".")
         data[section][name] = value
     cfg = Config.model_validate(data)
     assert cfg.fault.replica_groups == GROUPS and cfg.parallel.layout == "pp=1,dp=1,tp=1"
+
+
+def test_no_group_restarts_torchrun_in_place(tmp_path: Path) -> None:
+    """A replica group refuses torchrun's in-place restart (meshlm.train.replicas: a restarted gloo group reads
+    its dead attempt's addresses), so every launcher restarts a group as a fresh agent: Slurm's relaunch loop,
+    the operator's pod restarts (backoffLimit kept), SkyPilot's task recovery. A file with `--max-restarts` > 0
+    or an elasticPolicy maxRestarts > 0 would start groups that stop at once."""
+    for target in ("slurm", "kubernetes", "kubernetes-job", "skypilot"):
+        text = emit(tmp_path, target).read_text()
+        assert not re.search(r"--max-restarts[= ]+[1-9]|\"maxRestarts\": [1-9]", text), target
+        if target.startswith("kubernetes"):
+            jobs = [item for item in json.loads(text)["items"] if item["kind"] in ("PyTorchJob", "Job")]
+            limits = [
+                job["spec"].get("backoffLimit", job["spec"].get("runPolicy", {}).get("backoffLimit")) for job in jobs
+            ]
+            assert all(limit and limit > 0 for limit in limits), (target, limits)
 
 
 @pytest.mark.skipif(bool(slurm_cluster.missing()), reason="no Slurm here: apt-get install slurm-wlm munge")

@@ -144,7 +144,7 @@ def test_meshlm_plan_prints_the_verdict_in_one_line_with_a_spot_trace(
 
 @pytest.mark.slow  # a full search of llama3-8b on 32 GPUs and 2 × 20 replays: ~10 s quiet, ~25 s under load
 def test_the_docs_show_the_line_the_documented_command_prints(capsys: pytest.CaptureFixture) -> None:
-    """docs/fault-tolerance-launch.md and docs/planner.md show the verdict line of their command verbatim."""
+    """docs/fault-tolerance.md and docs/planner.md show the verdict line of their command verbatim."""
     root = Path(__file__).resolve().parents[2]
     argv = ["plan", "--model", "llama3-8b", "--gpus", "32", "--seq-len", "4096", "--global-batch", "256",
             "--train-tokens", "3e10", "--preemption-rate", "0.05", "--preemption-per", "node-hour", "--replay-runs",
@@ -154,5 +154,5 @@ def test_the_docs_show_the_line_the_documented_command_prints(capsys: pytest.Cap
     assert run_plan(parser.parse_args(argv)) == 0
     out = capsys.readouterr().out.splitlines()
     (line,) = [x for x in out if x.startswith("#1 on poisson-4node-0.2.json: live recovery")]
-    for page in ("fault-tolerance-launch.md", "planner.md"):
+    for page in ("fault-tolerance.md", "planner.md"):
         assert f"\n{line}\n" in (root / "docs" / page).read_text(), page
