@@ -1,4 +1,5 @@
-"""The one-process reference of a run of fault-tolerant replica groups (tests/integration/test_replica_groups.py):
+"""The one-process reference of a run of fault-tolerant replica groups
+(tests/integration/test_replica_groups_recovery.py):
 `python tests/replica_replay.py OUT.pt STEPS GROUPS DP --section.field VALUE ...` replays the schedule of live groups
 the run logged (the "replicas" records of every group's metrics.jsonl) in ONE process: at step k with n live groups
 it reads the same n chunks of global_batch / GROUPS rows at the same sample position, each split over the group's

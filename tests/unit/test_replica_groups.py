@@ -1,6 +1,7 @@
 """Fault-tolerant replica groups, the pieces without processes: the fixed-order cross-group sums (Across), the
 group's config and its one-line refusals, the lighthouse command's refusals, the sample-position reads of the
-sampler and the guard's state a heal carries (issue #52; end to end: tests/integration/test_replica_groups.py)."""
+sampler and the guard's state a heal carries (issue #52; end to end:
+tests/integration/test_replica_groups_recovery.py)."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ not committed (`Manager.should_commit` is False on every rank that saw it) and i
 
 The engine calls `sum_` on the step's kept-token count (so the loss scale follows the live groups) and on the
 loss it reports; data parallelism calls it once per gradient bucket after the in-group all-reduce (`Across.sum_`
-from `DataParallel._finish`, after the hybrid replicate all-reduce), and `max_` on its unused-parameter flags; `LocalGradients` (one rank per group)
-calls `sum_grads` once per step. Everything else about the groups (quorum, commit, heal) is the trainer's
-(meshlm.train.replicas).
+from `DataParallel._finish`, after the hybrid replicate all-reduce), and `max_` on its unused-parameter flags;
+`LocalGradients` (one rank per group) calls `sum_grads` once per step. Everything else about the groups (quorum,
+commit, heal) is the trainer's (meshlm.train.replicas).
 """
 
 from __future__ import annotations
