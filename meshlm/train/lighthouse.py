@@ -14,7 +14,9 @@ import signal
 import threading
 
 from meshlm.errors import ConfigError
-from meshlm.train.replicas import EXTRA_LINE
+
+# imported by meshlm.train.replicas; here so that the CLI's parser (this module) starts without torch
+EXTRA_LINE = "fault.replica_groups > 1 needs torchft: pip install 'meshlm[ft]' (torchft-nightly and numpy)"
 
 
 def add_lighthouse_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -42,6 +42,7 @@ import torch
 from meshlm.checkpoint.rng import start_streams
 from meshlm.config import Config, ConfigError
 from meshlm.parallel.dp.replica_groups import Across, attach
+from meshlm.train.lighthouse import EXTRA_LINE
 
 if TYPE_CHECKING:
     from meshlm.train.trainer import Trainer
@@ -50,7 +51,6 @@ GROUP_ENV = "MESHLM_REPLICA_GROUP"
 # Testing only: while fewer than fault.replica_groups groups are live, each step waits this long first, so that a
 # relaunched group (seconds of start-up) still finds its peers running in a short test.
 PACE_ENV = "MESHLM_SHORT_STEP_SLEEP_S"
-EXTRA_LINE = "fault.replica_groups > 1 needs torchft: pip install 'meshlm[ft]' (torchft-nightly and numpy)"
 
 
 def group_index(n_groups: int) -> int:
