@@ -90,6 +90,12 @@ def group_config(cfg: Config) -> Config:
             f"train.global_batch = {cfg.train.global_batch} does not split over fault.replica_groups = {n}: each "
             f"group takes global_batch / {n} rows; use a multiple of {n}"
         )
+    if cfg.parallel.zero != 0:  # ZeRO 0 is what the recovery tests prove exact (docs/fault-tolerance.md)
+        raise ConfigError(
+            f"parallel.zero = {cfg.parallel.zero} with fault.replica_groups > 1: live recovery is proven exact for "
+            "ZeRO 0 inside a group (a sharded state heals only shard by shard, untested), and a lost shard with no "
+            "replica falls back to checkpoint restart; use parallel.zero 0, or fault.replica_groups 1"
+        )
     if cfg.train.sync_every not in (1, "auto"):
         raise ConfigError(
             f"train.sync_every = {cfg.train.sync_every}: with fault.replica_groups > 1 every step's commit is "

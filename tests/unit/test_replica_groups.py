@@ -121,6 +121,7 @@ def test_group_config_takes_its_share_of_the_batch_and_a_run_directory(monkeypat
     [
         ([("train.global_batch", 9)], {}, "train.global_batch = 9 does not split over fault.replica_groups = 2"),
         ([("train.sync_every", 4)], {}, "train.sync_every = 4: with fault.replica_groups > 1"),
+        ([("parallel.zero", 1)], {}, "parallel.zero = 1 with fault.replica_groups > 1: live recovery is proven"),
         ([], {"MESHLM_REPLICA_GROUP": "2"}, "env MESHLM_REPLICA_GROUP must be this group's index 0..1, got '2'"),
         ([], {"MESHLM_REPLICA_GROUP": ""}, "env MESHLM_REPLICA_GROUP must be this group's index 0..1, got ''"),
         ([("fault.lighthouse", "")], {"TORCHFT_LIGHTHOUSE": ""}, "fault.lighthouse: the lighthouse's HOST:PORT"),
