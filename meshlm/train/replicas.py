@@ -137,6 +137,10 @@ class ReplicaRun:
         self.rows = cfg.train.global_batch  # per group (group_config divided it)
         self.samples = 0  # the data position: global samples of the stream consumed by committed steps
         self.live: list[int] | None = None  # group indices of the current quorum, in its order
+        # this process's incarnation of its group: a relaunch that replaces a dead member before the survivors
+        # ever stepped without it keeps the group index, not the incarnation (so they still name the loss)
+        self.incarnation = int.from_bytes(os.urandom(7), "big")
+        self.incarnations: dict[int, int] = {}
         self.healed_to: int | None = None
         self.pace = float(os.environ.get(PACE_ENV, "0") or 0)
         source = getattr(trainer.sampler, "source", None)
@@ -235,20 +239,24 @@ class ReplicaRun:
                 flush=True,
             )
             self.healed_to = None
-        ids = torch.tensor([self.group], dtype=torch.int64)
+        ids = torch.tensor([self.group, self.incarnation], dtype=torch.int64)
         gathered = self.across.gather(ids)
         self.across.live = self.manager.num_participants()
         if gathered is None:
             return  # this step fails: it is redone after the next quorum
-        live = [int(x.item()) for x in gathered]
+        live = [int(x[0].item()) for x in gathered]
+        incarnations = {int(x[0].item()): int(x[1].item()) for x in gathered}
+        replaced = sorted(g for g in live if self.incarnations.get(g, incarnations[g]) != incarnations[g])
+        self.incarnations = incarnations
         if live != self.live:  # the schedule of live groups, for a replay of the run (and the one line below)
             t.log(t.sampler.step + 1, "replicas", live=live, live_groups=len(live))
-        if self.live is not None and live != self.live:
+        if self.live is not None and (live != self.live or replaced):
             gone = sorted(set(self.live) - set(live))
             came = sorted(set(live) - set(self.live))
             change = "; ".join(
                 ([f"group {', '.join(map(str, gone))} left (dead, stalled or cut off)"] if gone else [])
                 + ([f"group {', '.join(map(str, came))} joined"] if came else [])
+                + ([f"group {', '.join(map(str, replaced))} left (dead) and its relaunch joined"] if replaced else [])
             )
             t.say(
                 f"replica groups at step {t.sampler.step + 1}: {change or 'reordered'}; stepping with {len(live)} of "

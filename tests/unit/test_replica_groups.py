@@ -193,3 +193,34 @@ def test_evaluation_stays_inside_the_group() -> None:
     with run.alone():
         assert model.across is None
     assert model.across is run.across
+
+
+def test_a_group_replaced_before_the_survivors_stepped_without_it_is_named() -> None:
+    """A relaunch that joins before the survivors' next quorum keeps the dead group's index (the live list does not
+    change): its new incarnation still makes the survivors name the loss in one line. Mutation: comparing group
+    indices alone (the incarnation left out) prints nothing here."""
+    from types import SimpleNamespace
+
+    from meshlm.train.replicas import ReplicaRun
+
+    said: list[str] = []
+    peers = {0: 11, 1: 22, 2: 33}
+
+    def gather(ids: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.tensor([g, peers[g] if g != run.group else int(ids[1])]) for g in (0, 1, 2)]
+
+    trainer = SimpleNamespace(
+        sampler=SimpleNamespace(step=4), log=lambda *a, **k: None, say=lambda s, **k: said.append(s)
+    )
+    manager = SimpleNamespace(start_quorum=lambda: None, num_participants=lambda: 3)
+    across = SimpleNamespace(gather=gather, live=1)
+    run = SimpleNamespace(pace=0.0, live=None, n_groups=3, trainer=trainer, manager=manager, healed_to=None,
+                          across=across, group=0, incarnation=11, incarnations={})  # fmt: skip
+    ReplicaRun.start_step(run)  # the first quorum: nothing to compare with
+    ReplicaRun.start_step(run)  # the same members
+    assert said == [] and run.live == [0, 1, 2]
+    peers[2] = 44  # group 2 killed and relaunched between two quorums
+    ReplicaRun.start_step(run)
+    assert said == [
+        "replica groups at step 5: group 2 left (dead) and its relaunch joined; stepping with 3 of 3 (groups 0, 1, 2)"
+    ]
