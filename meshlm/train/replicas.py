@@ -241,7 +241,6 @@ class ReplicaRun:
             self.healed_to = None
         ids = torch.tensor([self.group, self.incarnation], dtype=torch.int64)
         gathered = self.across.gather(ids)
-        self.across.live = self.manager.num_participants()
         if gathered is None:
             return  # this step fails: it is redone after the next quorum
         live = [int(x[0].item()) for x in gathered]
@@ -268,11 +267,6 @@ class ReplicaRun:
     def batch(self, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the step: its group's share at its place in the quorum, split over dp."""
         place = self.live.index(self.group) if self.live and self.group in self.live else 0
-        if self.rows % dp:
-            raise ConfigError(
-                f"train.global_batch / fault.replica_groups = {self.rows} rows per group do not split over "
-                f"dp={dp}; use a multiple of {dp * self.n_groups}"
-            )
         per_rank = self.rows // dp
         return self.source.rows_at(self.samples + place * self.rows + dp_rank * per_rank, per_rank)
 

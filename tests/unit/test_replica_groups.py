@@ -212,8 +212,8 @@ def test_a_group_replaced_before_the_survivors_stepped_without_it_is_named() -> 
     trainer = SimpleNamespace(
         sampler=SimpleNamespace(step=4), log=lambda *a, **k: None, say=lambda s, **k: said.append(s)
     )
-    manager = SimpleNamespace(start_quorum=lambda: None, num_participants=lambda: 3)
-    across = SimpleNamespace(gather=gather, live=1)
+    manager = SimpleNamespace(start_quorum=lambda: None)
+    across = SimpleNamespace(gather=gather)
     run = SimpleNamespace(pace=0.0, live=None, n_groups=3, trainer=trainer, manager=manager, healed_to=None,
                           across=across, group=0, incarnation=11, incarnations={})  # fmt: skip
     ReplicaRun.start_step(run)  # the first quorum: nothing to compare with

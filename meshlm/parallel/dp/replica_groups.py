@@ -33,12 +33,10 @@ class _Manager(Protocol):
 
 class Across:
     """Fixed-order reductions over the live replica groups on torchft's process group `pg` (this rank's peers:
-    the same group rank of every live group), failures reported to `manager`. `live` is the number of groups in
-    the current quorum (set by the trainer after each quorum)."""
+    the same group rank of every live group), failures reported to `manager`."""
 
     def __init__(self, pg: object, manager: _Manager) -> None:
         self.pg, self.manager = pg, manager
-        self.live = 1
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every live group's `tensor`, in the quorum's replica order; None once this step has failed."""
