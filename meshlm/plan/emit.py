@@ -90,20 +90,28 @@ class Launch:
     min_nodes: int  # MIN: the fewest an elastic job keeps training on (= nodes when rigid)
     spares: int  # extra nodes started whose agents wait in the rendezvous
     nproc_per_node: int
-    max_restarts: int  # torchrun's, per allocation
+    max_restarts: int  # restarts per allocation: torchrun's in place, or (in_place False) the scheduler's
     train_args: tuple[str, ...]  # after `-m meshlm.cli train`
     spot: bool = False
     grace_s: float = GRACE_FLOOR_S
     gpu: bool = True
     wall_s: float = 0.0  # expected wall time (resubmissions of a time-limited allocation)
     summary: str = ""
+    # False: every restart is a fresh agent started by the scheduler (a replica group refuses torchrun's in-place
+    # restart, meshlm.train.replicas), so torchrun restarts nothing and max_restarts counts the scheduler's
+    in_place: bool = True
+
+    @property
+    def agent_restarts(self) -> int:
+        """torchrun's --max-restarts: max_restarts where it restarts in place, else 0."""
+        return self.max_restarts if self.in_place else 0
 
     def agent_options(self) -> list[str]:
         """The node range, processes per node, restarts and rendezvous backend of `meshlm launch`."""
         return [
             f"--nnodes={self.min_nodes}:{self.nodes}",
             f"--nproc-per-node={self.nproc_per_node}",
-            f"--max-restarts={self.max_restarts}",
+            f"--max-restarts={self.agent_restarts}",
             "--rdzv-backend=c10d",
         ]
 
@@ -518,7 +526,7 @@ mkdir -p "$MESHLM_RUN_DIR"
 # a worker that dies restarts the group in place (c10d rendezvous on the first node); a lost node, the cluster.
 # exec: the agent, not this shell, gets the stop signals
 exec meshlm launch --nnodes="$SKYPILOT_NUM_NODES:$SKYPILOT_NUM_NODES" --nproc-per-node="$NPROC" \\
-  --max-restarts={launch.max_restarts} --rdzv-backend=c10d --rdzv-endpoint="$HEAD_IP:$MESHLM_PORT" \\
+  --max-restarts={launch.agent_restarts} --rdzv-backend=c10d --rdzv-endpoint="$HEAD_IP:$MESHLM_PORT" \\
   --rdzv-id="${{SKYPILOT_TASK_ID:-meshlm}}" --rdzv-conf=join_timeout={JOIN_TIMEOUT_S} \\
   {train} {extra}--data.source "$MESHLM_DATA" --data.cache_dir "$MESHLM_CACHE_DIR" \\
   --log.run_dir "$MESHLM_RUN_DIR" ${{MESHLM_TRAIN_ARGS:-}}"""

@@ -279,20 +279,15 @@ def kubernetes_groups(group: Launch, groups: int, site: Site, image: str, indexe
     lighthouse = ("--fault.lighthouse", f"{name}-lighthouse:{LIGHTHOUSE_PORT}")
     items = _lighthouse_objects(name, image, group)
     for g in range(groups):
-        # torchrun restarts nothing in place (a group refuses --max-restarts > 0, meshlm.train.replicas): the
-        # operator's pod restarts, counted by backoffLimit, start a fresh agent instead
+        # torchrun restarts nothing in place: the operator's pod restarts, counted by backoffLimit, start a fresh
+        # agent instead
         one = dataclasses.replace(
-            group, name=f"{group.name} g{g}", train_args=(*group.train_args, *lighthouse), max_restarts=0
+            group, name=f"{group.name} g{g}", train_args=(*group.train_args, *lighthouse), in_place=False
         )
         if indexed:
             objects = json.loads(kubernetes_job(one, site, image))["items"]
         else:
             objects = [json.loads(kubernetes(one, site, image))]
-        for obj in objects:
-            if obj["kind"] == "Job":
-                obj["spec"]["backoffLimit"] = group.max_restarts
-            elif obj["kind"] == "PyTorchJob":
-                obj["spec"]["runPolicy"]["backoffLimit"] = group.max_restarts
         items += _as_group(objects, g, run_dir)
     return json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2, ensure_ascii=False) + "\n"
 
@@ -336,7 +331,7 @@ def skypilot_groups(group: Launch, groups: int, site: Site, pool: Pool, hw: Hard
     docs = []
     for g, task in enumerate(tasks):
         # no in-place torchrun restart (refused by a group): SkyPilot relaunches the task with a fresh agent
-        fresh = dataclasses.replace(group, max_restarts=0)
+        fresh = dataclasses.replace(group, in_place=False)
         text = skypilot(fresh, site, pool, hw, task=task, train_extra=f"--fault.lighthouse {address}",
                         envs=(("MESHLM_REPLICA_GROUP", str(g)),))  # fmt: skip
         docs.append("---\n" + "\n".join(line for line in text.splitlines() if not line.startswith("#")))

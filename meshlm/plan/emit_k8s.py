@@ -92,7 +92,7 @@ def kubernetes(launch: Launch, site: Site, image: str) -> str:
                 "rdzvBackend": "c10d",
                 "minReplicas": launch.min_nodes,
                 "maxReplicas": launch.nodes,
-                "maxRestarts": launch.max_restarts,
+                "maxRestarts": launch.agent_restarts,
                 "rdzvConf": [{"key": "join_timeout", "value": str(JOIN_TIMEOUT_S)}],
             },
             "pytorchReplicaSpecs": {
